@@ -1,0 +1,3 @@
+from memtrain.cli import app
+
+app()

@@ -1,0 +1,165 @@
+"""The `memtrain` command: run, plan, compile, validate, schema, report.
+
+Each command reads a recipe, hands it to the module that owns the work, and prints the result for
+people (rich) or machines (--json). Input errors become one line per problem and exit code 2.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from memtrain.errors import UserError
+
+app = typer.Typer(
+    name="memtrain",
+    help="Fine-tune 1B-7B language models on one or two 24 GB GPUs. Plan memory before the run, "
+    "compile the DeepSpeed config from a YAML recipe, and train.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+console = Console()
+err_console = Console(stderr=True)
+
+RecipeArg = typer.Argument(..., help="Recipe YAML file.", show_default=False)
+OverridesArg = typer.Argument(None, help="Overrides as key.path=value, e.g. batch.micro_batch=2.", show_default=False)
+
+
+def report_user_errors(command):
+    """Print UserErrors as one line per problem and exit 2; never show a traceback for them."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except UserError as error:
+            kind = type(error).__name__.replace("Error", " error").lower()
+            count = len(error.problems)
+            err_console.print(f"[bold red]{kind}[/]: {count} problem{'s' if count != 1 else ''}", highlight=False)
+            for problem in error.problems:
+                err_console.print(f"  [red]✗[/] {problem.format()}", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=error.exit_code) from None
+
+    return wrapper
+
+
+@app.command()
+@report_user_errors
+def validate(
+    recipe: Path = RecipeArg,
+    overrides: Optional[list[str]] = OverridesArg,
+    as_json: bool = typer.Option(False, "--json", help="Print the resolved recipe as JSON."),
+):
+    """Check a recipe: YAML syntax, unknown keys, types, ranges and contradictions.
+
+    Example: [bold]memtrain validate recipes/llama2-7b-lora-24gb.yaml batch.micro_batch=2[/]
+    """
+    from memtrain.recipe.load import load_recipe
+
+    loaded = load_recipe(recipe, overrides)
+    if as_json:
+        print(loaded.recipe.model_dump_json(indent=2))
+    else:
+        console.print(f"[green]✓[/] {recipe} is a valid recipe ({loaded.name})")
+
+
+@app.command()
+def schema():
+    """Print the recipe JSON Schema (for editor completion, e.g. yaml-language-server).
+
+    Example: [bold]memtrain schema > memtrain.schema.json[/]
+    """
+    from memtrain.recipe.schema import Recipe
+
+    print(json.dumps(Recipe.model_json_schema(), indent=2))
+
+
+@app.command("compile")
+@report_user_errors
+def compile_(
+    recipe: Path = RecipeArg,
+    overrides: Optional[list[str]] = OverridesArg,
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the DeepSpeed config here (default: stdout)."),
+):
+    """Write the DeepSpeed ZeRO / ZeRO-Offload / ZeRO-Infinity config of a recipe.
+
+    Example: [bold]memtrain compile recipes/llama2-7b-full-offload-2x24gb.yaml -o ds_config.json[/]
+    """
+    from memtrain.compile.deepspeed import compile_recipe
+    from memtrain.recipe.load import load_recipe
+
+    loaded = load_recipe(recipe, overrides)
+    config = compile_recipe(loaded.recipe)
+    text = json.dumps(config, indent=2) + "\n"
+    if output is None:
+        sys.stdout.write(text)
+        return
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(output)
+    console.print(f"[green]✓[/] wrote {output}")
+
+
+@app.command()
+@report_user_errors
+def plan(
+    recipe: Path = RecipeArg,
+    overrides: Optional[list[str]] = OverridesArg,
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="Ask about another card: a profile (rtx4090) or a size (16GiB)."),
+    fit: bool = typer.Option(False, "--fit", help="When it does not fit, apply the cheapest change that makes it fit."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="With --fit: write the fitted recipe here."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+):
+    """Predict peak GPU memory, host RAM and NVMe bytes, without a GPU; say whether it fits.
+
+    Example: [bold]memtrain plan recipes/llama2-7b-lora-24gb.yaml --gpu rtx4090[/]
+    """
+    from memtrain.plan.command import plan_command
+
+    code = plan_command(recipe, list(overrides or []), gpu=gpu, fit=fit, output=output, as_json=as_json, console=console)
+    raise typer.Exit(code=code)
+
+
+@app.command()
+@report_user_errors
+def run(
+    recipe: Path = RecipeArg,
+    overrides: Optional[list[str]] = OverridesArg,
+    resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue from the newest complete checkpoint in the run directory."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after this many optimizer steps (the schedule still follows the recipe)."),
+    profile: int = typer.Option(0, "--profile", help="Record a torch.profiler trace of N steps into the run directory."),
+):
+    """Train a recipe on DeepSpeed (GPUs, or the CPU when there is none).
+
+    Example: [bold]memtrain run recipes/quickstart.yaml[/]
+    """
+    from memtrain.compile.launch import launch
+
+    code = launch(recipe, list(overrides or []), resume=resume, max_steps=max_steps, profile_steps=profile)
+    raise typer.Exit(code=code)
+
+
+@app.command()
+@report_user_errors
+def report(
+    run_dir: Path = typer.Argument(..., help="A run directory (holds metrics.jsonl).", show_default=False),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+):
+    """Plot a run's loss, speed, memory and batch size into PNG files and print a summary.
+
+    Example: [bold]memtrain report runs/quickstart[/]
+    """
+    from memtrain.monitor.report import report_command
+
+    raise typer.Exit(code=report_command(run_dir, as_json=as_json, console=console))
+
+
+if __name__ == "__main__":
+    app()

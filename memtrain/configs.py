@@ -1,0 +1,62 @@
+"""Model shape presets (configs/models) and GPU profiles (configs/gpus)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from memtrain.recipe.units import GiB, parse_bytes
+
+CONFIGS_DIR = Path(os.environ.get("MEMTRAIN_CONFIGS", Path(__file__).resolve().parents[1] / "configs"))
+
+
+def _names(kind: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS_DIR / kind).glob("*.yaml"))
+
+
+def model_preset_names() -> list[str]:
+    return _names("models")
+
+
+def gpu_profile_names() -> list[str]:
+    return _names("gpus")
+
+
+@lru_cache(maxsize=None)
+def model_preset(name: str) -> dict:
+    """The Hugging Face config dict of a shape preset (model_type plus its fields)."""
+    path = CONFIGS_DIR / "models" / f"{name}.yaml"
+    if not path.is_file():
+        raise KeyError(name)
+    return yaml.safe_load(path.read_text())
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    key: str
+    name: str
+    memory_bytes: int
+    pcie_gbps: float | None = None
+    bf16: bool = True
+    cuda_context_bytes: int = GiB // 2
+
+
+@lru_cache(maxsize=None)
+def gpu_profile(spec: str) -> GpuProfile:
+    """A GPU profile by name (configs/gpus/NAME.yaml) or an anonymous card of a given size ('24GiB')."""
+    path = CONFIGS_DIR / "gpus" / f"{spec}.yaml"
+    if path.is_file():
+        raw = yaml.safe_load(path.read_text())
+        return GpuProfile(
+            key=spec,
+            name=raw.get("name", spec),
+            memory_bytes=parse_bytes(raw["memory"]),
+            pcie_gbps=raw.get("pcie_gbps"),
+            bf16=bool(raw.get("bf16", True)),
+            cuda_context_bytes=parse_bytes(raw.get("cuda_context", GiB // 2)),
+        )
+    memory = parse_bytes(spec)  # raises ValueError for neither a profile nor a size
+    return GpuProfile(key=spec, name=f"{spec} card", memory_bytes=memory)

@@ -1,0 +1,200 @@
+"""The recipe: one typed, validated description of a fine-tuning run.
+
+Field-level rules (types, ranges, allowed values) live here; rules that relate several sections
+live in `checks.py` so that all of them are reported together.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, field_validator
+
+from memtrain.recipe.units import parse_bytes
+
+ByteSize = Annotated[
+    int,
+    BeforeValidator(parse_bytes),
+    PlainSerializer(lambda v: v, return_type=int),
+    Field(json_schema_extra={"examples": ["24GiB", "64GB"]}),
+]
+
+Tier = Literal["none", "cpu", "nvme"]
+Dtype = Literal["bf16", "fp16", "fp32"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Lora(Section):
+    r: int = Field(16, ge=1, le=4096, description="LoRA rank.")
+    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="Module names (or suffixes) that receive adapters.",
+    )
+
+
+class Model(Section):
+    preset: str | None = Field(
+        None, description="Name of a shape preset in configs/models (random initialisation), e.g. 'llama2-7b'."
+    )
+    path: str | None = Field(None, description="Local Hugging Face model directory (config.json, weights, tokenizer).")
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer directory, or 'builtin:shakespeare' for the bundled offline BPE tokenizer. "
+        "Defaults to the model directory, or the builtin tokenizer for presets.",
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel; sdpa has no seq_len^2 activation term."
+    )
+    lora: Lora | None = Field(None, description="Train LoRA adapters instead of all weights.")
+
+
+class Data(Section):
+    train: str = Field(..., description="Training text: a .txt file, a .jsonl file, or 'builtin:shakespeare'.")
+    validation: str | None = Field(None, description="Validation file; when absent, a split of the training data.")
+    validation_fraction: float = Field(0.05, ge=0, lt=1, description="Share of training windows held out when no validation file is given.")
+    format: Literal["auto", "text", "jsonl"] = Field("auto", description="File format; 'auto' decides by extension.")
+    field: str = Field("text", min_length=1, description="JSONL field holding the text.")
+    seq_len: int = Field(1024, ge=8, le=1_048_576, description="Tokens per training sample.")
+    packing: bool = Field(True, description="Pack documents end to end into seq_len windows (else pad each document).")
+    cache_dir: str | None = Field(None, description="Token cache directory (default ~/.cache/memtrain/tokens).")
+
+
+class Hardware(Section):
+    gpus: int = Field(1, ge=1, le=64, description="GPUs (processes) to train on.")
+    gpu: str = Field("rtx3090", description="Target card: a profile in configs/gpus (rtx3090, rtx4090, ...) or a size such as '24GiB'.")
+    host_memory: ByteSize | None = Field(None, description="Host RAM available to the run, e.g. '64GiB' (default: what the machine has).")
+    nvme_path: str | None = Field(None, description="Directory on a fast disk for the NVMe offload tiers.")
+    cap_memory: bool = Field(True, description="On a card larger than the target, cap this process to the target's memory.")
+
+
+CheckpointAction = Literal["save", "recompute", "offload"]
+
+
+class Checkpointing(Section):
+    strategy: Literal["none", "every_layer", "every_n_layers", "selective", "rules"] = Field(
+        "every_layer",
+        description="none: keep all activations; every_layer / every_n_layers: recompute whole decoder layers; "
+        "selective: the article's default (embeddings saved, attention and MLP blocks recomputed); rules: use `rules`.",
+    )
+    every_n_layers: int = Field(1, ge=1, description="With every_n_layers: checkpoint one layer in N.")
+    rules: dict[str, CheckpointAction] = Field(
+        default_factory=dict,
+        description="Module-name glob -> save | recompute | offload, e.g. {'model.layers.*.mlp': recompute}.",
+    )
+
+
+class LossScale(Section):
+    initial_scale_power: int = Field(16, ge=0, le=40, description="fp16 initial loss scale = 2**power.")
+    growth_interval: int = Field(1000, ge=1, description="Steps without overflow before the scale doubles.")
+    hysteresis: int = Field(2, ge=1, description="Overflows tolerated before the scale is lowered.")
+    min_scale: float = Field(1.0, gt=0, description="Lowest loss scale.")
+
+
+class Precision(Section):
+    compute: Dtype = Field("bf16", description="Dtype of weights and matmuls on the GPU.")
+    master: Literal["fp32", "bf16"] = Field("fp32", description="Dtype of master weights and optimizer states (bf16 halves host memory).")
+    loss_scale: LossScale | None = Field(None, description="fp16 dynamic loss scaling (only with compute: fp16).")
+    fp32_modules: list[str] = Field(
+        default_factory=list,
+        description="Module-name globs kept in fp32, e.g. ['*norm*', 'lm_head'].",
+    )
+    fp32_loss: bool = Field(True, description="Compute softmax / cross-entropy of the logits in fp32.")
+    chunked_loss: bool = Field(True, description="Compute the loss over vocabulary-chunks of tokens so full fp32 logits never exist.")
+    loss_chunk_tokens: int = Field(1024, ge=16, description="Tokens per chunk of the chunked loss.")
+
+
+class Aio(Section):
+    block_size: int = Field(1_048_576, ge=4096)
+    queue_depth: int = Field(8, ge=1)
+    intra_op_parallelism: int = Field(1, ge=1)
+    single_submit: bool = False
+    overlap_events: bool = True
+
+
+class Offload(Section):
+    zero_stage: Literal["auto", 0, 1, 2, 3] = Field("auto", description="ZeRO stage; auto: 3 when parameters are offloaded, else 2.")
+    optimizer: Tier = Field("none", description="Where optimizer states (fp32 master + Adam moments) live.")
+    params: Tier = Field("none", description="Where parameters live between uses (needs ZeRO-3).")
+    ratio: float = Field(1.0, gt=0, le=1, description="Share of optimizer states offloaded (ZeRO-Offload++ partial offload).")
+    pin_memory: bool = Field(True, description="Page-locked host buffers for faster transfers.")
+    overlap_comm: bool = Field(True, description="Overlap gradient reduction / transfers with backward.")
+    buffer_count: int = Field(5, ge=1, description="Parameter buffers for NVMe/CPU parameter offload.")
+    max_live_parameters: int = Field(1_000_000_000, ge=0, description="ZeRO-3: parameters resident on the GPU at once.")
+    prefetch_bucket_size: int | Literal["auto"] = Field("auto", description="ZeRO-3 prefetch size in elements; auto derives from hidden size.")
+    bucket_size: int | Literal["auto"] = Field("auto", description="Reduce / all-gather bucket size in elements; auto derives from hidden size.")
+    aio: Aio = Field(default_factory=Aio)
+
+
+class Adaptive(Section):
+    grow_after_steps: int = Field(5, ge=1, description="Consecutive steps under grow_below before growing.")
+    grow_below: float = Field(0.70, gt=0, lt=1, description="Memory share of the card under which the batch may grow.")
+    grow_factor: float = Field(1.5, gt=1, le=4)
+    shrink_above: float = Field(0.90, gt=0, le=1, description="Memory share above which the batch halves.")
+    shrink_factor: float = Field(0.5, gt=0, lt=1)
+    min_micro_batch: int = Field(1, ge=1)
+    max_micro_batch: int = Field(256, ge=1)
+    max_oom_at_min: int = Field(3, ge=1, description="OOMs at the minimum size before the run stops.")
+
+
+class Batch(Section):
+    global_batch: int = Field(32, ge=1, description="Samples per optimizer step, over all GPUs.")
+    micro_batch: int | Literal["auto"] = Field(4, description="Samples per forward pass per GPU, or 'auto' (largest that fits).")
+    policy: Literal["fixed", "adaptive"] = Field("fixed", description="adaptive: grow/shrink micro_batch with memory, global batch fixed.")
+    adaptive: Adaptive = Field(default_factory=Adaptive)
+
+    @field_validator("micro_batch")
+    @classmethod
+    def _positive(cls, value):
+        if isinstance(value, int) and value < 1:
+            raise ValueError("micro_batch must be at least 1 (or 'auto')")
+        return value
+
+
+class Optimizer(Section):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(2e-4, gt=0, lt=1)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="Max gradient norm; 0 disables clipping.")
+
+
+class Schedule(Section):
+    warmup_steps: int = Field(0, ge=0)
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a share of the peak LR.")
+
+
+class Train(Section):
+    steps: int | None = Field(None, ge=1, description="Optimizer steps; or use epochs.")
+    epochs: float | None = Field(None, gt=0, description="Passes over the training data (when steps is not set).")
+    eval_every: int = Field(100, ge=1, description="Evaluate every N optimizer steps (and at the end).")
+    eval_batches: int = Field(8, ge=1, description="Micro-batches per evaluation.")
+    save_every: int = Field(500, ge=1, description="Checkpoint every N optimizer steps (and at the end).")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept.")
+    log_every: int = Field(10, ge=1, description="Flush metrics every N optimizer steps (no per-step host sync).")
+    seed: int = Field(1234, ge=0)
+    output_dir: str = Field("runs/{name}", description="Run directory; {name} is the recipe file's stem.")
+
+
+class Recipe(Section):
+    """A memtrain recipe. Every section has defaults; `model` and `data` must say what to train on."""
+
+    name: str | None = Field(None, description="Run name (default: the recipe file's stem).")
+    extends: str | None = Field(None, description="A recipe file this one extends (its keys are the defaults).")
+    model: Model
+    data: Data
+    hardware: Hardware = Field(default_factory=Hardware)
+    checkpointing: Checkpointing = Field(default_factory=Checkpointing)
+    precision: Precision = Field(default_factory=Precision)
+    offload: Offload = Field(default_factory=Offload)
+    batch: Batch = Field(default_factory=Batch)
+    optimizer: Optimizer = Field(default_factory=Optimizer)
+    schedule: Schedule = Field(default_factory=Schedule)
+    train: Train = Field(default_factory=Train)
+
