@@ -1,0 +1,143 @@
+"""The token cache: every document tokenised once, stored as a flat memory-mapped .npy per (data, tokenizer).
+
+Two files per key: `<key>.tokens.npy` (all documents end to end, an eos after each) and
+`<key>.doc_ends.npy` (the end offset of each document, so unpacked datasets need no eos scan).
+The tokens file is written last and is the sign that an entry is complete.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from memtrain.data.corpus import read_documents, source_fingerprint
+from memtrain.data.tokenizer import tokenizer_fingerprint
+from memtrain.errors import Problem, UserError
+
+# Bump when the layout or the tokenisation rules below change, so old entries are not reused.
+CACHE_VERSION = "1"
+# Characters handed to the tokenizer per call: large enough for its batch parallelism, small enough for memory.
+BATCH_CHARS = 8 << 20
+BATCH_DOCUMENTS = 4096
+
+
+def default_cache_dir() -> Path:
+    """$MEMTRAIN_CACHE if set, else ~/.cache/memtrain/tokens."""
+    env = os.environ.get("MEMTRAIN_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "memtrain" / "tokens"
+
+
+def cache_key(spec: str, fmt: str, field: str, tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 of the data's content fingerprint and the tokenizer's fingerprint."""
+    parts = (CACHE_VERSION, source_fingerprint(spec, fmt, field), tokenizer_fingerprint(tokenizer))
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def cache_paths(spec: str, fmt: str, field: str, tokenizer: PreTrainedTokenizerBase,
+                cache_dir: str | None) -> tuple[Path, Path]:
+    """(tokens file, document-ends file) for this data and tokenizer; they may not exist yet."""
+    directory = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    key = cache_key(spec, fmt, field, tokenizer)
+    return directory / f"{key}.tokens.npy", directory / f"{key}.doc_ends.npy"
+
+
+def cached_tokens(spec: str, fmt: str, field: str, tokenizer: PreTrainedTokenizerBase,
+                  cache_dir: str | None) -> np.ndarray:
+    """All documents of `spec` as one flat token array (eos after each), memory-mapped read-only.
+
+    Tokenises on the first call and stores the result under `cache_dir` (default: $MEMTRAIN_CACHE or
+    ~/.cache/memtrain/tokens); later calls with the same file content and tokenizer load it without
+    tokenising. dtype is uint16 when every id fits, else uint32.
+    """
+    tokens_path, _ = _ensure(spec, fmt, field, tokenizer, cache_dir)
+    return np.load(tokens_path, mmap_mode="r")
+
+
+def cached_documents(spec: str, fmt: str, field: str, tokenizer: PreTrainedTokenizerBase,
+                     cache_dir: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """(`cached_tokens(...)`, end offset of each document in it as int64), fingerprinting the data once."""
+    tokens_path, ends_path = _ensure(spec, fmt, field, tokenizer, cache_dir)
+    return np.load(tokens_path, mmap_mode="r"), np.load(ends_path)
+
+
+def tokenize_documents(spec: str, fmt: str, field: str,
+                       tokenizer: PreTrainedTokenizerBase) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenise every document of `spec` in batches: (flat tokens with eos after each, document end offsets)."""
+    dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
+    eos = tokenizer.eos_token_id
+    chunks: list[np.ndarray] = []
+    lengths: list[int] = []
+    batch: list[str] = []
+    batch_chars = 0
+
+    def flush() -> None:
+        # split_special_tokens: text that spells "<|endoftext|>" must not turn into a real separator.
+        encoded = tokenizer(batch, add_special_tokens=False, split_special_tokens=True, verbose=False)
+        for ids in encoded["input_ids"]:
+            chunks.append(np.asarray(ids + [eos], dtype=dtype))
+            lengths.append(len(ids) + 1)
+        batch.clear()
+
+    for document in read_documents(spec, fmt, field):
+        batch.append(document)
+        batch_chars += len(document)
+        if batch_chars >= BATCH_CHARS or len(batch) >= BATCH_DOCUMENTS:
+            flush()
+            batch_chars = 0
+    if batch:
+        flush()
+    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
+    return tokens, np.cumsum(np.asarray(lengths, dtype=np.int64))
+
+
+# ---------------------------------------------------------------- storage
+
+
+def _ensure(spec, fmt, field, tokenizer, cache_dir) -> tuple[Path, Path]:
+    tokens_path, ends_path = cache_paths(spec, fmt, field, tokenizer, cache_dir)
+    if _complete(tokens_path, ends_path):
+        return tokens_path, ends_path
+    tokens, ends = tokenize_documents(spec, fmt, field, tokenizer)
+    try:
+        tokens_path.parent.mkdir(parents=True, exist_ok=True)
+        # Ends first: a present tokens file then always has its ends file beside it.
+        _save_atomic(ends_path, ends)
+        _save_atomic(tokens_path, tokens)
+    except OSError as err:
+        raise UserError(Problem(
+            f"cannot write the token cache in {tokens_path.parent}: {err.strerror or err}",
+            key="data.cache_dir",
+            hint="set data.cache_dir (or $MEMTRAIN_CACHE) to a writable directory",
+        )) from None
+    return tokens_path, ends_path
+
+
+def _complete(tokens_path: Path, ends_path: Path) -> bool:
+    """Both files exist and load; a damaged entry (disk full, manual edits) counts as missing."""
+    if not (tokens_path.exists() and ends_path.exists()):
+        return False
+    try:
+        tokens = np.load(tokens_path, mmap_mode="r")
+        ends = np.load(ends_path, mmap_mode="r")
+    except (OSError, ValueError):
+        return False
+    return len(ends) > 0 and int(ends[-1]) == len(tokens)
+
+
+def _save_atomic(path: Path, array: np.ndarray) -> None:
+    """Write to a temporary file in the same directory, then rename: readers see all of it or nothing."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            np.save(handle, array)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; other users' runs may share the cache
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,111 @@
+"""Training samples: fixed-length token windows over the cached token stream, and the train/validation split."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from memtrain.data.cache import cached_documents
+from memtrain.errors import DataError, Problem
+from memtrain.recipe.schema import Data
+
+IGNORE_INDEX = -100  # what torch's cross-entropy (and HF's loss) skips
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Samples of exactly `seq_len` tokens, each a slice `tokens[start : start + length]` right-padded.
+
+    Item i is {"input_ids": LongTensor[seq_len], "labels": LongTensor[seq_len]}: labels equal input_ids
+    (the model shifts them) except on padding, where they are -100. No attention mask is needed:
+    padding only follows real tokens, and causal attention never lets a real token see it.
+    Build one with `packed_windows` or `document_windows`; `select` takes a subset.
+    """
+
+    def __init__(self, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, seq_len: int, pad_id: int):
+        if len(starts) != len(lengths):
+            raise ValueError("starts and lengths must have the same length")
+        if len(lengths) and (lengths.min() < 1 or lengths.max() > seq_len):
+            raise ValueError(f"window lengths must lie in 1..{seq_len}")
+        self.tokens = tokens
+        self.starts = np.asarray(starts, dtype=np.int64)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def n_tokens(self) -> int:
+        """Real (non-padding) tokens over all windows: the positions whose label is not -100."""
+        return int(self.lengths.sum())
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"window {index} out of range for {len(self)} windows")
+        start, length = int(self.starts[index]), int(self.lengths[index])
+        input_ids = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
+        input_ids[:length] = torch.from_numpy(self.tokens[start:start + length].astype(np.int64))
+        labels = input_ids.clone()
+        labels[length:] = IGNORE_INDEX
+        return {"input_ids": input_ids, "labels": labels}
+
+    def select(self, indices) -> TokenWindows:
+        """The windows at `indices` (in that order), sharing the token array."""
+        indices = np.asarray(indices, dtype=np.int64)
+        return TokenWindows(self.tokens, self.starts[indices], self.lengths[indices], self.seq_len, self.pad_id)
+
+
+def packed_windows(tokens: np.ndarray, seq_len: int, pad_id: int) -> TokenWindows:
+    """Consecutive non-overlapping windows of `seq_len` tokens; the last len(tokens) % seq_len tokens are dropped."""
+    n_windows = len(tokens) // seq_len
+    starts = np.arange(n_windows, dtype=np.int64) * seq_len
+    return TokenWindows(tokens, starts, np.full(n_windows, seq_len, dtype=np.int64), seq_len, pad_id)
+
+
+def document_windows(tokens: np.ndarray, doc_ends: np.ndarray, seq_len: int, pad_id: int) -> TokenWindows:
+    """One window per document (with its eos), truncated to `seq_len` and padded to it."""
+    ends = np.asarray(doc_ends, dtype=np.int64)
+    starts = np.concatenate([np.zeros(1, dtype=np.int64), ends[:-1]]) if len(ends) else ends
+    return TokenWindows(tokens, starts, np.minimum(ends - starts, seq_len), seq_len, pad_id)
+
+
+def build_datasets(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[TokenWindows, TokenWindows]:
+    """(train, validation) windows for the recipe's data section.
+
+    Validation comes from `data.validation` when given; otherwise it is the last
+    max(1, round(validation_fraction * n)) training windows: a contiguous tail rather than a random
+    draw, because neighbouring windows of one passage would leak validation text into training.
+    `seed` therefore does not change the split (`SampleOrder` shuffles the training order).
+    Raises `DataError` when the data gives no window or too few to hold one out.
+    """
+    del seed  # the split is deterministic by design; see the docstring
+    windows = _windows(data, data.train, "data.train", tokenizer)
+    if data.validation is not None:
+        return windows, _windows(data, data.validation, "data.validation", tokenizer)
+    n_windows = len(windows)
+    n_validation = max(1, round(data.validation_fraction * n_windows))
+    if n_windows - n_validation < 1:
+        raise DataError(Problem(
+            f"{data.train} gives {n_windows} window(s) of {data.seq_len} tokens, too few to hold "
+            f"{n_validation} out for validation and train on the rest",
+            key="data.train", file=data.train,
+            hint="set data.validation to a separate file, lower data.seq_len, or add text",
+        ))
+    boundary = n_windows - n_validation
+    return windows.select(np.arange(boundary)), windows.select(np.arange(boundary, n_windows))
+
+
+def _windows(data: Data, spec: str, key: str, tokenizer: PreTrainedTokenizerBase) -> TokenWindows:
+    tokens, doc_ends = cached_documents(spec, data.format, data.field, tokenizer, data.cache_dir)
+    if data.packing:
+        windows = packed_windows(tokens, data.seq_len, tokenizer.pad_token_id)
+    else:
+        windows = document_windows(tokens, doc_ends, data.seq_len, tokenizer.pad_token_id)
+    if len(windows) == 0:
+        raise DataError(Problem(
+            f"{spec} has {len(tokens)} tokens, fewer than one seq_len window of {data.seq_len}",
+            key=key, file=spec,
+            hint="lower data.seq_len or add text",
+        ))
+    return windows
