@@ -1,0 +1,49 @@
+"""Causal-LM loss as (sum of token losses, number of target tokens), optionally in chunks.
+
+The chunked path never holds the full-vocabulary logits: each chunk of tokens goes through the
+lm_head module and cross-entropy under non-reentrant checkpointing, so forward keeps only the
+chunk's hidden states and backward rebuilds one chunk's logits at a time. The lm_head *module* is
+called per chunk (never its .weight) so ZeRO-3 gathers the weight inside its own forward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+
+
+def _token_loss_sum(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, fp32_loss: bool) -> torch.Tensor:
+    logits = lm_head(hidden)
+    if fp32_loss:
+        logits = logits.float()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum").float()
+
+
+def shift_for_next_token(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states (tokens, hidden) and targets (tokens,) aligned so position t predicts label t+1."""
+    return hidden[:, :-1, :].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1)
+
+
+def causal_lm_loss(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *,
+                   fp32_loss: bool = True, chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 sum of next-token cross-entropies, count of target tokens); labels equal to -100 are ignored.
+
+    hidden: (batch, seq, hidden) final hidden states; labels: (batch, seq) token ids.
+    chunk_tokens: tokens per chunk of the chunked loss, None for full logits at once.
+    """
+    flat_hidden, targets = shift_for_next_token(hidden, labels)
+    n_tokens = (targets != IGNORE_INDEX).sum()
+    if chunk_tokens is None or flat_hidden.shape[0] <= chunk_tokens:
+        return _token_loss_sum(lm_head, flat_hidden, targets, fp32_loss), n_tokens
+    total = flat_hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, flat_hidden.shape[0], chunk_tokens):
+        part = slice(start, start + chunk_tokens)
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_token_loss_sum, lm_head, flat_hidden[part], targets[part], fp32_loss,
+                                       use_reentrant=False)
+        else:
+            total = total + _token_loss_sum(lm_head, flat_hidden[part], targets[part], fp32_loss)
+    return total, n_tokens
