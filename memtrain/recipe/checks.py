@@ -1,13 +1,16 @@
 """Rules that relate several parts of a recipe, all collected into one list of problems.
 
 Field-level rules live in the schema; these are the contradictions between fields, and the
-checks against the files and hardware the recipe names.
+checks against the files and hardware the recipe names. Each check declares the sections it reads,
+so that when one section failed validation the checks of the other sections still run.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 from memtrain.configs import gpu_profile, gpu_profile_names, model_preset, model_preset_names
 from memtrain.errors import Problem
@@ -16,34 +19,59 @@ from memtrain.recipe.units import gib
 
 BUILTIN_PREFIX = "builtin:"
 
+Check = Callable[[LoadedRecipe], list[Problem]]
+CHECKS: list[tuple[Check, frozenset[str]]] = []
+
+
+def reads(*sections: str) -> Callable[[Check], Check]:
+    """Register a check with the recipe sections it reads."""
+
+    def register(check: Check) -> Check:
+        CHECKS.append((check, frozenset(sections)))
+        return check
+
+    return register
+
+
+def check_recipe(loaded: LoadedRecipe, skip_sections: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
+    """Every cross-field problem of a recipe (empty when consistent).
+
+    Checks that read a section named in `skip_sections` (one that failed validation) are skipped.
+    """
+    problems: list[Problem] = []
+    for check, sections in CHECKS:
+        if not sections & set(skip_sections):
+            problems.extend(check(loaded))
+    return problems
+
 
 def model_config_dict(loaded: LoadedRecipe) -> dict | None:
-    """The model's Hugging Face config as a dict (preset or the local directory's config.json)."""
+    """The model's Hugging Face config as a dict (preset or the local directory's config.json), if readable."""
     model = loaded.recipe.model
-    if model.preset:
+    config = None
+    if model.preset and model.preset in model_preset_names():
+        config = model_preset(model.preset)
+    elif model.path and not model.preset:
+        path = Path(model.path) / "config.json"
         try:
-            return dict(model_preset(model.preset))
-        except KeyError:
+            config = json.loads(path.read_text()) if path.is_file() else None
+        except (OSError, UnicodeDecodeError, ValueError):
             return None
-    if model.path:
-        config = Path(model.path) / "config.json"
-        if config.is_file():
-            try:
-                return json.loads(config.read_text())
-            except (OSError, json.JSONDecodeError):
-                return None
-    return None
+    return dict(config) if isinstance(config, dict) else None
 
 
-def approx_param_count(config: dict) -> int:
-    """Parameters of a Llama-family decoder from its config (exact for Llama; used for quick checks)."""
-    hidden = config["hidden_size"]
-    layers = config["num_hidden_layers"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    inter = config["intermediate_size"]
-    vocab = config["vocab_size"]
+def approx_param_count(config: dict) -> int | None:
+    """Parameters of a Llama-family decoder from its config (exact for Llama); None if the config lacks a field."""
+    try:
+        hidden = int(config["hidden_size"])
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        inter = int(config["intermediate_size"])
+        vocab = int(config["vocab_size"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
     attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
     mlp = 3 * hidden * inter
     per_layer = attention + mlp + 2 * hidden
@@ -51,16 +79,29 @@ def approx_param_count(config: dict) -> int:
     return layers * per_layer + embeddings + hidden
 
 
+def _zero_stage(recipe) -> int:
+    """The ZeRO stage a recipe resolves to: its own, or 3 when parameters are offloaded, else 2."""
+    if recipe.offload.zero_stage != "auto":
+        return int(recipe.offload.zero_stage)
+    return 3 if recipe.offload.params != "none" else 2
+
+
+def _profile(loaded: LoadedRecipe):
+    try:
+        return gpu_profile(loaded.recipe.hardware.gpu)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+
+
+@reads("model")
 def _check_model(loaded: LoadedRecipe) -> list[Problem]:
     model, src = loaded.recipe.model, loaded.sources
     problems = []
     if bool(model.preset) == bool(model.path):
-        problems.append(src.problem(("model",), "give exactly one of model.preset or model.path",
-                                    f"presets: {', '.join(model_preset_names())}"))
-        return problems
+        which = "both" if model.preset else "neither"
+        return [src.problem(("model",), f"give exactly one of model.preset or model.path, not {which}",
+                            f"presets: {', '.join(model_preset_names())}")]
     if model.preset and model.preset not in model_preset_names():
-        import difflib
-
         close = difflib.get_close_matches(model.preset, model_preset_names(), n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"presets: {', '.join(model_preset_names())}"
         problems.append(src.problem(("model", "preset"), f"unknown model preset '{model.preset}'", hint))
@@ -79,7 +120,8 @@ def _check_model(loaded: LoadedRecipe) -> list[Problem]:
     return problems
 
 
-def _check_data(loaded: LoadedRecipe) -> list[Problem]:
+@reads("data")
+def _check_data_files(loaded: LoadedRecipe) -> list[Problem]:
     from memtrain.data.corpus import builtin_corpus_names
 
     data, src = loaded.recipe.data, loaded.sources
@@ -96,82 +138,107 @@ def _check_data(loaded: LoadedRecipe) -> list[Problem]:
         elif not Path(value).is_file():
             problems.append(src.problem(("data", key), f"data file '{value}' does not exist",
                                         "paths are relative to the directory you run memtrain from"))
-    config = model_config_dict(loaded)
-    if config:
-        max_positions = config.get("max_position_embeddings")
-        if max_positions and data.seq_len > max_positions:
-            problems.append(src.problem(("data", "seq_len"),
-                                        f"{data.seq_len} tokens is beyond the model's {max_positions} positions",
-                                        f"set data.seq_len to at most {max_positions}"))
     return problems
 
 
-def _check_hardware(loaded: LoadedRecipe) -> list[Problem]:
+@reads("data", "model")
+def _check_seq_len(loaded: LoadedRecipe) -> list[Problem]:
+    config = model_config_dict(loaded) or {}
+    max_positions = config.get("max_position_embeddings")
+    seq_len = loaded.recipe.data.seq_len
+    if isinstance(max_positions, int) and seq_len > max_positions:
+        return [loaded.sources.problem(("data", "seq_len"),
+                                       f"{seq_len} tokens is beyond the model's {max_positions} positions",
+                                       f"set data.seq_len to at most {max_positions}")]
+    return []
+
+
+@reads("hardware")
+def _check_gpu(loaded: LoadedRecipe) -> list[Problem]:
+    if _profile(loaded) is None:
+        gpu = loaded.recipe.hardware.gpu
+        close = difflib.get_close_matches(gpu, gpu_profile_names(), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return [loaded.sources.problem(("hardware", "gpu"), f"'{gpu}' is neither a GPU profile nor a size",
+                                       f"{hint}profiles: {', '.join(gpu_profile_names())}; or a size such as '24GiB'")]
+    return []
+
+
+@reads("hardware", "offload")
+def _check_nvme(loaded: LoadedRecipe) -> list[Problem]:
     r, src = loaded.recipe, loaded.sources
-    problems = []
-    try:
-        profile = gpu_profile(r.hardware.gpu)
-    except ValueError:
-        problems.append(src.problem(("hardware", "gpu"), f"'{r.hardware.gpu}' is neither a GPU profile nor a size",
-                                    f"profiles: {', '.join(gpu_profile_names())}; or a size such as '24GiB'"))
-        profile = None
-    uses_nvme = "nvme" in (r.offload.optimizer, r.offload.params)
-    if uses_nvme and not r.hardware.nvme_path:
-        problems.append(src.problem(("hardware", "nvme_path"), "an NVMe offload tier needs hardware.nvme_path",
-                                    "set hardware.nvme_path to a directory on a fast local disk"))
-    if r.hardware.nvme_path and uses_nvme:
-        nvme = Path(r.hardware.nvme_path)
-        probe = nvme if nvme.exists() else next((p for p in nvme.parents if p.exists()), None)
-        if probe is None or not probe.is_dir() or not os.access(probe, os.W_OK):
-            problems.append(src.problem(("hardware", "nvme_path"), f"'{nvme}' is not a writable directory",
-                                        "choose a directory you can write to on a local disk"))
-    if profile is not None and r.precision.compute == "bf16" and not profile.bf16:
-        problems.append(src.problem(("precision", "compute"), f"{profile.name} has no bf16 support",
-                                    "use precision.compute=fp16 with loss scaling"))
-    config = model_config_dict(loaded)
-    if profile is not None and config and "hidden_size" in config:
-        bytes_per_param = 4 if r.precision.compute == "fp32" else 2
-        weights = approx_param_count(config) * bytes_per_param
-        weights_per_gpu = weights / r.hardware.gpus if _stage(r) == 3 else weights
-        if r.offload.params == "none" and weights_per_gpu > profile.memory_bytes:
-            problems.append(src.problem(
-                ("hardware", "gpu"),
-                f"the model's weights alone ({gib(weights):.1f} GiB in {r.precision.compute}) exceed "
-                f"{profile.name} ({gib(profile.memory_bytes):.0f} GiB)",
-                "offload parameters (offload.params=cpu) or choose a larger card; `memtrain plan --fit` finds a fit",
-            ))
-    return problems
+    if "nvme" not in (r.offload.optimizer, r.offload.params):
+        return []
+    tier = "offload.optimizer" if r.offload.optimizer == "nvme" else "offload.params"
+    if not r.hardware.nvme_path:
+        return [src.problem(("hardware", "nvme_path"), f"{tier}=nvme needs hardware.nvme_path",
+                            f"set hardware.nvme_path to a directory on a fast local disk, or change {tier}")]
+    nvme = Path(r.hardware.nvme_path)
+    probe = nvme if nvme.exists() else next((p for p in nvme.parents if p.exists()), None)
+    if probe is None or not probe.is_dir() or not os.access(probe, os.W_OK):
+        return [src.problem(("hardware", "nvme_path"), f"'{nvme}' is not a writable directory",
+                            "choose a directory you can write to on a local disk")]
+    return []
 
 
-def _stage(r) -> int:
-    if r.offload.zero_stage != "auto":
-        return int(r.offload.zero_stage)
-    return 3 if r.offload.params != "none" else 2
+@reads("hardware", "precision")
+def _check_bf16_support(loaded: LoadedRecipe) -> list[Problem]:
+    profile = _profile(loaded)
+    if profile is not None and loaded.recipe.precision.compute == "bf16" and not profile.bf16:
+        return [loaded.sources.problem(("precision", "compute"), f"{profile.name} has no bf16 support",
+                                       "use precision.compute=fp16 with precision.loss_scale")]
+    return []
 
 
+@reads("hardware", "precision", "offload", "model")
+def _check_weights_fit(loaded: LoadedRecipe) -> list[Problem]:
+    r = loaded.recipe
+    profile, config = _profile(loaded), model_config_dict(loaded)
+    params = approx_param_count(config) if config else None
+    if profile is None or params is None or r.offload.params != "none":
+        return []
+    bytes_per_param = 4 if r.precision.compute == "fp32" else 2
+    weights_bytes = params * bytes_per_param
+    # ZeRO-3 shards the weights over the GPUs; stages 0-2 keep a whole copy on each
+    weights_per_gpu_bytes = weights_bytes / r.hardware.gpus if _zero_stage(r) == 3 else weights_bytes
+    if weights_per_gpu_bytes <= profile.memory_bytes:
+        return []
+    return [loaded.sources.problem(
+        ("hardware", "gpu"),
+        f"the model's weights alone ({gib(weights_per_gpu_bytes):.1f} GiB per GPU in {r.precision.compute}) "
+        f"exceed the {profile.name} ({gib(profile.memory_bytes):.0f} GiB)",
+        "offload parameters (offload.params=cpu), use LoRA on bf16 weights, or a larger card; "
+        "`memtrain plan --fit` finds a fit",
+    )]
+
+
+@reads("offload")
 def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
-    r, src = loaded.recipe, loaded.sources
+    o, src = loaded.recipe.offload, loaded.sources
     problems = []
-    stage = r.offload.zero_stage
-    if r.offload.params != "none" and stage not in ("auto", 3):
+    if o.params != "none" and o.zero_stage not in ("auto", 3):
         problems.append(src.problem(("offload", "zero_stage"),
-                                    f"parameter offload needs ZeRO stage 3, not {stage}",
+                                    f"offload.params={o.params} needs ZeRO stage 3, not {o.zero_stage}",
                                     "set offload.zero_stage=3 (or auto)"))
-    if r.offload.optimizer != "none" and stage == 0:
-        problems.append(src.problem(("offload", "zero_stage"), "optimizer offload needs ZeRO stage 1, 2 or 3",
+    if o.optimizer != "none" and o.zero_stage == 0:
+        problems.append(src.problem(("offload", "zero_stage"),
+                                    f"offload.optimizer={o.optimizer} needs ZeRO stage 1, 2 or 3, not 0",
                                     "set offload.zero_stage=auto"))
-    if r.offload.params == "nvme" and r.offload.optimizer == "none":
+    if o.params == "nvme" and o.optimizer == "none":
         problems.append(src.problem(("offload", "optimizer"), "parameters on NVMe need the optimizer offloaded too",
                                     "set offload.optimizer=cpu or nvme"))
-    if r.offload.ratio < 1.0 and r.offload.optimizer != "cpu":
-        problems.append(src.problem(("offload", "ratio"), "a partial offload ratio works only with offload.optimizer=cpu",
-                                    "remove offload.ratio or set offload.optimizer=cpu"))
-    if r.offload.ratio < 1.0 and _stage(r) != 3:
-        problems.append(src.problem(("offload", "ratio"), "DeepSpeed's partial optimizer offload needs ZeRO stage 3",
-                                    "set offload.zero_stage=3 or remove offload.ratio"))
+    if o.ratio < 1.0:
+        if o.optimizer != "cpu":
+            problems.append(src.problem(("offload", "ratio"),
+                                        f"a partial offload ratio works only with offload.optimizer=cpu, not {o.optimizer}",
+                                        "remove offload.ratio or set offload.optimizer=cpu"))
+        elif _zero_stage(loaded.recipe) != 3:
+            problems.append(src.problem(("offload", "ratio"), "DeepSpeed's partial optimizer offload needs ZeRO stage 3",
+                                        "set offload.zero_stage=3 or remove offload.ratio"))
     return problems
 
 
+@reads("precision")
 def _check_precision(loaded: LoadedRecipe) -> list[Problem]:
     p, src = loaded.recipe.precision, loaded.sources
     problems = []
@@ -179,52 +246,67 @@ def _check_precision(loaded: LoadedRecipe) -> list[Problem]:
         problems.append(src.problem(("precision", "loss_scale"), f"loss scaling is for fp16, but compute is {p.compute}",
                                     "remove precision.loss_scale, or set precision.compute=fp16"))
     if p.master == "bf16" and p.compute != "bf16":
-        problems.append(src.problem(("precision", "master"), "bf16 master weights need precision.compute=bf16",
+        problems.append(src.problem(("precision", "master"), f"bf16 master weights need compute bf16, not {p.compute}",
                                     "set precision.master=fp32"))
     return problems
 
 
-def _check_batch(loaded: LoadedRecipe) -> list[Problem]:
-    r, src = loaded.recipe, loaded.sources
-    b = r.batch
-    problems = []
-    gpus = r.hardware.gpus
-    if isinstance(b.micro_batch, int) and b.global_batch % (b.micro_batch * gpus):
-        problems.append(src.problem(
-            ("batch", "global_batch"),
-            f"global batch {b.global_batch} is not divisible by gpus × micro_batch = {gpus} × {b.micro_batch}",
-            f"use a global batch that is a multiple of {b.micro_batch * gpus}",
-        ))
-    if b.global_batch % gpus:
-        problems.append(src.problem(("batch", "global_batch"),
-                                    f"global batch {b.global_batch} cannot be split over {gpus} GPUs",
-                                    f"use a multiple of {gpus}"))
+@reads("batch", "hardware")
+def _check_batch_split(loaded: LoadedRecipe) -> list[Problem]:
+    b, gpus, src = loaded.recipe.batch, loaded.recipe.hardware.gpus, loaded.sources
+    # one problem per recipe: the first of these that holds explains the others
     if isinstance(b.micro_batch, int) and b.micro_batch * gpus > b.global_batch:
-        problems.append(src.problem(("batch", "micro_batch"), "micro_batch × gpus exceeds the global batch",
-                                    "lower batch.micro_batch"))
-    a = b.adaptive
+        return [src.problem(("batch", "micro_batch"),
+                            f"gpus × micro_batch = {gpus} × {b.micro_batch} exceeds the global batch {b.global_batch}",
+                            f"lower batch.micro_batch to at most {max(1, b.global_batch // gpus)}")]
+    if isinstance(b.micro_batch, int) and b.global_batch % (b.micro_batch * gpus):
+        return [src.problem(("batch", "global_batch"),
+                            f"global batch {b.global_batch} is not divisible by gpus × micro_batch = {gpus} × {b.micro_batch}",
+                            f"use a global batch that is a multiple of {b.micro_batch * gpus}")]
+    if b.global_batch % gpus:
+        return [src.problem(("batch", "global_batch"), f"global batch {b.global_batch} cannot be split over {gpus} GPUs",
+                            f"use a multiple of {gpus}")]
+    return []
+
+
+@reads("batch")
+def _check_adaptive(loaded: LoadedRecipe) -> list[Problem]:
+    a, src = loaded.recipe.batch.adaptive, loaded.sources
+    problems = []
     if a.min_micro_batch > a.max_micro_batch:
-        problems.append(src.problem(("batch", "adaptive", "min_micro_batch"), "min_micro_batch exceeds max_micro_batch"))
+        problems.append(src.problem(("batch", "adaptive", "min_micro_batch"),
+                                    f"min_micro_batch {a.min_micro_batch} exceeds max_micro_batch {a.max_micro_batch}",
+                                    "lower min_micro_batch or raise max_micro_batch"))
     if a.grow_below >= a.shrink_above:
-        problems.append(src.problem(("batch", "adaptive", "grow_below"), "grow_below must be below shrink_above",
+        problems.append(src.problem(("batch", "adaptive", "grow_below"),
+                                    f"grow_below {a.grow_below} must be below shrink_above {a.shrink_above}",
                                     "the defaults are 0.70 and 0.90"))
     return problems
 
 
-def _check_train(loaded: LoadedRecipe) -> list[Problem]:
+@reads("train")
+def _check_length(loaded: LoadedRecipe) -> list[Problem]:
+    t, src = loaded.recipe.train, loaded.sources
+    if t.steps is None and t.epochs is None:
+        return [src.problem(("train",), "say how long to train: train.steps or train.epochs",
+                            "for example train.steps=1000")]
+    if t.steps is not None and t.epochs is not None:
+        return [src.problem(("train", "epochs"), "give train.steps or train.epochs, not both",
+                            "remove one of them")]
+    return []
+
+
+@reads("train", "schedule")
+def _check_warmup(loaded: LoadedRecipe) -> list[Problem]:
     r, src = loaded.recipe, loaded.sources
-    problems = []
-    if r.train.steps is None and r.train.epochs is None:
-        problems.append(src.problem(("train",), "say how long to train: train.steps or train.epochs",
-                                    "for example train.steps=1000"))
-    if r.train.steps is not None and r.train.epochs is not None:
-        problems.append(src.problem(("train", "epochs"), "give train.steps or train.epochs, not both"))
     if r.train.steps is not None and r.schedule.warmup_steps > r.train.steps:
-        problems.append(src.problem(("schedule", "warmup_steps"), "warmup is longer than the whole run",
-                                    f"use at most {r.train.steps} warmup steps"))
-    return problems
+        return [src.problem(("schedule", "warmup_steps"),
+                            f"warmup of {r.schedule.warmup_steps} steps is longer than the whole run ({r.train.steps})",
+                            f"use at most {r.train.steps} warmup steps")]
+    return []
 
 
+@reads("checkpointing")
 def _check_checkpointing(loaded: LoadedRecipe) -> list[Problem]:
     c, src = loaded.recipe.checkpointing, loaded.sources
     problems = []
@@ -233,23 +315,11 @@ def _check_checkpointing(loaded: LoadedRecipe) -> list[Problem]:
                                     "for example {'model.layers.*.mlp': recompute}"))
     if c.rules and c.strategy != "rules":
         problems.append(src.problem(("checkpointing", "strategy"), f"rules are given but strategy is '{c.strategy}'",
-                                    "set checkpointing.strategy=rules"))
+                                    "set checkpointing.strategy=rules, or remove the rules"))
     if c.strategy == "rules":
         from memtrain.model.checkpointing import rule_problems
 
         for pattern, message in rule_problems(c.rules):
             problems.append(src.problem(("checkpointing", "rules", pattern), message,
                                         "cut at whole blocks: *.self_attn, *.mlp or a whole layer"))
-    return problems
-
-
-CHECKS = (_check_model, _check_data, _check_hardware, _check_offload, _check_precision, _check_batch,
-          _check_train, _check_checkpointing)
-
-
-def check_recipe(loaded: LoadedRecipe) -> list[Problem]:
-    """Every cross-field problem of a validated recipe (an empty list when it is consistent)."""
-    problems: list[Problem] = []
-    for check in CHECKS:
-        problems.extend(check(loaded))
     return problems

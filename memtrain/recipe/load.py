@@ -1,18 +1,20 @@
 """Read a recipe: YAML with line numbers, `extends:`, command-line overrides, validation.
 
-All problems are collected and raised together as one `RecipeError`; nothing here prints.
+Every problem that can be found is collected and raised together as one `RecipeError`: duplicate
+keys, bad overrides, field errors (types, ranges, unknown keys) and the cross-field checks of the
+sections that did validate. Only a file that cannot be parsed at all stops the reading early.
+Nothing here prints.
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from memtrain.errors import Problem, RecipeError
+from memtrain.recipe.messages import problems_from_validation
 from memtrain.recipe.schema import Recipe
 
 KeyPath = tuple[str, ...]
@@ -34,8 +36,14 @@ class Sources:
         return self.recipe_file, None
 
     def problem(self, path: KeyPath, message: str, hint: str = "") -> Problem:
+        """A Problem located at the key path's file and line."""
         file, line = self.where(path)
         return Problem(message=message, key=".".join(path), file=file, line=line, hint=hint)
+
+    def forget_below(self, path: KeyPath) -> None:
+        """Drop the origins of keys under `path` (its value was replaced as a whole)."""
+        for key in [k for k in self.origin if len(k) > len(path) and k[: len(path)] == path]:
+            del self.origin[key]
 
 
 @dataclass
@@ -58,7 +66,22 @@ class LoadedRecipe:
 # ---------------------------------------------------------------- YAML with positions
 
 
-def _parse_yaml(text: str, file: str) -> tuple[dict, Sources]:
+def _yaml_syntax_problem(err: yaml.YAMLError, file: str) -> Problem:
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    line = mark.line + 1 if mark else None
+    what = getattr(err, "problem", None) or str(err).splitlines()[0]
+    if "'\\t'" in what or "\t" in what:
+        return Problem("YAML syntax error: a tab character", file=file, line=line,
+                       hint="YAML indents with spaces; replace the tabs with spaces")
+    context = getattr(err, "context", None)
+    if context:
+        what = f"{what} ({context})"
+    return Problem(f"YAML syntax error: {what}", file=file, line=line,
+                   hint="fix the indentation, colons or quoting at that line")
+
+
+def _parse_yaml(text: str, file: str) -> tuple[dict, Sources, list[Problem]]:
+    """The mapping in `text`, where each key is, and the non-fatal problems (duplicate keys)."""
     try:
         loader = yaml.SafeLoader(text)
         try:
@@ -66,24 +89,20 @@ def _parse_yaml(text: str, file: str) -> tuple[dict, Sources]:
             data = loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark or err.context_mark
-        line = mark.line + 1 if mark else None
-        what = err.problem or str(err)
-        raise RecipeError(Problem(f"YAML syntax error: {what}", file=file, line=line,
-                                  hint="fix the indentation or quoting at that line")) from None
     except yaml.YAMLError as err:
-        raise RecipeError(Problem(f"YAML error: {err}", file=file)) from None
+        raise RecipeError(_yaml_syntax_problem(err, file)) from None
+    except RecursionError:
+        raise RecipeError(Problem("the YAML is nested too deeply to be a recipe", file=file,
+                                  hint="a recipe has at most three levels of sections")) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise RecipeError(Problem("a recipe must be a mapping of sections (model:, data:, ...)", file=file, line=1))
+        raise RecipeError(Problem("a recipe must be a mapping of sections (model:, data:, ...)", file=file, line=1,
+                                  hint="start each section at the beginning of a line, e.g. 'model:'"))
     sources = Sources(recipe_file=file)
     problems: list[Problem] = []
     _record_positions(node, (), file, sources, problems)
-    if problems:
-        raise RecipeError(problems)
-    return data, sources
+    return data, sources, problems
 
 
 def _record_positions(node, path: KeyPath, file: str, sources: Sources, problems: list[Problem]) -> None:
@@ -93,8 +112,8 @@ def _record_positions(node, path: KeyPath, file: str, sources: Sources, problems
             key = str(key_node.value)
             line = key_node.start_mark.line + 1
             if key in seen:
-                problems.append(Problem(f"key '{key}' appears twice", key=".".join(path + (key,)),
-                                        file=file, line=line, hint="keep one of them"))
+                problems.append(Problem(f"key '{key}' appears twice in this section", key=".".join(path + (key,)),
+                                        file=file, line=line, hint="keep one of them (the last one wins in YAML)"))
             seen.add(key)
             sources.origin[path + (key,)] = (file, line)
             _record_positions(value_node, path + (key,), file, sources, problems)
@@ -117,169 +136,162 @@ def _deep_merge(base: dict, top: dict) -> dict:
     return merged
 
 
-def _read_with_extends(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, Sources]:
+def _merge_sources(base: Sources, top: Sources, top_data: dict) -> Sources:
+    """Origins of base and top; where top replaces a value whole, the base's keys under it go."""
+    merged = Sources(origin=dict(base.origin), recipe_file=top.recipe_file)
+
+    def replaced(data: dict, path: KeyPath) -> None:
+        for key, value in data.items():
+            if isinstance(value, dict):
+                replaced(value, path + (str(key),))
+            else:
+                merged.forget_below(path + (str(key),))
+
+    replaced(top_data, ())
+    merged.origin.update(top.origin)
+    return merged
+
+
+def _read_with_extends(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, Sources, list[Problem]]:
     file = str(path)
     if path.resolve() in chain:
-        raise RecipeError(Problem("recipes extend each other in a cycle: "
-                                  + " -> ".join(str(p) for p in chain + (path,)), key="extends", file=file))
+        cycle = " -> ".join(p.name for p in chain + (path.resolve(),))
+        raise RecipeError(Problem(f"recipes extend each other in a cycle: {cycle}", key="extends", file=file,
+                                  hint="remove 'extends' from one of them"))
     try:
         text = path.read_text()
-    except FileNotFoundError:
-        raise RecipeError(Problem(f"recipe file '{path}' does not exist", file=str(chain[-1]) if chain else "",
-                                  key="extends" if chain else "", hint="check the path")) from None
     except OSError as err:
-        raise RecipeError(Problem(f"cannot read recipe: {err.strerror}", file=file)) from None
-    data, sources = _parse_yaml(text, file)
+        raise RecipeError(Problem(f"cannot read recipe '{path}': {err.strerror}", file=file)) from None
+    except UnicodeDecodeError:
+        raise RecipeError(Problem(f"'{path}' is not UTF-8 text", file=file, hint="save the recipe as UTF-8")) from None
+    data, sources, problems = _parse_yaml(text, file)
     parent = data.pop("extends", None)
     if parent is None:
-        return data, sources
-    if not isinstance(parent, str):
-        raise RecipeError(sources.problem(("extends",), "must be the path of another recipe file"))
-    base_path = (path.parent / parent) if not Path(parent).is_absolute() else Path(parent)
-    if not base_path.exists():
-        raise RecipeError(sources.problem(("extends",), f"extended recipe '{base_path}' does not exist",
-                                          hint="paths in extends are relative to the recipe that names them"))
-    base_data, base_sources = _read_with_extends(base_path, chain + (path.resolve(),))
-    merged_sources = Sources(origin={**base_sources.origin, **sources.origin}, recipe_file=file)
-    return _deep_merge(base_data, data), merged_sources
+        return data, sources, problems
+    if not isinstance(parent, str) or not parent:
+        problems.append(sources.problem(("extends",), "must be the path of another recipe file",
+                                        "for example extends: base.yaml"))
+        return data, sources, problems
+    base_path = Path(parent) if Path(parent).is_absolute() else path.parent / parent
+    if not base_path.is_file():
+        problems.append(sources.problem(("extends",), f"extended recipe '{base_path}' does not exist",
+                                        "paths in extends are relative to the recipe that names them"))
+        return data, sources, problems
+    base_data, base_sources, base_problems = _read_with_extends(base_path, chain + (path.resolve(),))
+    return _deep_merge(base_data, data), _merge_sources(base_sources, sources, data), base_problems + problems
 
 
-def apply_overrides(data: dict, overrides: list[str], sources: Sources) -> dict:
-    """Apply `key.path=value` overrides; values are parsed as YAML (3, true, [a, b], 24GiB)."""
+def apply_overrides(data: dict, overrides: list[str], sources: Sources) -> tuple[dict, list[Problem]]:
+    """Apply `key.path=value` overrides (values parsed as YAML: 3, true, [a, b], 24GiB).
+
+    Returns the data and one problem per override that could not be applied; the others apply.
+    """
     problems = []
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
-        if not sep or not key:
+        parts = key.split(".")
+        if not sep or not key or not all(parts):
             problems.append(Problem(f"override '{item}' is not of the form key.path=value", file=COMMAND_LINE,
                                     hint="for example batch.micro_batch=2"))
             continue
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
-            value = raw
-        parts = key.split(".")
+            value = raw  # not YAML: take it as the literal text the user typed
         node = data
         for depth, part in enumerate(parts[:-1]):
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                problems.append(Problem(f"cannot set '{key}': '{'.'.join(parts[:depth + 1])}' is not a section",
-                                        key=key, file=COMMAND_LINE))
+                prefix = ".".join(parts[: depth + 1])
+                problems.append(Problem(f"cannot set '{key}': '{prefix}' is a value, not a section",
+                                        key=key, file=COMMAND_LINE, hint=f"set {prefix}=... instead"))
                 break
             node = child
         else:
             node[parts[-1]] = value
+            sources.forget_below(tuple(parts))
             sources.origin[tuple(parts)] = (COMMAND_LINE, None)
-    if problems:
-        raise RecipeError(problems)
-    return data
+    return data, problems
 
 
 # ---------------------------------------------------------------- validation
 
 
-def _model_at(path: KeyPath) -> type[BaseModel] | None:
-    """The pydantic section class at a key path, for did-you-mean suggestions."""
-    model: Any = Recipe
-    for part in path:
-        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
-            return None
-        annotation = model.model_fields[part].annotation
-        candidates = [annotation, *get_args(annotation)]
-        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        if model is None and get_origin(annotation) is dict:
-            return None
-    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+def validate_sections(data: dict, sources: Sources) -> tuple[Recipe, list[Problem], set[str]]:
+    """Validate what can be validated: (recipe, problems, names of sections that did not validate).
 
-
-def _clean_loc(loc: tuple) -> KeyPath:
-    """Drop the union-member tags pydantic appends below leaf fields ('int', "literal['auto']")."""
-    path: list[str] = []
-    current: Any = Recipe  # a section class, "dict", or "leaf"
-    for part in loc:
-        if isinstance(part, int):
-            path.append(str(part))
-            continue
-        if current == "leaf":
-            continue
-        path.append(str(part))
-        if current == "dict":
-            current = "leaf"
-            continue
-        if part not in current.model_fields:
-            current = "leaf"
-            continue
-        annotation = current.model_fields[part].annotation
-        nested = [a for a in (annotation, *get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]
-        current = nested[0] if nested else ("dict" if get_origin(annotation) is dict else "leaf")
-    return tuple(path)
-
-
-def _explain(error: dict, path: KeyPath) -> tuple[str, str]:
-    kind = error["type"]
-    if kind == "extra_forbidden":
-        key = path[-1] if path else ""
-        section = _model_at(path[:-1])
-        options = list(section.model_fields) if section else []
-        close = difflib.get_close_matches(key, options, n=1, cutoff=0.6)
-        hint = f"did you mean '{close[0]}'?" if close else (f"known keys here: {', '.join(options)}" if options else "")
-        return "unknown key", hint
-    if kind == "missing":
-        return "required key is missing", "add it to the recipe"
-    message = error["msg"]
-    if message.startswith("Value error, "):
-        message = message[len("Value error, "):]
-    return message, ""
+    When some sections fail, the recipe holds the good sections and defaults elsewhere (the failed
+    required ones are absent), so that cross-field checks can still run on the sections that passed.
+    """
+    try:
+        return Recipe.model_validate(data), [], set()
+    except ValidationError as err:
+        problems = problems_from_validation(err, sources)
+        bad = {str(e["loc"][0]) for e in err.errors() if e["loc"]}
+    values = {}
+    for name, info in Recipe.model_fields.items():
+        if name in bad:
+            if not info.is_required():
+                values[name] = info.get_default(call_default_factory=True)
+        elif name in data:
+            values[name] = TypeAdapter(info.annotation).validate_python(data[name])
+        elif not info.is_required():
+            values[name] = info.get_default(call_default_factory=True)
+    return Recipe.model_construct(**values), problems, bad
 
 
 def validate(data: dict, sources: Sources) -> Recipe:
-    try:
-        return Recipe.model_validate(data)
-    except ValidationError as err:
-        grouped: dict[KeyPath, list[tuple[str, str]]] = {}
-        for error in err.errors():
-            path = _clean_loc(error["loc"])
-            grouped.setdefault(path, []).append(_explain(error, path))
-        problems = []
-        for path, explained in grouped.items():
-            messages = list(dict.fromkeys(m for m, _ in explained))
-            hints = [h for _, h in explained if h]
-            problems.append(sources.problem(path, "; or ".join(messages), hints[0] if hints else ""))
-        raise RecipeError(problems) from None
+    """The validated recipe; raises RecipeError with every field problem."""
+    recipe, problems, _ = validate_sections(data, sources)
+    if problems:
+        raise RecipeError(problems)
+    return recipe
+
+
+def _finish(data: dict, sources: Sources, problems: list[Problem], path: Path | None, check: bool) -> LoadedRecipe:
+    from memtrain.recipe.checks import check_recipe  # checks read LoadedRecipe from here
+
+    recipe, field_problems, bad_sections = validate_sections(data, sources)
+    problems = problems + field_problems
+    loaded = LoadedRecipe(recipe=recipe, sources=sources, path=path)
+    if check:
+        problems += check_recipe(loaded, skip_sections=bad_sections)
+    if problems:
+        raise RecipeError(sorted(problems, key=lambda p: _reading_order(p, sources.recipe_file)))
+    return loaded
+
+
+def _reading_order(problem: Problem, recipe_file: str) -> tuple:
+    """The recipe's own lines first, top to bottom; then extended files; the command line last."""
+    rank = 0 if problem.file == recipe_file else 2 if problem.file == COMMAND_LINE else 1
+    return rank, problem.file, problem.line or 0
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None, check: bool = True) -> LoadedRecipe:
-    """Read, merge, override, validate and cross-check a recipe file. Raises RecipeError."""
-    from memtrain.recipe.checks import check_recipe  # checks need the loaded recipe's sources
+    """Read, merge (`extends:`), override, validate and cross-check a recipe file.
 
+    Raises RecipeError holding every problem found, each with file:line, key path and a hint.
+    """
     path = Path(path)
     if not path.exists():
         raise RecipeError(Problem(f"recipe file '{path}' does not exist", hint="check the path"))
     if path.is_dir():
-        raise RecipeError(Problem(f"'{path}' is a directory, not a recipe file"))
-    data, sources = _read_with_extends(path)
-    data = apply_overrides(data, list(overrides or []), sources)
-    recipe = validate(data, sources)
-    loaded = LoadedRecipe(recipe=recipe, sources=sources, path=path)
-    if check:
-        problems = check_recipe(loaded)
-        if problems:
-            raise RecipeError(problems)
-    return loaded
+        raise RecipeError(Problem(f"'{path}' is a directory, not a recipe file", hint="give a .yaml file"))
+    data, sources, problems = _read_with_extends(path)
+    data, override_problems = apply_overrides(data, list(overrides or []), sources)
+    return _finish(data, sources, problems + override_problems, path, check)
 
 
-def load_recipe_text(text: str, file: str = "<recipe>", overrides: list[str] | None = None) -> LoadedRecipe:
-    """Validate recipe text (used by tests and tools that hold YAML in memory)."""
-    from memtrain.recipe.checks import check_recipe
-
-    data, sources = _parse_yaml(text, file)
+def load_recipe_text(text: str, file: str = "<recipe>", overrides: list[str] | None = None,
+                     check: bool = True) -> LoadedRecipe:
+    """Validate recipe text held in memory (tests, tools); like load_recipe without `extends:`."""
+    data, sources, problems = _parse_yaml(text, file)
     if "extends" in data:
-        raise RecipeError(sources.problem(("extends",), "extends needs a recipe file, not text"))
-    data = apply_overrides(data, list(overrides or []), sources)
-    loaded = LoadedRecipe(recipe=validate(data, sources), sources=sources, path=None)
-    problems = check_recipe(loaded)
-    if problems:
-        raise RecipeError(problems)
-    return loaded
+        problems.append(sources.problem(("extends",), "extends needs a recipe file, not text",
+                                        "save the recipe to a file and use load_recipe"))
+        del data["extends"]
+    data, override_problems = apply_overrides(data, list(overrides or []), sources)
+    return _finish(data, sources, problems + override_problems, None, check)

@@ -7,15 +7,28 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema, field_validator
 
 from memtrain.recipe.units import parse_bytes
 
+
+def _byte_size(value: object) -> int:
+    try:
+        return parse_bytes(value)
+    except OverflowError:  # "1e999GB" or .inf: float('inf') cannot become int bytes
+        raise ValueError("is too large for a size") from None
+
+
 ByteSize = Annotated[
     int,
-    BeforeValidator(parse_bytes),
+    BeforeValidator(_byte_size),
     PlainSerializer(lambda v: v, return_type=int),
-    Field(json_schema_extra={"examples": ["24GiB", "64GB"]}),
+    # recipes write sizes as text ("64GiB"), so editors must accept both forms
+    WithJsonSchema({
+        "anyOf": [{"type": "integer", "minimum": 0},
+                  {"type": "string", "pattern": r"^\s*[0-9]*\.?[0-9]+(e[0-9]+)?\s*([kKmMgGtT]i?[bB]|[bB])?\s*$"}],
+        "examples": ["24GiB", "64GB"],
+    }),
 ]
 
 Tier = Literal["none", "cpu", "nvme"]
@@ -23,7 +36,8 @@ Dtype = Literal["bf16", "fp16", "fp32"]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # nan/inf pass range checks silently (nan > 0 is False but nan <= 1 is too), so refuse them outright
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class Lora(Section):
@@ -109,11 +123,11 @@ class Precision(Section):
 
 
 class Aio(Section):
-    block_size: int = Field(1_048_576, ge=4096)
-    queue_depth: int = Field(8, ge=1)
-    intra_op_parallelism: int = Field(1, ge=1)
-    single_submit: bool = False
-    overlap_events: bool = True
+    block_size: int = Field(1_048_576, ge=4096, description="Bytes per asynchronous I/O request to the NVMe.")
+    queue_depth: int = Field(8, ge=1, description="I/O requests in flight at once.")
+    intra_op_parallelism: int = Field(1, ge=1, description="Threads that submit the I/O of one operation.")
+    single_submit: bool = Field(False, description="Submit requests one at a time instead of in batches.")
+    overlap_events: bool = Field(True, description="Overlap submitting new requests with waiting for finished ones.")
 
 
 class Offload(Section):
@@ -127,17 +141,17 @@ class Offload(Section):
     max_live_parameters: int = Field(1_000_000_000, ge=0, description="ZeRO-3: parameters resident on the GPU at once.")
     prefetch_bucket_size: int | Literal["auto"] = Field("auto", description="ZeRO-3 prefetch size in elements; auto derives from hidden size.")
     bucket_size: int | Literal["auto"] = Field("auto", description="Reduce / all-gather bucket size in elements; auto derives from hidden size.")
-    aio: Aio = Field(default_factory=Aio)
+    aio: Aio = Field(default_factory=Aio, description="Asynchronous I/O settings for the NVMe tiers (DeepSpeed `aio`).")
 
 
 class Adaptive(Section):
     grow_after_steps: int = Field(5, ge=1, description="Consecutive steps under grow_below before growing.")
     grow_below: float = Field(0.70, gt=0, lt=1, description="Memory share of the card under which the batch may grow.")
-    grow_factor: float = Field(1.5, gt=1, le=4)
+    grow_factor: float = Field(1.5, gt=1, le=4, description="Factor the micro-batch grows by.")
     shrink_above: float = Field(0.90, gt=0, le=1, description="Memory share above which the batch halves.")
-    shrink_factor: float = Field(0.5, gt=0, lt=1)
-    min_micro_batch: int = Field(1, ge=1)
-    max_micro_batch: int = Field(256, ge=1)
+    shrink_factor: float = Field(0.5, gt=0, lt=1, description="Factor the micro-batch shrinks by (above shrink_above).")
+    min_micro_batch: int = Field(1, ge=1, description="Smallest micro-batch the policy will use.")
+    max_micro_batch: int = Field(256, ge=1, description="Largest micro-batch the policy will use.")
     max_oom_at_min: int = Field(3, ge=1, description="OOMs at the minimum size before the run stops.")
 
 
@@ -145,7 +159,7 @@ class Batch(Section):
     global_batch: int = Field(32, ge=1, description="Samples per optimizer step, over all GPUs.")
     micro_batch: int | Literal["auto"] = Field(4, description="Samples per forward pass per GPU, or 'auto' (largest that fits).")
     policy: Literal["fixed", "adaptive"] = Field("fixed", description="adaptive: grow/shrink micro_batch with memory, global batch fixed.")
-    adaptive: Adaptive = Field(default_factory=Adaptive)
+    adaptive: Adaptive = Field(default_factory=Adaptive, description="Thresholds of the adaptive policy.")
 
     @field_validator("micro_batch")
     @classmethod
@@ -156,17 +170,18 @@ class Batch(Section):
 
 
 class Optimizer(Section):
-    name: Literal["adamw"] = "adamw"
-    lr: float = Field(2e-4, gt=0, lt=1)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    name: Literal["adamw"] = Field("adamw", description="Optimizer (DeepSpeed's CPU Adam when offloaded).")
+    lr: float = Field(2e-4, gt=0, lt=1, description="Peak learning rate.")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.95), description="Adam moment decay rates (beta1, beta2).")
+    eps: float = Field(1e-8, gt=0, description="Adam denominator epsilon.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW).")
     grad_clip: float = Field(1.0, ge=0, description="Max gradient norm; 0 disables clipping.")
 
 
 class Schedule(Section):
-    warmup_steps: int = Field(0, ge=0)
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from 0 to the peak LR.")
+    decay: Literal["cosine", "linear", "constant"] = Field("cosine", description="LR decay after warmup.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a share of the peak LR.")
 
 
@@ -178,7 +193,7 @@ class Train(Section):
     save_every: int = Field(500, ge=1, description="Checkpoint every N optimizer steps (and at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept.")
     log_every: int = Field(10, ge=1, description="Flush metrics every N optimizer steps (no per-step host sync).")
-    seed: int = Field(1234, ge=0)
+    seed: int = Field(1234, ge=0, description="Seed of model initialisation, data order and dropout.")
     output_dir: str = Field("runs/{name}", description="Run directory; {name} is the recipe file's stem.")
 
 
@@ -187,14 +202,14 @@ class Recipe(Section):
 
     name: str | None = Field(None, description="Run name (default: the recipe file's stem).")
     extends: str | None = Field(None, description="A recipe file this one extends (its keys are the defaults).")
-    model: Model
-    data: Data
-    hardware: Hardware = Field(default_factory=Hardware)
-    checkpointing: Checkpointing = Field(default_factory=Checkpointing)
-    precision: Precision = Field(default_factory=Precision)
-    offload: Offload = Field(default_factory=Offload)
-    batch: Batch = Field(default_factory=Batch)
-    optimizer: Optimizer = Field(default_factory=Optimizer)
-    schedule: Schedule = Field(default_factory=Schedule)
-    train: Train = Field(default_factory=Train)
+    model: Model = Field(..., description="What to fine-tune: a shape preset or a local model directory, and optional LoRA.")
+    data: Data = Field(..., description="Training and validation text, sequence length, packing.")
+    hardware: Hardware = Field(default_factory=Hardware, description="GPUs, target card, host memory, NVMe directory.")
+    checkpointing: Checkpointing = Field(default_factory=Checkpointing, description="Which activations are kept and which recomputed.")
+    precision: Precision = Field(default_factory=Precision, description="Compute and master dtypes, fp16 loss scaling, modules kept in fp32.")
+    offload: Offload = Field(default_factory=Offload, description="ZeRO stage and where optimizer states and parameters live.")
+    batch: Batch = Field(default_factory=Batch, description="Global batch, micro-batch and the adaptive batch policy.")
+    optimizer: Optimizer = Field(default_factory=Optimizer, description="AdamW settings and gradient clipping.")
+    schedule: Schedule = Field(default_factory=Schedule, description="Learning-rate warmup and decay.")
+    train: Train = Field(default_factory=Train, description="Run length, evaluation, checkpoint and logging cadence, seed, output directory.")
 
