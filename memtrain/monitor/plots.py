@@ -1,0 +1,235 @@
+"""PNG plots of a run's metrics: loss, speed, memory, batch size, host memory.
+
+Drawn with matplotlib's Agg canvas on Figure objects (no pyplot state, no display). Every plot copes
+with a run that has only some of the fields: CPU runs record no GPU memory, a young run has no eval yet.
+A resumed run repeats the steps after its checkpoint; the newest record of each step wins.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from statistics import median
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+GIB = 2**30
+FIGURE_SIZE_INCHES = (9.0, 4.8)
+DPI = 100
+PLOT_FILES = ("loss.png", "speed.png", "memory.png", "batch.png", "host.png")
+
+TRAIN_COLOR = "#1f77b4"
+EVAL_COLOR = "#d62728"
+PERPLEXITY_COLOR = "#2ca02c"
+CAP_COLOR = "#b22222"
+PLAN_COLOR = "#7f3fbf"
+OOM_COLOR = "#e41a1c"
+
+
+def series(records: list[dict], kind: str, field: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one field over the records of one kind, by step, newest record per step.
+
+    Records without the field or with null are left out.
+    """
+    by_step: dict[int, float] = {}
+    for record in records:
+        if record.get("kind") != kind:
+            continue
+        value = record.get(field)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            by_step[int(record["step"])] = value
+    steps = sorted(by_step)
+    return steps, [by_step[step] for step in steps]
+
+
+def throughput(records: list[dict]) -> tuple[list[int], list[float]]:
+    """(steps, tokens/s): the recorded tokens_per_s, else the step's new tokens over its step_time_s."""
+    steps, speeds = series(records, "train", "tokens_per_s")
+    if steps:
+        return steps, speeds
+    token_steps, tokens = series(records, "train", "tokens")
+    time_steps, step_times = series(records, "train", "step_time_s")
+    seconds_at = dict(zip(time_steps, step_times))
+    steps, speeds = [], []
+    for (before, tokens_before), (step, tokens_now) in zip(zip(token_steps, tokens), zip(token_steps[1:], tokens[1:])):
+        if step == before + 1 and seconds_at.get(step, 0) > 0:
+            steps.append(step)
+            speeds.append((tokens_now - tokens_before) / seconds_at[step])
+    return steps, speeds
+
+
+def render_plots(records: list[dict], out_dir: Path) -> list[Path]:
+    """Write loss.png, speed.png, memory.png, batch.png and host.png into `out_dir`; return their paths."""
+    out_dir = Path(out_dir)
+    painters = (plot_loss, plot_speed, plot_memory, plot_batch, plot_host)
+    paths = []
+    for name, paint in zip(PLOT_FILES, painters):
+        figure = Figure(figsize=FIGURE_SIZE_INCHES, dpi=DPI, layout="constrained")
+        FigureCanvasAgg(figure)
+        paint(figure, records)
+        for axes in figure.axes:
+            axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        path = out_dir / name
+        tmp = path.with_name(f".{name}.tmp")
+        figure.savefig(tmp, format="png", dpi=DPI)
+        tmp.replace(path)  # a reader never sees half a PNG
+        paths.append(path)
+    return paths
+
+
+def plot_loss(figure: Figure, records: list[dict]) -> None:
+    """Training loss and validation loss by step; validation perplexity on a second axis (log scale)."""
+    axes = figure.add_subplot()
+    handles = []
+    steps, losses = series(records, "train", "loss")
+    if steps:
+        handles += axes.plot(steps, losses, color=TRAIN_COLOR, linewidth=1.2, alpha=0.85, label="train loss")
+    eval_steps, eval_losses = series(records, "eval", "loss")
+    if eval_steps:
+        handles += axes.plot(eval_steps, eval_losses, color=EVAL_COLOR, marker="o", linewidth=1.5, label="validation loss")
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss (nats / token)")
+    axes.set_title("Loss")
+    axes.grid(alpha=0.3)
+    ppl_steps, perplexities = series(records, "eval", "perplexity")
+    if ppl_steps:
+        twin = axes.twinx()
+        handles += twin.plot(ppl_steps, perplexities, color=PERPLEXITY_COLOR, marker="s", linestyle="--",
+                             linewidth=1.2, label="validation perplexity")
+        twin.set_ylabel("validation perplexity", color=PERPLEXITY_COLOR)
+        twin.tick_params(axis="y", colors=PERPLEXITY_COLOR)
+        if min(perplexities) > 0 and max(perplexities) / min(perplexities) > 10:
+            twin.set_yscale("log")
+    if handles:
+        axes.legend(handles=handles, loc="upper right")
+    else:
+        _no_data(axes, "no loss recorded yet")
+
+
+def plot_speed(figure: Figure, records: list[dict]) -> None:
+    """Training throughput in tokens per second by step, with the median as a reference line."""
+    axes = figure.add_subplot()
+    steps, speeds = throughput(records)
+    axes.set_xlabel("step")
+    axes.set_ylabel("throughput (tokens/s)")
+    axes.set_title("Training speed")
+    axes.grid(alpha=0.3)
+    if not steps:
+        _no_data(axes, "no throughput recorded yet")
+        return
+    axes.plot(steps, speeds, color=TRAIN_COLOR, linewidth=1.2, label="tokens/s")
+    middle = median(speeds[1:] or speeds)  # the first step carries warm-up and compilation
+    axes.axhline(middle, color="gray", linestyle="--", linewidth=1, label=f"median {middle:,.0f} tokens/s")
+    axes.set_ylim(0, max(speeds) * 1.15)
+    axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+    axes.legend(loc="lower right")
+
+
+def plot_memory(figure: Figure, records: list[dict]) -> None:
+    """GPU allocated / reserved / peak reserved (GiB) against the cap; the plan's peak dashed; OOMs marked."""
+    axes = figure.add_subplot()
+    axes.set_xlabel("step")
+    axes.set_ylabel("GPU memory (GiB)")
+    axes.set_title("GPU memory")
+    axes.grid(alpha=0.3)
+    curves = [
+        ("gpu_allocated_bytes", "allocated", "#1f77b4", "-"),
+        ("gpu_reserved_bytes", "reserved", "#ff7f0e", "-"),
+        ("gpu_peak_reserved_bytes", "peak reserved (per step)", "#8c564b", ":"),
+    ]
+    drawn, top_gib = False, 0.0
+    for field, label, color, style in curves:
+        steps, values = series(records, "train", field)
+        if steps and max(values) > 0:
+            axes.plot(steps, [v / GIB for v in values], color=color, linestyle=style, linewidth=1.4, label=label)
+            drawn, top_gib = True, max(top_gib, max(values) / GIB)
+    cap_bytes = _last_positive(records, "gpu_cap_bytes")
+    if cap_bytes:
+        axes.axhline(cap_bytes / GIB, color=CAP_COLOR, linewidth=1.8, label=f"cap {cap_bytes / GIB:.1f} GiB")
+    plan_bytes = _last_positive(records, "plan_peak_reserved_bytes", kind="run")
+    if plan_bytes:
+        axes.axhline(plan_bytes / GIB, color=PLAN_COLOR, linestyle="--", linewidth=1.5,
+                     label=f"planned peak {plan_bytes / GIB:.1f} GiB")
+    forecast_steps, forecasts = series(records, "forecast", "predicted_peak_bytes")
+    if forecast_steps:
+        axes.plot(forecast_steps, [v / GIB for v in forecasts], color=PLAN_COLOR, marker="x", linestyle="none",
+                  label="forecast peak")
+    ooms = [record for record in records if record.get("kind") == "oom"]
+    for number, oom in enumerate(ooms):
+        axes.axvline(oom["step"], color=OOM_COLOR, linestyle="-.", linewidth=1.2,
+                     label="out of memory" if number == 0 else None)
+        axes.annotate(f"OOM (micro-batch {oom.get('micro_batch', '?')})", xy=(oom["step"], 1), xycoords=("data", "axes fraction"),
+                      xytext=(3, -12), textcoords="offset points", color=OOM_COLOR, fontsize=8, rotation=90, va="top")
+    if not drawn and not ooms:
+        _no_data(axes, "no GPU memory recorded (CPU run?) — see host.png")
+    if drawn or cap_bytes or plan_bytes or ooms:
+        top_gib = max([top_gib] + [b / GIB for b in (cap_bytes, plan_bytes) if b] + [v / GIB for v in forecasts])
+        axes.set_ylim(0, top_gib * 1.12 or 1)
+        axes.legend(loc="lower right", fontsize=8)
+
+
+def plot_batch(figure: Figure, records: list[dict]) -> None:
+    """Micro-batch (sequences) and gradient accumulation (micro-batches per step) by step; changes marked."""
+    top, bottom = figure.subplots(2, 1, sharex=True)
+    steps, micro_batches = series(records, "train", "micro_batch")
+    accum_steps, accumulations = series(records, "train", "grad_accum")
+    top.set_title("Batch size")
+    top.set_ylabel("micro-batch\n(sequences)")
+    bottom.set_ylabel("accumulation\n(micro-batches/step)")
+    bottom.set_xlabel("step")
+    for axes in (top, bottom):
+        axes.grid(alpha=0.3)
+    top.yaxis.set_major_locator(MaxNLocator(integer=True))
+    bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
+    if steps:
+        top.step(steps, micro_batches, where="post", color=TRAIN_COLOR, linewidth=1.6)
+        top.set_ylim(0, max(micro_batches) * 1.25)
+    else:
+        _no_data(top, "no micro-batch recorded yet")
+    if accum_steps:
+        bottom.step(accum_steps, accumulations, where="post", color="#ff7f0e", linewidth=1.6)
+        bottom.set_ylim(0, max(accumulations) * 1.25)
+    for change in (record for record in records if record.get("kind") == "batch"):
+        top.axvline(change["step"], color="gray", linestyle=":", linewidth=1)
+        label = f"{change.get('old_micro_batch')}→{change.get('new_micro_batch')}"
+        if change.get("reason"):
+            label += f" ({change['reason']})"
+        top.annotate(label, xy=(change["step"], 0.04), xycoords=("data", "axes fraction"), xytext=(3, 0),
+                     textcoords="offset points", fontsize=8, color="dimgray")
+    for oom in (record for record in records if record.get("kind") == "oom"):
+        top.axvline(oom["step"], color=OOM_COLOR, linestyle="-.", linewidth=1.2)
+
+
+def plot_host(figure: Figure, records: list[dict]) -> None:
+    """Host resident memory (GiB) of the training process by step, current and peak."""
+    axes = figure.add_subplot()
+    axes.set_xlabel("step")
+    axes.set_ylabel("host memory (GiB)")
+    axes.set_title("Host memory (resident set of the training process)")
+    axes.grid(alpha=0.3)
+    top_gib = 0.0
+    for field, label, style in (("host_rss_bytes", "RSS", "-"), ("host_peak_rss_bytes", "peak RSS", "--")):
+        steps, values = series(records, "train", field)
+        if steps and max(values) > 0:
+            axes.plot(steps, [v / GIB for v in values], linestyle=style, linewidth=1.4, label=label)
+            top_gib = max(top_gib, max(values) / GIB)
+    if top_gib:
+        axes.set_ylim(0, top_gib * 1.15)
+        axes.legend(loc="lower right")
+    else:
+        _no_data(axes, "no host memory recorded yet")
+
+
+def _no_data(axes, text: str) -> None:
+    axes.text(0.5, 0.5, text, transform=axes.transAxes, ha="center", va="center", color="gray", fontsize=12)
+
+
+def _last_positive(records: list[dict], field: str, kind: str | None = None) -> float | None:
+    for record in reversed(records):
+        if kind is not None and record.get("kind") != kind:
+            continue
+        value = record.get(field)
+        if isinstance(value, (int, float)) and value > 0:
+            return value
+    return None
+

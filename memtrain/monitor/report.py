@@ -1,0 +1,212 @@
+"""`memtrain report RUN_DIR`: a summary of a run's metrics.jsonl and PNG plots beside it.
+
+Works on a finished run, one still going, and one that was killed (a torn last line is skipped).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from memtrain.errors import Problem, UserError
+from memtrain.monitor.metrics import METRICS_FILE, read_metrics_counted
+from memtrain.monitor.plots import GIB, render_plots, series, throughput
+
+MEMORY_VIEWER_URL = "https://pytorch.org/memory_viz"
+
+
+def report_command(run_dir: Path, as_json: bool, console: Console) -> int:
+    """Render the plots into `run_dir`, print the summary (a table, or JSON with `as_json`); return the exit code."""
+    run_dir = _run_dir_of(Path(run_dir))
+    records, unreadable_lines = _load(run_dir)
+    summary = summarize_records(records, run_dir, unreadable_lines)
+    summary["plots"] = [str(path) for path in render_plots(records, run_dir)]
+    if as_json:
+        console.out(json.dumps(summary, indent=2), highlight=False)
+    else:
+        _print_summary(summary, console)
+    return 0
+
+
+def summarize(run_dir: Path) -> dict[str, Any]:
+    """The numbers a person asks about first, computed from run_dir/metrics.jsonl.
+
+    Bytes stay bytes and times seconds; None where the run has not recorded that yet.
+    """
+    run_dir = _run_dir_of(Path(run_dir))
+    records, unreadable_lines = _load(run_dir)
+    return summarize_records(records, run_dir, unreadable_lines)
+
+
+def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int = 0) -> dict[str, Any]:
+    """`summarize` of records already read."""
+    starts = [r for r in records if _is_start(r)]
+    last_run = next((r for r in reversed(records) if r["kind"] == "run"), None)
+    loss_steps, losses = series(records, "train", "loss")
+    token_steps, tokens = series(records, "train", "tokens")
+    _, speeds = throughput(records)
+    ppl_steps, perplexities = series(records, "eval", "perplexity")
+    _, micro_batches = series(records, "train", "micro_batch")
+    _, skipped = series(records, "train", "skipped_steps")
+    _, loss_scales = series(records, "train", "loss_scale")
+    train_steps = [int(r["step"]) for r in records if r["kind"] == "train"]
+
+    best_index = min(range(len(perplexities)), key=perplexities.__getitem__) if perplexities else None
+    plan_peak = _last_value(starts, "plan_peak_reserved_bytes")
+    peak_reserved = _max_positive(records, "train", ("gpu_peak_reserved_bytes", "gpu_reserved_bytes"))
+    ooms = [r for r in records if r["kind"] == "oom"]
+    return {
+        "run_dir": str(run_dir),
+        "name": _last_value(starts, "recipe") or _last_value(starts, "name"),
+        "device": _last_value(starts, "device"),
+        "status": last_run.get("status", "running or killed") if last_run and last_run.get("event") == "end"
+        else "running or killed",
+        "starts": len(starts),
+        "steps": max(train_steps) if train_steps else 0,
+        "tokens": int(tokens[-1]) if tokens else None,
+        "tokens_step": token_steps[-1] if token_steps else None,
+        "wall_time_s": _wall_time_s(records),
+        "final_loss": losses[-1] if losses else None,
+        "final_loss_step": loss_steps[-1] if loss_steps else None,
+        "median_tokens_per_s": median(speeds[1:] or speeds) if speeds else None,
+        "best_eval_perplexity": perplexities[best_index] if best_index is not None else None,
+        "best_eval_step": ppl_steps[best_index] if best_index is not None else None,
+        "peak_gpu_reserved_bytes": peak_reserved,
+        "peak_gpu_allocated_bytes": _max_positive(records, "train", ("gpu_peak_allocated_bytes", "gpu_allocated_bytes")),
+        "plan_peak_reserved_bytes": plan_peak,
+        "peak_reserved_over_plan": peak_reserved / plan_peak if peak_reserved and plan_peak else None,
+        "gpu_cap_bytes": _last_value([r for r in records if r["kind"] in ("run", "train")], "gpu_cap_bytes") or None,
+        "peak_host_rss_bytes": _max_positive(records, "train", ("host_peak_rss_bytes", "host_rss_bytes")),
+        "final_micro_batch": micro_batches[-1] if micro_batches else None,
+        "batch_changes": sum(1 for r in records if r["kind"] == "batch"),
+        "oom_count": len(ooms),
+        "oom_snapshots": [str(r["snapshot"]) for r in ooms if r.get("snapshot")],
+        "ooms": [{"step": r["step"], "micro_batch": r.get("micro_batch"), "snapshot": r.get("snapshot")} for r in ooms],
+        "skipped_steps": skipped[-1] if skipped else None,
+        "final_loss_scale": loss_scales[-1] if loss_scales else None,
+        "checkpoints": [str(r["path"]) for r in records if r["kind"] == "checkpoint" and r.get("path")],
+        "unreadable_lines": unreadable_lines,
+    }
+
+
+def _run_dir_of(path: Path) -> Path:
+    """The run directory; a path to its metrics.jsonl is accepted too."""
+    if path.is_file() and path.name == METRICS_FILE:
+        return path.parent
+    if not path.exists():
+        raise UserError(Problem(f"run directory {path} does not exist",
+                                hint="pass the directory `memtrain run` wrote (the recipe's train.output_dir)"))
+    if not path.is_dir():
+        raise UserError(Problem(f"{path} is not a run directory",
+                                hint=f"pass the directory that holds {METRICS_FILE}"))
+    return path
+
+
+def _load(run_dir: Path) -> tuple[list[dict], int]:
+    metrics_path = run_dir / METRICS_FILE
+    if not metrics_path.is_file():
+        raise UserError(Problem(f"no {METRICS_FILE} in {run_dir}",
+                                hint="pass a run directory of `memtrain run`; a run writes it from its start"))
+    records, unreadable_lines = read_metrics_counted(metrics_path)
+    if not records:
+        raise UserError(Problem(f"{metrics_path} has no complete records yet ({unreadable_lines} unreadable lines)",
+                                hint="wait until the run has logged its first steps, then report again"))
+    return records, unreadable_lines
+
+
+def _wall_time_s(records: list[dict]) -> float:
+    """Seconds the run was alive: each start (and resume) to its last record, summed; pauses between don't count."""
+    total = 0.0
+    first = last = None
+    for record in records:
+        if _is_start(record) and first is not None:
+            total += last - first
+            first = None
+        if first is None:
+            first = record["time"]
+        last = record["time"]
+    if first is not None:
+        total += last - first
+    return total
+
+
+def _is_start(record: dict) -> bool:
+    return record["kind"] == "run" and record.get("event") in ("start", "resume")
+
+
+def _last_value(records: list[dict], field: str) -> Any:
+    for record in reversed(records):
+        if record.get(field) is not None:
+            return record[field]
+    return None
+
+
+def _max_positive(records: list[dict], kind: str, fields: tuple[str, ...]) -> int | None:
+    values = [
+        record[field] for record in records if record["kind"] == kind for field in fields
+        if isinstance(record.get(field), (int, float)) and record[field] > 0
+    ]
+    return max(values) if values else None
+
+
+def _print_summary(summary: dict[str, Any], console: Console) -> None:
+    title = f"Run {summary['name']}" if summary["name"] else "Run"
+    table = Table(title=f"{title} — {summary['run_dir']}", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    table.add_row("status", summary["status"] + (f" (started {summary['starts']} times)" if summary["starts"] > 1 else ""))
+    table.add_row("device", str(summary["device"] or "?"))
+    table.add_row("steps", f"{summary['steps']:,}")
+    table.add_row("tokens", f"{summary['tokens']:,}" if summary["tokens"] is not None else "-")
+    table.add_row("wall time", _duration(summary["wall_time_s"]))
+    table.add_row("speed (median)", f"{summary['median_tokens_per_s']:,.0f} tokens/s" if summary["median_tokens_per_s"] else "-")
+    table.add_row("final train loss", _number(summary["final_loss"], "{:.4f}", f" (step {summary['final_loss_step']})"))
+    table.add_row("best validation perplexity",
+                  _number(summary["best_eval_perplexity"], "{:.3f}", f" (step {summary['best_eval_step']})"))
+    table.add_row("peak GPU reserved", _peak_vs_plan(summary))
+    table.add_row("peak host RSS", _gib(summary["peak_host_rss_bytes"]))
+    table.add_row("micro-batch", f"{summary['final_micro_batch']} ({summary['batch_changes']} changes)"
+                  if summary["final_micro_batch"] is not None else "-")
+    if summary["skipped_steps"] is not None:
+        table.add_row("fp16 skipped steps", f"{summary['skipped_steps']} (loss scale {summary['final_loss_scale']})")
+    table.add_row("out-of-memory events", f"[red]{summary['oom_count']}[/]" if summary["oom_count"] else "0")
+    console.print(table)
+    for oom in summary["ooms"]:
+        where = f"snapshot {oom['snapshot']} (open it at {MEMORY_VIEWER_URL})" if oom["snapshot"] else "no snapshot"
+        console.print(f"[red]OOM[/] at step {oom['step']} with micro-batch {oom['micro_batch']}: {where}",
+                      highlight=False, soft_wrap=True)
+    if summary["unreadable_lines"]:
+        console.print(f"[yellow]skipped {summary['unreadable_lines']} unreadable line(s) (a killed run's last write)[/]")
+    if summary.get("plots"):
+        console.print("plots: " + ", ".join(summary["plots"]), highlight=False, soft_wrap=True)
+
+
+def _peak_vs_plan(summary: dict[str, Any]) -> str:
+    if summary["peak_gpu_reserved_bytes"] is None:
+        return "- (no GPU memory recorded)"
+    text = _gib(summary["peak_gpu_reserved_bytes"])
+    if summary["plan_peak_reserved_bytes"]:
+        text += f" vs {_gib(summary['plan_peak_reserved_bytes'])} planned ({summary['peak_reserved_over_plan']:.0%})"
+    if summary["gpu_cap_bytes"]:
+        text += f", cap {_gib(summary['gpu_cap_bytes'])}"
+    return text
+
+
+def _gib(value: float | None) -> str:
+    return f"{value / GIB:.2f} GiB" if value else "-"
+
+
+def _number(value: float | None, pattern: str, suffix: str) -> str:
+    return pattern.format(value) + suffix if value is not None else "-"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
