@@ -164,6 +164,12 @@ def test_without_prior_one_size_is_read_as_proportional_which_over_predicts():
     # 650 B at size 4 is 162.5 B/sample: 6 would predict 975 B, so the fit stops at 5 (812.5 B).
     policy = make(initial=4, grow_after_steps=1)
     assert play(policy, [("s", 650)]) == [(4, 5, G)]
+    # 690 B at size 4 bounds even 5 over 900 B, but a bound is no slope: probe one size up.
+    policy = make(initial=4, grow_after_steps=1)
+    assert play(policy, [("s", 690)]) == [(4, 5, G)]
+    # With a prior the same step is refused: the prior's slope says 5 predicts 990 B.
+    policy = make(initial=4, grow_after_steps=1, prior=(0.0, 300.0))
+    assert play(policy, [("s", 690)]) == [None]
 
 
 def test_linear_fit_recovers_a_and_b_from_noisy_observations():

@@ -8,7 +8,8 @@ batch, the learning-rate schedule and the gradient are those of the recipe whate
 Rules (recipe `batch.adaptive`, the article's defaults):
 - after `grow_after_steps` consecutive steps under `grow_below` × cap, grow ×`grow_factor`
   (floor, at least +1), but never to a size whose peak the online fit predicts above
-  `shrink_above` × cap, and never to or past a size that ran out of memory;
+  `shrink_above` × cap (with no prior and one observed size, at least one size up as a probe),
+  never to or past a size that ran out of memory, and at most halfway up to it (bisection);
 - a step above `shrink_above` × cap multiplies the size by `shrink_factor`;
 - an OOM rolls back to the largest size below the failing one that completed steps, else shrinks
   by `shrink_factor`; K OOMs in a row at the minimum size raise `GiveUp`.
@@ -72,7 +73,7 @@ class PeakFit:
     """Online least-squares fit peak_bytes = a + b · micro_batch from (micro_batch, peak) pairs.
 
     Until two distinct sizes are seen the slope is the prior's (else peak proportional to the size,
-    which over-predicts and so is the safe side) and the intercept is fitted to the data.
+    an upper bound since a >= 0) and the intercept is fitted to the data.
     """
 
     def __init__(self, prior: tuple[float, float] | None = None):
@@ -102,6 +103,10 @@ class PeakFit:
             # Memory cannot fall with more samples; a non-positive slope is noise between close sizes.
             slope = self.prior[1] if self.prior is not None and self.prior[1] > 0 else mean_y / mean_x
         return mean_y - slope * mean_x, slope
+
+    def informed(self) -> bool:
+        """Whether the slope comes from a prior or from two or more observed sizes."""
+        return self.prior is not None or len(self.sizes) >= 2
 
     def predict(self, micro_batch: int) -> float | None:
         coefficients = self.coefficients()
@@ -218,12 +223,19 @@ class BatchPolicy:
 
     def _grow(self) -> Decision | None:
         target = max(self.micro_batch + 1, math.floor(self.micro_batch * self.rules.grow_factor))
-        upper = self.max_size if self.oom_ceiling is None else min(self.max_size, self.oom_ceiling - 1)
+        upper = self.max_size
+        if self.oom_ceiling is not None:
+            upper = min(upper, self.oom_ceiling - 1)
+            # Bisect between this (stable) size and the OOM: a failed probe costs a retried step.
+            target = min(target, self.micro_batch + max(1, (self.oom_ceiling - self.micro_batch) // 2))
         target = min(target, upper)
         coefficients = self.fit.coefficients()
         if coefficients is not None:
             budget_bytes = self.rules.shrink_above * self.cap_bytes
-            target = min(target, largest_micro_batch_within(*coefficients, budget_bytes, upper))
+            fitting = largest_micro_batch_within(*coefficients, budget_bytes, upper)
+            # One size and no prior is no slope: the proportional bound is too strict to refuse
+            # on, so probe one size up (an OOM there rolls back here) and fit two points after.
+            target = min(target, fitting if self.fit.informed() else max(fitting, self.micro_batch + 1))
         if target <= self.micro_batch:
             return None
         return self._move(target, "grow")
