@@ -1,0 +1,143 @@
+"""The token cache: tokenise once, reuse by content and tokenizer, write atomically."""
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import memtrain.data.cache as cache
+from memtrain.data.cache import cache_paths, cached_documents, cached_tokens
+from memtrain.data.tokenizer import load_tokenizer
+from memtrain.errors import UserError
+from memtrain.recipe.schema import Model
+
+DOCS = ["Now is the winter of our discontent", "Made glorious summer by this sun of York;", "And all the clouds"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(Model(preset="tiny"))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    return str(path)
+
+
+@pytest.fixture
+def tokenize_calls(monkeypatch):
+    """Counts real tokenisation passes of the cache."""
+    calls = []
+    real = cache.tokenize_documents
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cache, "tokenize_documents", counting)
+    return calls
+
+
+def test_tokens_are_the_documents_each_followed_by_eos(tokenizer, corpus, tmp_path):
+    tokens, ends = cached_documents(corpus, "auto", "text", tokenizer, str(tmp_path / "c"))
+    expected = []
+    for doc in DOCS:
+        expected += tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert tokens.dtype == np.uint16 and isinstance(tokens, np.memmap)
+    assert tokens.tolist() == expected
+    assert ends.tolist() == np.cumsum([len(tokenizer(d)["input_ids"]) + 1 for d in DOCS]).tolist()
+    assert np.flatnonzero(tokens == tokenizer.eos_token_id).tolist() == (ends - 1).tolist()
+
+
+def test_second_call_reuses_the_file(tokenizer, corpus, tmp_path, tokenize_calls):
+    first = cached_tokens(corpus, "auto", "text", tokenizer, str(tmp_path / "c"))
+    tokens_path, _ = cache_paths(corpus, "auto", "text", tokenizer, str(tmp_path / "c"))
+    written_ns = tokens_path.stat().st_mtime_ns
+    second = cached_tokens(corpus, "auto", "text", tokenizer, str(tmp_path / "c"))
+    assert len(tokenize_calls) == 1
+    assert tokens_path.stat().st_mtime_ns == written_ns
+    assert np.array_equal(first, second)
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == sorted(
+        [tokens_path.name, tokens_path.name.replace(".tokens.", ".doc_ends.")])  # no temporary files left
+
+
+def test_new_content_or_tokenizer_gives_a_new_entry(tokenizer, corpus, tmp_path, tokenize_calls):
+    cache_dir = str(tmp_path / "c")
+    before = cached_tokens(corpus, "auto", "text", tokenizer, cache_dir)
+    with open(corpus, "a") as handle:
+        handle.write(json.dumps({"text": "Upon our house"}) + "\n")
+    after = cached_tokens(corpus, "auto", "text", tokenizer, cache_dir)
+    assert len(after) > len(before)
+
+    other = load_tokenizer(Model(preset="tiny"))
+    other.add_tokens(["winter"])
+    with_other = cached_tokens(corpus, "auto", "text", other, cache_dir)
+    assert other.convert_tokens_to_ids("winter") in with_other.tolist()
+    assert len(tokenize_calls) == 3
+    assert len(list((tmp_path / "c").glob("*.tokens.npy"))) == 3
+
+
+def test_cache_dir_defaults_to_the_environment(tokenizer, corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "env-cache"))
+    cached_tokens(corpus, "auto", "text", tokenizer, None)
+    assert len(list((tmp_path / "env-cache").glob("*.tokens.npy"))) == 1
+
+
+def test_damaged_entry_is_rebuilt(tokenizer, corpus, tmp_path, tokenize_calls):
+    good = np.array(cached_tokens(corpus, "auto", "text", tokenizer, str(tmp_path)))
+    tokens_path, _ = cache_paths(corpus, "auto", "text", tokenizer, str(tmp_path))
+    tokens_path.write_bytes(tokens_path.read_bytes()[:100])  # a half-written file from elsewhere
+    assert np.array_equal(cached_tokens(corpus, "auto", "text", tokenizer, str(tmp_path)), good)
+    assert len(tokenize_calls) == 2
+
+
+def test_concurrent_writers_agree(tokenizer, corpus, tmp_path):
+    results, errors = [], []
+
+    def build():
+        try:
+            results.append(np.array(cached_tokens(corpus, "auto", "text", tokenizer, str(tmp_path))))
+        except Exception as err:  # surfaced by the assert below
+            errors.append(err)
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(results) == 3
+    assert all(np.array_equal(r, results[0]) for r in results)
+
+
+def test_literal_special_token_text_is_not_a_separator(tokenizer, tmp_path):
+    path = tmp_path / "tricky.txt"
+    path.write_text("before <|endoftext|> after")
+    tokens = cached_tokens(str(path), "auto", "text", tokenizer, str(tmp_path / "c"))
+    assert np.count_nonzero(tokens == tokenizer.eos_token_id) == 1 and tokens[-1] == tokenizer.eos_token_id
+
+
+def test_large_vocabulary_is_stored_as_uint32(tmp_path):
+    vocab = {"<eos>": 0, "<unk>": 1, **{f"w{i}": i + 2 for i in range(70_000)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    big = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
+    path = tmp_path / "words.txt"
+    path.write_text("w69999 w3 w65535")
+    tokens = cached_tokens(str(path), "auto", "text", big, str(tmp_path / "c"))
+    assert tokens.dtype == np.uint32
+    assert tokens.tolist() == [70_001, 5, 65_537, 0]
+
+
+def test_unwritable_cache_dir(tokenizer, corpus, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(UserError) as excinfo:
+        cached_tokens(corpus, "auto", "text", tokenizer, str(blocker / "cache"))
+    [problem] = excinfo.value.problems
+    assert problem.key == "data.cache_dir" and "cannot write the token cache" in problem.message
