@@ -1,0 +1,176 @@
+"""Recipe -> DeepSpeed config. A pure function: data in, dict out, no DeepSpeed import.
+
+What it decides:
+- ZeRO stage from the offload tiers (parameters off the GPU need stage 3; otherwise stage 2).
+- `managed_gradient_accumulation: false`: memtrain's loop owns the accumulation boundary, so the
+  adaptive batch policy can change the micro-batch without changing the global batch
+  (DeepSpeed fixes micro-batch and accumulation at `initialize`; in this mode `step()` is the
+  boundary and `backward()` only accumulates). `train_micro_batch_size_per_gpu` and
+  `gradient_accumulation_steps` still describe the starting split, for DeepSpeed's bookkeeping.
+- Bucket sizes from the model's hidden size (the rule HF's "auto" uses: hidden² for reduce
+  buckets, 0.9·hidden² for ZeRO-3 prefetch, 10·hidden for the persistence threshold).
+- Precision: DeepSpeed's bf16 / fp16 blocks (dynamic loss scaling for fp16). Per-module fp32
+  islands are applied to the model by `memtrain.model.precision`, not here.
+- Activation checkpointing is applied to the model with non-reentrant torch.utils.checkpoint by
+  `memtrain.model.checkpointing`; DeepSpeed's own `activation_checkpointing` block only configures
+  its separate checkpointing API, which memtrain does not call, so it is not emitted.
+"""
+from __future__ import annotations
+
+import math
+
+from memtrain.recipe.schema import Recipe
+
+NEVER_PRINT = 2**31 - 1
+
+
+def zero_stage(recipe: Recipe) -> int:
+    """The ZeRO stage a recipe runs with."""
+    stage = recipe.offload.zero_stage
+    if stage != "auto":
+        return int(stage)
+    return 3 if recipe.offload.params != "none" else 2
+
+
+def grad_accum_steps(global_batch: int, micro_batch: int, gpus: int) -> int:
+    """Micro-batches per optimizer step per GPU (the last one may be smaller when it does not divide)."""
+    return math.ceil(global_batch / (micro_batch * gpus))
+
+
+def _precision(recipe: Recipe) -> dict:
+    p = recipe.precision
+    config: dict = {}
+    if p.compute == "bf16":
+        bf16 = {"enabled": True}
+        if p.master == "bf16":
+            bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+        config["bf16"] = bf16
+    elif p.compute == "fp16":
+        scale = p.loss_scale
+        fp16 = {"enabled": True, "loss_scale": 0}
+        if scale is not None:
+            fp16.update(
+                initial_scale_power=scale.initial_scale_power,
+                loss_scale_window=scale.growth_interval,
+                hysteresis=scale.hysteresis,
+                min_loss_scale=scale.min_scale,
+            )
+        config["fp16"] = fp16
+    return config
+
+
+def _offload_block(tier: str, recipe: Recipe, params: bool, hidden_size: int) -> dict:
+    o = recipe.offload
+    block: dict = {"device": tier, "pin_memory": o.pin_memory}
+    if tier == "nvme":
+        block["nvme_path"] = recipe.hardware.nvme_path
+        block["buffer_count"] = o.buffer_count if params else max(4, o.buffer_count)
+    if params:
+        if tier == "nvme":
+            block["buffer_size"] = max(100_000_000, 4 * hidden_size * hidden_size)
+            block["max_in_cpu"] = 1_000_000_000
+    elif o.ratio < 1.0:
+        block["ratio"] = o.ratio
+    return block
+
+
+def _zero(recipe: Recipe, hidden_size: int) -> dict:
+    o = recipe.offload
+    stage = zero_stage(recipe)
+    bucket = hidden_size * hidden_size if o.bucket_size == "auto" else o.bucket_size
+    zero: dict = {"stage": stage}
+    if stage == 0:
+        return zero
+    zero.update(
+        overlap_comm=o.overlap_comm and stage >= 2,
+        contiguous_gradients=True,
+        reduce_bucket_size=bucket,
+    )
+    if stage in (1, 2):
+        zero.update(allgather_bucket_size=bucket, reduce_scatter=True)
+    if o.optimizer != "none":
+        zero["offload_optimizer"] = _offload_block(o.optimizer, recipe, params=False, hidden_size=hidden_size)
+    if stage == 3:
+        prefetch = int(0.9 * hidden_size * hidden_size) if o.prefetch_bucket_size == "auto" else o.prefetch_bucket_size
+        zero.update(
+            stage3_prefetch_bucket_size=prefetch,
+            stage3_param_persistence_threshold=10 * hidden_size,
+            stage3_max_live_parameters=o.max_live_parameters,
+            stage3_max_reuse_distance=o.max_live_parameters,
+            stage3_gather_16bit_weights_on_model_save=True,
+            sub_group_size=1_000_000_000,
+        )
+        if o.params != "none":
+            zero["offload_param"] = _offload_block(o.params, recipe, params=True, hidden_size=hidden_size)
+    return zero
+
+
+def _aio(recipe: Recipe) -> dict:
+    a = recipe.offload.aio
+    return {
+        "block_size": a.block_size,
+        "queue_depth": a.queue_depth,
+        "intra_op_parallelism": a.intra_op_parallelism,
+        "single_submit": a.single_submit,
+        "overlap_events": a.overlap_events,
+    }
+
+
+def _scheduler(recipe: Recipe, total_steps: int) -> dict:
+    s, lr = recipe.schedule, recipe.optimizer.lr
+    warmup = min(s.warmup_steps, total_steps)
+    if s.decay == "cosine":
+        return {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": total_steps, "warmup_num_steps": warmup,
+            "warmup_min_ratio": 0.0, "cos_min_ratio": s.min_lr_ratio, "warmup_type": "linear"}}
+    if s.decay == "linear":
+        # WarmupDecayLR decays to 0; min_lr_ratio is honoured by the cosine schedule only.
+        return {"type": "WarmupDecayLR", "params": {
+            "total_num_steps": total_steps, "warmup_num_steps": max(warmup, 1) if warmup else 0,
+            "warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_type": "linear"}}
+    return {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": warmup, "warmup_type": "linear"}}
+
+
+def compile_deepspeed(recipe: Recipe, hidden_size: int, micro_batch: int, total_steps: int,
+                      on_cpu: bool = False) -> dict:
+    """The DeepSpeed config for a recipe.
+
+    hidden_size: the model's hidden size (bucket sizes derive from it).
+    micro_batch: the resolved starting micro-batch (an int even when the recipe says "auto").
+    total_steps: optimizer steps of the whole run (the LR schedule spans them).
+    on_cpu: DeepSpeed's CPU accelerator has no fused Adam; use torch's AdamW there when the
+        optimizer stays on the device (offloaded optimizers use DeepSpeed's CPU Adam either way).
+    """
+    b, opt = recipe.batch, recipe.optimizer
+    gpus = recipe.hardware.gpus
+    uses_nvme = "nvme" in (recipe.offload.optimizer, recipe.offload.params)
+    optimizer_params = {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay}
+    if on_cpu and recipe.offload.optimizer == "none":
+        optimizer_params["torch_adam"] = True
+    accum = grad_accum_steps(b.global_batch, micro_batch, gpus)
+    config = {
+        "train_batch_size": micro_batch * accum * gpus,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": accum,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": opt.grad_clip,
+        "steps_per_print": NEVER_PRINT,
+        "wall_clock_breakdown": False,
+        "optimizer": {"type": "AdamW", "params": optimizer_params},
+        "scheduler": _scheduler(recipe, total_steps),
+        **_precision(recipe),
+        "zero_optimization": _zero(recipe, hidden_size),
+        "zero_allow_untested_optimizer": True,
+    }
+    if uses_nvme:
+        config["aio"] = _aio(recipe)
+    return config
+
+
+def compile_recipe(recipe: Recipe, micro_batch: int, total_steps: int, on_cpu: bool = False) -> dict:
+    """compile_deepspeed with the model's hidden size looked up from its config (preset or directory)."""
+    from memtrain.model.config import model_config
+
+    hidden_size = model_config(recipe.model).hidden_size
+    return compile_deepspeed(recipe, hidden_size, micro_batch, total_steps, on_cpu=on_cpu)

@@ -1,0 +1,74 @@
+"""Launch a run on 1..N processes.
+
+The recipe and its data are checked in this process first, so bad input fails fast with exit code
+2 and no workers start. One process runs in-process; several are started with torchrun (one per
+GPU, or per CPU rank with gloo when there is no GPU), each running `memtrain.train.worker`.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from memtrain.recipe.load import load_recipe
+
+EXIT_INTERRUPTED = 130
+
+
+def torchrun_command(nproc: int, port: int, worker_args: list[str]) -> list[str]:
+    """The torchrun command line that starts `nproc` workers on this host."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+            "-m", "memtrain.train.worker", *worker_args]
+
+
+def launch(recipe: Path, overrides: list[str], resume: bool = True, max_steps: int | None = None,
+           profile_steps: int = 0) -> int:
+    """Run a recipe; returns the process exit code (0 done, 130 interrupted)."""
+    loaded = load_recipe(recipe, overrides)
+    gpus = loaded.recipe.hardware.gpus
+    already_launched = "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == gpus
+    if gpus == 1 or already_launched:
+        from memtrain.train.loop import prepare_data, train
+
+        if gpus > 1:
+            prepare_data(loaded)
+        result = train(loaded, resume=resume, max_steps=max_steps, profile_steps=profile_steps)
+        _print_result(result)
+        return 0 if result.status == "done" else EXIT_INTERRUPTED
+    _check_devices(gpus)
+    from memtrain.train.distributed import free_port
+    from memtrain.train.loop import prepare_data
+
+    prepare_data(loaded)  # data problems surface here, once, before any worker starts
+    args = [str(recipe), *overrides, "--resume" if resume else "--no-resume"]
+    if max_steps is not None:
+        args += ["--max-steps", str(max_steps)]
+    if profile_steps:
+        args += ["--profile", str(profile_steps)]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // gpus))))
+    completed = subprocess.run(torchrun_command(gpus, free_port(), args), env=env)
+    return completed.returncode
+
+
+def _check_devices(gpus: int) -> None:
+    import torch
+
+    from memtrain.errors import Problem, UserError
+
+    available = torch.cuda.device_count()
+    if available and available < gpus:
+        raise UserError(Problem(f"the recipe asks for {gpus} GPUs but this machine has {available}",
+                                key="hardware.gpus", hint=f"set hardware.gpus={available}"))
+
+
+def _print_result(result) -> None:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if result.status == "done":
+        console.print(f"[green]✓[/] trained {result.step} steps; model in {result.run_dir / 'final'}")
+    else:
+        console.print(f"[yellow]■[/] stopped at step {result.step} ({result.status}); checkpoint in "
+                      f"{result.run_dir / 'checkpoints'} — run the same command again to resume")

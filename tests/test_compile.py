@@ -1,0 +1,119 @@
+"""The recipe -> DeepSpeed compiler: golden files for every shipped recipe, DeepSpeed's own parser
+accepts every output, and the decisions (stage, offload blocks, batch split, precision) follow the recipe."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from memtrain.compile.deepspeed import compile_deepspeed, compile_recipe, grad_accum_steps, zero_stage
+from memtrain.recipe.load import load_recipe, load_recipe_text
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def compiled(path: Path) -> dict:
+    recipe = load_recipe(path).recipe
+    return compile_recipe(recipe, micro_batch=recipe.batch.micro_batch, total_steps=recipe.train.steps)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_compiled_config_matches_golden_file(path):
+    config = compiled(path)
+    golden = GOLDEN / f"{path.stem}.json"
+    if os.environ.get("MEMTRAIN_UPDATE_GOLDEN") or not golden.exists():
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if not os.environ.get("MEMTRAIN_UPDATE_GOLDEN"):
+            pytest.fail(f"wrote missing golden file {golden}; review and commit it")
+    assert config == json.loads(golden.read_text())
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_deepspeed_accepts_every_compiled_config(path, monkeypatch):
+    import deepspeed.comm as ds_comm
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    config = compiled(path)
+    world = load_recipe(path).recipe.hardware.gpus
+    # DeepSpeed reads the data-parallel world size from the process group; pretend to be rank 0 of `world`
+    monkeypatch.setattr(ds_comm, "get_rank", lambda *a, **k: 0)
+    monkeypatch.setattr(ds_comm, "get_world_size", lambda *a, **k: world)
+    parsed = DeepSpeedConfig(config)
+    assert parsed.train_batch_size == config["train_batch_size"]
+    assert parsed.zero_optimization_stage == config["zero_optimization"]["stage"]
+    assert parsed.gradient_accumulation_steps == config["gradient_accumulation_steps"]
+    assert parsed.managed_gradient_accumulation is False
+
+
+BASE = """
+model: {preset: tiny}
+data: {train: "builtin:shakespeare", seq_len: 64}
+train: {steps: 10}
+"""
+
+
+def recipe_with(extra: str = "", overrides: list[str] | None = None):
+    return load_recipe_text(BASE + extra, overrides=overrides).recipe
+
+
+def test_stage_follows_offload_tiers():
+    assert zero_stage(recipe_with()) == 2
+    assert zero_stage(recipe_with(overrides=["offload.optimizer=cpu"])) == 2
+    assert zero_stage(recipe_with(overrides=["offload.optimizer=cpu", "offload.params=cpu"])) == 3
+    assert zero_stage(recipe_with(overrides=["offload.zero_stage=1"])) == 1
+
+
+def test_offload_blocks_and_nvme_paths(tmp_path):
+    recipe = recipe_with(overrides=["offload.optimizer=nvme", "offload.params=nvme", f"hardware.nvme_path={tmp_path}"])
+    config = compile_deepspeed(recipe, hidden_size=256, micro_batch=4, total_steps=10)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"]["device"] == "nvme" and zero["offload_optimizer"]["nvme_path"] == str(tmp_path)
+    assert zero["offload_param"]["device"] == "nvme" and zero["offload_param"]["nvme_path"] == str(tmp_path)
+    assert config["aio"]["queue_depth"] == recipe.offload.aio.queue_depth
+    assert "aio" not in compile_deepspeed(recipe_with(), 256, 4, 10)
+
+
+def test_bucket_sizes_derive_from_hidden_size():
+    recipe = recipe_with(overrides=["offload.optimizer=cpu", "offload.params=cpu"])
+    zero = compile_deepspeed(recipe, hidden_size=4096, micro_batch=4, total_steps=10)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 4096 * 4096
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 4096 * 4096)
+    assert zero["stage3_param_persistence_threshold"] == 40960
+
+
+@pytest.mark.parametrize("global_batch,micro,gpus,accum", [(32, 4, 1, 8), (32, 4, 2, 4), (16, 16, 1, 1), (30, 4, 1, 8)])
+def test_batch_split(global_batch, micro, gpus, accum):
+    assert grad_accum_steps(global_batch, micro, gpus) == accum
+
+
+def test_precision_blocks():
+    bf16 = compile_deepspeed(recipe_with(overrides=["precision.master=bf16"]), 256, 4, 10)
+    assert bf16["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    fp16 = compile_deepspeed(
+        recipe_with(overrides=["precision.compute=fp16", "precision.loss_scale.initial_scale_power=12",
+                               "precision.loss_scale.hysteresis=3"]), 256, 4, 10)
+    assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0
+    assert fp16["fp16"]["initial_scale_power"] == 12 and fp16["fp16"]["hysteresis"] == 3
+    assert "bf16" not in fp16
+    fp32 = compile_deepspeed(recipe_with(overrides=["precision.compute=fp32"]), 256, 4, 10)
+    assert "bf16" not in fp32 and "fp16" not in fp32
+
+
+def test_schedule_spans_the_run():
+    config = compile_deepspeed(recipe_with(overrides=["schedule.warmup_steps=3"]), 256, 4, total_steps=10)
+    assert config["scheduler"]["type"] == "WarmupCosineLR"
+    assert config["scheduler"]["params"]["total_num_steps"] == 10
+    assert config["scheduler"]["params"]["warmup_num_steps"] == 3
+
+
+def test_compiler_is_pure():
+    recipe = recipe_with()
+    before = recipe.model_dump()
+    assert compile_deepspeed(recipe, 256, 4, 10) == compile_deepspeed(recipe, 256, 4, 10)
+    assert recipe.model_dump() == before
