@@ -1,0 +1,105 @@
+"""Atomic checkpoints and exact resume.
+
+A checkpoint is written into `checkpoints/.tmp-step-NNNNNN/` (DeepSpeed's model, optimizer and
+scheduler state, one RNG file per rank, and `memtrain_state.json` last), then renamed to
+`checkpoints/step-NNNNNN/`. A run killed mid-save leaves only a `.tmp-` directory, which is never
+loaded and is removed by the next save; the last complete checkpoint stays intact.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from memtrain.train.distributed import barrier
+
+DS_TAG = "state"
+STATE_FILE = "memtrain_state.json"
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+@dataclass
+class LoopState:
+    """Everything the loop needs besides DeepSpeed's state to continue exactly."""
+
+    step: int = 0                 # optimizer steps done
+    tokens: int = 0               # target tokens trained on (all ranks)
+    best_eval_loss: float | None = None
+    batch_policy: dict = field(default_factory=dict)
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(engine, run_dir: Path, state: LoopState, rank: int, keep_last: int) -> Path:
+    """Write a checkpoint atomically (all ranks call this) and prune to the newest keep_last."""
+    root = checkpoint_root(run_dir)
+    name = f"step-{state.step:06d}"
+    tmp, final = root / f".tmp-{name}", root / name
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-step-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    barrier()
+    engine.save_checkpoint(str(tmp), tag=DS_TAG)
+    torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
+    barrier()
+    if rank == 0:
+        state_path = tmp / STATE_FILE
+        state_path.write_text(json.dumps(asdict(state), indent=2))
+        with open(state_path) as handle:
+            os.fsync(handle.fileno())
+        if final.exists():  # a save of the same step (e.g. interrupted right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in complete_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def load_checkpoint(engine, path: Path, rank: int) -> LoopState:
+    """Restore DeepSpeed's model/optimizer/scheduler state, this rank's RNG, and the loop state."""
+    engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+    rng = path / f"rng-rank{rank}.pt"
+    if rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return LoopState(**json.loads((path / STATE_FILE).read_text()))

@@ -1,0 +1,77 @@
+"""Process setup: rank environment, device, GPU memory cap, DeepSpeed's process group."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from memtrain.configs import gpu_profile
+
+
+@dataclass(frozen=True)
+class Place:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def setup_process(gpu: str, cap_memory: bool) -> tuple[Place, int]:
+    """Join (or, alone, create) the process group; pick the device; cap GPU memory to the target card.
+
+    Returns the place and the GPU memory cap in bytes (0 on the CPU).
+    """
+    if "RANK" not in os.environ:  # a single process started without a launcher
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        device = torch.device("cpu")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+    cap_bytes = 0
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        cap_bytes = min(gpu_profile(gpu).memory_bytes, total)
+        if cap_memory and cap_bytes < total:
+            torch.cuda.set_per_process_memory_fraction(cap_bytes / total, device)
+        else:
+            cap_bytes = total
+    return Place(rank, local_rank, world_size, device), cap_bytes
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor

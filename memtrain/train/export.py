@@ -1,0 +1,31 @@
+"""Export the trained model (or LoRA adapter) in Hugging Face format, atomically."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from memtrain.train.distributed import barrier
+
+
+def export_model(engine, model: torch.nn.Module, tokenizer, out_dir: Path, rank: int, zero3: bool) -> Path | None:
+    """Write `out_dir` loadable with from_pretrained / PeftModel.from_pretrained (all ranks call this).
+
+    Under ZeRO-3 the 16-bit weights are gathered from every rank first.
+    """
+    state_dict = engine._zero3_consolidated_16bit_state_dict() if zero3 else None
+    if rank == 0:
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        if state_dict is not None:
+            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    barrier()
+    return out_dir if rank == 0 else None

@@ -1,0 +1,328 @@
+"""`memtrain run`: setup → train → save, one readable story.
+
+setup:  process group and device, data (validated before anything is written), model with its
+        memory policies, DeepSpeed engine from the compiled config, resume from the newest checkpoint.
+train:  for each optimizer step, this rank's share of the global batch in micro-batches sized by the
+        batch policy; metrics kept on the device and flushed every `log_every` steps.
+save:   periodic atomic checkpoints, a final export in Hugging Face format.
+"""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from memtrain.errors import DataError, Problem
+from memtrain.recipe.load import LoadedRecipe
+from memtrain.train.checkpoint import LoopState, latest_checkpoint, load_checkpoint, save_checkpoint
+from memtrain.train.distributed import Place, all_reduce_sum, setup_process
+from memtrain.train.step import OomDuringStep, run_micro_batches, split, step_targets
+
+
+@dataclass
+class RunResult:
+    status: str              # "done" | "interrupted" | "gave_up"
+    step: int
+    run_dir: Path
+    final_eval_loss: float | None = None
+
+
+class Interrupted:
+    """Ctrl-C / SIGTERM: finish the current step, save, exit cleanly."""
+
+    def __init__(self):
+        self.requested = False
+
+    @contextmanager
+    def installed(self):
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+        def request(signum, frame):
+            if self.requested:  # a second Ctrl-C aborts at once
+                signal.signal(signal.SIGINT, previous[signal.SIGINT])
+                raise KeyboardInterrupt
+            self.requested = True
+
+        for sig in previous:
+            signal.signal(sig, request)
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def resolve_micro_batch(loaded: LoadedRecipe) -> int:
+    """The starting micro-batch: the recipe's number, or for "auto" the planner's largest fit."""
+    if loaded.recipe.batch.micro_batch != "auto":
+        return loaded.recipe.batch.micro_batch
+    from memtrain.plan.planner import resolve_micro_batch as planned
+
+    return planned(loaded)
+
+
+def total_steps(loaded: LoadedRecipe, n_train_samples: int) -> int:
+    r = loaded.recipe
+    if r.train.steps is not None:
+        return r.train.steps
+    return max(1, math.ceil(r.train.epochs * n_train_samples / r.batch.global_batch))
+
+
+def prepare_data(loaded: LoadedRecipe):
+    """Tokenizer and datasets, checked against the global batch before any run files are written."""
+    from memtrain.data.dataset import build_datasets
+    from memtrain.data.tokenizer import load_tokenizer
+
+    r = loaded.recipe
+    tokenizer = load_tokenizer(r.model)
+    train_set, val_set = build_datasets(r.data, tokenizer, r.train.seed)
+    if len(train_set) < r.batch.global_batch:
+        raise DataError(loaded.sources.problem(
+            ("batch", "global_batch"),
+            f"the training data gives {len(train_set)} samples of {r.data.seq_len} tokens, "
+            f"fewer than one global batch of {r.batch.global_batch}",
+            "add data, lower data.seq_len, or lower batch.global_batch"))
+    return tokenizer, train_set, val_set
+
+
+def evaluate(engine, loader, val_set, micro_batch: int, batches: int, device, world_size: int, rank: int) -> float:
+    """Mean token loss over the first `batches` micro-batches of the validation set (all ranks)."""
+    engine.eval()
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = torch.zeros((), device=device, dtype=torch.float64)
+    n = min(len(val_set), batches * micro_batch * world_size)
+    mine = list(range(rank, n, world_size))
+    with torch.no_grad():
+        for indices in split(mine, micro_batch):
+            batch = loader.get(indices)
+            token_loss_sum, n_targets = engine(input_ids=batch["input_ids"], labels=batch["labels"])
+            loss_sum += token_loss_sum.double()
+            tokens += n_targets.double() if torch.is_tensor(n_targets) else n_targets
+    engine.train()
+    totals = all_reduce_sum(torch.stack([loss_sum, tokens]))
+    return float(totals[0] / totals[1].clamp(min=1))
+
+
+def train(loaded: LoadedRecipe, resume: bool = True, max_steps: int | None = None, profile_steps: int = 0,
+          quiet: bool = False) -> RunResult:
+    r = loaded.recipe
+    place, cap_bytes = setup_process(r.hardware.gpu, r.hardware.cap_memory)
+    tokenizer, train_set, val_set = prepare_data(loaded)
+    steps_total = total_steps(loaded, len(train_set))
+    run_dir = loaded.output_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total, run_dir,
+                  resume, max_steps, profile_steps, quiet)
+
+
+def _build_engine(loaded: LoadedRecipe, place: Place, micro_batch: int, steps_total: int):
+    import deepspeed
+
+    from memtrain.compile.deepspeed import compile_recipe
+    from memtrain.model.build import build_model
+    from memtrain.model.checkpointing import apply_checkpointing
+    from memtrain.model.precision import apply_precision
+    from memtrain.model.wrapper import TrainableLM
+
+    r = loaded.recipe
+    ds_config = compile_recipe(r, micro_batch, steps_total, on_cpu=not place.on_cuda)
+    model = build_model(r.model, r.precision.compute, place.device, ds_config, seed=r.train.seed)
+    apply_checkpointing(model, r.checkpointing)
+    apply_precision(model, r.precision)
+    lm = TrainableLM(model, r.precision)
+    trainable = [p for p in lm.parameters() if p.requires_grad]
+    engine, _, _, scheduler = deepspeed.initialize(model=lm, model_parameters=trainable, config=ds_config)
+    return engine, scheduler, model, ds_config
+
+
+def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total, run_dir, resume, max_steps,
+           profile_steps, quiet) -> RunResult:
+    from memtrain.data.loader import BatchLoader, SampleOrder
+    from memtrain.monitor.forecast import PeakForecast
+    from memtrain.monitor.metrics import MetricsLog
+    from memtrain.monitor.profiler import StepProfiler, phase
+    from memtrain.train.batch_policy import BatchPolicy, GiveUp
+    from memtrain.train.export import export_model
+    from memtrain.train.oom import OomInjector, dump_memory_snapshot, release_memory, start_memory_history
+    from memtrain.train.progress import Progress
+
+    r = loaded.recipe
+    world, rank, device = place.world_size, place.rank, place.device
+    per_rank_batch = r.batch.global_batch // world
+    micro_batch = min(resolve_micro_batch(loaded), per_rank_batch)
+    engine, scheduler, model, ds_config = _build_engine(loaded, place, micro_batch, steps_total)
+    zero3 = ds_config["zero_optimization"]["stage"] == 3
+
+    state = LoopState()
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if checkpoint is not None:
+        state = load_checkpoint(engine, checkpoint, rank)
+    policy = BatchPolicy(r.batch, per_rank_batch, micro_batch, cap_bytes or 1, prior=None)
+    if state.batch_policy:
+        policy.load_state_dict(state.batch_policy)
+    if place.is_main:
+        (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+        (run_dir / "recipe.json").write_text(loaded.recipe.model_dump_json(indent=2))
+
+    metrics = MetricsLog(run_dir / "metrics.jsonl", flush_every=r.train.log_every, enabled=place.is_main,
+                         tensorboard_dir=run_dir / "tensorboard")
+    metrics.event("run", state.step, event="resume" if checkpoint else "start", recipe=loaded.name,
+                  gpu_cap_bytes=cap_bytes, device=str(device), world_size=world, total_steps=steps_total,
+                  micro_batch=policy.micro_batch, plan_peak_reserved_bytes=_planned_peak(loaded))
+    order = SampleOrder(len(train_set), r.train.seed)
+    loader = BatchLoader(train_set, device)
+    val_loader = BatchLoader(val_set, device)
+    injector = OomInjector.from_env()
+    forecast = PeakForecast()
+    start_memory_history(device)
+    profiler = StepProfiler(run_dir, profile_steps, device)
+    stop_at = steps_total if max_steps is None else min(steps_total, state.step + max_steps)
+    packed = r.data.packing
+    interrupted = Interrupted()
+    status, eval_loss = "done", None
+    progress = Progress(steps_total, enabled=place.is_main and not quiet)
+
+    with interrupted.installed(), progress, profiler:
+        progress.update(state.step)
+        while state.step < stop_at:
+            step = state.step
+            step_start = time.perf_counter()
+            if place.on_cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            samples = order.indices(step * r.batch.global_batch, r.batch.global_batch)
+            mine = samples[rank * per_rank_batch:(rank + 1) * per_rank_batch]
+            targets = (r.batch.global_batch * (r.data.seq_len - 1)) if packed else step_targets(train_set, samples, device, 1)
+            normaliser = world / targets
+            loss_sum = torch.zeros((), device=device)
+            remaining, micro_batches, ooms = mine, 0, 0
+            while remaining:
+                batches = split(remaining, policy.micro_batch)
+                try:
+                    with phase("forward_backward"):
+                        done = run_micro_batches(
+                            engine, loader, batches, normaliser, loss_sum,
+                            on_micro_batch=lambda i, size: injector.maybe_raise(step, micro_batches + i, size))
+                    micro_batches += done
+                    remaining = []
+                except OomDuringStep as oom:
+                    ooms += 1
+                    snapshot = dump_memory_snapshot(run_dir, step)
+                    release_memory(device)
+                    try:
+                        decision = policy.on_oom()
+                    except GiveUp as give_up:
+                        metrics.event("oom", step, micro_batch=policy.micro_batch, snapshot=_str(snapshot), fatal=True)
+                        save_checkpoint(engine, run_dir, _with_policy(state, policy), rank, r.train.keep_last)
+                        metrics.event("run", step, event="end", status="gave_up", message=str(give_up))
+                        metrics.close()
+                        raise DataError(Problem(f"out of memory at micro-batch {policy.micro_batch}: {give_up}",
+                                                hint=f"checkpoint saved in {run_dir}; run `memtrain plan` on the recipe "
+                                                     "for the change that makes it fit")) from None
+                    metrics.event("oom", step, micro_batch=decision.old_micro_batch, snapshot=_str(snapshot),
+                                  in_backward=oom.in_backward)
+                    metrics.event("batch", step, old_micro_batch=decision.old_micro_batch,
+                                  new_micro_batch=decision.new_micro_batch, reason=decision.reason)
+                    if oom.in_backward:
+                        _discard_gradients(engine)
+                        loss_sum.zero_()
+                        remaining, micro_batches = mine, 0
+                    else:
+                        finished = sum(len(b) for b in batches[:oom.done])
+                        micro_batches += oom.done
+                        remaining = remaining[finished:]
+            with phase("optimizer_step"):
+                engine.step()
+            state.step += 1
+            state.tokens += targets
+            peak_reserved = torch.cuda.max_memory_reserved(device) if place.on_cuda else 0
+            decision = policy.after_step(peak_reserved) if place.on_cuda else None
+            if decision is not None:
+                metrics.event("batch", state.step, old_micro_batch=decision.old_micro_batch,
+                              new_micro_batch=decision.new_micro_batch, reason=decision.reason)
+            if place.on_cuda:
+                forecast.observe(peak_reserved)
+                if cap_bytes and forecast.warns(cap_bytes, r.batch.adaptive.shrink_above):
+                    predicted = forecast.forecast(1)
+                    metrics.event("forecast", state.step, predicted_peak_bytes=int(predicted), cap_bytes=cap_bytes)
+                    early = policy.before_step(int(predicted))
+                    if early is not None:
+                        metrics.event("batch", state.step, old_micro_batch=early.old_micro_batch,
+                                      new_micro_batch=early.new_micro_batch, reason=early.reason)
+            step_loss = loss_sum / (targets / world)  # this rank's mean; reported from rank 0
+            metrics.record("train", state.step, loss=step_loss, lr=scheduler.get_last_lr()[0],
+                           tokens=state.tokens, step_time_s=time.perf_counter() - step_start,
+                           micro_batch=policy.micro_batch, grad_accum=micro_batches, ooms=ooms,
+                           **_memory_fields(place, cap_bytes))
+            progress.update(state.step, metrics.last_flushed)
+            profiler.step()
+            last = state.step == stop_at
+            if state.step % r.train.eval_every == 0 or last:
+                eval_loss = evaluate(engine, val_loader, val_set, policy.micro_batch, r.train.eval_batches,
+                                     device, world, rank)
+                metrics.event("eval", state.step, loss=eval_loss, perplexity=math.exp(min(eval_loss, 50)))
+                progress.note_eval(state.step, eval_loss)
+                if state.best_eval_loss is None or eval_loss < state.best_eval_loss:
+                    state.best_eval_loss = eval_loss
+            stopping = interrupted.requested or last
+            if state.step % r.train.save_every == 0 or stopping:
+                path = save_checkpoint(engine, run_dir, _with_policy(state, policy), rank, r.train.keep_last)
+                metrics.event("checkpoint", state.step, path=str(path))
+            if interrupted.requested:
+                status = "interrupted"
+                break
+        metrics.flush()
+    if status == "done" and state.step >= steps_total:
+        export_model(engine, model, tokenizer, run_dir / "final", rank, zero3)
+    metrics.event("run", state.step, event="end", status=status)
+    metrics.close()
+    loader.close()
+    val_loader.close()
+    return RunResult(status=status, step=state.step, run_dir=run_dir, final_eval_loss=eval_loss)
+
+
+def _with_policy(state: LoopState, policy) -> LoopState:
+    state.batch_policy = policy.state_dict()
+    return state
+
+
+def _str(path) -> str | None:
+    return str(path) if path is not None else None
+
+
+def _planned_peak(loaded: LoadedRecipe) -> int | None:
+    try:
+        from memtrain.plan.planner import plan_recipe
+    except ImportError:
+        return None
+    try:
+        return int(plan_recipe(loaded).peak_reserved_bytes)
+    except Exception:  # noqa: BLE001 — the plan is a reference line in reports, never a reason to stop training
+        return None
+
+
+def _memory_fields(place: Place, cap_bytes: int) -> dict:
+    import resource
+
+    import psutil
+
+    fields = {"host_rss_bytes": psutil.Process().memory_info().rss,
+              "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if place.on_cuda:
+        device = place.device
+        fields.update(gpu_allocated_bytes=torch.cuda.memory_allocated(device),
+                      gpu_reserved_bytes=torch.cuda.memory_reserved(device),
+                      gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
+                      gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
+                      gpu_cap_bytes=cap_bytes)
+    return fields
+
+
+def _discard_gradients(engine) -> None:
+    """Drop the gradients accumulated so far in this optimizer step (after an OOM in backward)."""
+    engine.optimizer.zero_grad(set_to_none=True)

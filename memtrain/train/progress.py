@@ -1,0 +1,55 @@
+"""The run's progress bar: step, loss, tokens/s, GPU memory — refreshed from flushed metrics only,
+so drawing it never forces a host-device sync."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from memtrain.recipe.units import gib
+
+
+class Progress:
+    def __init__(self, total_steps: int, enabled: bool = True):
+        self.enabled = enabled
+        self.total = total_steps
+        self._bar = None
+        self._task = None
+        self._eval = ""
+        if enabled:
+            self._bar = RichProgress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                console=Console(stderr=True), transient=False, refresh_per_second=2,
+            )
+
+    def __enter__(self):
+        if self._bar is not None:
+            self._bar.__enter__()
+            self._task = self._bar.add_task("train", total=self.total, stats="")
+        return self
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+        return False
+
+    def update(self, step: int, record: dict | None = None) -> None:
+        if self._bar is None:
+            return
+        fields = {}
+        if record:
+            parts = [f"loss {record['loss']:.3f}"]
+            if record.get("tokens_per_s"):
+                parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+            if record.get("gpu_peak_reserved_bytes"):
+                parts.append(f"gpu {gib(record['gpu_peak_reserved_bytes']):.1f}/{gib(record.get('gpu_cap_bytes', 0)):.0f} GiB")
+            parts.append(f"mb {record.get('micro_batch')}")
+            fields["stats"] = " · ".join(parts) + self._eval
+        self._bar.update(self._task, completed=step, **fields)
+
+    def note_eval(self, step: int, loss: float) -> None:
+        import math
+
+        self._eval = f" · val ppl {math.exp(min(loss, 50)):.1f}"
+        if self._bar is not None:
+            self._bar.console.print(f"step {step}: validation loss {loss:.4f}, perplexity {math.exp(min(loss, 50)):.2f}")

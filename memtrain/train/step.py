@@ -1,0 +1,85 @@
+"""One optimizer step over a fixed set of samples, split into micro-batches of any size.
+
+The loop owns the accumulation boundary (DeepSpeed runs with managed_gradient_accumulation off):
+every micro-batch's summed token loss is divided by the target tokens of the whole global batch,
+so gradients are the same whatever the micro-batch size, and the global batch never changes when
+the batch policy changes the micro-batch.
+
+An out-of-memory error in the forward pass of a micro-batch leaves the gradients of the
+micro-batches already done untouched; the rest of the step's samples are retried at the smaller
+size. An OOM in backward may have added part of a gradient, so the step's gradients are discarded
+and all of its samples run again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memtrain.train.distributed import all_reduce_sum
+
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor        # summed token loss of this rank's samples (on the device, no sync)
+    target_tokens: int            # target tokens of the whole global batch (all ranks)
+    micro_batches: int            # forward passes this step (after any retries)
+    ooms: int                     # OOMs survived during this step
+
+
+def count_targets(labels: torch.Tensor) -> int:
+    """Target tokens in a batch of labels (shifted by one, -100 ignored), counted on the host."""
+    return int((labels[..., 1:] != -100).sum())
+
+
+def split(indices: list[int], micro_batch: int) -> list[list[int]]:
+    return [indices[i:i + micro_batch] for i in range(0, len(indices), micro_batch)]
+
+
+class OomDuringStep(Exception):
+    def __init__(self, error: BaseException, in_backward: bool):
+        super().__init__(str(error))
+        self.error, self.in_backward = error, in_backward
+
+
+def run_micro_batches(engine, loader, batches: list[list[int]], normaliser: float, loss_sum: torch.Tensor,
+                      on_micro_batch=None) -> int:
+    """Forward + backward over micro-batches, adding to loss_sum; returns how many completed.
+
+    Raises OomDuringStep with how many completed (as `.done`) when one runs out of memory.
+    """
+    for done, indices in enumerate(batches):
+        if done + 1 < len(batches):
+            loader.prefetch(batches[done + 1])
+        batch = loader.get(indices)
+        try:
+            if on_micro_batch is not None:
+                on_micro_batch(done, len(indices))
+            token_loss_sum, _ = engine(input_ids=batch["input_ids"], labels=batch["labels"])
+        except Exception as error:  # noqa: BLE001 — only OOMs are handled; the rest re-raise
+            raise _as_oom(error, False, done) from error
+        try:
+            engine.backward(token_loss_sum * normaliser, scale_wrt_gas=False)
+        except Exception as error:  # noqa: BLE001
+            raise _as_oom(error, True, done) from error
+        loss_sum += token_loss_sum.detach().float()
+    return len(batches)
+
+
+def _as_oom(error: BaseException, in_backward: bool, done: int) -> BaseException:
+    from memtrain.train.oom import is_oom
+
+    if not is_oom(error):
+        return error
+    oom = OomDuringStep(error, in_backward)
+    oom.done = done
+    return oom
+
+
+def step_targets(dataset, indices: list[int], device: torch.device, world_size: int) -> int:
+    """Target tokens of the global batch: this rank's count summed over ranks (one tiny all-reduce)."""
+    local = sum(count_targets(dataset[i]["labels"]) for i in indices)
+    if world_size == 1:
+        return local
+    total = torch.tensor([float(local)], device=device)
+    return int(all_reduce_sum(total).item())
