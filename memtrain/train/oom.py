@@ -1,0 +1,165 @@
+"""Out-of-memory helpers: recognise an OOM, free what it left, keep forensics, inject OOMs in tests."""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from memtrain.errors import Problem, UserError
+
+log = logging.getLogger(__name__)
+
+INJECT_ENV = "MEMTRAIN_INJECT_OOM"
+HISTORY_MAX_ENTRIES = 100_000  # alloc/free events kept for a snapshot; bounds the host memory it costs
+
+# Lower-cased fragments of messages that mean "an allocation failed", from places that raise a plain
+# RuntimeError rather than torch.OutOfMemoryError: CUDA runtime calls, cuBLAS/cuDNN handle and
+# workspace creation, NCCL, DeepSpeed's pinned/offload buffers, and torch's CPU allocator.
+_OOM_FRAGMENTS = (
+    "out of memory",
+    "cublas_status_alloc_failed",
+    "cudnn_status_alloc_failed",
+    "cudnn_status_not_enough_workspace",
+    "can't allocate memory",
+    "cannot allocate memory",
+)
+
+
+def is_oom(error: BaseException) -> bool:
+    """True when `error` (or an error it was raised from) is a failed memory allocation.
+
+    Python's MemoryError counts too: on CPU runs activations live in host memory.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (torch.OutOfMemoryError, MemoryError)):
+            return True
+        if isinstance(current, RuntimeError) and any(f in str(current).lower() for f in _OOM_FRAGMENTS):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _on_cuda(device) -> bool:
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def start_memory_history(device) -> None:
+    """Record allocator events on CUDA so that an OOM snapshot shows who held what; no-op elsewhere."""
+    if _on_cuda(device):
+        torch.cuda.memory._record_memory_history(max_entries=HISTORY_MAX_ENTRIES)
+
+
+def dump_memory_snapshot(run_dir: Path, step: int) -> Path | None:
+    """Write the CUDA allocator snapshot to run_dir/oom-step{step}.pickle; None on CPU or on failure.
+
+    Open the file at https://pytorch.org/memory_viz. A failure to write is logged, never raised:
+    forensics must not turn a recoverable OOM into a crash.
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    path = Path(run_dir) / f"oom-step{step}.pickle"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(path))
+    except Exception as error:  # noqa: BLE001 — any failure here is secondary to the OOM itself
+        log.warning("could not write the memory snapshot %s: %s", path, error)
+        return None
+    return path
+
+
+def release_memory(device) -> None:
+    """Drop what a failed step left reachable only through cycles, and return cached blocks to CUDA."""
+    gc.collect()
+    if _on_cuda(device):
+        torch.cuda.empty_cache()
+
+
+# -- injection for tests --------------------------------------------------------------------------
+
+_POINT = re.compile(
+    r"^(?P<step>\d+):(?P<micro>\d+)(?:\*(?P<times>\d+))?(?::mb(?P<op>>=|<=|==|>|<)(?P<size>\d+))?$"
+)
+_COMPARE = {
+    ">=": lambda a, b: a >= b,
+    "<=": lambda a, b: a <= b,
+    "==": lambda a, b: a == b,
+    ">": lambda a, b: a > b,
+    "<": lambda a, b: a < b,
+}
+
+
+@dataclass(frozen=True)
+class InjectionPoint:
+    """Raise at (optimizer step, micro-batch index) `times` times, when micro_batch satisfies `op size`."""
+
+    step: int
+    micro_index: int
+    times: int = 1
+    op: str | None = None
+    size: int | None = None
+
+    def matches(self, step: int, micro_index: int, micro_batch: int) -> bool:
+        if (step, micro_index) != (self.step, self.micro_index):
+            return False
+        return self.op is None or _COMPARE[self.op](micro_batch, self.size)
+
+
+class OomInjector:
+    """Test hook: raises torch.OutOfMemoryError at chosen points; each point fires `times` times (default once).
+
+    Spec, comma-separated: `step:micro_index`, optionally `*times` and `:mb>=N` (also >, <=, <, ==),
+    e.g. "3:0,7:1", "3:0:mb>=4" (only while the micro-batch is at least 4), "2:0*3" (the first three
+    attempts of step 2's first micro-batch). Steps count as the loop counts them.
+    """
+
+    def __init__(self, points: list[InjectionPoint] | tuple[InjectionPoint, ...] = ()):
+        self.points = tuple(points)
+        self.fired = [0] * len(self.points)
+
+    @classmethod
+    def parse(cls, spec: str, source: str = INJECT_ENV) -> "OomInjector":
+        """Build from a spec string; a malformed point raises UserError naming it."""
+        points = []
+        for part in (p.strip() for p in spec.split(",")):
+            if not part:
+                continue
+            match = _POINT.match(part)
+            if match is None:
+                raise UserError(Problem(
+                    f"cannot read OOM injection point {part!r}",
+                    key=source,
+                    hint="write points as step:micro_index[*times][:mb>=N], comma-separated, e.g. '3:0,7:1:mb>=4'",
+                ))
+            times = int(match["times"]) if match["times"] else 1
+            if times < 1:
+                raise UserError(Problem(f"injection point {part!r} fires {times} times", key=source,
+                                        hint="use *1 or more"))
+            size = int(match["size"]) if match["size"] else None
+            points.append(InjectionPoint(int(match["step"]), int(match["micro"]), times, match["op"], size))
+        return cls(points)
+
+    @classmethod
+    def from_env(cls) -> "OomInjector":
+        """Read MEMTRAIN_INJECT_OOM; unset or empty gives an injector that never fires."""
+        return cls.parse(os.environ.get(INJECT_ENV, ""))
+
+    def __bool__(self) -> bool:
+        return bool(self.points)
+
+    def maybe_raise(self, step: int, micro_index: int, micro_batch: int) -> None:
+        """Raise torch.OutOfMemoryError if a point with firings left matches; call before each micro-batch."""
+        for index, point in enumerate(self.points):
+            if self.fired[index] < point.times and point.matches(step, micro_index, micro_batch):
+                self.fired[index] += 1
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory (injected by {INJECT_ENV} at step {step}, micro-batch "
+                    f"{micro_index}, micro_batch {micro_batch}, firing {self.fired[index]} of {point.times})"
+                )

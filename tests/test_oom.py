@@ -1,0 +1,169 @@
+"""OOM helpers: recognising real OOM errors, freeing memory, snapshots on CPU, the test injector."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from memtrain.errors import UserError
+from memtrain.train.oom import (
+    INJECT_ENV,
+    OomInjector,
+    dump_memory_snapshot,
+    is_oom,
+    release_memory,
+    start_memory_history,
+)
+
+
+def real_cpu_allocation_failure() -> RuntimeError:
+    try:
+        torch.empty(2**60, dtype=torch.uint8)  # 1 EiB: refused by the allocator, nothing is touched
+    except RuntimeError as error:
+        return error
+    pytest.fail("allocating 1 EiB succeeded")
+
+
+def real_shape_error() -> RuntimeError:
+    try:
+        torch.ones(2, 3) @ torch.ones(2, 3)
+    except RuntimeError as error:
+        return error
+    pytest.fail("a shape mismatch did not raise")
+
+
+# Messages as CUDA, cuBLAS, cuDNN and DeepSpeed print them.
+OOM_MESSAGES = [
+    "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API call",
+    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+    "cuDNN error: CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+    "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error, NCCL version 2.21.5\n"
+    "Last error:\nCuda failure 'out of memory'",
+]
+NOT_OOM_MESSAGES = [
+    "CUDA error: device-side assert triggered",
+    "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!",
+    "NCCL communicator was aborted on rank 0: Watchdog caught collective operation timeout",
+]
+
+
+def test_torch_out_of_memory_error_is_oom():
+    error = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.65 GiB of which "
+        "1.06 GiB is free. Of the allocated memory 20.1 GiB is allocated by PyTorch"
+    )
+    assert is_oom(error)
+    assert torch.cuda.OutOfMemoryError is torch.OutOfMemoryError  # one class to catch for both names
+
+
+@pytest.mark.parametrize("message", OOM_MESSAGES)
+def test_runtime_errors_that_say_out_of_memory_are_oom(message):
+    assert is_oom(RuntimeError(message))
+
+
+@pytest.mark.parametrize("message", NOT_OOM_MESSAGES)
+def test_other_runtime_errors_are_not_oom(message):
+    assert not is_oom(RuntimeError(message))
+
+
+def test_real_cpu_allocator_failure_is_oom_and_a_real_shape_error_is_not():
+    assert is_oom(real_cpu_allocation_failure())
+    assert not is_oom(real_shape_error())
+
+
+def test_non_runtime_errors_are_not_oom_even_if_they_mention_memory():
+    assert not is_oom(ValueError("out of memory"))
+    assert not is_oom(KeyboardInterrupt())
+    assert is_oom(MemoryError())
+
+
+def test_oom_wrapped_in_another_error_is_found_through_the_chain():
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        except torch.OutOfMemoryError as inner:
+            raise RuntimeError("backward failed in layer 3") from inner
+    except RuntimeError as outer:
+        assert is_oom(outer)
+    try:
+        try:
+            raise real_shape_error()
+        except RuntimeError:
+            raise ValueError("while handling")  # implicit __context__, not an OOM
+    except ValueError as outer:
+        assert not is_oom(outer)
+
+
+def test_release_memory_collects_cycles_that_hold_tensors():
+    class Holder:
+        pass
+
+    gc.disable()  # so only release_memory can break the cycle
+    try:
+        holder = Holder()
+        holder.self = holder
+        holder.activations = torch.ones(1024)
+        alive = weakref.ref(holder.activations)
+        del holder
+        assert alive() is not None
+        release_memory(torch.device("cpu"))
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
+def test_snapshot_and_history_do_nothing_on_cpu(tmp_path):
+    start_memory_history("cpu")
+    assert dump_memory_snapshot(tmp_path, 7) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- the injector ---------------------------------------------------------------------------------
+
+
+def drive(injector, attempts):
+    """Run (step, micro_index, micro_batch) attempts; return which of them raised."""
+    raised = []
+    for attempt in attempts:
+        try:
+            injector.maybe_raise(*attempt)
+        except torch.OutOfMemoryError as error:
+            assert is_oom(error) and INJECT_ENV in str(error)
+            raised.append(attempt)
+    return raised
+
+
+def test_each_point_fires_once_and_the_retry_passes():
+    injector = OomInjector.parse("3:0,7:1")
+    attempts = [(s, i, 4) for s in range(10) for i in range(3)]
+    assert drive(injector, attempts + attempts) == [(3, 0, 4), (7, 1, 4)]
+
+
+def test_repeat_count_fires_on_consecutive_attempts():
+    injector = OomInjector.parse("2:0*3")
+    assert drive(injector, [(2, 0, 1)] * 5) == [(2, 0, 1)] * 3
+
+
+def test_micro_batch_condition_waits_for_a_matching_size():
+    injector = OomInjector.parse("5:0:mb>=4, 6:1:mb<2")
+    attempts = [(5, 0, 2), (5, 0, 3), (5, 0, 4), (5, 0, 8), (6, 1, 2), (6, 1, 1), (6, 1, 1)]
+    assert drive(injector, attempts) == [(5, 0, 4), (6, 1, 1)]
+
+
+def test_from_env(monkeypatch):
+    monkeypatch.setenv(INJECT_ENV, "1:2*2:mb==8")
+    injector = OomInjector.from_env()
+    assert injector and drive(injector, [(1, 2, 4), (1, 2, 8), (1, 2, 8), (1, 2, 8)]) == [(1, 2, 8)] * 2
+    monkeypatch.delenv(INJECT_ENV)
+    quiet = OomInjector.from_env()
+    assert not quiet and drive(quiet, [(s, 0, 1) for s in range(20)]) == []
+
+
+@pytest.mark.parametrize("spec", ["3", "3:x", "a:0", "3:0:mb=>4", "3:0*0", "-1:0", "3:0:batch>=2"])
+def test_malformed_spec_is_a_user_error_naming_the_point(spec):
+    with pytest.raises(UserError) as caught:
+        OomInjector.parse(f"1:0,{spec}")
+    assert repr(spec) in str(caught.value)
+    assert INJECT_ENV in str(caught.value)
