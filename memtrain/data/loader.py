@@ -65,7 +65,9 @@ class BatchLoader:
 
     On CUDA: pinned host tensors and non-blocking copies; on CPU: plain tensors. The background thread
     only builds host tensors; the copy to the device is issued in `get`, on the caller's stream, so it
-    is ordered with the compute that uses it.
+    is ordered with the compute that uses it. `prefetch` is how many micro-batches may load ahead of
+    `get` (0: every batch loads inside `get`); either call order, prefetch(next) then get(current) or
+    get(current) then prefetch(next), finds its batch ready.
     """
 
     def __init__(self, dataset, device: torch.device, prefetch: int = 2):
@@ -84,14 +86,19 @@ class BatchLoader:
         if self.max_pending == 0 or key in self._pending:
             return
         self._pending[key] = self._pool.submit(self._host_batch, key)
-        while len(self._pending) > self.max_pending:
-            # Oldest first: a batch never asked for (the micro-batch size changed) must not pile up.
+        # `prefetch` batches ahead plus the one a caller queued just before asking for it; beyond that the
+        # oldest goes first, so batches never asked for (the micro-batch size changed) do not pile up.
+        while len(self._pending) > self.max_pending + 1:
             _, stale = self._pending.popitem(last=False)
             stale.cancel()
 
     def get(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """The micro-batch for `indices` on the device: the prefetched one if queued, else loaded now."""
         key = tuple(indices)
+        if key in self._pending:
+            # Batches queued before this one were skipped and will not be asked for.
+            while (oldest := next(iter(self._pending))) != key:
+                self._pending.pop(oldest).cancel()
         future = self._pending.pop(key, None)
         batch = future.result() if future is not None else self._host_batch(key)
         if self.device.type == "cpu":
