@@ -98,9 +98,11 @@ def _check_model(loaded: LoadedRecipe) -> list[Problem]:
     model, src = loaded.recipe.model, loaded.sources
     problems = []
     if bool(model.preset) == bool(model.path):
-        which = "both" if model.preset else "neither"
-        return [src.problem(("model",), f"give exactly one of model.preset or model.path, not {which}",
-                            f"presets: {', '.join(model_preset_names())}")]
+        if model.preset:
+            return [src.problem(("model",), "give exactly one of model.preset or model.path, not both",
+                                "remove model.path to use the preset, or model.preset to train the local model")]
+        return [src.problem(("model",), "say what to train: model.preset or model.path",
+                            f"presets: {', '.join(model_preset_names())}; or a local Hugging Face directory")]
     if model.preset and model.preset not in model_preset_names():
         close = difflib.get_close_matches(model.preset, model_preset_names(), n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"presets: {', '.join(model_preset_names())}"
@@ -153,26 +155,17 @@ def _check_seq_len(loaded: LoadedRecipe) -> list[Problem]:
     return []
 
 
-@reads("hardware")
-def _check_gpu(loaded: LoadedRecipe) -> list[Problem]:
-    if _profile(loaded) is None:
-        gpu = loaded.recipe.hardware.gpu
-        close = difflib.get_close_matches(gpu, gpu_profile_names(), n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        return [loaded.sources.problem(("hardware", "gpu"), f"'{gpu}' is neither a GPU profile nor a size",
-                                       f"{hint}profiles: {', '.join(gpu_profile_names())}; or a size such as '24GiB'")]
-    return []
-
-
 @reads("hardware", "offload")
 def _check_nvme(loaded: LoadedRecipe) -> list[Problem]:
     r, src = loaded.recipe, loaded.sources
     if "nvme" not in (r.offload.optimizer, r.offload.params):
         return []
-    tier = "offload.optimizer" if r.offload.optimizer == "nvme" else "offload.params"
+    tier = ("offload", "optimizer") if r.offload.optimizer == "nvme" else ("offload", "params")
     if not r.hardware.nvme_path:
-        return [src.problem(("hardware", "nvme_path"), f"{tier}=nvme needs hardware.nvme_path",
-                            f"set hardware.nvme_path to a directory on a fast local disk, or change {tier}")]
+        # point at the line that asks for NVMe when the recipe has no nvme_path line to point at
+        at = ("hardware", "nvme_path") if ("hardware", "nvme_path") in src.origin else tier
+        return [src.problem(at, f"{'.'.join(tier)}=nvme needs hardware.nvme_path",
+                            f"set hardware.nvme_path to a directory on a fast local disk, or change {'.'.join(tier)}")]
     nvme = Path(r.hardware.nvme_path)
     probe = nvme if nvme.exists() else next((p for p in nvme.parents if p.exists()), None)
     if probe is None or not probe.is_dir() or not os.access(probe, os.W_OK):

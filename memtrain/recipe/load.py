@@ -154,10 +154,6 @@ def _merge_sources(base: Sources, top: Sources, top_data: dict) -> Sources:
 
 def _read_with_extends(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, Sources, list[Problem]]:
     file = str(path)
-    if path.resolve() in chain:
-        cycle = " -> ".join(p.name for p in chain + (path.resolve(),))
-        raise RecipeError(Problem(f"recipes extend each other in a cycle: {cycle}", key="extends", file=file,
-                                  hint="remove 'extends' from one of them"))
     try:
         text = path.read_text()
     except OSError as err:
@@ -177,7 +173,13 @@ def _read_with_extends(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, 
         problems.append(sources.problem(("extends",), f"extended recipe '{base_path}' does not exist",
                                         "paths in extends are relative to the recipe that names them"))
         return data, sources, problems
-    base_data, base_sources, base_problems = _read_with_extends(base_path, chain + (path.resolve(),))
+    chain = chain + (path.resolve(),)
+    if base_path.resolve() in chain:
+        cycle = " -> ".join(p.name for p in chain + (base_path.resolve(),))
+        problems.append(sources.problem(("extends",), f"recipes extend each other in a cycle: {cycle}",
+                                        "remove 'extends' from one of them"))
+        return data, sources, problems
+    base_data, base_sources, base_problems = _read_with_extends(base_path, chain)
     return _deep_merge(base_data, data), _merge_sources(base_sources, sources, data), base_problems + problems
 
 
@@ -267,7 +269,7 @@ def _finish(data: dict, sources: Sources, problems: list[Problem], path: Path | 
 def _reading_order(problem: Problem, recipe_file: str) -> tuple:
     """The recipe's own lines first, top to bottom; then extended files; the command line last."""
     rank = 0 if problem.file == recipe_file else 2 if problem.file == COMMAND_LINE else 1
-    return rank, problem.file, problem.line or 0
+    return rank, problem.file, problem.line is None, problem.line or 0
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None, check: bool = True) -> LoadedRecipe:

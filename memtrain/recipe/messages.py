@@ -111,7 +111,9 @@ def _explain(error: dict, path: KeyPath) -> tuple[str, str, bool]:
         return _PHRASES[kind](error.get("ctx") or {}), "", True
     message = error["msg"]
     if message.startswith("Value error, "):
-        return message[len("Value error, "):], "", False
+        # our validators write "what is wrong — what to do"
+        what, _, hint = message[len("Value error, "):].partition(" — ")
+        return what, hint, False
     return message[:1].lower() + message[1:], "", True
 
 

@@ -5,9 +5,10 @@ live in `checks.py` so that all of them are reported together.
 """
 from __future__ import annotations
 
+import difflib
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
 from memtrain.recipe.units import parse_bytes
 
@@ -78,9 +79,22 @@ class Data(Section):
     cache_dir: str | None = Field(None, description="Token cache directory (default ~/.cache/memtrain/tokens).")
 
 
+def _gpu_spec(value: str) -> str:
+    from memtrain.configs import gpu_profile_names
+    from memtrain.recipe.units import looks_like_size
+
+    if value in gpu_profile_names() or looks_like_size(value):
+        return value
+    close = difflib.get_close_matches(value, gpu_profile_names(), n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    # " — " separates the message from the hint (see recipe/messages.py)
+    raise ValueError(f"'{value}' is neither a GPU profile nor a size — "
+                     f"{hint}profiles: {', '.join(gpu_profile_names())}; or a size such as '24GiB'")
+
+
 class Hardware(Section):
     gpus: int = Field(1, ge=1, le=64, description="GPUs (processes) to train on.")
-    gpu: str = Field("rtx3090", description="Target card: a profile in configs/gpus (rtx3090, rtx4090, ...) or a size such as '24GiB'.")
+    gpu: Annotated[str, AfterValidator(_gpu_spec)] = Field("rtx3090", description="Target card: a profile in configs/gpus (rtx3090, rtx4090, ...) or a size such as '24GiB'.")
     host_memory: ByteSize | None = Field(None, description="Host RAM available to the run, e.g. '64GiB' (default: what the machine has).")
     nvme_path: str | None = Field(None, description="Directory on a fast disk for the NVMe offload tiers.")
     cap_memory: bool = Field(True, description="On a card larger than the target, cap this process to the target's memory.")
@@ -157,16 +171,10 @@ class Adaptive(Section):
 
 class Batch(Section):
     global_batch: int = Field(32, ge=1, description="Samples per optimizer step, over all GPUs.")
-    micro_batch: int | Literal["auto"] = Field(4, description="Samples per forward pass per GPU, or 'auto' (largest that fits).")
+    micro_batch: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        4, description="Samples per forward pass per GPU, or 'auto' (largest that fits).")
     policy: Literal["fixed", "adaptive"] = Field("fixed", description="adaptive: grow/shrink micro_batch with memory, global batch fixed.")
     adaptive: Adaptive = Field(default_factory=Adaptive, description="Thresholds of the adaptive policy.")
-
-    @field_validator("micro_batch")
-    @classmethod
-    def _positive(cls, value):
-        if isinstance(value, int) and value < 1:
-            raise ValueError("micro_batch must be at least 1 (or 'auto')")
-        return value
 
 
 class Optimizer(Section):

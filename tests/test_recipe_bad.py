@@ -1,0 +1,104 @@
+"""Every hand-made bad recipe in tests/bad_recipes gives exit code 2 and exactly the problems it declares.
+
+Each file states its expected problems in leading comments:
+    # expect: 7: batch.micro_batch                  this file, line 7, key batch.micro_batch
+    # expect: -: data                               this file, no line (the key is absent), key data
+    # expect: parts/base.yaml:6: optimizer.lr       another file (relative to this one), line 6
+    # expect: <command line>: batch.micro_batch     an override
+    # expect: 4: -                                  line 4, no key (YAML syntax)
+    # args: batch.micro_batch=0                     overrides passed after the recipe
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from memtrain.cli import app
+
+BAD_DIR = Path(__file__).parent / "bad_recipes"
+BAD_RECIPES = sorted(BAD_DIR.glob("*.yaml"))
+PROBLEM_MARK = "✗ "
+
+
+def expectations(path: Path) -> tuple[list[str], list[str]]:
+    """(expected problem-line prefixes, override args) declared in the recipe's comments."""
+    prefixes, args = [], []
+    for line in path.read_text().splitlines():
+        if line.startswith("# args: "):
+            args = line[len("# args: "):].split()
+        if not line.startswith("# expect: "):
+            continue
+        location, _, key = line[len("# expect: "):].partition(": ")
+        if location == "<command line>":
+            where = location
+        elif location == "-":
+            where = str(path)
+        elif ":" in location:
+            other, line_number = location.rsplit(":", 1)
+            where = f"{path.parent / other}:{line_number}"
+        else:
+            where = f"{path}:{location}"
+        prefixes.append(f"{where}: " if key == "-" else f"{where}: {key}: ")
+    return prefixes, args
+
+
+def problem_lines(output: str) -> list[str]:
+    return [line.split(PROBLEM_MARK, 1)[1] for line in output.splitlines() if PROBLEM_MARK in line]
+
+
+def test_there_are_enough_bad_recipes():
+    assert len(BAD_RECIPES) >= 20
+    assert all(expectations(path)[0] for path in BAD_RECIPES), "every bad recipe declares its problems"
+
+
+@pytest.mark.parametrize("path", BAD_RECIPES, ids=lambda p: p.stem)
+def test_bad_recipe_reports_each_declared_problem(path: Path):
+    expected, args = expectations(path)
+    result = CliRunner().invoke(app, ["validate", str(path), *args])
+    output = result.output
+    assert "Traceback" not in output and result.exception is None or isinstance(result.exception, SystemExit)
+    assert result.exit_code == 2, output
+    found = problem_lines(output)
+    assert len(found) == len(expected), f"expected {len(expected)} problems, got:\n{output}"
+    unmatched = list(found)
+    for prefix in expected:
+        match = next((line for line in unmatched if line.startswith(prefix)), None)
+        assert match is not None, f"no problem starting with {prefix!r} in:\n{output}"
+        unmatched.remove(match)
+        message = match[len(prefix):]
+        # what is wrong, then " — " and what to do about it
+        what, _, hint = message.partition(" — ")
+        assert what.strip() and hint.strip(), f"problem without a message or a hint: {match!r}"
+        assert "Input should" not in message, f"raw pydantic message: {match!r}"
+
+
+def test_unknown_keys_suggest_the_key_meant():
+    result = CliRunner().invoke(app, ["validate", str(BAD_DIR / "05_unknown_keys_every_level.yaml")])
+    for typo, meant in [("alhpa", "alpha"), ("seqlen", "seq_len"), ("queue_dept", "queue_depth"),
+                        ("grow_belw", "grow_below")]:
+        line = next(line for line in problem_lines(result.output) if f".{typo}:" in line)
+        assert f"did you mean '{meant}'?" in line
+
+
+def test_out_of_range_messages_are_short_and_show_the_value():
+    result = CliRunner().invoke(app, ["validate", str(BAD_DIR / "07_out_of_range.yaml")])
+    lines = "\n".join(problem_lines(result.output))
+    assert "batch.global_batch: must be at least 1, got 0" in lines
+    assert "optimizer.lr: must be less than 1, got 2.0" in lines
+    assert "data.seq_len: must be at least 8, got 4" in lines
+    assert "greater than or equal" not in lines
+
+
+def test_a_real_process_exits_2_without_a_traceback():
+    env = {**os.environ, "COLUMNS": "200"}
+    path = BAD_DIR / "23_fields_and_contradictions_together.yaml"
+    proc = subprocess.run([sys.executable, "-m", "memtrain", "validate", str(path)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert len(problem_lines(proc.stderr)) == 4
