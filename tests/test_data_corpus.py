@@ -155,3 +155,15 @@ def test_fingerprint_follows_content_format_and_field(tmp_path):
     assert source_fingerprint(a, "jsonl", "text") == base  # auto resolves to jsonl
     assert len({base, source_fingerprint(other, "auto", "text"), source_fingerprint(a, "auto", "body"),
                 source_fingerprint(a, "text", "text")}) == 4
+
+
+def test_damaged_jsonl_gzip_names_the_line_it_stopped_at(tmp_path):
+    whole = gzip.compress("".join(json.dumps({"text": f"line {i} " * 20}) + "\n" for i in range(3000)).encode())
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(whole[: len(whole) // 2])
+    documents = []
+    with pytest.raises(DataError) as excinfo:
+        documents.extend(read_documents(str(path)))
+    problem = only_problem(excinfo)
+    assert "cannot read past line" in problem.message
+    assert len(documents) >= 1 and problem.line >= len(documents) + 1

@@ -92,15 +92,13 @@ def source_fingerprint(spec: str, fmt: str, field: str) -> str:
 
 
 def _open_binary(spec: str, path: Path):
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         if path.is_dir():
             raise IsADirectoryError(21, "is a directory")
-        handle = open(path, "rb")
+        return opener(path, "rb")
     except OSError as err:
         raise _unreadable(spec, path, err) from None
-    if path.name.lower().endswith(".gz"):
-        return gzip.GzipFile(fileobj=handle, mode="rb")
-    return handle
 
 
 def _unreadable(spec: str, path: Path, err: Exception) -> DataError:
