@@ -134,8 +134,9 @@ def plot_memory(figure: Figure, records: list[dict]) -> None:
     axes.grid(alpha=0.3)
     curves = [
         ("gpu_allocated_bytes", "allocated", "#1f77b4", "-"),
+        ("gpu_peak_allocated_bytes", "peak allocated (in step)", "#1f77b4", ":"),
         ("gpu_reserved_bytes", "reserved", "#ff7f0e", "-"),
-        ("gpu_peak_reserved_bytes", "peak reserved (per step)", "#8c564b", ":"),
+        ("gpu_peak_reserved_bytes", "peak reserved (in step)", "#8c564b", ":"),
     ]
     drawn, top_gib = False, 0.0
     for field, label, color, style in curves:
@@ -165,7 +166,7 @@ def plot_memory(figure: Figure, records: list[dict]) -> None:
     if drawn or cap_bytes or plan_bytes or ooms:
         top_gib = max([top_gib] + [b / GIB for b in (cap_bytes, plan_bytes) if b] + [v / GIB for v in forecasts])
         axes.set_ylim(0, top_gib * 1.12 or 1)
-        axes.legend(loc="lower right", fontsize=8)
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # outside: never covers a curve
 
 
 def plot_batch(figure: Figure, records: list[dict]) -> None:
@@ -189,13 +190,17 @@ def plot_batch(figure: Figure, records: list[dict]) -> None:
     if accum_steps:
         bottom.step(accum_steps, accumulations, where="post", color="#ff7f0e", linewidth=1.6)
         bottom.set_ylim(0, max(accumulations) * 1.25)
+    labels_by_step: dict[int, list[str]] = {}
     for change in (record for record in records if record.get("kind") == "batch"):
-        top.axvline(change["step"], color="gray", linestyle=":", linewidth=1)
         label = f"{change.get('old_micro_batch')}→{change.get('new_micro_batch')}"
         if change.get("reason"):
-            label += f" ({change['reason']})"
-        top.annotate(label, xy=(change["step"], 0.04), xycoords=("data", "axes fraction"), xytext=(3, 0),
-                     textcoords="offset points", fontsize=8, color="dimgray")
+            label += f" {change['reason']}"
+        labels_by_step.setdefault(int(change["step"]), []).append(label)
+    for step, labels in labels_by_step.items():
+        top.axvline(step, color="gray", linestyle=":", linewidth=1)
+        # Vertical text beside its line: changes a few steps apart do not run into each other.
+        top.annotate("; ".join(labels), xy=(step, 0.97), xycoords=("data", "axes fraction"), xytext=(2, 0),
+                     textcoords="offset points", fontsize=7, color="dimgray", rotation=90, va="top")
     for oom in (record for record in records if record.get("kind") == "oom"):
         top.axvline(oom["step"], color=OOM_COLOR, linestyle="-.", linewidth=1.2)
 
