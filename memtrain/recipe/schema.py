@@ -27,7 +27,7 @@ ByteSize = Annotated[
     # recipes write sizes as text ("64GiB"), so editors must accept both forms
     WithJsonSchema({
         "anyOf": [{"type": "integer", "minimum": 0},
-                  {"type": "string", "pattern": r"^\s*[0-9]*\.?[0-9]+(e[0-9]+)?\s*([kKmMgGtT]i?[bB]|[bB])?\s*$"}],
+                  {"type": "string", "pattern": r"^\s*[0-9]*\.?[0-9]+([eE][0-9]+)?\s*([kKmMgGtT][iI]?[bB]|[bB])?\s*$"}],
         "examples": ["24GiB", "64GB"],
     }),
 ]
@@ -207,6 +207,9 @@ class Train(Section):
 
 class Recipe(Section):
     """A memtrain recipe. Every section has defaults; `model` and `data` must say what to train on."""
+
+    # a recipe that `extends:` another may leave model/data to its base, so editors must not demand them
+    model_config = ConfigDict(**Section.model_config, json_schema_extra=lambda schema: schema.pop("required", None))
 
     name: str | None = Field(None, description="Run name (default: the recipe file's stem).")
     extends: str | None = Field(None, description="A recipe file this one extends (its keys are the defaults).")

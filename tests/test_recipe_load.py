@@ -1,0 +1,198 @@
+"""Loading recipes: `extends:`, command-line overrides, where problems point, problems reported together,
+the shipped recipes, and the JSON Schema that `memtrain schema` prints."""
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from memtrain.cli import app
+from memtrain.errors import RecipeError
+from memtrain.recipe.load import COMMAND_LINE, load_recipe, load_recipe_text
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+
+BASE = """\
+model:
+  preset: tiny
+data:
+  train: builtin:shakespeare
+  seq_len: 64
+optimizer:
+  lr: 1.0e-4
+  weight_decay: 0.1
+train:
+  steps: 10
+"""
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def problems_of(call) -> list:
+    with pytest.raises(RecipeError) as caught:
+        call()
+    return caught.value.problems
+
+
+def test_child_wins_and_each_key_remembers_its_file_and_line(tmp_path):
+    base = write(tmp_path / "base.yaml", BASE)
+    child = write(tmp_path / "child.yaml", """\
+        extends: base.yaml
+        optimizer:
+          lr: 3.0e-4
+        """)
+    loaded = load_recipe(child)
+    assert loaded.recipe.optimizer.lr == 3.0e-4             # the child's value
+    assert loaded.recipe.optimizer.weight_decay == 0.1      # the base's sibling key survives the merge
+    assert loaded.recipe.train.steps == 10
+    assert loaded.sources.where(("optimizer", "lr")) == (str(child), 3)
+    assert loaded.sources.where(("optimizer", "weight_decay")) == (str(base), 8)
+    assert loaded.name == "child"
+
+
+def test_extends_chains_of_three_resolve_relative_to_each_file(tmp_path):
+    (tmp_path / "a").mkdir()
+    write(tmp_path / "a" / "base.yaml", BASE)
+    write(tmp_path / "middle.yaml", "extends: a/base.yaml\ntrain:\n  steps: 20\n")
+    (tmp_path / "b").mkdir()
+    top = write(tmp_path / "b" / "top.yaml", "extends: ../middle.yaml\nbatch:\n  global_batch: 8\n")
+    recipe = load_recipe(top).recipe
+    assert (recipe.train.steps, recipe.batch.global_batch, recipe.optimizer.lr) == (20, 8, 1.0e-4)
+
+
+def test_a_child_replacing_a_list_drops_the_base_item_lines(tmp_path):
+    write(tmp_path / "base.yaml", BASE + "precision:\n  fp32_modules:\n    - lm_head\n    - '*norm*'\n")
+    child = write(tmp_path / "child.yaml", "extends: base.yaml\nprecision:\n  fp32_modules: 3\n")
+    [problem] = problems_of(lambda: load_recipe(child))
+    assert (problem.file, problem.line, problem.key) == (str(child), 3, "precision.fp32_modules")
+
+
+def test_missing_extended_file_points_at_the_extends_line(tmp_path):
+    child = write(tmp_path / "child.yaml", "model:\n  preset: tiny\nextends: nowhere.yaml\n")
+    problems = problems_of(lambda: load_recipe(child))
+    assert any(p.key == "extends" and p.line == 3 and "nowhere.yaml" in p.message for p in problems)
+
+
+def test_overrides_win_over_the_file_and_report_the_command_line(tmp_path):
+    recipe = write(tmp_path / "r.yaml", BASE)
+    loaded = load_recipe(recipe, ["optimizer.lr=5e-4", "batch.micro_batch=auto", "model.lora.r=8"])
+    assert loaded.recipe.optimizer.lr == 5e-4
+    assert loaded.recipe.batch.micro_batch == "auto"
+    assert loaded.recipe.model.lora.r == 8
+    assert loaded.sources.where(("optimizer", "lr")) == (COMMAND_LINE, None)
+    problems = problems_of(lambda: load_recipe(recipe, ["optimizer.lr=7", "train.steps=many"]))
+    assert {(p.file, p.key) for p in problems} == {(COMMAND_LINE, "optimizer.lr"), (COMMAND_LINE, "train.steps")}
+
+
+def test_an_override_replacing_a_section_forgets_the_file_lines_below_it(tmp_path):
+    recipe = write(tmp_path / "r.yaml", BASE)
+    [problem] = problems_of(lambda: load_recipe(recipe, ["optimizer={lr: 2}"]))
+    assert (problem.file, problem.key) == (COMMAND_LINE, "optimizer.lr")
+
+
+def test_field_errors_and_contradictions_come_out_together():
+    text = BASE + "batch:\n  micro_batch: 0\nprecision:\n  compute: fp32\n  master: bf16\n" \
+                  "offload:\n  params: cpu\n  zero_stage: 1\n"
+    problems = problems_of(lambda: load_recipe_text(text))
+    assert {p.key for p in problems} == {"batch.micro_batch", "precision.master", "offload.zero_stage"}
+
+
+def test_checks_that_read_a_broken_section_are_skipped_not_guessed():
+    # global_batch is broken, so the gpus × micro_batch divisibility check must not run on a default
+    text = BASE + "hardware:\n  gpus: 3\nbatch:\n  global_batch: -4\n  micro_batch: 4\n"
+    [problem] = problems_of(lambda: load_recipe_text(text))
+    assert problem.key == "batch.global_batch" and "at least 1" in problem.message
+
+
+def test_problems_are_listed_in_reading_order():
+    text = "train:\n  steps: 0\n" + BASE.replace("seq_len: 64", "seq_len: 1") + "bogus: 1\n"
+    problems = problems_of(lambda: load_recipe_text(text))
+    lines = [p.line for p in problems]
+    assert lines == sorted(lines) and len(lines) == 3
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_every_shipped_recipe_validates(path):
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 0, result.output
+    assert load_recipe(path).recipe.train.steps or load_recipe(path).recipe.train.epochs
+
+
+# ---------------------------------------------------------------- JSON Schema
+
+
+def _resolve(schema: dict, root: dict) -> dict:
+    while "$ref" in schema:
+        schema = root["$defs"][schema["$ref"].rsplit("/", 1)[1]]
+    return schema
+
+
+def schema_errors(value, schema: dict, root: dict, path: str = "") -> list[str]:
+    """The subset of JSON Schema the recipe schema uses: $ref, anyOf, type, enum/const, bounds, properties."""
+    schema = _resolve(schema, root)
+    if "anyOf" in schema:
+        options = [schema_errors(value, option, root, path) for option in schema["anyOf"]]
+        return [] if any(not errors for errors in options) else [f"{path}: matches no option"]
+    if "const" in schema and value != schema["const"]:
+        return [f"{path}: {value!r} is not {schema['const']!r}"]
+    if "enum" in schema and value not in schema["enum"]:
+        return [f"{path}: {value!r} not in {schema['enum']}"]
+    kind = schema.get("type")
+    checks = {"object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
+              "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
+              "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "null": lambda v: v is None}
+    if kind and not checks[kind](value):
+        return [f"{path}: {value!r} is not {kind}"]
+    if "pattern" in schema and not re.search(schema["pattern"], value):
+        return [f"{path}: {value!r} does not match {schema['pattern']}"]
+    errors = []
+    for bound, fails in [("minimum", lambda v, b: v < b), ("maximum", lambda v, b: v > b),
+                         ("exclusiveMinimum", lambda v, b: v <= b), ("exclusiveMaximum", lambda v, b: v >= b)]:
+        if bound in schema and fails(value, schema[bound]):
+            errors.append(f"{path}: {value!r} breaks {bound} {schema[bound]}")
+    if isinstance(value, dict):
+        properties = schema.get("properties", {})
+        for key, item in value.items():
+            if key in properties:
+                errors += schema_errors(item, properties[key], root, f"{path}.{key}")
+            elif schema.get("additionalProperties") is False:
+                errors.append(f"{path}.{key}: not allowed")
+            elif isinstance(schema.get("additionalProperties"), dict):
+                errors += schema_errors(item, schema["additionalProperties"], root, f"{path}.{key}")
+        errors += [f"{path}.{key}: required" for key in schema.get("required", []) if key not in value]
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            item_schema = (schema.get("prefixItems") or [])[index:index + 1] or [schema.get("items", {})]
+            errors += schema_errors(item, item_schema[0], root, f"{path}.{index}")
+    return errors
+
+
+@pytest.fixture(scope="module")
+def printed_schema() -> dict:
+    result = CliRunner().invoke(app, ["schema"])
+    assert result.exit_code == 0
+    return json.loads(result.output)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_printed_schema_accepts_every_shipped_recipe(printed_schema, path):
+    assert schema_errors(yaml.safe_load(path.read_text()), printed_schema, printed_schema) == []
+
+
+def test_printed_schema_rejects_what_validation_rejects(printed_schema):
+    recipe = yaml.safe_load(RECIPES[0].read_text())
+    for section, key, value in [("batch", "micro_batch", 0), ("batch", "micro_btch", 2), ("offload", "params", "disk"),
+                                ("hardware", "host_memory", "lots"), ("optimizer", "lr", 0)]:
+        broken = {**recipe, section: {**recipe.get(section, {}), key: value}}
+        assert schema_errors(broken, printed_schema, printed_schema), (section, key, value)
+    for size in ["64GiB", "16 GB", "1.5e9", 2**36]:
+        assert schema_errors({**recipe, "hardware": {"host_memory": size}}, printed_schema, printed_schema) == []
