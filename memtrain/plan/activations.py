@@ -1,0 +1,230 @@
+"""Activation bytes measured from the real Hugging Face modules, not a textbook formula.
+
+One decoder layer of the recipe's model (the real module class, built on the meta device) is run
+under FakeTensorMode on a fake CPU device — shapes and dtypes are real, no memory is used and the
+attention kernel is the one SDPA picks (flash-style: saves q, k, v, out and a logsumexp, no
+seq_len² term). `torch.autograd.graph.saved_tensors_hooks` records every tensor autograd keeps for
+backward, deduplicated by storage, with the module that saved it, so any checkpoint strategy is
+priced by leaving out what a checkpointed block would recompute and keeping its input instead.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memtrain.recipe.schema import Checkpointing, Model
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    storage_id: int
+    nbytes: int
+    module: str  # innermost submodule (dotted, relative to the layer) that saved it; "" for the layer itself
+
+
+@dataclass(frozen=True)
+class LayerTrace:
+    """What one decoder layer keeps for backward at a given micro-batch and sequence length."""
+
+    saved: tuple[SavedTensor, ...]
+    inputs: dict[str, tuple[int, int]] = field(default_factory=dict)  # submodule -> (storage_id, nbytes) of its input
+    layer_input_bytes: int = 0
+    shared_bytes: int = 0  # rotary cos/sin: computed once per model and shared by every layer
+
+    def saved_bytes(self, recompute: tuple[str, ...] = (), offload: tuple[str, ...] = ()) -> tuple[int, int]:
+        """(GPU bytes, host bytes) this layer keeps when the given submodules are recomputed / offloaded.
+
+        A recomputed or offloaded block keeps only its input (on the GPU, or on the host when offloaded).
+        """
+        def inside(module: str, blocks: tuple[str, ...]) -> bool:
+            return any(module == b or module.startswith(b + ".") for b in blocks)
+
+        gpu: dict[int, int] = {}
+        for tensor in self.saved:
+            if not inside(tensor.module, recompute + offload):
+                gpu[tensor.storage_id] = tensor.nbytes
+        for block in recompute:
+            storage_id, nbytes = self.inputs[block]
+            gpu[storage_id] = nbytes
+        host: dict[int, int] = {}
+        for block in offload:
+            storage_id, nbytes = self.inputs[block]
+            if storage_id not in gpu:
+                host[storage_id] = nbytes
+        return sum(gpu.values()), sum(host.values())
+
+    @property
+    def full_bytes(self) -> int:
+        return self.saved_bytes()[0]
+
+    @property
+    def largest_saved_bytes(self) -> int:
+        return max((t.nbytes for t in self.saved), default=0)
+
+    def block_bytes(self, block: str) -> int:
+        """Bytes saved inside one submodule (what recomputing it brings back during backward)."""
+        unique = {t.storage_id: t.nbytes for t in self.saved if t.module == block or t.module.startswith(block + ".")}
+        return sum(unique.values())
+
+
+def _layer_and_rotary(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None, str]:
+    """The first decoder layer, the rotary embedding module, and the layers' name prefix."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and name.endswith("layers"):
+            base = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            return module[0], getattr(base, "rotary_emb", None), name
+    raise ValueError(f"{type(model).__name__} has no decoder layer list")
+
+
+def trace_layer(model: Model, compute: str, micro_batch: int, seq_len: int) -> LayerTrace:
+    """Trace one decoder layer of the recipe's model at (micro_batch, seq_len) in the compute dtype."""
+    return _trace_layer(model.model_dump_json(), compute, micro_batch, seq_len)
+
+
+def one_layer_model(model: Model, dtype: torch.dtype) -> torch.nn.Module:
+    """The recipe's model class with a single decoder layer, on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    from memtrain.model.config import model_config
+
+    config = model_config(model)
+    config.num_hidden_layers = 1
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:1]
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+@lru_cache(maxsize=256)
+def _trace_layer(model_json: str, compute: str, micro_batch: int, seq_len: int) -> LayerTrace:
+    dtype = _DTYPES[compute]
+    layer, rotary, _ = _layer_and_rotary(one_layer_model(Model.model_validate_json(model_json), dtype))
+    hidden = layer.self_attn.config.hidden_size if hasattr(layer, "self_attn") else layer.hidden_size
+    saved: list[SavedTensor] = []
+    inputs: dict[str, tuple[int, int]] = {}
+    stack: list[str] = [""]
+    names = {module: name for name, module in layer.named_modules()}
+
+    def pre_hook(module, args, kwargs):
+        name = names[module]
+        stack.append(name)
+        first = args[0] if args else kwargs.get("hidden_states")
+        if name and isinstance(first, torch.Tensor) and name not in inputs:
+            storage = first.untyped_storage()
+            inputs[name] = (storage._cdata, storage.nbytes())
+
+    def post_hook(module, args, kwargs, output):
+        stack.pop()
+
+    handles = []
+    for module in names:
+        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            layer.to_empty(device="cpu")
+            x = torch.empty(micro_batch, seq_len, hidden, dtype=dtype, requires_grad=True)
+            positions = torch.arange(seq_len).unsqueeze(0).expand(micro_batch, -1)
+            shared: set[int] = set()
+            position_embeddings = None
+            if rotary is not None:
+                rotary.to_empty(device="cpu")
+                position_embeddings = tuple(t.to(dtype) for t in rotary(x, positions))
+                shared = {t.untyped_storage()._cdata for t in position_embeddings}
+            params = {p.untyped_storage()._cdata for p in layer.parameters()}
+
+            def pack(tensor: torch.Tensor) -> torch.Tensor:
+                storage = tensor.untyped_storage()
+                if storage._cdata not in params and storage._cdata not in shared:
+                    saved.append(SavedTensor(storage._cdata, storage.nbytes(), stack[-1]))
+                return tensor
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                layer(x, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings)
+            shared_bytes = sum(t.untyped_storage().nbytes() for t in position_embeddings or ())
+    finally:
+        for handle in handles:
+            handle.remove()
+    return LayerTrace(saved=tuple(saved), inputs=inputs,
+                      layer_input_bytes=micro_batch * seq_len * hidden * dtype.itemsize, shared_bytes=shared_bytes)
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Activation bytes of the whole decoder stack on one GPU."""
+
+    saved_bytes: int            # kept from forward for backward at the end of forward
+    backward_extra_bytes: int   # recomputed block + gradient transients at the start of backward
+    host_bytes: int             # activations offloaded to host memory by checkpoint rules
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.saved_bytes + self.backward_extra_bytes
+
+
+# Blocks the "selective" strategy recomputes (the article's default: attention and MLP, never a residual add).
+SELECTIVE_BLOCKS = ("self_attn", "mlp")
+
+
+def _rule_blocks(rules: dict[str, str], layer_prefix: str, index: int, trace: LayerTrace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(recompute, offload) submodules of layer `index` named by checkpoint rules (globs on full module names)."""
+    recompute: list[str] = []
+    offload: list[str] = []
+    candidates = [""] + list(trace.inputs)
+    for block in candidates:
+        full = f"{layer_prefix}.{index}" + (f".{block}" if block else "")
+        for pattern, action in rules.items():
+            if fnmatch.fnmatchcase(full, pattern) and action != "save":
+                (recompute if action == "recompute" else offload).append(block)
+                break
+    # An outer block that is recomputed covers its inner blocks.
+    def outermost(blocks: list[str]) -> tuple[str, ...]:
+        return tuple(b for b in blocks if not any(o != b and (o == "" or b.startswith(o + ".")) for o in blocks))
+    return outermost(recompute), outermost(offload)
+
+
+def estimate_activations(model: Model, checkpointing: Checkpointing, compute: str, micro_batch: int, seq_len: int,
+                         num_layers: int, layer_prefix: str = "model.layers") -> ActivationEstimate:
+    """Activation bytes of `num_layers` decoder layers under a checkpoint strategy, from one traced layer.
+
+    Full checkpointing keeps one input per checkpointed layer; during backward one layer is recomputed
+    in full, beside the gradients of its largest intermediate (input and output gradient).
+    """
+    trace = trace_layer(model, compute, micro_batch, seq_len)
+    full = trace.full_bytes
+    gradient_transient = 2 * max(trace.largest_saved_bytes, trace.layer_input_bytes)
+    strategy = checkpointing.strategy
+    host = 0
+    if strategy == "none":
+        saved, recomputed = num_layers * full, 0
+    elif strategy in ("every_layer", "every_n_layers"):
+        every = 1 if strategy == "every_layer" else checkpointing.every_n_layers
+        checkpointed = math.ceil(num_layers / every)
+        saved = checkpointed * trace.layer_input_bytes + (num_layers - checkpointed) * full
+        recomputed = full
+    elif strategy == "selective":
+        saved = num_layers * trace.saved_bytes(recompute=SELECTIVE_BLOCKS)[0]
+        recomputed = max(trace.block_bytes(block) for block in SELECTIVE_BLOCKS)
+    else:
+        saved = recomputed = 0
+        for index in range(num_layers):
+            recompute, offload = _rule_blocks(checkpointing.rules, layer_prefix, index, trace)
+            if "" in recompute or "" in offload:
+                whole_layer_on_host = "" in offload
+                gpu_bytes = 0 if whole_layer_on_host else trace.layer_input_bytes
+                host_bytes = trace.layer_input_bytes if whole_layer_on_host else 0
+                recomputed = max(recomputed, full)
+            else:
+                gpu_bytes, host_bytes = trace.saved_bytes(recompute=recompute, offload=offload)
+                recomputed = max([recomputed] + [trace.block_bytes(b) for b in recompute + offload])
+            saved += gpu_bytes
+            host += host_bytes
+    return ActivationEstimate(saved_bytes=saved + trace.shared_bytes,
+                              backward_extra_bytes=recomputed + gradient_transient, host_bytes=host)

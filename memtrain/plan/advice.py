@@ -1,0 +1,152 @@
+"""Advice: the cheapest change that makes a recipe fit, walking the article's decision tree.
+
+Levers, in the tree's order: activation checkpointing → precision (chunked loss, bf16 master and
+optimizer states) → micro-batch (gradient accumulation keeps the global batch) → optimizer offload
+→ parameter offload / NVMe → LoRA. Every combination of one option per lever is planned (the plan
+is arithmetic on cached traces, so this takes seconds), the ones that fit are ranked by their
+estimated slowdown, ties broken by the tree's order, and each is returned as `key.path=value`
+overrides. The speed costs are rough fractions of step time, documented in docs/PLAN.md.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from memtrain.errors import RecipeError
+from memtrain.plan.planner import Plan, micro_batch_candidates, plan_recipe
+from memtrain.recipe.load import LoadedRecipe, apply_overrides, validate
+from memtrain.recipe.schema import Recipe
+
+
+@dataclass(frozen=True)
+class Option:
+    overrides: tuple[str, ...]
+    speed_cost: float  # extra step time as a fraction (0.33 = a third slower)
+    reason: str
+
+
+@dataclass
+class Advice:
+    overrides: list[str]
+    plan: Plan
+    speed_cost: float
+    reason: str
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        return self.plan.peak_reserved_bytes
+
+    def to_json(self) -> dict:
+        return {"overrides": self.overrides, "speed_cost": self.speed_cost, "reason": self.reason,
+                "peak_reserved_bytes": self.plan.peak_reserved_bytes, "headroom_bytes": self.plan.headroom_bytes,
+                "host_bytes": self.plan.host_bytes, "nvme_bytes": self.plan.nvme_bytes}
+
+
+KEEP = Option((), 0.0, "")
+
+
+def _checkpointing_options(r: Recipe) -> list[Option]:
+    if r.checkpointing.strategy == "every_layer":
+        return [KEEP]
+    options = [KEEP]
+    if r.checkpointing.strategy == "none":
+        options.append(Option(("checkpointing.strategy=every_n_layers", "checkpointing.every_n_layers=2"), 0.17,
+                              "recompute every second decoder layer in backward"))
+    options.append(Option(("checkpointing.strategy=every_layer",), 0.33,
+                          "recompute every decoder layer in backward (one extra forward)"))
+    return options
+
+
+def _precision_options(r: Recipe) -> list[Option]:
+    options = [KEEP]
+    p = r.precision
+    if not p.chunked_loss:
+        options.append(Option(("precision.chunked_loss=true",), 0.02, "compute the loss in chunks: no full fp32 logits"))
+    if p.compute == "bf16" and p.master == "fp32":
+        chunk = () if p.chunked_loss else ("precision.chunked_loss=true",)
+        options.append(Option(chunk + ("precision.master=bf16",), 0.03,
+                              "bf16 master weights and optimizer states (halves them; less precise updates)"))
+    return options
+
+
+def _micro_batch_options(loaded: LoadedRecipe, current: int) -> list[Option]:
+    options = [KEEP]
+    for size in reversed([m for m in micro_batch_candidates(loaded) if m < current]):
+        halvings = (current // size).bit_length() - 1
+        options.append(Option((f"batch.micro_batch={size}",), 0.05 * max(halvings, 1),
+                              f"micro-batch {size} with more gradient accumulation (same global batch)"))
+    return options
+
+
+def _offload_options(r: Recipe) -> list[Option]:
+    o = r.offload
+    options = [KEEP]
+    if o.optimizer == "none":
+        options.append(Option(("offload.optimizer=cpu",), 0.25, "optimizer states on the CPU (ZeRO-Offload)"))
+    if o.params == "none":
+        options.append(Option(("offload.optimizer=cpu", "offload.params=cpu", "offload.zero_stage=3"), 0.6,
+                              "optimizer states and parameters on the CPU (ZeRO-3 offload)"))
+    if r.hardware.nvme_path and o.params != "nvme":
+        options.append(Option(("offload.optimizer=nvme", "offload.params=nvme", "offload.zero_stage=3"), 1.5,
+                              "optimizer states and parameters on NVMe (ZeRO-Infinity)"))
+    return options
+
+
+def _lora_options(r: Recipe) -> list[Option]:
+    if r.model.lora is not None:
+        return [KEEP]
+    # LoRA is fast, but it changes what is trained: last in the tree, so it carries a large cost.
+    return [KEEP, Option(("model.lora.r=16",), 1.0, "train LoRA adapters (r=16) instead of all weights")]
+
+
+def _merge(options: tuple[Option, ...]) -> tuple[list[str], float, str]:
+    overrides: dict[str, str] = {}
+    for option in options:
+        for item in option.overrides:
+            key, _, value = item.partition("=")
+            overrides[key] = value
+    cost = sum(option.speed_cost for option in options)
+    reason = "; ".join(option.reason for option in options if option.reason)
+    return [f"{k}={v}" for k, v in overrides.items()], cost, reason
+
+
+def with_overrides(loaded: LoadedRecipe, overrides: list[str]) -> LoadedRecipe:
+    """The loaded recipe with `key.path=value` overrides applied (validated, not cross-checked)."""
+    data = loaded.recipe.model_dump(mode="json")
+    sources = copy.deepcopy(loaded.sources)
+    data, problems = apply_overrides(data, overrides, sources)
+    if problems:
+        raise RecipeError(problems)
+    return dataclasses.replace(loaded, recipe=validate(data, sources), sources=sources)
+
+
+def advise(loaded: LoadedRecipe, gpu: str | None = None, limit: int = 3) -> list[Advice]:
+    """Changes that make the recipe fit, cheapest first ([] when it already fits or nothing does)."""
+    r = loaded.recipe
+    current = plan_recipe(loaded, gpu)
+    if current.fits:
+        return []
+    micro_options = [KEEP] if r.batch.micro_batch == "auto" else _micro_batch_options(loaded, current.micro_batch)
+    levers = [_checkpointing_options(r), _precision_options(r), micro_options, _offload_options(r), _lora_options(r)]
+    candidates = []
+    for order, combination in enumerate(itertools.product(*levers)):
+        overrides, cost, reason = _merge(combination)
+        if overrides:
+            candidates.append((cost, order, overrides, reason))
+    # Cheapest first, so the search stops at the first `limit` fits.
+    candidates.sort(key=lambda item: (item[0], item[1]))
+    fitting: list[Advice] = []
+    seen: set[tuple[str, ...]] = set()
+    for cost, _, overrides, reason in candidates:
+        # A superset of a change that already fits only costs more.
+        if tuple(sorted(overrides)) in seen or any(set(a.overrides) <= set(overrides) for a in fitting):
+            continue
+        seen.add(tuple(sorted(overrides)))
+        plan = plan_recipe(with_overrides(loaded, overrides), gpu)
+        if plan.fits:
+            fitting.append(Advice(overrides, plan, round(cost, 2), reason))
+            if len(fitting) >= limit:
+                break
+    return fitting

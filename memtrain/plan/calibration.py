@@ -1,0 +1,51 @@
+"""Per-GPU calibration constants of the memory model, stored beside each profile in configs/gpus.
+
+They describe the card and the software stack, never a recipe: the CUDA context outside PyTorch's
+allocator, the allocator's reserved-over-allocated slack, how many reduce buckets DeepSpeed keeps
+alive while overlapping communication, and the host process's baseline. A size such as '24GiB'
+instead of a profile gets the defaults below. The accuracy harness (scripts/plan_accuracy.py)
+measures them on a real card; the keys are documented in docs/PLAN.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import yaml
+
+from memtrain.configs import CONFIGS_DIR, gpu_profile
+from memtrain.recipe.units import GiB, parse_bytes
+
+
+@dataclass(frozen=True)
+class Calibration:
+    name: str
+    capacity_bytes: int
+    cuda_context_bytes: int = GiB // 2
+    allocator_slack_ratio: float = 0.08       # peak reserved = peak allocated × (1 + ratio)
+    zero_bucket_factor: float = 4.5           # live reduce buckets with overlap_comm (1 without)
+    host_baseline_bytes: int = 3 * GiB        # torch + DeepSpeed + tokenizer + loader, before model states
+    # deepspeed.initialize under ZeRO-1/2 holds this many extra compute-dtype copies of the trainable
+    # parameters beside the module (its flat buffer and the copy it is built from). The H200 anchors
+    # (1.1B: 6.90 GiB, 3B: 20.1 GiB peak reserved, ZeRO-2 optimizer offload) both give 2.
+    zero_init_flat_copies: float = 2.0
+    pcie_gbps: float = 25.0
+
+
+def calibration(gpu: str) -> Calibration:
+    """The calibration of a GPU profile name or an anonymous size ('24GiB'). Raises ValueError for neither."""
+    profile = gpu_profile(gpu)
+    raw: dict = {}
+    path = CONFIGS_DIR / "gpus" / f"{gpu}.yaml"
+    if path.is_file():
+        raw = yaml.safe_load(path.read_text()) or {}
+    defaults = Calibration(name=profile.name, capacity_bytes=profile.memory_bytes)
+    return Calibration(
+        name=profile.name,
+        capacity_bytes=profile.memory_bytes,
+        cuda_context_bytes=profile.cuda_context_bytes,
+        allocator_slack_ratio=float(raw.get("allocator_slack_ratio", defaults.allocator_slack_ratio)),
+        zero_bucket_factor=float(raw.get("zero_bucket_factor", defaults.zero_bucket_factor)),
+        host_baseline_bytes=parse_bytes(raw.get("host_baseline", defaults.host_baseline_bytes)),
+        zero_init_flat_copies=float(raw.get("zero_init_flat_copies", defaults.zero_init_flat_copies)),
+        pcie_gbps=float(profile.pcie_gbps or defaults.pcie_gbps),
+    )

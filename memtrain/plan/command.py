@@ -1,0 +1,153 @@
+"""`memtrain plan`: print the memory plan of a recipe, advise when it does not fit, write a fitted recipe."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import yaml
+from rich.table import Table
+
+from memtrain.errors import Problem, RecipeError
+from memtrain.plan.advice import Advice, advise
+from memtrain.plan.planner import TERMS, Plan, plan_recipe
+from memtrain.recipe.load import COMMAND_LINE, LoadedRecipe, Sources, apply_overrides, load_recipe
+from memtrain.recipe.units import gib
+
+LABELS = {
+    "params": "model_params", "gradients": "gradients", "optimizer_states": "optimizer_states",
+    "activations": "activation_memory", "logits_loss": "logits + loss", "deepspeed_buffers": "DeepSpeed buffers",
+    "cuda_context": "CUDA context", "allocator_slack": "allocator slack",
+}
+
+
+def load_for_plan(recipe: Path, overrides: list[str]) -> LoadedRecipe:
+    """Load and cross-check a recipe, except the quick 'weights exceed the card' check: planning
+    a recipe that does not fit is this command's job (its advice says what to change)."""
+    from memtrain.recipe.checks import _check_weights_fit, check_recipe
+
+    loaded = load_recipe(recipe, overrides, check=False)
+    capacity = set(_check_weights_fit(loaded))
+    problems = [p for p in check_recipe(loaded) if p not in capacity]
+    if problems:
+        raise RecipeError(problems)
+    return loaded
+
+
+def verdict(plan: Plan) -> str:
+    """'fits with X GiB to spare' or 'misses by X GiB' (GPU), plus the host when it is the problem."""
+    if plan.headroom_bytes >= 0:
+        text = f"fits with {gib(plan.headroom_bytes):.2f} GiB to spare"
+    else:
+        text = f"misses by {gib(-plan.headroom_bytes):.2f} GiB"
+    if not plan.host_fits:
+        text += f"; host memory misses by {gib(plan.host_bytes - plan.host_capacity_bytes):.1f} GiB"
+    return text
+
+
+def plan_table(plan: Plan) -> Table:
+    """The article's breakdown per GPU, then the phases, host, NVMe, capacity and verdict."""
+    table = Table(title=f"{plan.recipe_name} on {plan.gpus} × {plan.gpu_name} — ZeRO-{plan.zero_stage}, "
+                        f"micro-batch {plan.micro_batch} × {plan.seq_len} tokens", title_justify="left")
+    table.add_column("per GPU", style="bold")
+    table.add_column("GiB", justify="right")
+    for term in TERMS:
+        table.add_row(LABELS[term], f"{gib(plan.terms[term]):.2f}")
+    table.add_section()
+    for phase, allocated in plan.phases.items():
+        marker = " ← peak" if phase == plan.peak_phase else ""
+        table.add_row(f"phase {phase} (allocated){marker}", f"{gib(allocated):.2f}")
+    table.add_section()
+    table.add_row("peak allocated", f"{gib(plan.peak_allocated_bytes):.2f}")
+    table.add_row("peak reserved", f"{gib(plan.peak_reserved_bytes):.2f}")
+    table.add_row("peak reserved + CUDA context", f"{gib(plan.gpu_required_bytes):.2f}")
+    table.add_row("card capacity", f"{gib(plan.gpu_capacity_bytes):.2f}")
+    table.add_section()
+    host = ", ".join(f"{k} {gib(v):.1f}" for k, v in plan.host_breakdown.items() if v)
+    table.add_row("host", f"{gib(plan.host_bytes):.2f}", end_section=False)
+    table.add_row(f"  [dim]{host}[/]", "")
+    if plan.host_capacity_bytes is not None:
+        table.add_row("host capacity", f"{gib(plan.host_capacity_bytes):.2f}")
+    table.add_row("NVMe", f"{gib(plan.nvme_bytes):.2f}")
+    style = "green" if plan.fits else "red"
+    table.add_section()
+    table.add_row(f"[{style}]verdict[/]", f"[{style}]{verdict(plan)}[/]")
+    return table
+
+
+def fitted_yaml(recipe: Path, overrides: list[str], output: Path) -> str:
+    """The recipe file's own YAML with `overrides` applied; `extends` re-pointed relative to `output`."""
+    data = yaml.safe_load(recipe.read_text()) or {}
+    data, problems = apply_overrides(data, overrides, Sources(recipe_file=str(recipe)))
+    if problems:
+        raise RecipeError(problems)
+    if isinstance(data.get("extends"), str) and not Path(data["extends"]).is_absolute():
+        base = (recipe.parent / data["extends"]).resolve()
+        data["extends"] = os.path.relpath(base, output.resolve().parent)
+    header = f"# Fitted by `memtrain plan --fit` from {recipe}: {' '.join(overrides)}\n"
+    return header + yaml.safe_dump(data, sort_keys=False)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write a whole file or nothing: a temporary file in the same directory, then a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as stream:
+            stream.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _advice_table(advice: list[Advice]) -> Table:
+    table = Table(title="cheapest changes that fit", title_justify="left")
+    table.add_column("overrides")
+    table.add_column("peak reserved GiB", justify="right")
+    table.add_column("spare GiB", justify="right")
+    table.add_column("est. slowdown", justify="right")
+    table.add_column("why")
+    for item in advice:
+        table.add_row("\n".join(item.overrides), f"{gib(item.peak_reserved_bytes):.2f}",
+                      f"{gib(item.plan.headroom_bytes):.2f}", f"+{item.speed_cost:.0%}", item.reason)
+    return table
+
+
+def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool, output: Path | None,
+                 as_json: bool, console) -> int:
+    """Print the plan (rich table or --json); 0 when it fits or --fit wrote a fitting recipe, else 1."""
+    if output is not None and not fit:
+        raise RecipeError(Problem("-o/--output writes the fitted recipe, so it needs --fit", file=COMMAND_LINE,
+                                  hint="add --fit, or drop -o"))
+    loaded = load_for_plan(recipe, overrides)
+    plan = plan_recipe(loaded, gpu)
+    advice = [] if plan.fits else advise(loaded, gpu)
+    written = None
+    if fit and not plan.fits and advice and output is not None:
+        # Later overrides of the same key win; keep one of each, in order.
+        chosen = list({item.partition("=")[0]: item for item in list(overrides) + advice[0].overrides}.values())
+        write_atomically(output, fitted_yaml(recipe, chosen, output))
+        fitted = plan_recipe(load_for_plan(output, []), gpu)
+        if not fitted.fits:  # the advice was planned on the same recipe; a mismatch is a bug, say so
+            raise RuntimeError(f"fitted recipe {output} does not fit: {verdict(fitted)}")
+        written = output
+    code = 0 if plan.fits or written is not None else 1
+    if as_json:
+        console.print_json(json.dumps({"plan": plan.to_json(), "verdict": verdict(plan),
+                                       "advice": [a.to_json() for a in advice],
+                                       "fitted_recipe": str(written) if written else None}))
+        return code
+    console.print(plan_table(plan))
+    if advice:
+        console.print(_advice_table(advice))
+        if written is not None:
+            console.print(f"[green]✓[/] wrote {written} ({verdict(advice[0].plan)})")
+        elif fit and output is None:
+            console.print("[yellow]--fit needs -o FILE to write the fitted recipe[/]")
+        else:
+            console.print(f"apply: memtrain plan {recipe} {' '.join(list(overrides) + advice[0].overrides)}")
+    elif not plan.fits:
+        console.print("[red]no combination of checkpointing, precision, micro-batch, offload and LoRA fits this card[/]")
+    return code

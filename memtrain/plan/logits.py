@@ -1,0 +1,70 @@
+"""Logits and loss: often the largest transient of a step (tokens × vocabulary, upcast to fp32).
+
+The loss is traced under FakeTensorMode like the decoder layer: lm_head, the fp32 upcast and
+cross-entropy over `tokens` rows, with saved-tensor hooks counting what backward keeps. Around that
+the live tensors are priced explicitly, because they are not saved tensors: the logits themselves
+and the upcast copy at the end of forward, and the two fp32 gradients (of the log-softmax output and
+of its input) at the start of backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class LogitsEstimate:
+    tokens: int            # rows of logits alive at once (one chunk, or micro_batch × seq_len)
+    saved_bytes: int       # kept by the loss for backward (log-softmax output)
+    forward_bytes: int     # live at the end of the loss forward: logits + upcast + saved
+    backward_bytes: int    # live at the start of its backward: saved + two gradients
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.forward_bytes, self.backward_bytes)
+
+
+@lru_cache(maxsize=256)
+def _saved_loss_bytes(hidden_size: int, vocab_size: int, compute: str, tokens: int, fp32_loss: bool) -> int:
+    dtype = _DTYPES[compute]
+    saved: dict[int, int] = {}
+    with FakeTensorMode():
+        hidden = torch.empty(tokens, hidden_size, dtype=dtype, requires_grad=True)
+        weight = torch.empty(vocab_size, hidden_size, dtype=dtype, requires_grad=True)
+        labels = torch.zeros(tokens, dtype=torch.long)
+        excluded = {hidden.untyped_storage()._cdata, weight.untyped_storage()._cdata}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage._cdata not in excluded and tensor.dtype.is_floating_point:
+                saved[storage._cdata] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            logits = F.linear(hidden, weight)
+            if fp32_loss:
+                logits = logits.float()
+            F.cross_entropy(logits, labels)
+    return sum(saved.values())
+
+
+def estimate_logits(hidden_size: int, vocab_size: int, compute: str, micro_batch: int, seq_len: int,
+                    chunked: bool, chunk_tokens: int, fp32_loss: bool) -> LogitsEstimate:
+    """Bytes of the logits and loss at their peak, for the full sequence or one checkpointed chunk."""
+    tokens = micro_batch * seq_len
+    if chunked:
+        tokens = min(tokens, chunk_tokens)
+    compute_bytes = _DTYPES[compute].itemsize
+    loss_bytes = 4 if fp32_loss else compute_bytes
+    saved = _saved_loss_bytes(hidden_size, vocab_size, compute, tokens, fp32_loss)
+    elements = tokens * vocab_size
+    upcast = elements * loss_bytes if loss_bytes != compute_bytes else 0
+    forward = saved + elements * compute_bytes + upcast
+    backward = saved + 2 * elements * loss_bytes
+    return LogitsEstimate(tokens=tokens, saved_bytes=saved, forward_bytes=forward, backward_bytes=backward)

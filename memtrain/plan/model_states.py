@@ -1,0 +1,98 @@
+"""Where model states live: parameters, gradients and optimizer states per GPU, on the host and on NVMe.
+
+Pure arithmetic on parameter counts, the ZeRO stage and the offload tiers. Per GPU means per rank;
+host and NVMe are totals over the ranks of one machine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memtrain.plan.params import ParamCounts
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    gpu_params: int
+    gpu_gradients: int
+    gpu_optimizer_states: int
+    host_params: int
+    host_gradients: int
+    host_optimizer_states: int
+    host_swap_buffers: int
+    nvme_params: int
+    nvme_optimizer_states: int
+
+    def total(self, gpus: int) -> int:
+        """All bytes of model states of the run, over every GPU, the host and NVMe."""
+        gpu = self.gpu_params + self.gpu_gradients + self.gpu_optimizer_states
+        return gpu * gpus + self.host_params + self.host_gradients + self.host_optimizer_states \
+            + self.nvme_params + self.nvme_optimizer_states
+
+
+def zero_stage(zero_stage_setting: int | str, params_tier: str) -> int:
+    """The ZeRO stage a recipe runs: its setting, or auto = 3 when parameters are offloaded, else 2."""
+    if zero_stage_setting != "auto":
+        return int(zero_stage_setting)
+    return 3 if params_tier != "none" else 2
+
+
+def optimizer_bytes_per_param(compute: str, master: str) -> int:
+    """Bytes of optimizer state per trainable parameter: a master copy (unless compute is fp32) + Adam's two moments."""
+    state = 4 if master == "fp32" or compute == "fp32" else 2
+    master_copy = 0 if compute == "fp32" else state
+    return master_copy + 2 * state
+
+
+def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str, master: str,
+                       optimizer_tier: str, params_tier: str, ratio: float = 1.0,
+                       buffer_count: int = 5) -> StateBytes:
+    """Bytes of parameters, gradients and optimizer states on each tier.
+
+    ZeRO-1 partitions optimizer states over ranks, ZeRO-2 also gradients, ZeRO-3 also parameters.
+    An offloaded optimizer keeps its fp32 (or bf16) gradient partition beside it on the host; the
+    GPU then only streams gradients through the reduce buckets (priced as DeepSpeed buffers).
+    """
+    compute_bytes = DTYPE_BYTES[compute]
+    grad_host_bytes = 4 if master == "fp32" or compute == "fp32" else 2
+    per_param_optimizer = optimizer_bytes_per_param(compute, master)
+    params_bytes = counts.total * compute_bytes
+    grads_bytes = counts.trainable * compute_bytes
+    optimizer_bytes = counts.trainable * per_param_optimizer
+
+    gpu_params = host_params = nvme_params = 0
+    if stage == 3 and params_tier == "cpu":
+        host_params = params_bytes
+    elif stage == 3 and params_tier == "nvme":
+        nvme_params = params_bytes
+    else:
+        gpu_params = params_bytes // gpus if stage == 3 else params_bytes
+
+    gpu_gradients = host_gradients = 0
+    if optimizer_tier == "none":
+        gpu_gradients = grads_bytes // gpus if stage >= 2 else grads_bytes
+    else:
+        host_gradients = counts.trainable * grad_host_bytes
+
+    gpu_optimizer = host_optimizer = nvme_optimizer = 0
+    partition = gpus if stage >= 1 else 1
+    if optimizer_tier == "none":
+        gpu_optimizer = optimizer_bytes // partition
+    elif optimizer_tier == "cpu":
+        host_optimizer = int(optimizer_bytes * ratio)
+        gpu_optimizer = int(optimizer_bytes * (1 - ratio)) // partition
+    else:
+        nvme_optimizer = optimizer_bytes
+
+    # NVMe tiers read and write through pinned host buffers of the largest tensor.
+    swap = 0
+    if optimizer_tier == "nvme":
+        swap += buffer_count * counts.largest_tensor * per_param_optimizer * gpus
+    if nvme_params:
+        swap += buffer_count * counts.largest_tensor * compute_bytes * gpus
+    return StateBytes(
+        gpu_params=gpu_params, gpu_gradients=gpu_gradients, gpu_optimizer_states=gpu_optimizer,
+        host_params=host_params, host_gradients=host_gradients, host_optimizer_states=host_optimizer,
+        host_swap_buffers=swap, nvme_params=nvme_params, nvme_optimizer_states=nvme_optimizer,
+    )

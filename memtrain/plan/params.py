@@ -1,0 +1,80 @@
+"""Parameter counts of a recipe's model, by trainability, from the model built on the meta device."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from memtrain.recipe.schema import Model
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Element counts (not bytes) of the model's parameters."""
+
+    total: int            # every parameter, LoRA adapters included
+    trainable: int        # what gets gradients and optimizer states (all weights, or the LoRA adapters)
+    largest_layer: int    # one decoder layer (ZeRO-3 gathers a layer at a time)
+    largest_tensor: int   # the biggest single tensor (embedding / lm_head: ZeRO-3 gathers it whole)
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+    @property
+    def frozen(self) -> int:
+        return self.total - self.trainable
+
+
+def _lora_targets(name: str, targets: list[str]) -> bool:
+    """PEFT's rule for a string list: the module's name equals a target or ends with '.target'."""
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def count_parameters(model: Model) -> ParamCounts:
+    """Count the recipe's parameters on the meta device; LoRA adds r × (in + out) per targeted Linear.
+
+    LoRA adapters are counted from the target modules' shapes, the same rule PEFT applies; the base
+    weights are frozen, so only the adapters are trainable.
+    """
+    return _count(model.model_dump_json())
+
+
+@lru_cache(maxsize=32)
+def _count(model_json: str) -> ParamCounts:
+    from memtrain.model.config import meta_model
+
+    model = Model.model_validate_json(model_json)
+    module = meta_model(model)
+    config = module.config
+    base_total = sum(p.numel() for p in module.parameters())
+    largest_tensor = max(p.numel() for p in module.parameters())
+    layers = next(m for name, m in module.named_modules() if isinstance(m, torch.nn.ModuleList) and name.endswith("layers"))
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    trainable = base_total
+    if model.lora is not None:
+        lora = model.lora
+        adapters = 0
+        adapter_per_layer = 0
+        for name, sub in module.named_modules():
+            if isinstance(sub, torch.nn.Linear) and _lora_targets(name, lora.target_modules):
+                count = lora.r * (sub.in_features + sub.out_features)
+                adapters += count
+                if name.startswith(_layer_prefix(module, layers) + ".0."):
+                    adapter_per_layer += count
+        trainable = adapters
+        base_total += adapters
+        per_layer = [n + adapter_per_layer for n in per_layer]
+    return ParamCounts(
+        total=base_total,
+        trainable=trainable,
+        largest_layer=max(per_layer),
+        largest_tensor=largest_tensor,
+        num_layers=len(layers),
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(config.vocab_size),
+    )
+
+
+def _layer_prefix(module: torch.nn.Module, layers: torch.nn.ModuleList) -> str:
+    return next(name for name, m in module.named_modules() if m is layers)

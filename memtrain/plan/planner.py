@@ -1,0 +1,233 @@
+"""The memory plan of a recipe: terms per GPU, phase peaks, host and NVMe bytes, and the verdict.
+
+The peak is the largest of four phases, not a sum of maxima:
+  init           the module on the GPU plus what deepspeed.initialize builds beside it (ZeRO-1/2
+                 flattens a second copy of the trainable parameters before freeing the first);
+  forward_end    model states + DeepSpeed buffers + every saved activation + the loss forward;
+  backward_start the same + one recomputed block + gradient transients + the loss backward;
+  optimizer_step model states + the step's transient (fp32 gradients, or buckets copied back).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from memtrain.errors import RecipeError
+from memtrain.plan.activations import estimate_activations
+from memtrain.plan.calibration import Calibration, calibration
+from memtrain.plan.logits import estimate_logits
+from memtrain.plan.model_states import DTYPE_BYTES, place_model_states, zero_stage
+from memtrain.plan.params import ParamCounts, count_parameters
+from memtrain.recipe.load import LoadedRecipe
+from memtrain.recipe.schema import Recipe
+
+TERMS = ("params", "gradients", "optimizer_states", "activations", "logits_loss", "deepspeed_buffers",
+         "cuda_context", "allocator_slack")
+PHASES = ("init", "forward_end", "backward_start", "optimizer_step")
+
+
+@dataclass
+class Plan:
+    """Predicted memory of one recipe on one card. Bytes everywhere; GiB only when printed."""
+
+    recipe_name: str
+    gpu_name: str
+    gpus: int
+    zero_stage: int
+    micro_batch: int
+    seq_len: int
+    params_total: int
+    params_trainable: int
+    terms: dict[str, int]            # per GPU, steady state (see TERMS)
+    phases: dict[str, int]           # allocated bytes per GPU at each phase (see PHASES)
+    peak_phase: str
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    gpu_capacity_bytes: int
+    host_bytes: int
+    host_breakdown: dict[str, int]
+    host_capacity_bytes: int | None
+    nvme_bytes: int
+    nvme_breakdown: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def gpu_required_bytes(self) -> int:
+        """What the card must hold: the allocator's peak reserved memory plus the CUDA context."""
+        return self.peak_reserved_bytes + self.terms["cuda_context"]
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Spare GPU bytes at the peak (negative: by how much it misses)."""
+        return self.gpu_capacity_bytes - self.gpu_required_bytes
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_capacity_bytes is None or self.host_bytes <= self.host_capacity_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes >= 0 and self.host_fits
+
+    def __getattr__(self, name: str):
+        # plan.params, plan.activations ... read the per-GPU terms; plan.init ... the phase peaks.
+        terms, phases = self.__dict__.get("terms", {}), self.__dict__.get("phases", {})
+        if name in terms:
+            return terms[name]
+        if name in phases:
+            return phases[name]
+        raise AttributeError(name)
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict: every field plus the verdict."""
+        data = asdict(self)
+        data.update(fits=self.fits, host_fits=self.host_fits, headroom_bytes=self.headroom_bytes,
+                    gpu_required_bytes=self.gpu_required_bytes)
+        return data
+
+
+def bucket_elements(recipe: Recipe, hidden_size: int) -> tuple[int, int]:
+    """(reduce bucket, ZeRO-3 prefetch bucket) in elements, as the compiled DeepSpeed config sets them."""
+    try:
+        from memtrain.compile.deepspeed import compile_recipe
+
+        zero = compile_recipe(recipe, micro_batch=1, total_steps=1, on_cpu=True).get("zero_optimization", {})
+        reduce = int(zero.get("reduce_bucket_size", hidden_size * hidden_size))
+        return reduce, int(zero.get("stage3_prefetch_bucket_size", 0.9 * hidden_size * hidden_size))
+    except (ImportError, TypeError, AttributeError, KeyError, ValueError):
+        o = recipe.offload
+        reduce = hidden_size * hidden_size if o.bucket_size == "auto" else o.bucket_size
+        prefetch = int(0.9 * hidden_size * hidden_size) if o.prefetch_bucket_size == "auto" else o.prefetch_bucket_size
+        return reduce, prefetch
+
+
+def _head_bytes(counts: ParamCounts, compute_bytes: int, tokens: int) -> int:
+    """Outside the layers: token ids kept by the embedding (int64) and the final norm (fp32 input copy,
+    normalised and output in the compute dtype; the output is the lm_head / loss-chunk input)."""
+    return tokens * 8 + tokens * counts.hidden_size * (4 + 2 * compute_bytes)
+
+
+def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) -> int:
+    """DeepSpeed's GPU buffers: reduce buckets (several alive with overlap_comm) and ZeRO-3 live parameters."""
+    if stage == 0:
+        return 0
+    compute_bytes = DTYPE_BYTES[recipe.precision.compute]
+    reduce, prefetch = bucket_elements(recipe, counts.hidden_size)
+    if recipe.offload.optimizer == "none" and stage < 3:
+        reduce = min(reduce, counts.trainable)
+    factor = cal.zero_bucket_factor if recipe.offload.overlap_comm else 1.0
+    buffers = int(reduce * compute_bytes * factor)
+    if stage == 3:
+        # The layer being computed, the prefetched next one (bounded by max_live_parameters), or the
+        # embedding / lm_head gathered whole.
+        live = min(recipe.offload.max_live_parameters, counts.largest_layer + prefetch)
+        buffers += max(live, counts.largest_tensor) * compute_bytes
+    return buffers
+
+
+def plan_recipe(loaded: LoadedRecipe, gpu: str | None = None, micro_batch: int | None = None) -> Plan:
+    """Predict the memory of a loaded recipe on `gpu` (default: hardware.gpu) at `micro_batch`
+    (default: the recipe's, with 'auto' resolved to the largest that fits)."""
+    recipe = loaded.recipe
+    gpu = gpu or recipe.hardware.gpu
+    try:
+        cal = calibration(gpu)
+    except ValueError:
+        raise RecipeError(loaded.sources.problem(("hardware", "gpu"), f"'{gpu}' is neither a GPU profile nor a size",
+                                                 "give a profile in configs/gpus or a size such as '24GiB'")) from None
+    if micro_batch is None:
+        micro_batch = recipe.batch.micro_batch if recipe.batch.micro_batch != "auto" else resolve_micro_batch(loaded, gpu)
+    counts = _counts(loaded)
+    return _plan(loaded, recipe, counts, cal, micro_batch)
+
+
+def _counts(loaded: LoadedRecipe) -> ParamCounts:
+    try:
+        return count_parameters(loaded.recipe.model)
+    except (OSError, ValueError, KeyError) as error:
+        raise RecipeError(loaded.sources.problem(("model",), f"cannot build the model from the recipe: {error}",
+                                                 "check model.preset or model.path")) from None
+
+
+def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibration, micro_batch: int) -> Plan:
+    p, o, hw = recipe.precision, recipe.offload, recipe.hardware
+    seq_len = recipe.data.seq_len
+    compute_bytes = DTYPE_BYTES[p.compute]
+    stage = zero_stage(o.zero_stage, o.params)
+    states = place_model_states(counts, stage, hw.gpus, p.compute, p.master, o.optimizer, o.params, o.ratio,
+                                o.buffer_count)
+    acts = estimate_activations(recipe.model, recipe.checkpointing, p.compute, micro_batch, seq_len, counts.num_layers)
+    tokens = micro_batch * seq_len
+    head = _head_bytes(counts, compute_bytes, tokens)
+    logits = estimate_logits(counts.hidden_size, counts.vocab_size, p.compute, micro_batch, seq_len,
+                             p.chunked_loss, p.loss_chunk_tokens, p.fp32_loss)
+    buffers = _buffers(recipe, counts, stage, cal)
+    model_states = states.gpu_params + states.gpu_gradients + states.gpu_optimizer_states
+
+    module_bytes = counts.total * compute_bytes
+    if stage in (1, 2):
+        init = module_bytes + int(cal.zero_init_flat_copies * counts.trainable * compute_bytes)
+    else:
+        init = module_bytes                                      # built whole, then partitioned / offloaded
+    saved = acts.saved_bytes + head
+    forward_end = model_states + buffers + saved + logits.forward_bytes
+    backward_start = model_states + buffers + saved + acts.backward_extra_bytes + logits.backward_bytes
+    if o.optimizer == "none":
+        step_transient = 0 if p.compute == "fp32" else counts.trainable * 4 // (hw.gpus if stage >= 1 else 1)
+    else:
+        step_transient = buffers
+    optimizer_step = model_states + step_transient
+    phases = {"init": init, "forward_end": forward_end, "backward_start": backward_start,
+              "optimizer_step": optimizer_step}
+    peak_phase = max(PHASES, key=lambda name: phases[name])
+    peak_allocated = phases[peak_phase]
+    peak_reserved = int(peak_allocated * (1 + cal.allocator_slack_ratio))
+    terms = {
+        "params": states.gpu_params,
+        "gradients": states.gpu_gradients,
+        "optimizer_states": states.gpu_optimizer_states,
+        "activations": saved + acts.backward_extra_bytes,
+        "logits_loss": logits.peak_bytes,
+        "deepspeed_buffers": buffers,
+        "cuda_context": cal.cuda_context_bytes,
+        "allocator_slack": peak_reserved - peak_allocated,
+    }
+    host_breakdown = {
+        "baseline": cal.host_baseline_bytes * hw.gpus,
+        "params": states.host_params,
+        "gradients": states.host_gradients,
+        "optimizer_states": states.host_optimizer_states,
+        "swap_buffers": states.host_swap_buffers,
+        "offloaded_activations": acts.host_bytes * hw.gpus,
+        # A local model's weights pass through host memory once while loading.
+        "model_copy_at_load": module_bytes if recipe.model.path else 0,
+    }
+    nvme_breakdown = {"params": states.nvme_params, "optimizer_states": states.nvme_optimizer_states}
+    return Plan(
+        recipe_name=loaded.name, gpu_name=cal.name, gpus=hw.gpus, zero_stage=stage, micro_batch=micro_batch,
+        seq_len=seq_len, params_total=counts.total, params_trainable=counts.trainable, terms=terms,
+        phases=phases, peak_phase=peak_phase, peak_allocated_bytes=peak_allocated,
+        peak_reserved_bytes=peak_reserved, gpu_capacity_bytes=cal.capacity_bytes,
+        host_bytes=sum(host_breakdown.values()), host_breakdown=host_breakdown,
+        host_capacity_bytes=recipe.hardware.host_memory, nvme_bytes=sum(nvme_breakdown.values()),
+        nvme_breakdown=nvme_breakdown,
+    )
+
+
+def micro_batch_candidates(loaded: LoadedRecipe) -> list[int]:
+    """Micro-batches that divide the per-GPU share of the global batch, smallest first."""
+    b, gpus = loaded.recipe.batch, loaded.recipe.hardware.gpus
+    per_gpu = b.global_batch // gpus
+    return [m for m in range(1, per_gpu + 1) if per_gpu % m == 0]
+
+
+def resolve_micro_batch(loaded: LoadedRecipe, gpu: str | None = None) -> int:
+    """The largest micro-batch dividing global_batch // gpus that fits the card (1 when none does).
+
+    Memory grows with the micro-batch, so the search stops at the first size that misses.
+    """
+    best = 1
+    for candidate in micro_batch_candidates(loaded):
+        if not plan_recipe(loaded, gpu, micro_batch=candidate).fits:
+            break
+        best = candidate
+    return best
+
