@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from memtrain.errors import UserError
 
@@ -44,7 +45,7 @@ def report_user_errors(command):
             count = len(error.problems)
             err_console.print(f"[bold red]{kind}[/]: {count} problem{'s' if count != 1 else ''}", highlight=False)
             for problem in error.problems:
-                err_console.print(f"  [red]✗[/] {problem.format()}", highlight=False, soft_wrap=True)
+                err_console.print(f"  [red]✗[/] {escape(problem.format())}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=error.exit_code) from None
 
     return wrapper

@@ -179,6 +179,7 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
     loader = BatchLoader(train_set, device)
     val_loader = BatchLoader(val_set, device)
     injector = OomInjector.from_env()
+    sample_trace = SampleTrace.from_env()
     forecast = PeakForecast()
     start_memory_history(device)
     profiler = StepProfiler(run_dir, profile_steps, device)
@@ -207,7 +208,8 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
                     with phase("forward_backward"):
                         done = run_micro_batches(
                             engine, loader, batches, normaliser, loss_sum,
-                            on_micro_batch=lambda i, size: injector.maybe_raise(step, micro_batches + i, size))
+                            before=lambda i, size: injector.maybe_raise(step, micro_batches + i, size),
+                            after=lambda indices: sample_trace.write(step, rank, indices))
                     micro_batches += done
                     remaining = []
                 except OomDuringStep as oom:
@@ -284,6 +286,24 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
     loader.close()
     val_loader.close()
     return RunResult(status=status, step=state.step, run_dir=run_dir, final_eval_loss=eval_loss)
+
+
+class SampleTrace:
+    """Test hook: with MEMTRAIN_TRACE_SAMPLES=path, every completed micro-batch appends its sample ids."""
+
+    def __init__(self, path: str | None):
+        self.path = Path(path) if path else None
+
+    @classmethod
+    def from_env(cls) -> "SampleTrace":
+        import os
+
+        return cls(os.environ.get("MEMTRAIN_TRACE_SAMPLES"))
+
+    def write(self, step: int, rank: int, indices: list[int]) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps({"step": step, "rank": rank, "indices": list(indices)}) + "\n")
 
 
 def _with_policy(state: LoopState, policy) -> LoopState:

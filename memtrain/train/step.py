@@ -43,7 +43,7 @@ class OomDuringStep(Exception):
 
 
 def run_micro_batches(engine, loader, batches: list[list[int]], normaliser: float, loss_sum: torch.Tensor,
-                      on_micro_batch=None) -> int:
+                      before=None, after=None) -> int:
     """Forward + backward over micro-batches, adding to loss_sum; returns how many completed.
 
     Raises OomDuringStep with how many completed (as `.done`) when one runs out of memory.
@@ -53,8 +53,8 @@ def run_micro_batches(engine, loader, batches: list[list[int]], normaliser: floa
             loader.prefetch(batches[done + 1])
         batch = loader.get(indices)
         try:
-            if on_micro_batch is not None:
-                on_micro_batch(done, len(indices))
+            if before is not None:
+                before(done, len(indices))
             token_loss_sum, _ = engine(input_ids=batch["input_ids"], labels=batch["labels"])
         except Exception as error:  # noqa: BLE001 — only OOMs are handled; the rest re-raise
             raise _as_oom(error, False, done) from error
@@ -63,6 +63,8 @@ def run_micro_batches(engine, loader, batches: list[list[int]], normaliser: floa
         except Exception as error:  # noqa: BLE001
             raise _as_oom(error, True, done) from error
         loss_sum += token_loss_sum.detach().float()
+        if after is not None:
+            after(indices)
     return len(batches)
 
 
