@@ -141,7 +141,8 @@ def test_summary_numbers_equal_those_in_the_metrics_file(tiny_run):
     assert summary["best_eval_perplexity"] == best["perplexity"]
     assert summary["best_eval_step"] == best["step"]
     assert summary["wall_time_s"] == pytest.approx(records[-1]["time"] - records[0]["time"])
-    assert summary["peak_host_rss_bytes"] == max(r["host_peak_rss_bytes"] for r in train)
+    # The kernel's high-water mark (ru_maxrss) can lag a fresh RSS sample, so the peak is the larger of both.
+    assert summary["peak_host_rss_bytes"] == max(max(r["host_peak_rss_bytes"], r["host_rss_bytes"]) for r in train)
     assert summary["peak_gpu_reserved_bytes"] is None  # a CPU run records zeros
     assert summary["final_micro_batch"] == 3 and summary["batch_changes"] == 1
     assert summary["status"] == "done" and summary["name"] == "tiny-test" and summary["device"] == "cpu"
