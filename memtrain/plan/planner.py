@@ -48,6 +48,7 @@ class Plan:
     host_capacity_bytes: int | None
     nvme_bytes: int
     nvme_breakdown: dict[str, int] = field(default_factory=dict)
+    saved_for_backward: dict[str, int] = field(default_factory=dict)  # layers / head / loss, at the end of forward
 
     @property
     def gpu_required_bytes(self) -> int:
@@ -209,6 +210,7 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
         host_bytes=sum(host_breakdown.values()), host_breakdown=host_breakdown,
         host_capacity_bytes=recipe.hardware.host_memory, nvme_bytes=sum(nvme_breakdown.values()),
         nvme_breakdown=nvme_breakdown,
+        saved_for_backward={"layers": acts.saved_bytes, "head": head, "loss": logits.saved_bytes},
     )
 
 

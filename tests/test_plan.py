@@ -1,0 +1,215 @@
+"""The memory model: each term against a hand computation, monotonicity, conservation over tiers,
+and the traced activation term against bytes a real CPU forward saves for backward."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from memtrain.errors import RecipeError
+from memtrain.model.config import model_config
+from memtrain.plan.calibration import calibration
+from memtrain.plan.model_states import place_model_states
+from memtrain.plan.params import count_parameters
+from memtrain.plan.planner import bucket_elements, plan_recipe, resolve_micro_batch
+from memtrain.recipe.load import load_recipe_text
+from memtrain.recipe.schema import Lora, Model
+
+GiB = 1024**3
+
+# configs/models/tiny.yaml: hidden 256, intermediate 688, 4 layers, 4 heads (no GQA), vocab 4096, untied.
+TINY_LAYER = 4 * 256 * 256 + 3 * 256 * 688 + 2 * 256          # q,k,v,o + gate,up,down + two RMSNorms
+TINY_TOTAL = 4 * TINY_LAYER + 2 * 4096 * 256 + 256               # + embedding, lm_head, final norm
+
+
+def tiny(extra: str = "", overrides: list[str] | None = None, seq_len: int = 64, micro_batch: int = 2):
+    text = f"""
+model: {{preset: tiny}}
+data: {{train: builtin:shakespeare, seq_len: {seq_len}}}
+hardware: {{gpus: 1, gpu: 24GiB}}
+precision: {{compute: bf16, chunked_loss: false}}
+batch: {{global_batch: 16, micro_batch: {micro_batch}}}
+train: {{steps: 10}}
+{extra}
+"""
+    return load_recipe_text(text, overrides=overrides or [])
+
+
+def test_parameter_counts_match_the_hand_count():
+    counts = count_parameters(Model(preset="tiny"))
+    assert counts.total == TINY_TOTAL == 5_261_568
+    assert counts.trainable == TINY_TOTAL
+    assert counts.largest_layer == TINY_LAYER
+    assert counts.largest_tensor == 4096 * 256
+    lora = count_parameters(Model(preset="tiny", lora=Lora(r=8, target_modules=["q_proj", "v_proj"])))
+    adapters = 4 * 2 * 8 * (256 + 256)   # 4 layers × (q, v) × r × (in + out)
+    assert lora.trainable == adapters == 32_768
+    assert lora.total == TINY_TOTAL + adapters
+
+
+@pytest.mark.parametrize("stage, gpu_params, gpu_grads, gpu_optim", [
+    (0, TINY_TOTAL * 2, TINY_TOTAL * 2, TINY_TOTAL * 12),
+    (1, TINY_TOTAL * 2, TINY_TOTAL * 2, TINY_TOTAL * 12 // 2),
+    (2, TINY_TOTAL * 2, TINY_TOTAL * 2 // 2, TINY_TOTAL * 12 // 2),
+    (3, TINY_TOTAL * 2 // 2, TINY_TOTAL * 2 // 2, TINY_TOTAL * 12 // 2),
+])
+def test_zero_stages_partition_model_states_over_two_gpus(stage, gpu_params, gpu_grads, gpu_optim):
+    # bf16 weights and grads (2 B), fp32 master (4 B) + Adam moments (8 B) = 12 B per parameter
+    states = place_model_states(count_parameters(Model(preset="tiny")), stage, 2, "bf16", "fp32", "none", "none")
+    assert (states.gpu_params, states.gpu_gradients, states.gpu_optimizer_states) == (gpu_params, gpu_grads, gpu_optim)
+    assert states.host_optimizer_states == states.nvme_params == 0
+
+
+def test_bf16_master_halves_optimizer_states_and_fp32_compute_has_no_separate_master():
+    counts = count_parameters(Model(preset="tiny"))
+    bf16 = place_model_states(counts, 2, 1, "bf16", "bf16", "cpu", "none")
+    assert bf16.host_optimizer_states == TINY_TOTAL * 6       # bf16 master + two bf16 moments
+    assert bf16.host_gradients == TINY_TOTAL * 2
+    fp32 = place_model_states(counts, 2, 1, "fp32", "fp32", "none", "none")
+    assert fp32.gpu_params == TINY_TOTAL * 4 and fp32.gpu_optimizer_states == TINY_TOTAL * 8
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_offload_tiers_move_bytes_off_the_gpu_without_losing_any(gpus):
+    counts = count_parameters(Model(preset="tiny"))
+    tiers = [("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme")]
+    placed = [place_model_states(counts, 3, gpus, "bf16", "fp32", opt, par) for opt, par in tiers]
+
+    def params_and_optimizer(s):
+        return (s.gpu_params + s.gpu_optimizer_states) * gpus + s.host_params + s.host_optimizer_states \
+            + s.nvme_params + s.nvme_optimizer_states
+
+    assert {params_and_optimizer(s) for s in placed} == {TINY_TOTAL * 14}
+    gpu = [s.gpu_params + s.gpu_gradients + s.gpu_optimizer_states for s in placed]
+    assert gpu == sorted(gpu, reverse=True) and gpu[-1] == 0
+    assert placed[-1].nvme_params == TINY_TOTAL * 2 and placed[-1].nvme_optimizer_states == TINY_TOTAL * 12
+    assert placed[-1].host_swap_buffers > 0
+
+
+def test_plan_moves_offloaded_states_to_host_and_nvme(tmp_path):
+    base = plan_recipe(tiny())
+    offload = plan_recipe(tiny(overrides=["offload.optimizer=cpu"]))
+    nvme = plan_recipe(tiny(overrides=["offload.optimizer=nvme", "offload.params=nvme",
+                                       f"hardware.nvme_path={tmp_path}"]))
+    assert base.optimizer_states == TINY_TOTAL * 12 and offload.optimizer_states == 0
+    assert offload.host_breakdown["optimizer_states"] == TINY_TOTAL * 12
+    assert offload.host_bytes - base.host_bytes == TINY_TOTAL * (12 + 4)   # + the fp32 gradient partition
+    assert nvme.params == 0 and nvme.nvme_bytes == TINY_TOTAL * (2 + 12)
+    assert nvme.peak_reserved_bytes < offload.peak_reserved_bytes < base.peak_reserved_bytes
+
+
+def test_lora_counts_only_trainable_parameters_for_gradients_and_optimizer():
+    plan = plan_recipe(tiny(overrides=["model.lora.r=8", "model.lora.target_modules=[q_proj, v_proj]"]))
+    assert plan.params_trainable == 32_768
+    assert plan.params == (TINY_TOTAL + 32_768) * 2          # frozen base and adapters, bf16
+    assert plan.gradients == 32_768 * 2
+    assert plan.optimizer_states == 32_768 * 12
+
+
+def test_deepspeed_buffers_are_overlapping_reduce_buckets():
+    recipe = tiny().recipe
+    reduce, _ = bucket_elements(recipe, 256)
+    plan = plan_recipe(tiny())
+    factor = calibration("24GiB").zero_bucket_factor
+    assert plan.deepspeed_buffers == int(reduce * 2 * factor)
+    assert plan_recipe(tiny(overrides=["offload.overlap_comm=false"])).deepspeed_buffers == reduce * 2
+
+
+def test_logits_term_by_hand_and_chunking_removes_most_of_it():
+    plan = plan_recipe(tiny())
+    tokens, vocab = 2 * 64, 4096
+    # backward: saved fp32 log-softmax + two fp32 gradients (nll_loss also keeps a scalar: 4 bytes)
+    assert plan.logits_loss == pytest.approx(tokens * vocab * 4 * 3, abs=16)
+    assert plan.saved_for_backward["loss"] == pytest.approx(tokens * vocab * 4, abs=16)
+    chunked = plan_recipe(tiny(overrides=["precision.chunked_loss=true", "precision.loss_chunk_tokens=32"]))
+    assert chunked.logits_loss == pytest.approx(32 * vocab * 4 * 3, abs=16)
+
+
+def test_checkpoint_strategies_order_and_every_layer_keeps_one_input_per_layer():
+    def saved(strategy: str) -> int:
+        return plan_recipe(tiny(overrides=[f"checkpointing.strategy={strategy}"])).saved_for_backward["layers"]
+
+    rope = 2 * 2 * 64 * 64 * 2           # cos and sin, (micro, seq, head_dim) bf16, shared by all layers
+    assert saved("every_layer") == 4 * (2 * 64 * 256 * 2) + rope
+    every_2 = plan_recipe(tiny(overrides=["checkpointing.strategy=every_n_layers", "checkpointing.every_n_layers=2"]))
+    assert saved("every_layer") < every_2.saved_for_backward["layers"] < saved("none")
+    assert saved("every_layer") < saved("selective") < saved("none")
+    rules = tiny(overrides=["checkpointing.strategy=rules", "checkpointing.rules={'model.layers.*': recompute}"])
+    assert plan_recipe(rules).saved_for_backward["layers"] == saved("every_layer")
+
+
+def test_activation_term_matches_bytes_a_real_forward_saves_for_backward():
+    """Trace-based prediction vs a real bf16 forward of the whole tiny model on the CPU."""
+    plan = plan_recipe(tiny(overrides=["checkpointing.strategy=none"]))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config(Model(preset="tiny")), dtype=torch.bfloat16)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage._cdata not in params:
+            saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    ids = torch.randint(0, 4096, (2, 64))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids).loss.backward()
+    measured = sum(saved.values())
+    predicted = sum(plan.saved_for_backward.values())
+    assert measured > 5e6
+    print(f"predicted {predicted} measured {measured}")
+    assert abs(predicted - measured) / measured < 0.03, (predicted, measured)
+
+
+def test_peak_grows_with_micro_batch_and_sequence_length():
+    by_micro = [plan_recipe(tiny(micro_batch=m)) for m in (1, 2, 4, 8)]
+    by_seq = [plan_recipe(tiny(seq_len=s, micro_batch=8)) for s in (32, 64, 128, 256)]
+    for plans in (by_micro, by_seq):
+        peaks = [p.peak_reserved_bytes for p in plans]
+        assert peaks == sorted(peaks) and peaks[-1] > peaks[0]
+        for phase in ("forward_end", "backward_start"):
+            values = [p.phases[phase] for p in plans]
+            assert all(a < b for a, b in zip(values, values[1:])), phase
+
+
+def test_peak_is_the_largest_phase_plus_allocator_slack():
+    plan = plan_recipe(tiny())
+    assert plan.peak_allocated_bytes == max(plan.phases.values()) == plan.phases[plan.peak_phase]
+    slack = calibration("24GiB").allocator_slack_ratio
+    assert plan.peak_reserved_bytes == int(plan.peak_allocated_bytes * (1 + slack))
+    assert plan.headroom_bytes == 24 * GiB - plan.peak_reserved_bytes - plan.cuda_context
+    assert plan.fits
+
+
+def test_7b_zero2_optimizer_offload_dies_at_init_and_zero3_starts():
+    """The flat bf16 copy DeepSpeed builds beside the 7B module does not fit 24 GiB; ZeRO-3 does."""
+    text = """
+model: {preset: llama2-7b}
+data: {train: builtin:shakespeare, seq_len: 1024}
+hardware: {gpus: 1, gpu: rtx3090}
+precision: {compute: bf16, master: bf16}
+offload: {optimizer: cpu, params: %s}
+batch: {global_batch: 16, micro_batch: 2}
+train: {steps: 10}
+"""
+    zero2 = plan_recipe(load_recipe_text(text % "none", check=False))
+    zero3 = plan_recipe(load_recipe_text(text % "cpu", check=False))
+    assert zero2.zero_stage == 2 and zero2.peak_phase == "init" and not zero2.fits
+    assert zero2.phases["init"] >= 2 * 6.7e9 * 2
+    assert zero3.zero_stage == 3 and zero3.fits
+
+
+def test_auto_micro_batch_is_the_largest_that_fits():
+    loaded = tiny(overrides=["batch.micro_batch=auto", "hardware.gpu=2GiB", "checkpointing.strategy=none",
+                             "data.seq_len=1024"])
+    chosen = resolve_micro_batch(loaded)
+    assert plan_recipe(loaded, micro_batch=chosen).fits
+    larger = [m for m in (1, 2, 4, 8, 16) if m > chosen]
+    assert larger and not plan_recipe(loaded, micro_batch=larger[0]).fits
+    assert plan_recipe(loaded).micro_batch == chosen
+
+
+def test_unknown_card_is_a_recipe_error():
+    with pytest.raises(RecipeError, match="neither a GPU profile nor a size"):
+        plan_recipe(tiny(), gpu="potato")
