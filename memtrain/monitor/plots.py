@@ -6,6 +6,7 @@ A resumed run repeats the steps after its checkpoint; the newest record of each 
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from statistics import median
 
@@ -20,7 +21,6 @@ PLOT_FILES = ("loss.png", "speed.png", "memory.png", "batch.png", "host.png")
 
 TRAIN_COLOR = "#1f77b4"
 EVAL_COLOR = "#d62728"
-PERPLEXITY_COLOR = "#2ca02c"
 CAP_COLOR = "#b22222"
 PLAN_COLOR = "#7f3fbf"
 OOM_COLOR = "#e41a1c"
@@ -78,7 +78,7 @@ def render_plots(records: list[dict], out_dir: Path) -> list[Path]:
 
 
 def plot_loss(figure: Figure, records: list[dict]) -> None:
-    """Training loss and validation loss by step; validation perplexity on a second axis (log scale)."""
+    """Training and validation loss by step, with perplexity (exp(loss)) as the scale of a second axis."""
     axes = figure.add_subplot()
     handles = []
     steps, losses = series(records, "train", "loss")
@@ -91,17 +91,15 @@ def plot_loss(figure: Figure, records: list[dict]) -> None:
     axes.set_ylabel("loss (nats / token)")
     axes.set_title("Loss")
     axes.grid(alpha=0.3)
-    ppl_steps, perplexities = series(records, "eval", "perplexity")
-    if ppl_steps:
-        twin = axes.twinx()
-        handles += twin.plot(ppl_steps, perplexities, color=PERPLEXITY_COLOR, marker="s", linestyle="--",
-                             linewidth=1.2, label="validation perplexity")
-        twin.set_ylabel("validation perplexity", color=PERPLEXITY_COLOR)
-        twin.tick_params(axis="y", colors=PERPLEXITY_COLOR)
-        if min(perplexities) > 0 and max(perplexities) / min(perplexities) > 10:
-            twin.set_yscale("log")
     if handles:
-        axes.legend(handles=handles, loc="upper right")
+        # Perplexity is exp(loss): a second scale on the same axis reads every loss point as a perplexity.
+        twin = axes.twinx()
+        twin.set_ylim(axes.get_ylim())
+        twin.set_yticks([tick for tick in axes.get_yticks() if axes.get_ylim()[0] <= tick <= axes.get_ylim()[1]])
+        twin.yaxis.set_major_formatter(FuncFormatter(lambda loss, _: _perplexity_text(loss)))
+        twin.set_ylabel("perplexity = exp(loss)")
+    if handles:
+        axes.legend(handles=handles, loc="best")
     else:
         _no_data(axes, "no loss recorded yet")
 
@@ -223,6 +221,13 @@ def plot_host(figure: Figure, records: list[dict]) -> None:
         axes.legend(loc="lower right")
     else:
         _no_data(axes, "no host memory recorded yet")
+
+
+def _perplexity_text(loss: float) -> str:
+    perplexity = math.exp(min(loss, 700))  # exp overflows a float past ~709
+    if perplexity < 10:
+        return f"{perplexity:.2f}"
+    return f"{perplexity:.1f}" if perplexity < 1000 else f"{perplexity:,.0f}"
 
 
 def _no_data(axes, text: str) -> None:
