@@ -1,0 +1,143 @@
+"""`memtrain plan`: exit codes, --json shape, advice, and --fit writing a recipe that fits."""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from memtrain.cli import app
+from memtrain.errors import RecipeError
+from memtrain.plan.advice import advise
+from memtrain.plan.command import plan_command
+from memtrain.plan.planner import TERMS, plan_recipe
+from memtrain.recipe.load import load_recipe
+
+GiB = 1024**3
+RECIPE = """\
+# a tiny model on a card of a chosen size
+model:
+  preset: tiny
+data:
+  train: builtin:shakespeare
+  seq_len: 512
+hardware:
+  gpus: 1
+  gpu: {gpu}
+checkpointing:
+  strategy: none
+precision:
+  compute: bf16
+  chunked_loss: false
+batch:
+  global_batch: 16
+  micro_batch: 16
+train:
+  steps: 10
+"""
+
+
+def write(tmp_path: Path, gpu: str = "24GiB", name: str = "r.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(RECIPE.format(gpu=gpu))
+    return path
+
+
+def run(path: Path, *overrides: str, **options) -> tuple[int, str]:
+    console = Console(file=io.StringIO(), width=160, color_system=None)
+    options = {"gpu": None, "fit": False, "output": None, "as_json": False, **options}
+    code = plan_command(path, list(overrides), console=console, **options)
+    return code, console.file.getvalue()
+
+
+def test_fitting_recipe_exits_0_and_prints_the_breakdown_and_verdict(tmp_path):
+    code, text = run(write(tmp_path))
+    assert code == 0
+    for label in ("model_params", "gradients", "optimizer_states", "activation_memory", "peak reserved", "host", "NVMe"):
+        assert label in text
+    assert "fits with" in text and "GiB to spare" in text
+
+
+def test_recipe_that_misses_exits_1_and_names_the_cheapest_change(tmp_path):
+    path = write(tmp_path, gpu="1GiB")
+    code, text = run(path)
+    assert code == 1
+    assert "misses by" in text and "cheapest changes that fit" in text
+    advice = advise(load_recipe(path))
+    assert advice and all(a.plan.fits for a in advice)
+    costs = [a.speed_cost for a in advice]
+    assert costs == sorted(costs)
+    # the cheapest advice, applied as overrides, gives the plan it promised
+    applied = plan_recipe(load_recipe(path, advice[0].overrides))
+    assert applied.fits and applied.peak_reserved_bytes == advice[0].peak_reserved_bytes
+
+
+def test_json_has_terms_phases_host_nvme_and_verdict(tmp_path):
+    code, text = run(write(tmp_path, gpu="1GiB"), as_json=True)
+    data = json.loads(text)
+    assert code == 1
+    plan = data["plan"]
+    assert set(plan["terms"]) == set(TERMS)
+    assert set(plan["phases"]) == {"init", "forward_end", "backward_start", "optimizer_step"}
+    assert plan["peak_allocated_bytes"] == max(plan["phases"].values())
+    assert plan["fits"] is False and plan["headroom_bytes"] < 0 and plan["gpu_capacity_bytes"] == GiB
+    for key in ("host_bytes", "host_breakdown", "nvme_bytes", "peak_reserved_bytes"):
+        assert key in plan
+    assert data["verdict"].startswith("misses by")
+    assert data["advice"] and {"overrides", "peak_reserved_bytes", "speed_cost", "reason"} <= set(data["advice"][0])
+
+
+def test_gpu_option_asks_about_another_card(tmp_path):
+    path = write(tmp_path, gpu="1GiB")
+    assert run(path, gpu="rtx4090")[0] == 0
+    small = json.loads(run(path, gpu="1GiB", as_json=True)[1])["plan"]
+    big = json.loads(run(path, gpu="rtx4090", as_json=True)[1])["plan"]
+    assert big["gpu_capacity_bytes"] == 24 * GiB and small["peak_reserved_bytes"] == big["peak_reserved_bytes"]
+
+
+def test_fit_writes_a_recipe_that_validates_and_is_predicted_to_fit(tmp_path):
+    path = write(tmp_path, gpu="1GiB")
+    output = tmp_path / "out" / "fitted.yaml"
+    code, text = run(path, fit=True, output=output)
+    assert code == 0 and output.is_file()
+    fitted = load_recipe(output)
+    assert fitted.recipe.hardware.gpu == "1GiB"
+    assert plan_recipe(fitted).fits
+    assert "# a tiny model" not in output.read_text()  # the header says where it came from instead
+    assert output.read_text().startswith("# Fitted by `memtrain plan --fit`")
+    assert not list(output.parent.glob("*.tmp"))
+
+
+def test_fit_keeps_command_line_overrides_and_extends(tmp_path):
+    base = write(tmp_path, gpu="1GiB", name="base.yaml")
+    child = tmp_path / "child.yaml"
+    child.write_text("extends: base.yaml\nbatch:\n  global_batch: 8\n  micro_batch: 8\n")
+    output = tmp_path / "elsewhere" / "fitted.yaml"
+    code, _ = run(child, "train.steps=7", fit=True, output=output)
+    assert code == 0
+    fitted = load_recipe(output)
+    assert fitted.recipe.train.steps == 7 and fitted.recipe.batch.global_batch == 8
+    assert plan_recipe(fitted).fits
+    assert Path(base).exists()
+
+
+def test_bad_recipes_are_recipe_errors_not_tracebacks(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(RECIPE.format(gpu="24GiB").replace("seq_len: 512", "seq_len: 512\n  seq_lenn: 3"))
+    with pytest.raises(RecipeError, match="seq_lenn"):
+        run(path)
+    with pytest.raises(RecipeError):
+        run(write(tmp_path), "batch.micro_batch=3")           # does not divide the global batch
+    with pytest.raises(RecipeError, match="--fit"):
+        run(write(tmp_path), output=tmp_path / "x.yaml")
+
+
+def test_cli_exit_codes(tmp_path):
+    runner = CliRunner()
+    assert runner.invoke(app, ["plan", str(write(tmp_path))]).exit_code == 0
+    assert runner.invoke(app, ["plan", str(write(tmp_path, gpu="1GiB", name="small.yaml"))]).exit_code == 1
+    bad = runner.invoke(app, ["plan", str(write(tmp_path)), "hardware.gpu=potato"])
+    assert bad.exit_code == 2
