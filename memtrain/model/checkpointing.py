@@ -56,6 +56,16 @@ def _cut_problem(pattern: str) -> str | None:
             "which would cut inside a residual addition")
 
 
+def name_matches(name: str, pattern: str) -> bool:
+    """Whether a dotted module name ends with components matching the pattern's components.
+
+    Wildcards stay inside one component ('model.layers.*' is the layers, not their children) and the
+    pattern may match the end of a longer name ('*.mlp', 'lm_head', and PEFT's 'base_model.model.' prefix).
+    """
+    parts, want = name.split("."), pattern.split(".")
+    return len(parts) >= len(want) and all(fnmatch.fnmatchcase(p, w) for p, w in zip(parts[-len(want):], want))
+
+
 def rule_problems(rules: dict[str, str]) -> list[tuple[str, str]]:
     """(pattern, message) for each recompute/offload rule that would cut inside a residual block.
 
@@ -79,6 +89,7 @@ class OffloadStats:
     packed_bytes: int = 0
     packed_devices: set[str] = field(default_factory=set)
     unpacked_tensors: int = 0
+    parameters_left_in_place: int = 0
 
 
 @dataclass
@@ -158,7 +169,7 @@ def _resolve_rules(model: nn.Module, rules: dict[str, str]) -> dict[str, str]:
     for name, _ in hf_model(model).named_modules():
         if not name:
             continue
-        pattern = next((p for p in rules if fnmatch.fnmatchcase(name, p)), None)
+        pattern = next((p for p in rules if name_matches(name, p)), None)
         if pattern is None:
             continue
         used.add(pattern)
@@ -189,6 +200,7 @@ class _HostOffload(torch.autograd.graph.save_on_cpu):
             # because ZeRO-3 gathers the parameters only inside each submodule's forward.
             storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
             if tensor.untyped_storage().data_ptr() in storages:
+                stats.parameters_left_in_place += 1
                 return (False, tensor)
             packed = to_host(tensor)
             stats.packed_tensors += 1

@@ -12,14 +12,13 @@ forward, and gradients flow back to the low-precision copies and DeepSpeed's fp3
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import functools
 
 import torch
 from torch import nn
 
 from memtrain.errors import Problem, RecipeError
-from memtrain.model.checkpointing import hf_model
+from memtrain.model.checkpointing import hf_model, name_matches
 from memtrain.recipe.schema import Precision
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -39,7 +38,7 @@ def fp32_island_names(model: nn.Module, globs: list[str]) -> list[str]:
     islands: list[str] = []
     used: set[str] = set()
     for name in names:
-        hits = [g for g in globs if fnmatch.fnmatchcase(name, g)]
+        hits = [g for g in globs if name_matches(name, g)]
         used.update(hits)
         if hits and not any(name.startswith(i + ".") for i in islands):
             islands.append(name)
