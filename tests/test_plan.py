@@ -47,6 +47,18 @@ def test_parameter_counts_match_the_hand_count():
     assert lora.total == TINY_TOTAL + adapters
 
 
+def test_lora_count_agrees_with_peft_on_a_real_model():
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForCausalLM.from_config(model_config(Model(preset="tiny")))
+    targets = ["q_proj", "k_proj", "down_proj"]
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    counts = count_parameters(Model(preset="tiny", lora=Lora(r=4, target_modules=targets)))
+    assert counts.trainable == trainable
+    assert counts.total == sum(p.numel() for p in peft_model.parameters())
+
+
 @pytest.mark.parametrize("stage, gpu_params, gpu_grads, gpu_optim", [
     (0, TINY_TOTAL * 2, TINY_TOTAL * 2, TINY_TOTAL * 12),
     (1, TINY_TOTAL * 2, TINY_TOTAL * 2, TINY_TOTAL * 12 // 2),
