@@ -74,13 +74,13 @@ class LayerTrace:
         return sum(unique.values())
 
 
-def _layer_and_rotary(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None, str]:
-    """The first decoder layer, the rotary embedding module, and the layers' name prefix."""
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) and name.endswith("layers"):
-            base = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-            return module[0], getattr(base, "rotary_emb", None), name
-    raise ValueError(f"{type(model).__name__} has no decoder layer list")
+def _layer_and_rotary(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The first decoder layer and the model's rotary embedding module (None without one)."""
+    from memtrain.plan.params import decoder_layers
+
+    name, layers = decoder_layers(model)
+    base = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    return layers[0], getattr(base, "rotary_emb", None)
 
 
 def trace_layer(model: Model, compute: str, micro_batch: int, seq_len: int) -> LayerTrace:
@@ -105,8 +105,9 @@ def one_layer_model(model: Model, dtype: torch.dtype) -> torch.nn.Module:
 @lru_cache(maxsize=256)
 def _trace_layer(model_json: str, compute: str, micro_batch: int, seq_len: int) -> LayerTrace:
     dtype = _DTYPES[compute]
-    layer, rotary, _ = _layer_and_rotary(one_layer_model(Model.model_validate_json(model_json), dtype))
-    hidden = layer.self_attn.config.hidden_size if hasattr(layer, "self_attn") else layer.hidden_size
+    model = one_layer_model(Model.model_validate_json(model_json), dtype)
+    layer, rotary = _layer_and_rotary(model)
+    hidden = model.config.hidden_size
     saved: list[SavedTensor] = []
     inputs: dict[str, tuple[int, int]] = {}
     stack: list[str] = [""]
@@ -210,8 +211,9 @@ def estimate_activations(model: Model, checkpointing: Checkpointing, compute: st
         saved = checkpointed * trace.layer_input_bytes + (num_layers - checkpointed) * full
         recomputed = full
     elif strategy == "selective":
-        saved = num_layers * trace.saved_bytes(recompute=SELECTIVE_BLOCKS)[0]
-        recomputed = max(trace.block_bytes(block) for block in SELECTIVE_BLOCKS)
+        blocks = tuple(b for b in SELECTIVE_BLOCKS if b in trace.inputs)
+        saved = num_layers * trace.saved_bytes(recompute=blocks)[0]
+        recomputed = max((trace.block_bytes(block) for block in blocks), default=0)
     else:
         saved = recomputed = 0
         for index in range(num_layers):

@@ -20,6 +20,7 @@ class ParamCounts:
     num_layers: int
     hidden_size: int
     vocab_size: int
+    layers_name: str = "model.layers"   # dotted name of the decoder layer list (checkpoint rules match on it)
 
     @property
     def frozen(self) -> int:
@@ -49,7 +50,7 @@ def _count(model_json: str) -> ParamCounts:
     config = module.config
     base_total = sum(p.numel() for p in module.parameters())
     largest_tensor = max(p.numel() for p in module.parameters())
-    layers = next(m for name, m in module.named_modules() if isinstance(m, torch.nn.ModuleList) and name.endswith("layers"))
+    layers_name, layers = decoder_layers(module)
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     trainable = base_total
     if model.lora is not None:
@@ -60,7 +61,7 @@ def _count(model_json: str) -> ParamCounts:
             if isinstance(sub, torch.nn.Linear) and _lora_targets(name, lora.target_modules):
                 count = lora.r * (sub.in_features + sub.out_features)
                 adapters += count
-                if name.startswith(_layer_prefix(module, layers) + ".0."):
+                if name.startswith(layers_name + ".0."):
                     adapter_per_layer += count
         trainable = adapters
         base_total += adapters
@@ -73,8 +74,13 @@ def _count(model_json: str) -> ParamCounts:
         num_layers=len(layers),
         hidden_size=int(config.hidden_size),
         vocab_size=int(config.vocab_size),
+        layers_name=layers_name,
     )
 
 
-def _layer_prefix(module: torch.nn.Module, layers: torch.nn.ModuleList) -> str:
-    return next(name for name, m in module.named_modules() if m is layers)
+def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
+    """(dotted name, list) of the model's decoder layers: its longest ModuleList (model.layers, transformer.h)."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no list of decoder layers")
+    return max(lists, key=lambda item: len(item[1]))

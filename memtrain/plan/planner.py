@@ -155,7 +155,8 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
     stage = zero_stage(o.zero_stage, o.params)
     states = place_model_states(counts, stage, hw.gpus, p.compute, p.master, o.optimizer, o.params, o.ratio,
                                 o.buffer_count)
-    acts = estimate_activations(recipe.model, recipe.checkpointing, p.compute, micro_batch, seq_len, counts.num_layers)
+    acts = estimate_activations(recipe.model, recipe.checkpointing, p.compute, micro_batch, seq_len, counts.num_layers,
+                                counts.layers_name)
     tokens = micro_batch * seq_len
     head = _head_bytes(counts, compute_bytes, tokens)
     logits = estimate_logits(counts.hidden_size, counts.vocab_size, p.compute, micro_batch, seq_len,
