@@ -141,3 +141,5 @@ def test_cli_exit_codes(tmp_path):
     assert runner.invoke(app, ["plan", str(write(tmp_path, gpu="1GiB", name="small.yaml"))]).exit_code == 1
     bad = runner.invoke(app, ["plan", str(write(tmp_path)), "hardware.gpu=potato"])
     assert bad.exit_code == 2
+    as_json = runner.invoke(app, ["plan", str(write(tmp_path, gpu="1GiB", name="j.yaml")), "--json"])
+    assert as_json.exit_code == 1 and json.loads(as_json.stdout)["advice"]  # long lines are not wrapped

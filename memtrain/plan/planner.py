@@ -90,7 +90,7 @@ def bucket_elements(recipe: Recipe, hidden_size: int) -> tuple[int, int]:
     try:
         from memtrain.compile.deepspeed import compile_recipe
 
-        zero = compile_recipe(recipe, micro_batch=1, total_steps=1, on_cpu=True).get("zero_optimization", {})
+        zero = compile_recipe(recipe, micro_batch=1, total_steps=1).get("zero_optimization", {})
         reduce = int(zero.get("reduce_bucket_size", hidden_size * hidden_size))
         return reduce, int(zero.get("stage3_prefetch_bucket_size", 0.9 * hidden_size * hidden_size))
     except (ImportError, TypeError, AttributeError, KeyError, ValueError):
