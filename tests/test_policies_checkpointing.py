@@ -146,8 +146,9 @@ def test_offloaded_activations_live_on_the_host_during_forward():
 
 def test_lora_strategies_match_plain_lora():
     def lora_losses(config):
+        base = tiny_llama()
         torch.manual_seed(1)  # LoRA's A matrices are drawn from the global generator
-        model = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                         target_modules=["q_proj", "v_proj", "down_proj"]))
         plan = apply_checkpointing(model, config) if config else None
         return train(model, steps=10, lr=1e-2)[0], plan

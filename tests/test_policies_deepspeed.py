@@ -1,0 +1,112 @@
+"""The memory policies under real single-process DeepSpeed engines on the CPU accelerator."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+from memtrain.model.checkpointing import apply_checkpointing
+from memtrain.model.precision import apply_precision
+from memtrain.model.wrapper import TrainableLM
+from memtrain.recipe.schema import Checkpointing, Precision
+from tests.test_policies_support import one_torch_thread, shakespeare_batches, tiny_llama  # noqa: F401
+
+deepspeed = pytest.importorskip("deepspeed")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_process_group():
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for key, value in dict(DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+            os.environ.setdefault(key, value)
+        deepspeed.init_distributed(dist_backend="gloo")
+    yield
+
+
+def engine(model, precision: Precision, config: dict, lr: float = 1e-3):
+    lm = TrainableLM(model, precision)
+    optimizer = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=lr)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "zero_allow_untested_optimizer": True, **config}
+    eng, *_ = deepspeed.initialize(model=lm, optimizer=optimizer, config=config)
+    return eng
+
+
+def step(eng, ids, poison: bool = False) -> float:
+    loss_sum, n_tokens = eng(input_ids=ids, labels=ids)
+    loss = loss_sum / n_tokens
+    eng.backward(loss * float("inf") if poison else loss)
+    eng.step()
+    return loss.item()
+
+
+FP32 = Precision(compute="fp32", loss_chunk_tokens=16)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpointing_under_zero_matches_no_checkpointing(stage):
+    batches = shakespeare_batches(8)
+    runs = {}
+    for name, config in {"none": Checkpointing(strategy="none"), "selective": Checkpointing(strategy="selective"),
+                         "every_2_layers": Checkpointing(strategy="every_n_layers", every_n_layers=2),
+                         "offload_mlp": Checkpointing(strategy="rules", rules={"*.mlp": "offload"})}.items():
+        model = tiny_llama()
+        plan = apply_checkpointing(model, config)
+        eng = engine(model, FP32, {"zero_optimization": {"stage": stage}})
+        runs[name] = torch.tensor([step(eng, ids) for ids in batches], dtype=torch.float64)
+        if name == "offload_mlp":
+            assert plan.offload_stats.packed_tensors > 0
+            assert plan.offload_stats.unpacked_tensors == plan.offload_stats.packed_tensors
+    assert runs["none"][-1] < runs["none"][0] - 0.2
+    for name, losses in runs.items():
+        assert torch.allclose(losses, runs["none"], rtol=0, atol=1e-5), (stage, name, losses - runs["none"])
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_fp16_overflow_lowers_the_scale_and_skips_the_step(hysteresis):
+    """DeepSpeed's fp16 dynamic loss scaler runs on the CPU accelerator (ZeRO-2 optimizer)."""
+    precision = Precision(compute="fp16", fp32_modules=["*norm*"], loss_chunk_tokens=16)
+    model = tiny_llama()
+    apply_precision(model, precision)
+    eng = engine(model, precision, {"zero_optimization": {"stage": 2}, "fp16": {
+        "enabled": True, "initial_scale_power": 8, "hysteresis": hysteresis, "loss_scale_window": 1000,
+        "min_loss_scale": 1}})
+    batches = shakespeare_batches(2 + hysteresis)
+    assert step(eng, batches[0]) < 9 and eng.optimizer.cur_scale == 256 and eng.skipped_steps == 0
+    weights = {k: v.detach().clone() for k, v in eng.module.state_dict().items()}
+    for overflow in range(1, hysteresis + 1):
+        step(eng, batches[overflow], poison=True)
+        assert eng.skipped_steps == overflow
+        # hysteresis = overflows tolerated before the scale drops
+        assert eng.optimizer.cur_scale == (128 if overflow == hysteresis else 256)
+        assert all(torch.equal(weights[k], v) for k, v in eng.module.state_dict().items())
+    step(eng, batches[-1])
+    assert eng.skipped_steps == hysteresis
+    assert not all(torch.equal(weights[k], v) for k, v in eng.module.state_dict().items())
+
+
+def test_lora_bf16_islands_under_zero3_match_no_checkpointing():
+    """LoRA + bf16 engine (which casts the fp32 islands' weights) + ZeRO-3 gathering inside the islands."""
+    from peft import LoraConfig, get_peft_model
+
+    precision = Precision(compute="bf16", fp32_modules=["*norm*", "lm_head"], loss_chunk_tokens=16)
+    batches = shakespeare_batches(6)
+    runs = {}
+    for name in ("none", "selective", "every_layer"):
+        base = tiny_llama()
+        torch.manual_seed(1)  # LoRA's A matrices are drawn from the global generator
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                        target_modules=["q_proj", "v_proj", "up_proj"]))
+        apply_checkpointing(model, Checkpointing(strategy=name))
+        apply_precision(model, precision)
+        eng = engine(model, precision, {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, lr=1e-2)
+        runs[name] = torch.tensor([step(eng, ids) for ids in batches], dtype=torch.float64)
+    assert runs["none"][-1] < runs["none"][0]
+    for name, losses in runs.items():
+        assert torch.allclose(losses, runs["none"], rtol=0, atol=1e-5), (name, losses - runs["none"])
