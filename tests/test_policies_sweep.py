@@ -1,0 +1,43 @@
+"""The GPU checkpoint sweep's bookkeeping, run on the CPU with the tiny preset (2 steps per strategy)."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.test_policies_support import one_torch_thread  # noqa: F401
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts/checkpoint_sweep.py"
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    spec = importlib.util.spec_from_file_location("checkpoint_sweep", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_sweep_writes_one_row_per_strategy_and_appends(sweep, tmp_path):
+    out = tmp_path / "sweep.csv"
+    argv = ["--device", "cpu", "--preset", "tiny", "--micro-batch", "2", "--seq-len", "32", "--steps", "2",
+            "--strategies", "none,every_2,selective,offload", "--out", str(out)]
+    assert sweep.main(argv) == 0
+    assert sweep.main([*argv[:-3], "none", "--lora", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert list(rows[0]) == sweep.COLUMNS
+    assert [r["strategy"] for r in rows] == ["none", "every_2", "selective", "offload", "none"]
+    assert [r["recipe"] for r in rows] == ["tiny-full-mb2-seq32"] * 4 + ["tiny-lora-mb2-seq32"]
+    for row in rows:
+        assert float(row["step_time_s"]) > 0
+        assert float(row["tokens_per_s"]) == pytest.approx(64 / float(row["step_time_s"]), rel=1e-3)
+        assert row["peak_allocated_gib"] == "n/a"
+        assert row["command"].startswith("python scripts/checkpoint_sweep.py --device cpu")
+
+
+def test_unknown_strategy_is_refused(sweep, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--preset", "tiny", "--strategies", "every_3", "--out", str(tmp_path / "x.csv")])
+    assert "every_3" in capsys.readouterr().err
