@@ -36,7 +36,7 @@ def launch(recipe: Path, overrides: list[str], resume: bool = True, max_steps: i
             prepare_data(loaded)
         result = train(loaded, resume=resume, max_steps=max_steps, profile_steps=profile_steps)
         _print_result(result)
-        return 0 if result.status == "done" else EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED if result.status == "interrupted" else 0
     _check_devices(gpus)
     from memtrain.train.distributed import free_port
     from memtrain.train.loop import prepare_data
@@ -69,6 +69,9 @@ def _print_result(result) -> None:
     console = Console(stderr=True)
     if result.status == "done":
         console.print(f"[green]✓[/] trained {result.step} steps; model in {result.run_dir / 'final'}")
+    elif result.status == "stopped":
+        console.print(f"[yellow]■[/] stopped at step {result.step} as asked (--max-steps); checkpoint in "
+                      f"{result.run_dir / 'checkpoints'} — run without --max-steps to continue")
     else:
-        console.print(f"[yellow]■[/] stopped at step {result.step} ({result.status}); checkpoint in "
+        console.print(f"[yellow]■[/] interrupted at step {result.step}; checkpoint in "
                       f"{result.run_dir / 'checkpoints'} — run the same command again to resume")

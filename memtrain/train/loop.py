@@ -27,7 +27,7 @@ from memtrain.train.step import OomDuringStep, run_micro_batches, split, step_ta
 
 @dataclass
 class RunResult:
-    status: str              # "done" | "interrupted" | "gave_up"
+    status: str              # "done" | "stopped" (--max-steps) | "interrupted"
     step: int
     run_dir: Path
     final_eval_loss: float | None = None
@@ -79,8 +79,15 @@ def prepare_data(loaded: LoadedRecipe):
     from memtrain.data.dataset import build_datasets
     from memtrain.data.tokenizer import load_tokenizer
 
+    from memtrain.model.config import model_config
+
     r = loaded.recipe
     tokenizer = load_tokenizer(r.model)
+    vocab_size = model_config(r.model).vocab_size
+    if len(tokenizer) > vocab_size:
+        raise DataError(loaded.sources.problem(
+            ("model", "tokenizer"), f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab_size}",
+            "use the model's own tokenizer, or a preset whose vocab_size is at least the tokenizer's"))
     train_set, val_set = build_datasets(r.data, tokenizer, r.train.seed)
     if len(train_set) < r.batch.global_batch:
         raise DataError(loaded.sources.problem(
@@ -279,7 +286,9 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
                 status = "interrupted"
                 break
         metrics.flush()
-    if status == "done" and state.step >= steps_total:
+    if status == "done" and state.step < steps_total:
+        status = "stopped"
+    if status == "done":
         export_model(engine, model, tokenizer, run_dir / "final", rank, zero3)
     metrics.event("run", state.step, event="end", status=status)
     metrics.close()
