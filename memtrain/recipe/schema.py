@@ -197,7 +197,7 @@ class Train(Section):
     steps: int | None = Field(None, ge=1, description="Optimizer steps; or use epochs.")
     epochs: float | None = Field(None, gt=0, description="Passes over the training data (when steps is not set).")
     eval_every: int = Field(100, ge=1, description="Evaluate every N optimizer steps (and at the end).")
-    eval_batches: int = Field(8, ge=1, description="Micro-batches per evaluation.")
+    eval_batches: int = Field(8, ge=1, description="Validation micro-batches (of the starting micro-batch size, over all GPUs) per evaluation.")
     save_every: int = Field(500, ge=1, description="Checkpoint every N optimizer steps (and at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept.")
     log_every: int = Field(10, ge=1, description="Flush metrics every N optimizer steps (no per-step host sync).")

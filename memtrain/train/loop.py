@@ -98,13 +98,16 @@ def prepare_data(loaded: LoadedRecipe):
     return tokenizer, train_set, val_set
 
 
-def evaluate(engine, loader, val_set, micro_batch: int, batches: int, device, world_size: int, rank: int) -> float:
-    """Mean token loss over the first `batches` micro-batches of the validation set (all ranks)."""
+def evaluate(engine, loader, val_set, samples: int, micro_batch: int, device, world_size: int, rank: int) -> float:
+    """Mean token loss over the first `samples` validation samples, shared out over the ranks.
+
+    The sample set depends on neither the number of GPUs nor the current micro-batch, so runs on
+    different hardware report comparable numbers.
+    """
     engine.eval()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     tokens = torch.zeros((), device=device, dtype=torch.float64)
-    n = min(len(val_set), batches * micro_batch * world_size)
-    mine = list(range(rank, n, world_size))
+    mine = list(range(rank, min(len(val_set), samples), world_size))
     with torch.no_grad():
         for indices in split(mine, micro_batch):
             batch = loader.get(indices)
@@ -163,6 +166,7 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
     world, rank, device = place.world_size, place.rank, place.device
     per_rank_batch = r.batch.global_batch // world
     micro_batch = min(resolve_micro_batch(loaded), per_rank_batch)
+    eval_samples = r.train.eval_batches * resolve_micro_batch(loaded)  # independent of the GPU count
     engine, scheduler, model, ds_config = _build_engine(loaded, place, micro_batch, steps_total)
     zero3 = ds_config["zero_optimization"]["stage"] == 3
 
@@ -272,8 +276,7 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
             profiler.step()
             last = state.step == stop_at
             if state.step % r.train.eval_every == 0 or last:
-                eval_loss = evaluate(engine, val_loader, val_set, policy.micro_batch, r.train.eval_batches,
-                                     device, world, rank)
+                eval_loss = evaluate(engine, val_loader, val_set, eval_samples, policy.micro_batch, device, world, rank)
                 metrics.event("eval", state.step, loss=eval_loss, perplexity=math.exp(min(eval_loss, 50)))
                 progress.note_eval(state.step, eval_loss)
                 if state.best_eval_loss is None or eval_loss < state.best_eval_loss:
