@@ -136,6 +136,7 @@ def run(
     resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue from the newest complete checkpoint in the run directory."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after this many optimizer steps (the schedule still follows the recipe)."),
     profile: int = typer.Option(0, "--profile", help="Record a torch.profiler trace of N steps into the run directory."),
+    save: bool = typer.Option(True, "--save/--no-save", help="--no-save: write no checkpoints and no final model (benchmarks, smoke tests)."),
 ):
     """Train a recipe on DeepSpeed (GPUs, or the CPU when there is none).
 
@@ -143,7 +144,7 @@ def run(
     """
     from memtrain.compile.launch import launch
 
-    code = launch(recipe, list(overrides or []), resume=resume, max_steps=max_steps, profile_steps=profile)
+    code = launch(recipe, list(overrides or []), resume=resume, max_steps=max_steps, profile_steps=profile, save=save)
     raise typer.Exit(code=code)
 
 

@@ -77,7 +77,7 @@ CASES = [
 
 def measure(case: Case, overrides: list[str], run_dir: Path, timeout_s: int) -> dict | str:
     """Train a few steps; the max of the logged peaks, or 'OOM' / 'failed (rc N)'."""
-    command = [sys.executable, "-m", "memtrain", "run", case.recipe, *overrides, "--no-resume"]
+    command = [sys.executable, "-m", "memtrain", "run", case.recipe, *overrides, "--no-resume", "--no-save"]
     log = run_dir.with_suffix(".log")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -135,7 +135,7 @@ def main() -> int:
     parser.add_argument("--gpu", default="rtx3090", help="target card the runs are capped to (profile or size)")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-plan-accuracy"))
     parser.add_argument("--nvme-path", default="/tmp/memtrain-nvme")
-    parser.add_argument("--only", default="", help="run only cases whose name contains this")
+    parser.add_argument("--only", default="", help="run only cases whose name contains one of these comma-separated strings")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     parser.add_argument("--markdown", type=Path, default=None, help="Markdown view (default: --out with .md)")
     parser.add_argument("--plan-only", action="store_true", help="print the predictions without running (no GPU)")
@@ -145,7 +145,8 @@ def main() -> int:
     machine = f"{platform.node()} ({args.gpu} cap)"
     date = dt.date.today().isoformat()
     rows, slack = [], []
-    for case in [c for c in CASES if args.only in c.name]:
+    wanted = [part for part in args.only.split(",") if part] or [""]
+    for case in [c for c in CASES if any(part in c.name for part in wanted)]:
         overrides = [*case.overrides, f"hardware.gpu={args.gpu}", "hardware.cap_memory=true", "train.steps=3",
                      "train.eval_every=1000", "train.save_every=1000", "train.log_every=1",
                      f"train.output_dir={args.runs / case.name}"]
@@ -176,6 +177,9 @@ def main() -> int:
     if args.plan_only:
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.out.exists():  # keep rows of cases not run this time (the matrix may be run in parts)
+        ran = {row["recipe"] for row in rows}
+        rows = [row for row in csv.DictReader(args.out.open()) if row["recipe"] not in ran] + rows
     with args.out.open("w", newline="") as stream:
         writer = csv.DictWriter(stream, fieldnames=COLUMNS)
         writer.writeheader()

@@ -24,7 +24,7 @@ def torchrun_command(nproc: int, port: int, worker_args: list[str]) -> list[str]
 
 
 def launch(recipe: Path, overrides: list[str], resume: bool = True, max_steps: int | None = None,
-           profile_steps: int = 0) -> int:
+           profile_steps: int = 0, save: bool = True) -> int:
     """Run a recipe; returns the process exit code (0 done, 130 interrupted)."""
     loaded = load_recipe(recipe, overrides)
     gpus = loaded.recipe.hardware.gpus
@@ -34,7 +34,7 @@ def launch(recipe: Path, overrides: list[str], resume: bool = True, max_steps: i
 
         if gpus > 1:
             prepare_data(loaded)
-        result = train(loaded, resume=resume, max_steps=max_steps, profile_steps=profile_steps)
+        result = train(loaded, resume=resume, max_steps=max_steps, profile_steps=profile_steps, save=save)
         _print_result(result)
         return EXIT_INTERRUPTED if result.status == "interrupted" else 0
     _check_devices(gpus)
@@ -47,6 +47,8 @@ def launch(recipe: Path, overrides: list[str], resume: bool = True, max_steps: i
         args += ["--max-steps", str(max_steps)]
     if profile_steps:
         args += ["--profile", str(profile_steps)]
+    if not save:
+        args.append("--no-save")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // gpus))))
     completed = subprocess.run(torchrun_command(gpus, free_port(), args), env=env)
     return completed.returncode

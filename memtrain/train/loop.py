@@ -120,7 +120,7 @@ def evaluate(engine, loader, val_set, samples: int, micro_batch: int, device, wo
 
 
 def train(loaded: LoadedRecipe, resume: bool = True, max_steps: int | None = None, profile_steps: int = 0,
-          quiet: bool = False) -> RunResult:
+          quiet: bool = False, save: bool = True) -> RunResult:
     r = loaded.recipe
     place, cap_bytes = setup_process(r.hardware.gpu, r.hardware.cap_memory)
     tokenizer, train_set, val_set = prepare_data(loaded)
@@ -128,7 +128,7 @@ def train(loaded: LoadedRecipe, resume: bool = True, max_steps: int | None = Non
     run_dir = loaded.output_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     return _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total, run_dir,
-                  resume, max_steps, profile_steps, quiet)
+                  resume, max_steps, profile_steps, quiet, save)
 
 
 def _build_engine(loaded: LoadedRecipe, place: Place, micro_batch: int, steps_total: int):
@@ -152,7 +152,7 @@ def _build_engine(loaded: LoadedRecipe, place: Place, micro_batch: int, steps_to
 
 
 def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total, run_dir, resume, max_steps,
-           profile_steps, quiet) -> RunResult:
+           profile_steps, quiet, save) -> RunResult:
     from memtrain.data.loader import BatchLoader, SampleOrder
     from memtrain.monitor.forecast import PeakForecast
     from memtrain.monitor.metrics import MetricsLog
@@ -231,12 +231,12 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
                         decision = policy.on_oom()
                     except GiveUp as give_up:
                         metrics.event("oom", step, micro_batch=policy.micro_batch, snapshot=_str(snapshot), fatal=True)
-                        save_checkpoint(engine, run_dir, _with_policy(state, policy), rank, r.train.keep_last)
+                        if save:  # the last completed step is kept; this one's gradients are not applied
+                            engine.optimizer.zero_grad(set_to_none=True)
+                            save_checkpoint(engine, run_dir, _with_policy(state, policy), rank, r.train.keep_last)
                         metrics.event("run", step, event="end", status="gave_up", message=str(give_up))
                         metrics.close()
-                        raise DataError(Problem(f"out of memory at micro-batch {policy.micro_batch}: {give_up}",
-                                                hint=f"checkpoint saved in {run_dir}; run `memtrain plan` on the recipe "
-                                                     "for the change that makes it fit")) from None
+                        raise
                     metrics.event("oom", step, micro_batch=decision.old_micro_batch, snapshot=_str(snapshot),
                                   in_backward=oom.in_backward)
                     metrics.event("batch", step, old_micro_batch=decision.old_micro_batch,
@@ -282,7 +282,7 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
                 if state.best_eval_loss is None or eval_loss < state.best_eval_loss:
                     state.best_eval_loss = eval_loss
             stopping = interrupted.requested or last
-            if state.step % r.train.save_every == 0 or stopping:
+            if save and (state.step % r.train.save_every == 0 or stopping):
                 path = save_checkpoint(engine, run_dir, _with_policy(state, policy), rank, r.train.keep_last)
                 metrics.event("checkpoint", state.step, path=str(path))
             if interrupted.requested:
@@ -291,7 +291,7 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
         metrics.flush()
     if status == "done" and state.step < steps_total:
         status = "stopped"
-    if status == "done":
+    if status == "done" and save:
         export_model(engine, model, tokenizer, run_dir / "final", rank, zero3)
     metrics.event("run", state.step, event="end", status=status)
     metrics.close()

@@ -54,7 +54,7 @@ def _on_cuda(device) -> bool:
 def start_memory_history(device) -> None:
     """Record allocator events on CUDA so that an OOM snapshot shows who held what; no-op elsewhere."""
     if _on_cuda(device):
-        torch.cuda.memory._record_memory_history(max_entries=HISTORY_MAX_ENTRIES)
+        torch.cuda.memory._record_memory_history(max_entries=HISTORY_MAX_ENTRIES, stacks="python")
 
 
 def dump_memory_snapshot(run_dir: Path, step: int) -> Path | None:
