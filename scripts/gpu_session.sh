@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU benchmark matrix, in parts that each fit one 10-minute call on the GPU machine.
 # Every result lands in $OUT (CSV + Markdown), to be committed under benchmarks/ and docs/.
-#   bash scripts/gpu_session.sh 1    # memtrain run: 1.1B offload, 7B LoRA; checkpoint sweep 1.1B; plan accuracy (1.1B)
-#   bash scripts/gpu_session.sh 2    # adaptive batch; plan accuracy (3B, 7B); checkpoint sweep 7B LoRA
+#   bash scripts/gpu_session.sh 1    # memtrain run: 1.1B offload, 7B LoRA; plan accuracy (1.1B); adaptive batch
+#   bash scripts/gpu_session.sh 2    # plan accuracy (3B, 7B); checkpoint sweep 7B LoRA
+#   bash scripts/gpu_session.sh sweep  # checkpoint sweep 1.1B
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -23,20 +24,22 @@ case $part in
   step bench 330 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 200 --title "memtrain run on the GPU machine (24 GiB cap)" \
     --case "1.1b-full-opt-offload-mb4x1024=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=12 $quiet" \
     --case "7b-lora-mb4x1024=recipes/llama2-7b-lora-24gb.yaml train.steps=10 $quiet"
-  step sweep-1.1b 100 python3 scripts/checkpoint_sweep.py --preset tinyllama-1.1b --micro-batch 4 --seq-len 1024 \
-    --steps 4 --out "$OUT/checkpoint_sweep.csv"
-  step plan-1.1b 200 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 100 --calibrate \
+  step plan-1.1b 170 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 100 --calibrate \
     --only 1.1b-no-offload,1.1b-opt-cpu-every2,1.1b-lora,1.1b-opt-cpu-none
-  ;;
-2)
   step adaptive 200 python3 scripts/bench_run.py --out "$OUT/adaptive.csv" --timeout 150 --warmup-steps 0 \
     --title "Adaptive micro-batch on the GPU machine (24 GiB cap)" \
     --case "7b-lora-adaptive-from-mb16=recipes/llama2-7b-lora-24gb.yaml batch.policy=adaptive batch.micro_batch=16 batch.global_batch=32 checkpointing.strategy=none train.steps=8 $quiet" \
     --case "1.1b-full-adaptive-auto=recipes/tinyllama-1.1b-full-offload-24gb.yaml batch.policy=adaptive batch.micro_batch=auto batch.global_batch=32 train.steps=10 $quiet"
+  ;;
+2)
   step plan-3b-7b 300 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 150 \
     --only 3b-zero3,7b-lora-every-mb4,7b-zero3,7b-zero2
   step sweep-7b-lora 90 python3 scripts/checkpoint_sweep.py --preset llama2-7b --lora --micro-batch 4 --seq-len 1024 \
     --steps 3 --strategies none,every_1,every_2,selective --out "$OUT/checkpoint_sweep.csv"
+  ;;
+sweep)
+  step sweep-1.1b 100 python3 scripts/checkpoint_sweep.py --preset tinyllama-1.1b --micro-batch 4 --seq-len 1024 \
+    --steps 4 --out "$OUT/checkpoint_sweep.csv"
   ;;
 esac
 for f in /tmp/memtrain-bench/*.log /tmp/memtrain-plan-accuracy/*.log; do

@@ -148,6 +148,7 @@ def main() -> int:
     wanted = [part for part in args.only.split(",") if part] or [""]
     for case in [c for c in CASES if any(part in c.name for part in wanted)]:
         overrides = [*case.overrides, f"hardware.gpu={args.gpu}", "hardware.cap_memory=true", "train.steps=3",
+                     "schedule.warmup_steps=1",
                      "train.eval_every=1000", "train.save_every=1000", "train.log_every=1",
                      f"train.output_dir={args.runs / case.name}"]
         if "nvme" in case.recipe:

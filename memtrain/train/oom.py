@@ -54,7 +54,9 @@ def _on_cuda(device) -> bool:
 def start_memory_history(device) -> None:
     """Record allocator events on CUDA so that an OOM snapshot shows who held what; no-op elsewhere."""
     if _on_cuda(device):
-        torch.cuda.memory._record_memory_history(max_entries=HISTORY_MAX_ENTRIES, stacks="python")
+        # no tracebacks (context=None): capturing Python stacks inside autograd's backward thread
+        # failed with "cross_entropy_loss returned NULL" on torch 2.11; block sizes and order remain
+        torch.cuda.memory._record_memory_history(max_entries=HISTORY_MAX_ENTRIES, context=None)
 
 
 def dump_memory_snapshot(run_dir: Path, step: int) -> Path | None:
