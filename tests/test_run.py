@@ -116,8 +116,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(write_recipe, tmp_path):
 
 def test_lora_trains_only_adapters_and_exports_an_adapter(write_recipe):
     recipe = write_recipe("lora", {"model": {"lora": {"r": 4, "alpha": 8, "dropout": 0.0,
-                                                      "target_modules": ["q_proj", "v_proj"]}},
-                                   "train": {"steps": 8, "eval_every": 100}})
+                                                      "target_modules": ["q_proj", "v_proj", "gate_proj", "down_proj"]}},
+                                   "optimizer": {"lr": 3.0e-2},
+                                   "train": {"steps": 20, "eval_every": 100}})
     assert run(recipe) == 0
     final = run_dir_of(recipe) / "final"
     assert (final / "adapter_config.json").is_file()
@@ -133,7 +134,8 @@ def test_lora_trains_only_adapters_and_exports_an_adapter(write_recipe):
     lora_b = [p for n, p in tuned.named_parameters() if "lora_B" in n]
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # B starts at zero; training moved it
     losses = train_losses(run_dir_of(recipe))
-    assert losses[8] < losses[1]
+    first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (18, 19, 20)) / 3
+    assert last < first - 0.05, (first, last)
 
 
 def test_two_processes_match_one_process_with_twice_the_accumulation(write_recipe):
@@ -155,6 +157,12 @@ def test_two_processes_match_one_process_with_twice_the_accumulation(write_recip
     assert b[6] < b[1] and a[6] < a[1]
 
 
+def _libaio_available() -> bool:
+    return Path("/usr/include/libaio.h").exists()
+
+
+@pytest.mark.skipif(not _libaio_available() and not os.environ.get("MEMTRAIN_REQUIRE_NVME"),
+                    reason="the NVMe tier needs libaio-dev (apt-get install libaio-dev); CI installs it")
 def test_nvme_tier_swaps_under_the_given_path(write_recipe, tmp_path):
     nvme = tmp_path / "nvme"
     recipe = write_recipe("nvme", {"hardware": {"nvme_path": str(nvme)},
