@@ -28,6 +28,9 @@ def clean_env(**extra: str) -> dict:
 
 
 def run(path: Path, *overrides: str, **kwargs) -> int:
+    from memtrain.train.loop import _injectors
+
+    _injectors.cache_clear()  # read MEMTRAIN_INJECT_OOM* afresh for this run
     return launch(path, list(overrides), **kwargs)
 
 
@@ -206,6 +209,45 @@ def test_injected_ooms_lose_no_sample_and_keep_the_math(write_recipe, tmp_path, 
     la, lb = train_losses(run_dir_of(clean)), train_losses(run_dir_of(faulty))
     for step in la:
         assert lb[step] == pytest.approx(la[step], rel=1e-4, abs=1e-4), step
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_oom_in_backward_loses_no_sample_and_keeps_the_math(write_recipe, tmp_path, monkeypatch, stage):
+    """ZeRO-3 drops the step's partial gradients in place; ZeRO-2 cannot, so it saves the last
+    completed step and restarts from it with the smaller micro-batch."""
+    common = {"batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
+              "offload": {"zero_stage": stage},
+              "train": {"steps": 5, "eval_every": 100, "save_every": 100}}
+    traces = {}
+    for name, spec in (("clean", ""), ("faulty", "2:1")):
+        recipe = write_recipe(f"{name}{stage}", common)
+        traces[name] = tmp_path / f"{name}{stage}.jsonl"
+        monkeypatch.setenv("MEMTRAIN_TRACE_SAMPLES", str(traces[name]))
+        monkeypatch.setenv("MEMTRAIN_INJECT_OOM_BACKWARD", spec)
+        assert run(recipe) == 0
+        traces[name] = (traces[name], run_dir_of(recipe))
+
+    def samples(trace: Path) -> dict[int, list[int]]:
+        per_step: dict[int, list[int]] = {}
+        for line in trace.read_text().splitlines():
+            record = json.loads(line)
+            per_step.setdefault(record["step"], []).extend(record["indices"])
+        return per_step
+
+    (trace_a, dir_a), (trace_b, dir_b) = traces["clean"], traces["faulty"]
+    a, b = samples(trace_a), samples(trace_b)
+    assert sorted(a) == sorted(b) == list(range(5))
+    for step in a:
+        assert sorted(b[step]) == sorted(a[step]) and len(b[step]) == 8, step
+    ooms = read_records(dir_b, "oom")
+    assert [(o["step"], o["in_backward"]) for o in ooms] == [(2, True)]
+    ends = [r["status"] for r in read_records(dir_b, "run") if r.get("event") == "end"]
+    assert ends == (["restart", "done"] if stage == 2 else ["done"])
+    la, lb = train_losses(dir_a), train_losses(dir_b)
+    assert sorted(lb) == list(range(1, 6))
+    for step in la:
+        assert lb[step] == pytest.approx(la[step], rel=1e-4, abs=1e-4), step
+    assert read_records(dir_b, "train")[-1]["micro_batch"] < 4
 
 
 def test_bad_input_fails_before_any_work_with_nothing_written(write_recipe, tmp_path):

@@ -9,6 +9,8 @@ What it decides:
   `gradient_accumulation_steps` still describe the starting split, for DeepSpeed's bookkeeping.
 - Bucket sizes from the model's hidden size (the rule HF's "auto" uses: hidden² for reduce
   buckets, 0.9·hidden² for ZeRO-3 prefetch, 10·hidden for the persistence threshold).
+- The LR schedule is not in the config: memtrain hands DeepSpeed its own LambdaLR
+  (`memtrain.train.schedule`), whose state DeepSpeed checkpoints with the optimizer.
 - Precision: DeepSpeed's bf16 / fp16 blocks (dynamic loss scaling for fp16). Per-module fp32
   islands are applied to the model by `memtrain.model.precision`, not here.
 - Activation checkpointing is applied to the model with non-reentrant torch.utils.checkpoint by
@@ -116,29 +118,14 @@ def _aio(recipe: Recipe) -> dict:
     }
 
 
-def _scheduler(recipe: Recipe, total_steps: int) -> dict:
-    s, lr = recipe.schedule, recipe.optimizer.lr
-    warmup = min(s.warmup_steps, total_steps)
-    if s.decay == "cosine":
-        return {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": total_steps, "warmup_num_steps": warmup,
-            "warmup_min_ratio": 0.0, "cos_min_ratio": s.min_lr_ratio, "warmup_type": "linear"}}
-    if s.decay == "linear":
-        # WarmupDecayLR decays to 0; min_lr_ratio is honoured by the cosine schedule only.
-        return {"type": "WarmupDecayLR", "params": {
-            "total_num_steps": total_steps, "warmup_num_steps": max(warmup, 1) if warmup else 0,
-            "warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_type": "linear"}}
-    return {"type": "WarmupLR", "params": {
-        "warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": warmup, "warmup_type": "linear"}}
-
-
 def compile_deepspeed(recipe: Recipe, hidden_size: int, micro_batch: int, total_steps: int,
                       on_cpu: bool = False) -> dict:
     """The DeepSpeed config for a recipe.
 
     hidden_size: the model's hidden size (bucket sizes derive from it).
     micro_batch: the resolved starting micro-batch (an int even when the recipe says "auto").
-    total_steps: optimizer steps of the whole run (the LR schedule spans them).
+    total_steps: optimizer steps of the whole run (kept in the signature for ZeRO settings that
+        depend on run length; the LR schedule is memtrain's own, `memtrain.train.schedule`).
     on_cpu: DeepSpeed's CPU accelerator has no fused Adam; use torch's AdamW there when the
         optimizer stays on the device (offloaded optimizers use DeepSpeed's CPU Adam either way).
     """
@@ -158,7 +145,6 @@ def compile_deepspeed(recipe: Recipe, hidden_size: int, micro_batch: int, total_
         "steps_per_print": NEVER_PRINT,
         "wall_clock_breakdown": False,
         "optimizer": {"type": "AdamW", "params": optimizer_params},
-        "scheduler": _scheduler(recipe, total_steps),
         **_precision(recipe),
         "zero_optimization": _zero(recipe, hidden_size),
         "zero_allow_untested_optimizer": True,

@@ -14,6 +14,7 @@ from pathlib import Path
 from memtrain.recipe.load import load_recipe
 
 EXIT_INTERRUPTED = 130
+EXIT_RESTART = 75  # a worker saved after an OOM it could not recover in place; start again from there
 
 
 def torchrun_command(nproc: int, port: int, worker_args: list[str]) -> list[str]:
@@ -35,7 +36,12 @@ def launch(recipe: Path, overrides: list[str], resume: bool = True, max_steps: i
         if gpus > 1:
             prepare_data(loaded)
         result = train(loaded, resume=resume, max_steps=max_steps, profile_steps=profile_steps, save=save)
+        while result.status == "restart" and gpus == 1:  # an OOM in ZeRO-1/2 backward: resume smaller
+            _release(result)
+            result = train(loaded, resume=True, max_steps=max_steps, profile_steps=profile_steps, save=save)
         _print_result(result)
+        if result.status == "restart":
+            return EXIT_RESTART
         return EXIT_INTERRUPTED if result.status == "interrupted" else 0
     _check_devices(gpus)
     from memtrain.train.distributed import free_port
@@ -50,8 +56,22 @@ def launch(recipe: Path, overrides: list[str], resume: bool = True, max_steps: i
     if not save:
         args.append("--no-save")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // gpus))))
-    completed = subprocess.run(torchrun_command(gpus, free_port(), args), env=env)
-    return completed.returncode
+    while True:
+        completed = subprocess.run(torchrun_command(gpus, free_port(), args), env=env)
+        if completed.returncode != EXIT_RESTART:
+            return completed.returncode
+        args = [a for a in args if a != "--no-resume"] + ["--resume"]
+
+
+def _release(result) -> None:
+    """Free the previous attempt's engine before building a new one."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _check_devices(gpus: int) -> None:
@@ -71,6 +91,8 @@ def _print_result(result) -> None:
     console = Console(stderr=True)
     if result.status == "done":
         console.print(f"[green]✓[/] trained {result.step} steps; model in {result.run_dir / 'final'}")
+    elif result.status == "restart":
+        console.print(f"[yellow]■[/] out of memory in backward at step {result.step + 1}; saved, restarting smaller")
     elif result.status == "stopped":
         console.print(f"[yellow]■[/] stopped at step {result.step} as asked (--max-steps); checkpoint in "
                       f"{result.run_dir / 'checkpoints'} — run without --max-steps to continue")

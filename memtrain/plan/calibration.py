@@ -20,8 +20,9 @@ from memtrain.recipe.units import GiB, parse_bytes
 class Calibration:
     name: str
     capacity_bytes: int
-    cuda_context_bytes: int = GiB // 2
-    allocator_slack_ratio: float = 0.08       # peak reserved = peak allocated × (1 + ratio)
+    # defaults (used for a card given only by size) = the H200 calibration of 2026-12-02 (docs/BENCHMARKS.md)
+    cuda_context_bytes: int = int(0.6 * GiB)
+    allocator_slack_ratio: float = 0.24       # peak reserved = peak allocated × (1 + ratio)
     zero_bucket_factor: float = 4.5           # live reduce buckets with overlap_comm (1 without)
     host_baseline_bytes: int = 3 * GiB        # torch + DeepSpeed + tokenizer + loader, before model states
     # deepspeed.initialize under ZeRO-1/2 holds this many extra compute-dtype copies of the trainable

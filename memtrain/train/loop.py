@@ -8,6 +8,7 @@ save:   periodic atomic checkpoints, a final export in Hugging Face format.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import signal
@@ -27,7 +28,7 @@ from memtrain.train.step import OomDuringStep, run_micro_batches, split, step_ta
 
 @dataclass
 class RunResult:
-    status: str              # "done" | "stopped" (--max-steps) | "interrupted"
+    status: str              # "done" | "stopped" (--max-steps) | "interrupted" | "restart" (OOM in ZeRO-1/2 backward)
     step: int
     run_dir: Path
     final_eval_loss: float | None = None
@@ -147,7 +148,10 @@ def _build_engine(loaded: LoadedRecipe, place: Place, micro_batch: int, steps_to
     apply_precision(model, r.precision)
     lm = TrainableLM(model, r.precision)
     trainable = [p for p in lm.parameters() if p.requires_grad]
-    engine, _, _, scheduler = deepspeed.initialize(model=lm, model_parameters=trainable, config=ds_config)
+    from memtrain.train.schedule import lr_scheduler_factory
+
+    engine, _, _, scheduler = deepspeed.initialize(model=lm, model_parameters=trainable, config=ds_config,
+                                                   lr_scheduler=lr_scheduler_factory(r.schedule, steps_total))
     return engine, scheduler, model, ds_config
 
 
@@ -159,7 +163,7 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
     from memtrain.monitor.profiler import StepProfiler, phase
     from memtrain.train.batch_policy import BatchPolicy, GiveUp
     from memtrain.train.export import export_model
-    from memtrain.train.oom import OomInjector, dump_memory_snapshot, release_memory, start_memory_history
+    from memtrain.train.oom import dump_memory_snapshot, release_memory, start_memory_history
     from memtrain.train.progress import Progress
 
     r = loaded.recipe
@@ -174,7 +178,8 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if checkpoint is not None:
         state = load_checkpoint(engine, checkpoint, rank)
-    policy = BatchPolicy(r.batch, per_rank_batch, micro_batch, cap_bytes or 1, prior=None)
+    policy = BatchPolicy(r.batch, per_rank_batch, micro_batch, cap_bytes or 1,
+                         prior=_planner_prior(loaded) if place.on_cuda else None)
     if state.batch_policy:
         policy.load_state_dict(state.batch_policy)
     if place.is_main:
@@ -189,7 +194,7 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
     order = SampleOrder(len(train_set), r.train.seed)
     loader = BatchLoader(train_set, device)
     val_loader = BatchLoader(val_set, device)
-    injector = OomInjector.from_env()
+    injector, backward_injector = _injectors()
     sample_trace = SampleTrace.from_env()
     forecast = PeakForecast()
     start_memory_history(device)
@@ -220,13 +225,18 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
                         done = run_micro_batches(
                             engine, loader, batches, normaliser, loss_sum,
                             before=lambda i, size: injector.maybe_raise(step, micro_batches + i, size),
-                            after=lambda indices: sample_trace.write(step, rank, indices))
+                            after=sample_trace.add,
+                            in_backward=(lambda i, size: backward_injector.maybe_raise(step, micro_batches + i, size))
+                            if backward_injector else None)
                     micro_batches += done
                     remaining = []
                 except OomDuringStep as oom:
                     ooms += 1
-                    snapshot = dump_memory_snapshot(run_dir, step)
+                    snapshot = dump_memory_snapshot(run_dir, step) if ooms == 1 else None
                     release_memory(device)
+                    if place.on_cuda:  # the failed attempt's peak must not count as this step's
+                        torch.cuda.reset_peak_memory_stats(device)
+                    forecast.reset()
                     try:
                         decision = policy.on_oom()
                     except GiveUp as give_up:
@@ -241,8 +251,12 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
                                   in_backward=oom.in_backward)
                     metrics.event("batch", step, old_micro_batch=decision.old_micro_batch,
                                   new_micro_batch=decision.new_micro_batch, reason=decision.reason)
+                    if oom.in_backward and not zero3:
+                        return _restart_after_backward_oom(engine, run_dir, state, policy, rank, r, metrics, save,
+                                                           loader, val_loader)
                     if oom.in_backward:
-                        _discard_gradients(engine)
+                        engine.optimizer.zero_grad(set_to_none=True)  # drops partial ZeRO-3 gradients
+                        sample_trace.discard()
                         loss_sum.zero_()
                         remaining, micro_batches = mine, 0
                     else:
@@ -251,6 +265,7 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
                         remaining = remaining[finished:]
             with phase("optimizer_step"):
                 engine.step()
+            sample_trace.commit(step, rank)
             state.step += 1
             state.tokens += targets
             peak_reserved = torch.cuda.max_memory_reserved(device) if place.on_cuda else 0
@@ -259,7 +274,7 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
                 metrics.event("batch", state.step, old_micro_batch=decision.old_micro_batch,
                               new_micro_batch=decision.new_micro_batch, reason=decision.reason)
             if place.on_cuda:
-                forecast.observe(peak_reserved)
+                forecast.observe(peak_reserved, micro_batch=policy.micro_batch)
                 if cap_bytes and forecast.warns(cap_bytes, r.batch.adaptive.shrink_above):
                     predicted = forecast.forecast(1)
                     metrics.event("forecast", state.step, predicted_peak_bytes=int(predicted), cap_bytes=cap_bytes)
@@ -301,10 +316,13 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
 
 
 class SampleTrace:
-    """Test hook: with MEMTRAIN_TRACE_SAMPLES=path, every completed micro-batch appends its sample ids."""
+    """Test hook: with MEMTRAIN_TRACE_SAMPLES=path, the sample ids whose gradients went into each
+    applied optimizer step are appended there (buffered until the step is applied, dropped when an
+    OOM discards the step's gradients)."""
 
     def __init__(self, path: str | None):
         self.path = Path(path) if path else None
+        self.pending: list[list[int]] = []
 
     @classmethod
     def from_env(cls) -> "SampleTrace":
@@ -312,10 +330,27 @@ class SampleTrace:
 
         return cls(os.environ.get("MEMTRAIN_TRACE_SAMPLES"))
 
-    def write(self, step: int, rank: int, indices: list[int]) -> None:
+    def add(self, indices: list[int]) -> None:
+        if self.path is not None:
+            self.pending.append(list(indices))
+
+    def discard(self) -> None:
+        self.pending = []
+
+    def commit(self, step: int, rank: int) -> None:
         if self.path is not None:
             with open(self.path, "a") as handle:
-                handle.write(json.dumps({"step": step, "rank": rank, "indices": list(indices)}) + "\n")
+                for indices in self.pending:
+                    handle.write(json.dumps({"step": step, "rank": rank, "indices": indices}) + "\n")
+        self.pending = []
+
+
+@functools.lru_cache(maxsize=None)
+def _injectors():
+    """Test hooks, read once per process so a point that fired stays fired across a restart."""
+    from memtrain.train.oom import OomInjector
+
+    return OomInjector.from_env(), OomInjector.from_env("MEMTRAIN_INJECT_OOM_BACKWARD")
 
 
 def _with_policy(state: LoopState, policy) -> LoopState:
@@ -325,6 +360,20 @@ def _with_policy(state: LoopState, policy) -> LoopState:
 
 def _str(path) -> str | None:
     return str(path) if path is not None else None
+
+
+def _planner_prior(loaded: LoadedRecipe) -> tuple[float, float] | None:
+    """The planner's peak as a + b · micro_batch (from plans at micro-batch 1 and 2): the batch
+    policy's starting line before it has observed any step."""
+    try:
+        from memtrain.plan.planner import plan_recipe
+
+        one = plan_recipe(loaded, micro_batch=1).peak_reserved_bytes
+        two = plan_recipe(loaded, micro_batch=2).peak_reserved_bytes
+    except Exception:  # noqa: BLE001 — without a prior the policy learns from observed peaks
+        return None
+    slope = max(two - one, 1)
+    return float(one - slope), float(slope)
 
 
 def _planned_peak(loaded: LoadedRecipe) -> int | None:
@@ -355,6 +404,19 @@ def _memory_fields(place: Place, cap_bytes: int) -> dict:
     return fields
 
 
-def _discard_gradients(engine) -> None:
-    """Drop the gradients accumulated so far in this optimizer step (after an OOM in backward)."""
-    engine.optimizer.zero_grad(set_to_none=True)
+def _restart_after_backward_oom(engine, run_dir, state, policy, rank, r, metrics, save, loader, val_loader):
+    """ZeRO-1/2 cannot drop a partial gradient: checkpoint the last completed step (with the smaller
+    micro-batch in the policy state) and ask the launcher to resume from it."""
+    from memtrain.errors import UserError
+
+    if not save:
+        raise UserError(Problem(f"out of memory in backward at step {state.step + 1} under ZeRO-1/2, with "
+                                "--no-save there is no checkpoint to restart from",
+                                hint="lower batch.micro_batch or run without --no-save"))
+    path = save_checkpoint(engine, run_dir, _with_policy(state, policy), rank, r.train.keep_last)
+    metrics.event("checkpoint", state.step, path=str(path))
+    metrics.event("run", state.step, event="end", status="restart")
+    metrics.close()
+    loader.close()
+    val_loader.close()
+    return RunResult(status="restart", step=state.step, run_dir=run_dir)

@@ -149,9 +149,9 @@ class OomInjector:
         return cls(points)
 
     @classmethod
-    def from_env(cls) -> "OomInjector":
-        """Read MEMTRAIN_INJECT_OOM; unset or empty gives an injector that never fires."""
-        return cls.parse(os.environ.get(INJECT_ENV, ""))
+    def from_env(cls, name: str = INJECT_ENV) -> "OomInjector":
+        """Read MEMTRAIN_INJECT_OOM (forward) or MEMTRAIN_INJECT_OOM_BACKWARD; unset or empty never fires."""
+        return cls.parse(os.environ.get(name, ""), source=name)
 
     def __bool__(self) -> bool:
         return bool(self.points)

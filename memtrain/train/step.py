@@ -7,8 +7,10 @@ the batch policy changes the micro-batch.
 
 An out-of-memory error in the forward pass of a micro-batch leaves the gradients of the
 micro-batches already done untouched; the rest of the step's samples are retried at the smaller
-size. An OOM in backward may have added part of a gradient, so the step's gradients are discarded
-and all of its samples run again.
+size. An OOM in backward may have added part of a gradient. Under ZeRO-3 zeroing the optimizer's
+gradients drops it and the step's samples all run again; under ZeRO-1/2 DeepSpeed keeps partial
+gradients in buffers that zero_grad does not clear (measured: the discarded micro-batch still
+changed the update), so the loop saves the last completed step and restarts from it instead.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ class OomDuringStep(Exception):
 
 
 def run_micro_batches(engine, loader, batches: list[list[int]], normaliser: float, loss_sum: torch.Tensor,
-                      before=None, after=None) -> int:
+                      before=None, after=None, in_backward=None) -> int:
     """Forward + backward over micro-batches, adding to loss_sum; returns how many completed.
 
     Raises OomDuringStep with how many completed (as `.done`) when one runs out of memory.
@@ -59,7 +61,10 @@ def run_micro_batches(engine, loader, batches: list[list[int]], normaliser: floa
         except Exception as error:  # noqa: BLE001 — only OOMs are handled; the rest re-raise
             raise _as_oom(error, False, done) from error
         try:
-            engine.backward(token_loss_sum * normaliser, scale_wrt_gas=False)
+            loss = token_loss_sum * normaliser
+            if in_backward is not None:  # test hook: raise from inside autograd's backward pass
+                loss.register_hook(lambda grad, i=done, n=len(indices): in_backward(i, n) or grad)
+            engine.backward(loss, scale_wrt_gas=False)
         except Exception as error:  # noqa: BLE001
             raise _as_oom(error, True, done) from error
         loss_sum += token_loss_sum.detach().float()
