@@ -179,75 +179,61 @@ def test_nvme_tier_swaps_under_the_given_path(write_recipe, tmp_path):
     assert sorted(losses) == [1, 2, 3] and all(math.isfinite(v) for v in losses.values())
 
 
-def test_injected_ooms_lose_no_sample_and_keep_the_math(write_recipe, tmp_path, monkeypatch):
-    common = {"batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
-              "train": {"steps": 6, "eval_every": 100, "save_every": 100}}
-    clean = write_recipe("clean", common)
-    trace_clean = tmp_path / "clean.jsonl"
-    monkeypatch.setenv("MEMTRAIN_TRACE_SAMPLES", str(trace_clean))
-    assert run(clean) == 0
-    faulty = write_recipe("faulty", common)
-    trace_faulty = tmp_path / "faulty.jsonl"
-    monkeypatch.setenv("MEMTRAIN_TRACE_SAMPLES", str(trace_faulty))
-    monkeypatch.setenv("MEMTRAIN_INJECT_OOM", "1:0,3:1")
-    assert run(faulty) == 0
+def traced_samples(trace: Path) -> dict[int, list[int]]:
+    """Sample ids whose gradients went into each applied step (MEMTRAIN_TRACE_SAMPLES)."""
+    per_step: dict[int, list[int]] = {}
+    for line in trace.read_text().splitlines():
+        record = json.loads(line)
+        per_step.setdefault(record["step"], []).extend(record["indices"])
+    return per_step
 
-    def samples(trace: Path) -> dict[int, list[int]]:
-        per_step: dict[int, list[int]] = {}
-        for line in trace.read_text().splitlines():
-            record = json.loads(line)
-            per_step.setdefault(record["step"], []).extend(record["indices"])
-        return per_step
 
-    a, b = samples(trace_clean), samples(trace_faulty)
-    assert sorted(a) == sorted(b) == list(range(6))
-    for step in a:
-        assert sorted(b[step]) == sorted(a[step]), step  # every sample once, none lost, none twice
-    ooms = read_records(run_dir_of(faulty), "oom")
-    assert [o["step"] for o in ooms] == [1, 3]
-    assert [r["step"] for r in read_records(run_dir_of(faulty), "train")] == list(range(1, 7))
-    la, lb = train_losses(run_dir_of(clean)), train_losses(run_dir_of(faulty))
+def clean_and_faulty(write_recipe, tmp_path, monkeypatch, extra: dict, inject_env: str, spec: str):
+    """Run a recipe twice, the second time with injected OOMs: (samples, run_dir) of each run."""
+    results = []
+    for name, points in (("clean", ""), ("faulty", spec)):
+        recipe = write_recipe(name, extra)
+        trace = tmp_path / f"{name}.samples.jsonl"
+        monkeypatch.setenv("MEMTRAIN_TRACE_SAMPLES", str(trace))
+        monkeypatch.setenv(inject_env, points)
+        assert run(recipe) == 0
+        results.append((traced_samples(trace), run_dir_of(recipe)))
+    return results
+
+
+def assert_same_samples_and_losses(clean, faulty, steps: int, global_batch: int) -> None:
+    (a, dir_a), (b, dir_b) = clean, faulty
+    assert sorted(a) == sorted(b) == list(range(steps))
+    for step in a:  # every sample once, none lost, none twice
+        assert sorted(b[step]) == sorted(a[step]) and len(b[step]) == global_batch, step
+    assert [r["step"] for r in read_records(dir_b, "train")] == list(range(1, steps + 1))
+    la, lb = train_losses(dir_a), train_losses(dir_b)
     for step in la:
         assert lb[step] == pytest.approx(la[step], rel=1e-4, abs=1e-4), step
+
+
+def test_injected_ooms_lose_no_sample_and_keep_the_math(write_recipe, tmp_path, monkeypatch):
+    extra = {"batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
+             "train": {"steps": 6, "eval_every": 100, "save_every": 100}}
+    clean, faulty = clean_and_faulty(write_recipe, tmp_path, monkeypatch, extra, "MEMTRAIN_INJECT_OOM", "1:0,3:1")
+    assert_same_samples_and_losses(clean, faulty, steps=6, global_batch=8)
+    assert [o["step"] for o in read_records(faulty[1], "oom")] == [1, 3]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_an_oom_in_backward_loses_no_sample_and_keeps_the_math(write_recipe, tmp_path, monkeypatch, stage):
     """ZeRO-3 drops the step's partial gradients in place; ZeRO-2 cannot, so it saves the last
     completed step and restarts from it with the smaller micro-batch."""
-    common = {"batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
-              "offload": {"zero_stage": stage},
-              "train": {"steps": 5, "eval_every": 100, "save_every": 100}}
-    traces = {}
-    for name, spec in (("clean", ""), ("faulty", "2:1")):
-        recipe = write_recipe(f"{name}{stage}", common)
-        traces[name] = tmp_path / f"{name}{stage}.jsonl"
-        monkeypatch.setenv("MEMTRAIN_TRACE_SAMPLES", str(traces[name]))
-        monkeypatch.setenv("MEMTRAIN_INJECT_OOM_BACKWARD", spec)
-        assert run(recipe) == 0
-        traces[name] = (traces[name], run_dir_of(recipe))
-
-    def samples(trace: Path) -> dict[int, list[int]]:
-        per_step: dict[int, list[int]] = {}
-        for line in trace.read_text().splitlines():
-            record = json.loads(line)
-            per_step.setdefault(record["step"], []).extend(record["indices"])
-        return per_step
-
-    (trace_a, dir_a), (trace_b, dir_b) = traces["clean"], traces["faulty"]
-    a, b = samples(trace_a), samples(trace_b)
-    assert sorted(a) == sorted(b) == list(range(5))
-    for step in a:
-        assert sorted(b[step]) == sorted(a[step]) and len(b[step]) == 8, step
-    ooms = read_records(dir_b, "oom")
-    assert [(o["step"], o["in_backward"]) for o in ooms] == [(2, True)]
-    ends = [r["status"] for r in read_records(dir_b, "run") if r.get("event") == "end"]
+    extra = {"batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
+             "offload": {"zero_stage": stage},
+             "train": {"steps": 5, "eval_every": 100, "save_every": 100}}
+    clean, faulty = clean_and_faulty(write_recipe, tmp_path, monkeypatch, extra, "MEMTRAIN_INJECT_OOM_BACKWARD", "2:1")
+    assert_same_samples_and_losses(clean, faulty, steps=5, global_batch=8)
+    run_dir = faulty[1]
+    assert [(o["step"], o["in_backward"]) for o in read_records(run_dir, "oom")] == [(2, True)]
+    ends = [r["status"] for r in read_records(run_dir, "run") if r.get("event") == "end"]
     assert ends == (["restart", "done"] if stage == 2 else ["done"])
-    la, lb = train_losses(dir_a), train_losses(dir_b)
-    assert sorted(lb) == list(range(1, 6))
-    for step in la:
-        assert lb[step] == pytest.approx(la[step], rel=1e-4, abs=1e-4), step
-    assert read_records(dir_b, "train")[-1]["micro_batch"] < 4
+    assert read_records(run_dir, "train")[-1]["micro_batch"] < 4
 
 
 def test_bad_input_fails_before_any_work_with_nothing_written(write_recipe, tmp_path):

@@ -77,9 +77,19 @@ def render_plots(records: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
+def _step_axes(figure: Figure, ylabel: str, title: str):
+    """One plot with steps on x, the quantity (with its unit) on y, and a light grid."""
+    axes = figure.add_subplot()
+    axes.set_xlabel("step")
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    return axes
+
+
 def plot_loss(figure: Figure, records: list[dict]) -> None:
     """Training and validation loss by step, with perplexity (exp(loss)) as the scale of a second axis."""
-    axes = figure.add_subplot()
+    axes = _step_axes(figure, "loss (nats / token)", "Loss")
     handles = []
     steps, losses = series(records, "train", "loss")
     if steps:
@@ -87,10 +97,6 @@ def plot_loss(figure: Figure, records: list[dict]) -> None:
     eval_steps, eval_losses = series(records, "eval", "loss")
     if eval_steps:
         handles += axes.plot(eval_steps, eval_losses, color=EVAL_COLOR, marker="o", linewidth=1.5, label="validation loss")
-    axes.set_xlabel("step")
-    axes.set_ylabel("loss (nats / token)")
-    axes.set_title("Loss")
-    axes.grid(alpha=0.3)
     if handles:
         # Perplexity is exp(loss): a second scale on the same axis reads every loss point as a perplexity.
         twin = axes.twinx()
@@ -106,12 +112,8 @@ def plot_loss(figure: Figure, records: list[dict]) -> None:
 
 def plot_speed(figure: Figure, records: list[dict]) -> None:
     """Training throughput in tokens per second by step, with the median as a reference line."""
-    axes = figure.add_subplot()
+    axes = _step_axes(figure, "throughput (tokens/s)", "Training speed")
     steps, speeds = throughput(records)
-    axes.set_xlabel("step")
-    axes.set_ylabel("throughput (tokens/s)")
-    axes.set_title("Training speed")
-    axes.grid(alpha=0.3)
     if not steps:
         _no_data(axes, "no throughput recorded yet")
         return
@@ -125,11 +127,7 @@ def plot_speed(figure: Figure, records: list[dict]) -> None:
 
 def plot_memory(figure: Figure, records: list[dict]) -> None:
     """GPU allocated / reserved / peak reserved (GiB) against the cap; the plan's peak dashed; OOMs marked."""
-    axes = figure.add_subplot()
-    axes.set_xlabel("step")
-    axes.set_ylabel("GPU memory (GiB)")
-    axes.set_title("GPU memory")
-    axes.grid(alpha=0.3)
+    axes = _step_axes(figure, "GPU memory (GiB)", "GPU memory")
     curves = [
         ("gpu_allocated_bytes", "allocated", "#1f77b4", "-"),
         ("gpu_peak_allocated_bytes", "peak allocated (in step)", "#1f77b4", ":"),
@@ -146,7 +144,11 @@ def plot_memory(figure: Figure, records: list[dict]) -> None:
     if cap_bytes:
         axes.axhline(cap_bytes / GIB, color=CAP_COLOR, linewidth=1.8, label=f"cap {cap_bytes / GIB:.1f} GiB")
     plan_bytes = _last_positive(records, "plan_peak_reserved_bytes", kind="run")
-    if plan_bytes:
+    if plan_bytes and cap_bytes and plan_bytes > 1.5 * cap_bytes:
+        # a plan far above the cap (a recipe that cannot fit as written) would squash every curve
+        axes.plot([], [], color=PLAN_COLOR, linestyle="--", label=f"planned peak {plan_bytes / GIB:.1f} GiB (off scale)")
+        plan_bytes = None
+    elif plan_bytes:
         axes.axhline(plan_bytes / GIB, color=PLAN_COLOR, linestyle="--", linewidth=1.5,
                      label=f"planned peak {plan_bytes / GIB:.1f} GiB")
     forecast_steps, forecasts = series(records, "forecast", "predicted_peak_bytes")
@@ -154,10 +156,12 @@ def plot_memory(figure: Figure, records: list[dict]) -> None:
         axes.plot(forecast_steps, [v / GIB for v in forecasts], color=PLAN_COLOR, marker="x", linestyle="none",
                   label="forecast peak")
     ooms = [record for record in records if record.get("kind") == "oom"]
-    for number, oom in enumerate(ooms):
-        axes.axvline(oom["step"], color=OOM_COLOR, linestyle="-.", linewidth=1.2,
-                     label="out of memory" if number == 0 else None)
-        axes.annotate(f"OOM (micro-batch {oom.get('micro_batch', '?')})", xy=(oom["step"], 1), xycoords=("data", "axes fraction"),
+    by_step: dict[int, list[str]] = {}
+    for oom in ooms:
+        by_step.setdefault(oom["step"], []).append(str(oom.get("micro_batch", "?")))
+    for number, (step, sizes) in enumerate(by_step.items()):
+        axes.axvline(step, color=OOM_COLOR, linestyle="-.", linewidth=1.2, label="out of memory" if number == 0 else None)
+        axes.annotate(f"OOM at micro-batch {', '.join(sizes)}", xy=(step, 1), xycoords=("data", "axes fraction"),
                       xytext=(3, -12), textcoords="offset points", color=OOM_COLOR, fontsize=8, rotation=90, va="top")
     if not drawn and not ooms:
         _no_data(axes, "no GPU memory recorded (CPU run?) — see host.png")
@@ -205,11 +209,7 @@ def plot_batch(figure: Figure, records: list[dict]) -> None:
 
 def plot_host(figure: Figure, records: list[dict]) -> None:
     """Host resident memory (GiB) of the training process by step, current and peak."""
-    axes = figure.add_subplot()
-    axes.set_xlabel("step")
-    axes.set_ylabel("host memory (GiB)")
-    axes.set_title("Host memory (resident set of the training process)")
-    axes.grid(alpha=0.3)
+    axes = _step_axes(figure, "host memory (GiB)", "Host memory (resident set of the training process)")
     top_gib = 0.0
     for field, label, style in (("host_rss_bytes", "RSS", "-"), ("host_peak_rss_bytes", "peak RSS", "--")):
         steps, values = series(records, "train", field)
