@@ -1,0 +1,104 @@
+"""memtrain against Hugging Face Trainer + DeepSpeed, side by side in one invocation.
+
+For each case: `memtrain run` on the recipe, then scripts/hf_baseline.py on the same recipe (same
+shape, data, global batch, precision, checkpointing, offload tiers, memory cap). Tokens/s counts
+input tokens (global batch × seq_len per step) over the steps after the warm-up, for both.
+Appends to benchmarks/vs_hf.csv and rewrites its Markdown view.
+
+    python scripts/bench_vs_hf.py --out benchmarks/vs_hf.csv --steps 12 --warmup 3 \
+        --case "1.1b-full-opt-offload=recipes/tinyllama-1.1b-full-offload-24gb.yaml"
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_run import machine_name  # noqa: E402
+
+COLUMNS = ["recipe", "memtrain_tokens_per_s", "hf_tokens_per_s", "ratio", "memtrain_peak_reserved_gib",
+           "hf_peak_reserved_gib", "memtrain_host_gib", "hf_host_gib", "machine", "date", "command"]
+GiB = 1024**3
+
+
+def memtrain_side(recipe: str, overrides: list[str], steps: int, warmup: int, run_dir: Path, timeout: int) -> dict:
+    command = [sys.executable, "-m", "memtrain", "run", recipe, *overrides, f"train.steps={steps}",
+               "train.eval_every=100000", "train.save_every=100000", "train.log_every=1",
+               f"train.output_dir={run_dir}", "--no-resume", "--no-save"]
+    subprocess.run(command, cwd=ROOT, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    start = next(r for r in records if r["kind"] == "run" and r.get("event") == "start")
+    train = [r for r in records if r["kind"] == "train"]
+    timed = train[warmup:]
+    from memtrain.recipe.load import load_recipe
+
+    recipe_obj = load_recipe(ROOT / recipe, overrides).recipe
+    tokens_per_step = recipe_obj.batch.global_batch * recipe_obj.data.seq_len
+    return {
+        "tokens_per_s": tokens_per_step * (len(timed) - 1) / (timed[-1]["time"] - timed[0]["time"]),
+        "peak_reserved_gib": max(r.get("gpu_peak_reserved_bytes", 0) for r in train) / GiB,
+        "host_peak_rss_gib": max(r.get("host_peak_rss_bytes", 0) for r in train) / GiB,
+        "device": start.get("device"),
+    }
+
+
+def hf_side(recipe: str, overrides: list[str], steps: int, warmup: int, out: Path, timeout: int) -> dict:
+    command = [sys.executable, str(ROOT / "scripts" / "hf_baseline.py"), recipe, *overrides,
+               "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
+    subprocess.run(command, cwd=ROOT, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return json.loads(out.read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", action="append", required=True, help="NAME=RECIPE [key=value ...]")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-vs-hf"))
+    parser.add_argument("--timeout", type=int, default=600)
+    args = parser.parse_args()
+    rows = list(csv.DictReader(args.out.open())) if args.out.exists() else []
+    for case in args.case:
+        name, _, spec = case.partition("=")
+        recipe, *overrides = shlex.split(spec)
+        args.runs.mkdir(parents=True, exist_ok=True)
+        row = {"recipe": name, "machine": machine_name(), "date": dt.date.today().isoformat(),
+               "command": f"python scripts/bench_vs_hf.py --steps {args.steps} --warmup {args.warmup} --case '{case}'"}
+        try:
+            ours = memtrain_side(recipe, overrides, args.steps, args.warmup, args.runs / name, args.timeout)
+            theirs = hf_side(recipe, overrides, args.steps, args.warmup, args.runs / f"{name}.hf.json", args.timeout)
+        except (subprocess.TimeoutExpired, FileNotFoundError, StopIteration, ValueError) as error:
+            row["ratio"] = f"failed: {type(error).__name__}"
+        else:
+            row.update(memtrain_tokens_per_s=f"{ours['tokens_per_s']:.0f}",
+                       hf_tokens_per_s=f"{theirs['tokens_per_s']:.0f}",
+                       ratio=f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}",
+                       memtrain_peak_reserved_gib=f"{ours['peak_reserved_gib']:.2f}",
+                       hf_peak_reserved_gib=f"{theirs['peak_reserved_gib']:.2f}",
+                       memtrain_host_gib=f"{ours['host_peak_rss_gib']:.1f}",
+                       hf_host_gib=f"{theirs['host_peak_rss_gib']:.1f}")
+        print(json.dumps(row), flush=True)
+        rows = [r for r in rows if r["recipe"] != name] + [row]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("w", newline="") as stream:
+            writer = csv.DictWriter(stream, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+        lines = ["# memtrain vs Hugging Face Trainer + DeepSpeed", "", "| " + " | ".join(COLUMNS) + " |",
+                 "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(str(r.get(c, "")) for c in COLUMNS) + " |" for r in rows]
+        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
