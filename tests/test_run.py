@@ -28,7 +28,7 @@ def clean_env(**extra: str) -> dict:
 
 
 def run(path: Path, *overrides: str, **kwargs) -> int:
-    from memtrain.train.loop import _injectors
+    from memtrain.train.session import _injectors
 
     _injectors.cache_clear()  # read MEMTRAIN_INJECT_OOM* afresh for this run
     return launch(path, list(overrides), **kwargs)

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from memtrain.configs import gpu_profile, gpu_profile_names, model_preset, model_preset_names
+from memtrain.configs import gpu_profile, model_preset, model_preset_names
 from memtrain.errors import Problem
 from memtrain.recipe.load import LoadedRecipe
 from memtrain.recipe.units import gib

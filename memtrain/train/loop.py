@@ -8,7 +8,6 @@ save:   periodic atomic checkpoints, a final export in Hugging Face format.
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 import signal
@@ -19,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from memtrain.errors import DataError, Problem
+from memtrain.errors import DataError
 from memtrain.recipe.load import LoadedRecipe
-from memtrain.train.checkpoint import LoopState, latest_checkpoint, load_checkpoint, save_checkpoint
+from memtrain.train.checkpoint import LoopState, latest_checkpoint, load_checkpoint
 from memtrain.train.distributed import Place, all_reduce_sum, setup_process
-from memtrain.train.step import OomDuringStep, run_micro_batches, split, step_targets
+from memtrain.train.session import SampleTrace, Session
+from memtrain.train.step import split, step_targets
 
 
 @dataclass
@@ -161,9 +161,9 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
     from memtrain.monitor.forecast import PeakForecast
     from memtrain.monitor.metrics import MetricsLog
     from memtrain.monitor.profiler import StepProfiler, phase
-    from memtrain.train.batch_policy import BatchPolicy, GiveUp
+    from memtrain.train.batch_policy import BatchPolicy
     from memtrain.train.export import export_model
-    from memtrain.train.oom import dump_memory_snapshot, release_memory, start_memory_history
+    from memtrain.train.oom import start_memory_history
     from memtrain.train.progress import Progress
 
     r = loaded.recipe
@@ -194,7 +194,6 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
     order = SampleOrder(len(train_set), r.train.seed)
     loader = BatchLoader(train_set, device)
     val_loader = BatchLoader(val_set, device)
-    injector, backward_injector = _injectors()
     sample_trace = SampleTrace.from_env()
     forecast = PeakForecast()
     start_memory_history(device)
@@ -205,88 +204,30 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
     status, eval_loss = "done", None
     progress = Progress(steps_total, enabled=place.is_main and not quiet)
 
+    session = Session(r, place, engine, policy, metrics, forecast, loader, sample_trace, run_dir, zero3, save,
+                      state, cap_bytes)
     with interrupted.installed(), progress, profiler:
         progress.update(state.step)
         while state.step < stop_at:
-            step = state.step
             step_start = time.perf_counter()
-            if place.on_cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            samples = order.indices(step * r.batch.global_batch, r.batch.global_batch)
-            mine = samples[rank * per_rank_batch:(rank + 1) * per_rank_batch]
+            samples = order.indices(state.step * r.batch.global_batch, r.batch.global_batch)
             targets = (r.batch.global_batch * (r.data.seq_len - 1)) if packed else step_targets(train_set, samples, device, 1)
-            normaliser = world / targets
-            loss_sum = torch.zeros((), device=device)
-            remaining, micro_batches, ooms = mine, 0, 0
-            while remaining:
-                batches = split(remaining, policy.micro_batch)
-                try:
-                    with phase("forward_backward"):
-                        done = run_micro_batches(
-                            engine, loader, batches, normaliser, loss_sum,
-                            before=lambda i, size: injector.maybe_raise(step, micro_batches + i, size),
-                            after=sample_trace.add,
-                            in_backward=(lambda i, size: backward_injector.maybe_raise(step, micro_batches + i, size))
-                            if backward_injector else None)
-                    micro_batches += done
-                    remaining = []
-                except OomDuringStep as oom:
-                    ooms += 1
-                    snapshot = dump_memory_snapshot(run_dir, step) if ooms == 1 else None
-                    release_memory(device)
-                    if place.on_cuda:  # the failed attempt's peak must not count as this step's
-                        torch.cuda.reset_peak_memory_stats(device)
-                    forecast.reset()
-                    try:
-                        decision = policy.on_oom()
-                    except GiveUp as give_up:
-                        metrics.event("oom", step, micro_batch=policy.micro_batch, snapshot=_str(snapshot), fatal=True)
-                        if save:  # the last completed step is kept; this one's gradients are not applied
-                            engine.optimizer.zero_grad(set_to_none=True)
-                            save_checkpoint(engine, run_dir, _with_policy(state, policy), rank, r.train.keep_last)
-                        metrics.event("run", step, event="end", status="gave_up", message=str(give_up))
-                        metrics.close()
-                        raise
-                    metrics.event("oom", step, micro_batch=decision.old_micro_batch, snapshot=_str(snapshot),
-                                  in_backward=oom.in_backward)
-                    metrics.event("batch", step, old_micro_batch=decision.old_micro_batch,
-                                  new_micro_batch=decision.new_micro_batch, reason=decision.reason)
-                    if oom.in_backward and not zero3:
-                        return _restart_after_backward_oom(engine, run_dir, state, policy, rank, r, metrics, save,
-                                                           loader, val_loader)
-                    if oom.in_backward:
-                        engine.optimizer.zero_grad(set_to_none=True)  # drops partial ZeRO-3 gradients
-                        sample_trace.discard()
-                        loss_sum.zero_()
-                        remaining, micro_batches = mine, 0
-                    else:
-                        finished = sum(len(b) for b in batches[:oom.done])
-                        micro_batches += oom.done
-                        remaining = remaining[finished:]
+            outcome = session.forward_backward(samples[rank * per_rank_batch:(rank + 1) * per_rank_batch], targets)
+            if outcome is None:  # an OOM in ZeRO-1/2 backward: saved; the launcher resumes from there
+                loader.close()
+                val_loader.close()
+                return RunResult(status="restart", step=state.step, run_dir=run_dir)
+            loss_sum, micro_batches, ooms = outcome
             with phase("optimizer_step"):
                 engine.step()
-            sample_trace.commit(step, rank)
+            sample_trace.commit(state.step, rank)
             state.step += 1
             state.tokens += targets
-            peak_reserved = torch.cuda.max_memory_reserved(device) if place.on_cuda else 0
-            decision = policy.after_step(peak_reserved) if place.on_cuda else None
-            if decision is not None:
-                metrics.event("batch", state.step, old_micro_batch=decision.old_micro_batch,
-                              new_micro_batch=decision.new_micro_batch, reason=decision.reason)
-            if place.on_cuda:
-                forecast.observe(peak_reserved, micro_batch=policy.micro_batch)
-                if cap_bytes and forecast.warns(cap_bytes, r.batch.adaptive.shrink_above):
-                    predicted = forecast.forecast(1)
-                    metrics.event("forecast", state.step, predicted_peak_bytes=int(predicted), cap_bytes=cap_bytes)
-                    early = policy.before_step(int(predicted))
-                    if early is not None:
-                        metrics.event("batch", state.step, old_micro_batch=early.old_micro_batch,
-                                      new_micro_batch=early.new_micro_batch, reason=early.reason)
-            step_loss = loss_sum / (targets / world)  # this rank's mean; reported from rank 0
-            metrics.record("train", state.step, loss=step_loss, lr=scheduler.get_last_lr()[0],
+            session.adapt_batch()
+            metrics.record("train", state.step, loss=loss_sum / (targets / world), lr=scheduler.get_last_lr()[0],
                            tokens=state.tokens, step_time_s=time.perf_counter() - step_start,
                            micro_batch=policy.micro_batch, grad_accum=micro_batches, ooms=ooms,
-                           **_memory_fields(place, cap_bytes))
+                           **_memory_fields(place, cap_bytes))  # loss: this rank's mean, reported from rank 0
             progress.update(state.step, metrics.last_flushed)
             profiler.step()
             last = state.step == stop_at
@@ -296,10 +237,8 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
                 progress.note_eval(state.step, eval_loss)
                 if state.best_eval_loss is None or eval_loss < state.best_eval_loss:
                     state.best_eval_loss = eval_loss
-            stopping = interrupted.requested or last
-            if save and (state.step % r.train.save_every == 0 or stopping):
-                path = save_checkpoint(engine, run_dir, _with_policy(state, policy), rank, r.train.keep_last)
-                metrics.event("checkpoint", state.step, path=str(path))
+            if save and (state.step % r.train.save_every == 0 or last or interrupted.requested):
+                session.checkpoint()
             if interrupted.requested:
                 status = "interrupted"
                 break
@@ -313,53 +252,6 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
     loader.close()
     val_loader.close()
     return RunResult(status=status, step=state.step, run_dir=run_dir, final_eval_loss=eval_loss)
-
-
-class SampleTrace:
-    """Test hook: with MEMTRAIN_TRACE_SAMPLES=path, the sample ids whose gradients went into each
-    applied optimizer step are appended there (buffered until the step is applied, dropped when an
-    OOM discards the step's gradients)."""
-
-    def __init__(self, path: str | None):
-        self.path = Path(path) if path else None
-        self.pending: list[list[int]] = []
-
-    @classmethod
-    def from_env(cls) -> "SampleTrace":
-        import os
-
-        return cls(os.environ.get("MEMTRAIN_TRACE_SAMPLES"))
-
-    def add(self, indices: list[int]) -> None:
-        if self.path is not None:
-            self.pending.append(list(indices))
-
-    def discard(self) -> None:
-        self.pending = []
-
-    def commit(self, step: int, rank: int) -> None:
-        if self.path is not None:
-            with open(self.path, "a") as handle:
-                for indices in self.pending:
-                    handle.write(json.dumps({"step": step, "rank": rank, "indices": indices}) + "\n")
-        self.pending = []
-
-
-@functools.lru_cache(maxsize=None)
-def _injectors():
-    """Test hooks, read once per process so a point that fired stays fired across a restart."""
-    from memtrain.train.oom import OomInjector
-
-    return OomInjector.from_env(), OomInjector.from_env("MEMTRAIN_INJECT_OOM_BACKWARD")
-
-
-def _with_policy(state: LoopState, policy) -> LoopState:
-    state.batch_policy = policy.state_dict()
-    return state
-
-
-def _str(path) -> str | None:
-    return str(path) if path is not None else None
 
 
 def _planner_prior(loaded: LoadedRecipe) -> tuple[float, float] | None:
@@ -402,21 +294,3 @@ def _memory_fields(place: Place, cap_bytes: int) -> dict:
                       gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
                       gpu_cap_bytes=cap_bytes)
     return fields
-
-
-def _restart_after_backward_oom(engine, run_dir, state, policy, rank, r, metrics, save, loader, val_loader):
-    """ZeRO-1/2 cannot drop a partial gradient: checkpoint the last completed step (with the smaller
-    micro-batch in the policy state) and ask the launcher to resume from it."""
-    from memtrain.errors import UserError
-
-    if not save:
-        raise UserError(Problem(f"out of memory in backward at step {state.step + 1} under ZeRO-1/2, with "
-                                "--no-save there is no checkpoint to restart from",
-                                hint="lower batch.micro_batch or run without --no-save"))
-    path = save_checkpoint(engine, run_dir, _with_policy(state, policy), rank, r.train.keep_last)
-    metrics.event("checkpoint", state.step, path=str(path))
-    metrics.event("run", state.step, event="end", status="restart")
-    metrics.close()
-    loader.close()
-    val_loader.close()
-    return RunResult(status="restart", step=state.step, run_dir=run_dir)

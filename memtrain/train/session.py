@@ -1,0 +1,174 @@
+"""One optimizer step's gradients with the policies around it: micro-batches sized by the batch
+policy, OOM recovery (retry smaller, drop or restart), the early-warning forecast, checkpoints.
+
+The loop (`loop.py`) decides which samples and when; a Session makes their gradients survive
+memory pressure without losing or repeating a sample.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from memtrain.errors import Problem, UserError
+from memtrain.train.checkpoint import LoopState, save_checkpoint
+from memtrain.train.distributed import Place
+from memtrain.train.step import OomDuringStep, run_micro_batches, split
+
+
+@dataclass
+class Session:
+    """What one optimizer step needs: the engine and the policies around it."""
+
+    r: object
+    place: Place
+    engine: object
+    policy: object
+    metrics: object
+    forecast: object
+    loader: object
+    sample_trace: "SampleTrace"
+    run_dir: Path
+    zero3: bool
+    save: bool
+    state: LoopState
+    cap_bytes: int
+
+    def checkpoint(self) -> Path:
+        self.state.batch_policy = self.policy.state_dict()
+        path = save_checkpoint(self.engine, self.run_dir, self.state, self.place.rank, self.r.train.keep_last)
+        self.metrics.event("checkpoint", self.state.step, path=str(path))
+        return path
+
+    def forward_backward(self, mine: list[int], targets: int) -> tuple[torch.Tensor, int, int] | None:
+        """Gradients of this rank's samples, in micro-batches the policy sizes, surviving OOMs.
+
+        Returns (summed token loss, micro-batches run, OOMs survived); None when an OOM in ZeRO-1/2
+        backward left gradients that cannot be dropped, after saving the last completed step.
+        """
+        from memtrain.monitor.profiler import phase
+        from memtrain.train.oom import dump_memory_snapshot
+
+        step, device = self.state.step, self.place.device
+        if self.place.on_cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        injector, backward_injector = _injectors()
+        loss_sum = torch.zeros((), device=device)
+        remaining, micro_batches, ooms = mine, 0, 0
+        while remaining:
+            batches = split(remaining, self.policy.micro_batch)
+            try:
+                with phase("forward_backward"):
+                    micro_batches += run_micro_batches(
+                        self.engine, self.loader, batches, self.place.world_size / targets, loss_sum,
+                        before=lambda i, size: injector.maybe_raise(step, micro_batches + i, size),
+                        after=self.sample_trace.add,
+                        in_backward=(lambda i, size: backward_injector.maybe_raise(step, micro_batches + i, size))
+                        if backward_injector else None)
+                remaining = []
+            except OomDuringStep as oom:
+                ooms += 1
+                self._shrink_after_oom(oom, dump_memory_snapshot(self.run_dir, step) if ooms == 1 else None)
+                if oom.in_backward and not self.zero3:
+                    if not self.save:
+                        raise UserError(Problem(
+                            f"out of memory in backward at step {step + 1} under ZeRO-1/2; with --no-save there "
+                            "is no checkpoint to restart from",
+                            hint="lower batch.micro_batch or run without --no-save")) from None
+                    self.checkpoint()
+                    self.metrics.event("run", step, event="end", status="restart")
+                    self.metrics.close()
+                    return None
+                if oom.in_backward:  # ZeRO-3: zeroing drops the partial gradients; run every sample again
+                    self.engine.optimizer.zero_grad(set_to_none=True)
+                    self.sample_trace.discard()
+                    loss_sum.zero_()
+                    remaining, micro_batches = mine, 0
+                else:  # forward: the finished micro-batches' gradients stand
+                    micro_batches += oom.done
+                    remaining = remaining[sum(len(b) for b in batches[:oom.done]):]
+        return loss_sum, micro_batches, ooms
+
+    def _shrink_after_oom(self, oom: OomDuringStep, snapshot: Path | None) -> None:
+        from memtrain.train.batch_policy import GiveUp
+        from memtrain.train.oom import release_memory
+
+        step = self.state.step
+        release_memory(self.place.device)
+        if self.place.on_cuda:  # the failed attempt's peak must not count as this step's
+            torch.cuda.reset_peak_memory_stats(self.place.device)
+        self.forecast.reset()
+        try:
+            decision = self.policy.on_oom()
+        except GiveUp as give_up:
+            self.metrics.event("oom", step, micro_batch=self.policy.micro_batch, snapshot=_str(snapshot), fatal=True)
+            if self.save:  # the last completed step is kept; this one's gradients are not applied
+                self.engine.optimizer.zero_grad(set_to_none=True)
+                self.checkpoint()
+            self.metrics.event("run", step, event="end", status="gave_up", message=str(give_up))
+            self.metrics.close()
+            raise
+        self.metrics.event("oom", step, micro_batch=decision.old_micro_batch, snapshot=_str(snapshot),
+                           in_backward=oom.in_backward)
+        self._log_decision(decision)
+
+    def adapt_batch(self) -> None:
+        """After a step: the batch policy sees its peak; the forecast warns (and shrinks) before an OOM."""
+        if not self.place.on_cuda:
+            return
+        peak_reserved = torch.cuda.max_memory_reserved(self.place.device)
+        self._log_decision(self.policy.after_step(peak_reserved))
+        self.forecast.observe(peak_reserved, micro_batch=self.policy.micro_batch)
+        if self.cap_bytes and self.forecast.warns(self.cap_bytes, self.r.batch.adaptive.shrink_above):
+            predicted = int(self.forecast.forecast(1))
+            self.metrics.event("forecast", self.state.step, predicted_peak_bytes=predicted, cap_bytes=self.cap_bytes)
+            self._log_decision(self.policy.before_step(predicted))
+
+    def _log_decision(self, decision) -> None:
+        if decision is not None:
+            self.metrics.event("batch", self.state.step, old_micro_batch=decision.old_micro_batch,
+                               new_micro_batch=decision.new_micro_batch, reason=decision.reason)
+
+
+class SampleTrace:
+    """Test hook: with MEMTRAIN_TRACE_SAMPLES=path, the sample ids whose gradients went into each
+    applied optimizer step are appended there (buffered until the step is applied, dropped when an
+    OOM discards the step's gradients)."""
+
+    def __init__(self, path: str | None):
+        self.path = Path(path) if path else None
+        self.pending: list[list[int]] = []
+
+    @classmethod
+    def from_env(cls) -> "SampleTrace":
+        return cls(os.environ.get("MEMTRAIN_TRACE_SAMPLES"))
+
+    def add(self, indices: list[int]) -> None:
+        if self.path is not None:
+            self.pending.append(list(indices))
+
+    def discard(self) -> None:
+        self.pending = []
+
+    def commit(self, step: int, rank: int) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as handle:
+                for indices in self.pending:
+                    handle.write(json.dumps({"step": step, "rank": rank, "indices": indices}) + "\n")
+        self.pending = []
+
+
+@functools.lru_cache(maxsize=None)
+def _injectors():
+    """Test hooks, read once per process so a point that fired stays fired across a restart."""
+    from memtrain.train.oom import OomInjector
+
+    return OomInjector.from_env(), OomInjector.from_env("MEMTRAIN_INJECT_OOM_BACKWARD")
+
+
+def _str(path) -> str | None:
+    return str(path) if path is not None else None
