@@ -104,11 +104,11 @@ def write_atomically(path: Path, text: str) -> None:
 
 def _advice_table(advice: list[Advice]) -> Table:
     table = Table(title="cheapest changes that fit", title_justify="left")
-    table.add_column("overrides")
-    table.add_column("peak reserved GiB", justify="right")
+    table.add_column("overrides", overflow="fold", ratio=3)
+    table.add_column("peak GiB", justify="right")
     table.add_column("spare GiB", justify="right")
-    table.add_column("est. slowdown", justify="right")
-    table.add_column("why")
+    table.add_column("slowdown", justify="right")
+    table.add_column("why", ratio=2)
     for item in advice:
         table.add_row("\n".join(item.overrides), f"{gib(item.peak_reserved_bytes):.2f}",
                       f"{gib(item.plan.headroom_bytes):.2f}", f"+{item.speed_cost:.0%}", item.reason)
