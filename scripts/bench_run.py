@@ -76,11 +76,23 @@ def run_case(name: str, spec: str, runs: Path, timeout_s: int, warmup_steps: int
     return row
 
 
-def write_markdown(rows: list[dict], path: Path, title: str) -> None:
-    lines = [f"# {title}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+def write_markdown(rows: list[dict], path: Path, title: str, columns: list[str] = COLUMNS) -> None:
+    lines = [f"# {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(str(row.get(c, "")).replace("|", "\\|") for c in COLUMNS) + " |")
+        lines.append("| " + " | ".join(str(row.get(c, "")).replace("|", "\\|") for c in columns) + " |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def upsert_row(out: Path, row: dict, columns: list[str], title: str) -> None:
+    """Replace the row of the same recipe in the CSV (or add it) and rewrite its Markdown view."""
+    rows = list(csv.DictReader(out.open())) if out.exists() else []
+    rows = [r for r in rows if r["recipe"] != row["recipe"]] + [row]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    write_markdown(rows, out.with_suffix(".md"), title, columns)
 
 
 def main() -> int:
@@ -92,20 +104,11 @@ def main() -> int:
     parser.add_argument("--warmup-steps", type=int, default=3, help="steps left out of tokens/s")
     parser.add_argument("--title", default="memtrain run benchmarks")
     args = parser.parse_args()
-    rows = []
-    if args.out.exists():
-        rows = list(csv.DictReader(args.out.open()))
     for case in args.case:
         name, _, spec = case.partition("=")
         row = run_case(name, spec, args.runs, args.timeout, args.warmup_steps)
         print(json.dumps(row), flush=True)
-        rows = [r for r in rows if r["recipe"] != name] + [row]
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("w", newline="") as stream:
-            writer = csv.DictWriter(stream, fieldnames=COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
-        write_markdown(rows, args.out.with_suffix(".md"), args.title)
+        upsert_row(args.out, row, COLUMNS, args.title)
     return 0
 
 

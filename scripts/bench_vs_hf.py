@@ -11,7 +11,6 @@ Appends to benchmarks/vs_hf.csv and rewrites its Markdown view.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import json
 import shlex
@@ -22,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_run import machine_name  # noqa: E402
+from bench_run import machine_name, upsert_row  # noqa: E402
 
 COLUMNS = ["recipe", "memtrain_tokens_per_s", "hf_tokens_per_s", "ratio", "memtrain_peak_reserved_gib",
            "hf_peak_reserved_gib", "memtrain_host_gib", "hf_host_gib", "machine", "date", "command"]
@@ -66,7 +65,6 @@ def main() -> int:
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-vs-hf"))
     parser.add_argument("--timeout", type=int, default=600)
     args = parser.parse_args()
-    rows = list(csv.DictReader(args.out.open())) if args.out.exists() else []
     for case in args.case:
         name, _, spec = case.partition("=")
         recipe, *overrides = shlex.split(spec)
@@ -87,16 +85,7 @@ def main() -> int:
                        memtrain_host_gib=f"{ours['host_peak_rss_gib']:.1f}",
                        hf_host_gib=f"{theirs['host_peak_rss_gib']:.1f}")
         print(json.dumps(row), flush=True)
-        rows = [r for r in rows if r["recipe"] != name] + [row]
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("w", newline="") as stream:
-            writer = csv.DictWriter(stream, fieldnames=COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
-        lines = ["# memtrain vs Hugging Face Trainer + DeepSpeed", "", "| " + " | ".join(COLUMNS) + " |",
-                 "|" + "---|" * len(COLUMNS)]
-        lines += ["| " + " | ".join(str(r.get(c, "")) for c in COLUMNS) + " |" for r in rows]
-        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        upsert_row(args.out, row, COLUMNS, "memtrain vs Hugging Face Trainer + DeepSpeed")
     return 0
 
 
