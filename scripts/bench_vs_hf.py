@@ -71,19 +71,19 @@ def main() -> int:
         args.runs.mkdir(parents=True, exist_ok=True)
         row = {"recipe": name, "machine": machine_name(), "date": dt.date.today().isoformat(),
                "command": f"python scripts/bench_vs_hf.py --steps {args.steps} --warmup {args.warmup} --case '{case}'"}
+        failures = (subprocess.TimeoutExpired, FileNotFoundError, StopIteration, ValueError, ZeroDivisionError)
         try:
             ours = memtrain_side(recipe, overrides, args.steps, args.warmup, args.runs / name, args.timeout)
-            theirs = hf_side(recipe, overrides, args.steps, args.warmup, args.runs / f"{name}.hf.json", args.timeout)
-        except (subprocess.TimeoutExpired, FileNotFoundError, StopIteration, ValueError) as error:
-            row["ratio"] = f"failed: {type(error).__name__}"
-        else:
             row.update(memtrain_tokens_per_s=f"{ours['tokens_per_s']:.0f}",
-                       hf_tokens_per_s=f"{theirs['tokens_per_s']:.0f}",
-                       ratio=f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}",
                        memtrain_peak_reserved_gib=f"{ours['peak_reserved_gib']:.2f}",
+                       memtrain_host_gib=f"{ours['host_peak_rss_gib']:.1f}")
+            theirs = hf_side(recipe, overrides, args.steps, args.warmup, args.runs / f"{name}.hf.json", args.timeout)
+            row.update(hf_tokens_per_s=f"{theirs['tokens_per_s']:.0f}",
+                       ratio=f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}",
                        hf_peak_reserved_gib=f"{theirs['peak_reserved_gib']:.2f}",
-                       memtrain_host_gib=f"{ours['host_peak_rss_gib']:.1f}",
                        hf_host_gib=f"{theirs['host_peak_rss_gib']:.1f}")
+        except failures as error:  # a side that did not finish is a row that says so
+            row["ratio"] = f"failed: {type(error).__name__}"
         print(json.dumps(row), flush=True)
         upsert_row(args.out, row, COLUMNS, "memtrain vs Hugging Face Trainer + DeepSpeed")
     return 0
