@@ -40,10 +40,25 @@ def run_dir_of(path: Path) -> Path:
     return Path(yaml.safe_load(path.read_text())["train"]["output_dir"])
 
 
+def test_quickstart_recipe_validation_perplexity_falls(tmp_path):
+    """The shipped quickstart itself (shortened): real Shakespeare, the builtin tokenizer, the tiny preset."""
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
+    run_dir = tmp_path / "quickstart"
+    assert run(recipe, "train.steps=60", "train.eval_every=20", "schedule.warmup_steps=10",
+               f"train.output_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}", save=False) == 0
+    perplexities = [e["perplexity"] for e in read_records(run_dir, "eval")]
+    assert len(perplexities) == 3
+    assert perplexities[0] > perplexities[1] > perplexities[2]
+    assert perplexities[2] < 0.8 * perplexities[0], perplexities
+
+
 def test_training_lowers_the_loss_and_exports_a_model_that_generates(write_recipe):
     recipe = write_recipe("learn", {"train": {"steps": 30, "eval_every": 10}})
-    assert run(recipe) == 0
+    assert run(recipe, profile_steps=2) == 0
     run_dir = run_dir_of(recipe)
+    trace = json.loads((run_dir / "trace.json").read_text())  # --profile 2: a Chrome trace of two steps
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert {"forward_backward", "optimizer_step"} <= names
     losses = train_losses(run_dir)
     assert sorted(losses) == list(range(1, 31))
     first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (28, 29, 30)) / 3

@@ -90,7 +90,8 @@ def _print_result(result) -> None:
 
     console = Console(stderr=True)
     if result.status == "done":
-        console.print(f"[green]✓[/] trained {result.step} steps; model in {result.run_dir / 'final'}")
+        where = f"model in {result.exported}" if result.exported else f"metrics in {result.run_dir} (--no-save)"
+        console.print(f"[green]✓[/] trained {result.step} steps; {where}")
     elif result.status == "restart":
         console.print(f"[yellow]■[/] out of memory in backward at step {result.step + 1}; saved, restarting smaller")
     elif result.status == "stopped":

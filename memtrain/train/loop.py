@@ -32,6 +32,7 @@ class RunResult:
     step: int
     run_dir: Path
     final_eval_loss: float | None = None
+    exported: Path | None = None   # the Hugging Face export, when one was written
 
 
 class Interrupted:
@@ -245,13 +246,14 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
         metrics.flush()
     if status == "done" and state.step < steps_total:
         status = "stopped"
+    exported = None
     if status == "done" and save:
-        export_model(engine, model, tokenizer, run_dir / "final", rank, zero3)
+        exported = export_model(engine, model, tokenizer, run_dir / "final", rank, zero3)
     metrics.event("run", state.step, event="end", status=status)
     metrics.close()
     loader.close()
     val_loader.close()
-    return RunResult(status=status, step=state.step, run_dir=run_dir, final_eval_loss=eval_loss)
+    return RunResult(status=status, step=state.step, run_dir=run_dir, final_eval_loss=eval_loss, exported=exported)
 
 
 def _planner_prior(loaded: LoadedRecipe) -> tuple[float, float] | None:
