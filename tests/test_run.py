@@ -251,6 +251,25 @@ def test_an_oom_in_backward_loses_no_sample_and_keeps_the_math(write_recipe, tmp
     assert read_records(run_dir, "train")[-1]["micro_batch"] < 4
 
 
+def test_ranks_recover_together_from_an_oom_on_one_rank(write_recipe, tmp_path, monkeypatch):
+    """Two processes; only rank 1 runs out of memory. Both skip that backward, shrink alike and
+    retry, so their gradient reductions stay paired: same samples and losses as a clean run."""
+    extra = {"hardware": {"gpus": 2}, "batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
+             "train": {"steps": 4, "eval_every": 100, "save_every": 100}}
+    monkeypatch.setenv("MEMTRAIN_INJECT_RANK", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    clean, faulty = clean_and_faulty(write_recipe, tmp_path, monkeypatch, extra, "MEMTRAIN_INJECT_OOM", "1:0")
+    (a, _), (b, run_dir) = clean, faulty
+    for step in range(4):
+        assert sorted(b[step]) == sorted(a[step]) and len(b[step]) == 8, step
+    assert [o["step"] for o in read_records(run_dir, "oom")] == [1]
+    la, lb = train_losses(clean[1]), train_losses(run_dir)
+    assert sorted(lb) == [1, 2, 3, 4]
+    for step in la:
+        assert lb[step] == pytest.approx(la[step], rel=1e-4, abs=1e-4), step
+    assert read_records(run_dir, "train")[-1]["micro_batch"] < 4
+
+
 def test_bad_input_fails_before_any_work_with_nothing_written(write_recipe, tmp_path):
     data = tmp_path / "broken.jsonl"
     data.write_text('{"text": "fine"}\n{"prompt": "no text field"}\n')

@@ -75,3 +75,23 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on any (one tiny all-reduce; a host sync)."""
+    import torch.distributed as dist
+
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def max_over_ranks(number: int, device: torch.device) -> int:
+    """The largest of each rank's `number` (e.g. peak memory), the same on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return number
+    value = torch.tensor([float(number)], device=device, dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())

@@ -114,6 +114,12 @@ class InjectionPoint:
         return self.op is None or _COMPARE[self.op](micro_batch, self.size)
 
 
+def _this_rank_injects() -> bool:
+    """MEMTRAIN_INJECT_RANK=N limits injection to one rank (to test that ranks recover together)."""
+    only = os.environ.get("MEMTRAIN_INJECT_RANK")
+    return only is None or only == os.environ.get("RANK", "0")
+
+
 class OomInjector:
     """Test hook: raises torch.OutOfMemoryError at chosen points; each point fires `times` times (default once).
 
@@ -157,6 +163,11 @@ class OomInjector:
         return bool(self.points)
 
     def maybe_raise(self, step: int, micro_index: int, micro_batch: int) -> None:
+        if not _this_rank_injects():
+            return
+        self._maybe_raise(step, micro_index, micro_batch)
+
+    def _maybe_raise(self, step: int, micro_index: int, micro_batch: int) -> None:
         """Raise torch.OutOfMemoryError if a point with firings left matches; call before each micro-batch."""
         for index, point in enumerate(self.points):
             if self.fired[index] < point.times and point.matches(step, micro_index, micro_batch):

@@ -16,7 +16,7 @@ import torch
 
 from memtrain.errors import Problem, UserError
 from memtrain.train.checkpoint import LoopState, save_checkpoint
-from memtrain.train.distributed import Place
+from memtrain.train.distributed import Place, any_rank, max_over_ranks
 from memtrain.train.step import OomDuringStep, run_micro_batches, split
 
 
@@ -68,7 +68,8 @@ class Session:
                         before=lambda i, size: injector.maybe_raise(step, micro_batches + i, size),
                         after=self.sample_trace.add,
                         in_backward=(lambda i, size: backward_injector.maybe_raise(step, micro_batches + i, size))
-                        if backward_injector else None)
+                        if backward_injector else None,
+                        any_rank=(lambda flag: any_rank(flag, device)) if self.place.world_size > 1 else None)
                 remaining = []
             except OomDuringStep as oom:
                 ooms += 1
@@ -120,7 +121,8 @@ class Session:
         """After a step: the batch policy sees its peak; the forecast warns (and shrinks) before an OOM."""
         if not self.place.on_cuda:
             return
-        peak_reserved = torch.cuda.max_memory_reserved(self.place.device)
+        # every rank decides from the largest peak, so micro-batches (and collectives) stay paired
+        peak_reserved = max_over_ranks(torch.cuda.max_memory_reserved(self.place.device), self.place.device)
         self._log_decision(self.policy.after_step(peak_reserved))
         self.forecast.observe(peak_reserved, micro_batch=self.policy.micro_batch)
         if self.cap_bytes and self.forecast.warns(self.cap_bytes, self.r.batch.adaptive.shrink_above):

@@ -11,6 +11,10 @@ size. An OOM in backward may have added part of a gradient. Under ZeRO-3 zeroing
 gradients drops it and the step's samples all run again; under ZeRO-1/2 DeepSpeed keeps partial
 gradients in buffers that zero_grad does not clear (measured: the discarded micro-batch still
 changed the update), so the loop saves the last completed step and restarts from it instead.
+
+With several processes, a forward OOM on any rank is shared (one flag all-reduced per micro-batch)
+so all ranks retry together. An OOM inside one rank's backward is not recoverable that way (the
+others are already waiting in its gradient reductions); the run stops there.
 """
 from __future__ import annotations
 
@@ -45,21 +49,33 @@ class OomDuringStep(Exception):
 
 
 def run_micro_batches(engine, loader, batches: list[list[int]], normaliser: float, loss_sum: torch.Tensor,
-                      before=None, after=None, in_backward=None) -> int:
+                      before=None, after=None, in_backward=None, any_rank=None) -> int:
     """Forward + backward over micro-batches, adding to loss_sum; returns how many completed.
 
     Raises OomDuringStep with how many completed (as `.done`) when one runs out of memory.
+    any_rank(flag) -> bool, with several processes: whether any rank ran out of memory in this
+    forward. Then every rank skips this backward and shrinks alike, so their gradient reductions
+    stay paired (a rank that went on alone would wait in a collective for the one retrying).
     """
     for done, indices in enumerate(batches):
         if done + 1 < len(batches):
             loader.prefetch(batches[done + 1])
         batch = loader.get(indices)
+        oom = None
         try:
             if before is not None:
                 before(done, len(indices))
             token_loss_sum, _ = engine(input_ids=batch["input_ids"], labels=batch["labels"])
         except Exception as error:  # noqa: BLE001 — only OOMs are handled; the rest re-raise
-            raise _as_oom(error, False, done) from error
+            oom = _as_oom(error, False, done)
+            if not isinstance(oom, OomDuringStep):
+                raise oom from error
+        if any_rank is not None and any_rank(oom is not None) and oom is None:
+            token_loss_sum = None  # drop this forward's graph; another rank must retry smaller
+            oom = OomDuringStep(RuntimeError("out of memory on another rank"), False)
+            oom.done = done
+        if oom is not None:
+            raise oom
         try:
             loss = token_loss_sum * normaliser
             if in_backward is not None:  # test hook: raise from inside autograd's backward pass
