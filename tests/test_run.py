@@ -58,7 +58,7 @@ def test_training_lowers_the_loss_and_exports_a_model_that_generates(write_recip
     run_dir = run_dir_of(recipe)
     trace = json.loads((run_dir / "trace.json").read_text())  # --profile 2: a Chrome trace of two steps
     names = {event.get("name") for event in trace["traceEvents"]}
-    assert {"forward_backward", "optimizer_step"} <= names
+    assert {"forward", "backward", "optimizer_step"} <= names
     losses = train_losses(run_dir)
     assert sorted(losses) == list(range(1, 31))
     first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (28, 29, 30)) / 3
@@ -81,6 +81,19 @@ def test_training_lowers_the_loss_and_exports_a_model_that_generates(write_recip
     assert any(name.endswith("embed_tokens.weight") for name, _ in model.named_parameters())
     ends = [r for r in read_records(run_dir, "run") if r.get("event") == "end"]
     assert ends[-1]["status"] == "done"
+
+
+def test_fp16_records_the_loss_scale_and_skipped_steps(write_recipe):
+    recipe = write_recipe("fp16", {"precision": {"compute": "fp16", "loss_scale": {"initial_scale_power": 30,
+                                                                                     "hysteresis": 1}},
+                                   "train": {"steps": 6, "eval_every": 100, "save_every": 100}})
+    assert run(recipe, save=False) == 0
+    records = read_records(run_dir_of(recipe), "train")
+    scales = [r["loss_scale"] for r in records]
+    # 2**30 overflows fp16 gradients: the scaler halves it and skips those steps
+    assert scales[0] < 2.0**30 and scales == sorted(scales, reverse=True)
+    assert records[-1]["skipped_steps"] >= 1
+    assert all(math.isfinite(r["loss"]) for r in records)
 
 
 def test_resume_continues_exactly(write_recipe):

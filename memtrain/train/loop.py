@@ -228,7 +228,8 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
             metrics.record("train", state.step, loss=loss_sum / (targets / world), lr=scheduler.get_last_lr()[0],
                            tokens=state.tokens, step_time_s=time.perf_counter() - step_start,
                            micro_batch=policy.micro_batch, grad_accum=micro_batches, ooms=ooms,
-                           **_memory_fields(place, cap_bytes))  # loss: this rank's mean, reported from rank 0
+                           **_memory_fields(place, cap_bytes), **_loss_scale_fields(engine, r))
+            # loss: this rank's mean, reported from rank 0
             progress.update(state.step, metrics.last_flushed)
             profiler.step()
             last = state.step == stop_at
@@ -279,6 +280,14 @@ def _planned_peak(loaded: LoadedRecipe) -> int | None:
         return int(plan_recipe(loaded).peak_reserved_bytes)
     except Exception:  # noqa: BLE001 — the plan is a reference line in reports, never a reason to stop training
         return None
+
+
+def _loss_scale_fields(engine, r) -> dict:
+    """fp16: DeepSpeed's current loss scale and the steps its overflow check skipped."""
+    if r.precision.compute != "fp16":
+        return {}
+    scale = getattr(engine.optimizer, "cur_scale", None) or getattr(engine.optimizer, "loss_scale", None)
+    return {"loss_scale": float(scale) if scale is not None else None, "skipped_steps": engine.skipped_steps}
 
 
 def _memory_fields(place: Place, cap_bytes: int) -> dict:

@@ -50,7 +50,6 @@ class Session:
         Returns (summed token loss, micro-batches run, OOMs survived); None when an OOM in ZeRO-1/2
         backward left gradients that cannot be dropped, after saving the last completed step.
         """
-        from memtrain.monitor.profiler import phase
         from memtrain.train.oom import dump_memory_snapshot
 
         step, device = self.state.step, self.place.device
@@ -62,14 +61,13 @@ class Session:
         while remaining:
             batches = split(remaining, self.policy.micro_batch)
             try:
-                with phase("forward_backward"):
-                    micro_batches += run_micro_batches(
-                        self.engine, self.loader, batches, self.place.world_size / targets, loss_sum,
-                        before=lambda i, size: injector.maybe_raise(step, micro_batches + i, size),
-                        after=self.sample_trace.add,
-                        in_backward=(lambda i, size: backward_injector.maybe_raise(step, micro_batches + i, size))
-                        if backward_injector else None,
-                        any_rank=(lambda flag: any_rank(flag, device)) if self.place.world_size > 1 else None)
+                micro_batches += run_micro_batches(
+                    self.engine, self.loader, batches, self.place.world_size / targets, loss_sum,
+                    before=lambda i, size: injector.maybe_raise(step, micro_batches + i, size),
+                    after=self.sample_trace.add,
+                    in_backward=(lambda i, size: backward_injector.maybe_raise(step, micro_batches + i, size))
+                    if backward_injector else None,
+                    any_rank=(lambda flag: any_rank(flag, device)) if self.place.world_size > 1 else None)
                 remaining = []
             except OomDuringStep as oom:
                 ooms += 1

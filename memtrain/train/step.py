@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memtrain.monitor.profiler import phase
 from memtrain.train.distributed import all_reduce_sum
 
 
@@ -65,7 +66,8 @@ def run_micro_batches(engine, loader, batches: list[list[int]], normaliser: floa
         try:
             if before is not None:
                 before(done, len(indices))
-            token_loss_sum, _ = engine(input_ids=batch["input_ids"], labels=batch["labels"])
+            with phase("forward"):
+                token_loss_sum, _ = engine(input_ids=batch["input_ids"], labels=batch["labels"])
         except Exception as error:  # noqa: BLE001 — only OOMs are handled; the rest re-raise
             oom = _as_oom(error, False, done)
             if not isinstance(oom, OomDuringStep):
@@ -80,7 +82,8 @@ def run_micro_batches(engine, loader, batches: list[list[int]], normaliser: floa
             loss = token_loss_sum * normaliser
             if in_backward is not None:  # test hook: raise from inside autograd's backward pass
                 loss.register_hook(lambda grad, i=done, n=len(indices): in_backward(i, n) or grad)
-            engine.backward(loss, scale_wrt_gas=False)
+            with phase("backward"):
+                engine.backward(loss, scale_wrt_gas=False)
         except Exception as error:  # noqa: BLE001
             raise _as_oom(error, True, done) from error
         loss_sum += token_loss_sum.detach().float()
