@@ -205,6 +205,15 @@ def test_nvme_tier_swaps_under_the_given_path(write_recipe, tmp_path):
     assert any(p.suffix == ".swp" or "swap" in str(p) for p in swapped)
     losses = train_losses(run_dir_of(recipe))
     assert sorted(losses) == [1, 2, 3] and all(math.isfinite(v) for v in losses.values())
+    # the ZeRO-3 export holds every weight under the model's own names (not the training wrapper's)
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    final = run_dir_of(recipe) / "final"
+    with safe_open(final / "model.safetensors", "pt") as exported:
+        names = set(exported.keys())
+    model, info = AutoModelForCausalLM.from_pretrained(final, output_loading_info=True)
+    assert names == set(model.state_dict()) and not info["missing_keys"], sorted(names)[:3]
 
 
 def traced_samples(trace: Path) -> dict[int, list[int]]:

@@ -15,7 +15,7 @@ def export_model(engine, model: torch.nn.Module, tokenizer, out_dir: Path, rank:
 
     Under ZeRO-3 the 16-bit weights are gathered from every rank first.
     """
-    state_dict = engine._zero3_consolidated_16bit_state_dict() if zero3 else None
+    state_dict = _without_wrapper_prefix(engine._zero3_consolidated_16bit_state_dict()) if zero3 else None
     if rank == 0:
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -29,3 +29,12 @@ def export_model(engine, model: torch.nn.Module, tokenizer, out_dir: Path, rank:
         os.replace(tmp, out_dir)
     barrier()
     return out_dir if rank == 0 else None
+
+
+def _without_wrapper_prefix(state_dict: dict | None) -> dict | None:
+    """ZeRO-3 gathers the weights of the engine's module (memtrain's TrainableLM); the export is of
+    the model inside it, whose names lack the wrapper's `model.` prefix."""
+    if state_dict is None:  # ranks other than 0 receive nothing
+        return None
+    prefix = "model."
+    return {name[len(prefix):] if name.startswith(prefix) else name: tensor for name, tensor in state_dict.items()}
