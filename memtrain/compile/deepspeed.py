@@ -42,6 +42,9 @@ def grad_accum_steps(global_batch: int, micro_batch: int, gpus: int) -> int:
 def _precision(recipe: Recipe) -> dict:
     p = recipe.precision
     config: dict = {}
+    if p.mode == "autocast":  # fp32 weights; DeepSpeed autocasts nn.Linear to bf16 and reduces their grads in bf16
+        return {"torch_autocast": {"enabled": True, "dtype": "bfloat16",
+                                   "lower_precision_safe_modules": ["torch.nn.Linear"]}}
     if p.compute == "bf16":
         bf16 = {"enabled": True}
         if p.master == "bf16":

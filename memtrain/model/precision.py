@@ -29,6 +29,11 @@ def compute_dtype(precision: Precision) -> torch.dtype:
     return DTYPES[precision.compute]
 
 
+def storage_dtype(precision: Precision) -> torch.dtype:
+    """The dtype weights are stored in: the compute dtype, or fp32 under precision.mode autocast."""
+    return torch.float32 if precision.mode == "autocast" else compute_dtype(precision)
+
+
 def fp32_island_names(model: nn.Module, globs: list[str]) -> list[str]:
     """Outermost module names (PEFT wrapper removed) matched by the fp32_modules globs.
 
@@ -116,8 +121,8 @@ def apply_precision(model: nn.Module, precision: Precision) -> list[str]:
     base = hf_model(model)
     islands = fp32_island_names(model, precision.fp32_modules)
     for p in model.parameters():
-        if p.is_floating_point() and p.dtype != dtype:
-            p.data = p.data.to(dtype)
+        if p.is_floating_point() and p.dtype != storage_dtype(precision):
+            p.data = p.data.to(storage_dtype(precision))
     modules = dict(base.named_modules())
     logits_module = base.get_output_embeddings()
     for name in islands:

@@ -238,6 +238,12 @@ def _check_precision(loaded: LoadedRecipe) -> list[Problem]:
     if p.loss_scale is not None and p.compute != "fp16":
         problems.append(src.problem(("precision", "loss_scale"), f"loss scaling is for fp16, but compute is {p.compute}",
                                     "remove precision.loss_scale, or set precision.compute=fp16"))
+    if p.mode == "autocast" and p.compute != "bf16":
+        problems.append(src.problem(("precision", "mode"), f"autocast runs matmuls in bf16, but compute is {p.compute}",
+                                    "set precision.compute=bf16, or precision.mode=cast"))
+    if p.mode == "autocast" and p.master == "bf16":
+        problems.append(src.problem(("precision", "master"), "autocast keeps fp32 weights; bf16 master weights "
+                                    "do not apply", "set precision.master=fp32"))
     if p.master == "bf16" and p.compute != "bf16":
         problems.append(src.problem(("precision", "master"), f"bf16 master weights need compute bf16, not {p.compute}",
                                     "set precision.master=fp32"))

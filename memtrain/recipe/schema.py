@@ -125,6 +125,12 @@ class LossScale(Section):
 
 class Precision(Section):
     compute: Dtype = Field("bf16", description="Dtype of weights and matmuls on the GPU.")
+    mode: Literal["cast", "autocast"] = Field(
+        "cast",
+        description="cast: weights stored in the compute dtype (fp32_modules compute in fp32 from bf16 storage); "
+        "autocast: weights stored in fp32 and matmuls (nn.Linear) run in bf16 through DeepSpeed's torch_autocast, "
+        "so fp32_modules keep fp32 weights too, at twice the weight memory.",
+    )
     master: Literal["fp32", "bf16"] = Field("fp32", description="Dtype of master weights and optimizer states (bf16 halves host memory).")
     loss_scale: LossScale | None = Field(None, description="fp16 dynamic loss scaling (only with compute: fp16).")
     fp32_modules: list[str] = Field(
