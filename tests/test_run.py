@@ -292,6 +292,28 @@ def test_ranks_recover_together_from_an_oom_on_one_rank(write_recipe, tmp_path, 
     assert read_records(run_dir, "train")[-1]["micro_batch"] < 4
 
 
+def test_repeated_ooms_at_the_smallest_size_stop_with_a_checkpoint_and_advice(write_recipe, monkeypatch):
+    recipe = write_recipe("giveup", {"batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
+                                     "train": {"steps": 5, "eval_every": 100, "save_every": 100}})
+    monkeypatch.setenv("MEMTRAIN_INJECT_OOM", "2:0*20")  # step 3 never fits, at any size
+    from typer.testing import CliRunner
+
+    from memtrain.cli import app
+    from memtrain.train.checkpoint import latest_checkpoint
+    from memtrain.train.session import _injectors
+
+    _injectors.cache_clear()
+    result = CliRunner().invoke(app, ["run", str(recipe)])
+    assert result.exit_code == 2, result.output
+    assert "memtrain plan" in result.output and "Traceback" not in result.output
+    run_dir = run_dir_of(recipe)
+    assert latest_checkpoint(run_dir).name == "step-000002"  # the last completed step is kept
+    ends = [r for r in read_records(run_dir, "run") if r.get("event") == "end"]
+    assert ends[-1]["status"] == "gave_up"
+    sizes = [o["micro_batch"] for o in read_records(run_dir, "oom")]
+    assert sizes[:2] == [4, 2] and sizes[-1] == 1
+
+
 def test_bad_input_fails_before_any_work_with_nothing_written(write_recipe, tmp_path):
     data = tmp_path / "broken.jsonl"
     data.write_text('{"text": "fine"}\n{"prompt": "no text field"}\n')
