@@ -14,23 +14,34 @@ from pathlib import Path
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from memtrain.errors import Problem, UserError
+from memtrain.recipe.schema import Recipe
 from memtrain.train.checkpoint import LoopState, save_checkpoint
 from memtrain.train.distributed import Place, any_rank, max_over_ranks
 from memtrain.train.step import OomDuringStep, run_micro_batches, split
+
+if TYPE_CHECKING:  # heavy imports, for the reader only
+    import deepspeed
+
+    from memtrain.data.loader import BatchLoader
+    from memtrain.monitor.forecast import PeakForecast
+    from memtrain.monitor.metrics import MetricsLog
+    from memtrain.train.batch_policy import BatchPolicy
 
 
 @dataclass
 class Session:
     """What one optimizer step needs: the engine and the policies around it."""
 
-    r: object
+    r: Recipe
     place: Place
-    engine: object
-    policy: object
-    metrics: object
-    forecast: object
-    loader: object
+    engine: "deepspeed.DeepSpeedEngine"
+    policy: "BatchPolicy"
+    metrics: "MetricsLog"
+    forecast: "PeakForecast"
+    loader: "BatchLoader"
     sample_trace: "SampleTrace"
     run_dir: Path
     zero3: bool
