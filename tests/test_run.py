@@ -314,6 +314,19 @@ def test_repeated_ooms_at_the_smallest_size_stop_with_a_checkpoint_and_advice(wr
     assert sizes[:2] == [4, 2] and sizes[-1] == 1
 
 
+def test_a_host_too_small_for_the_offloaded_states_is_refused_before_any_work(write_recipe):
+    recipe = write_recipe("tinyhost", {"model": {"preset": "llama2-7b"}, "offload": {"optimizer": "cpu", "params": "cpu"},
+                                       "hardware": {"host_memory": "16GiB"}, "precision": {"compute": "bf16"}})
+    from typer.testing import CliRunner
+
+    from memtrain.cli import app
+
+    result = CliRunner().invoke(app, ["run", str(recipe)])
+    assert result.exit_code == 2, result.output
+    assert "host memory" in result.output and "16.0 GiB" in result.output and "Traceback" not in result.output
+    assert not run_dir_of(recipe).exists()
+
+
 def test_bad_input_fails_before_any_work_with_nothing_written(write_recipe, tmp_path):
     data = tmp_path / "broken.jsonl"
     data.write_text('{"text": "fine"}\n{"prompt": "no text field"}\n')
@@ -327,3 +340,4 @@ def test_bad_input_fails_before_any_work_with_nothing_written(write_recipe, tmp_
     assert "line 2" in result.output and "text" in result.output
     assert "Traceback" not in result.output
     assert not run_dir_of(recipe).exists()
+

@@ -14,6 +14,7 @@ from pathlib import Path
 from memtrain.recipe.load import load_recipe
 
 EXIT_INTERRUPTED = 130
+WORKER_ENV = "MEMTRAIN_WORKER"
 EXIT_RESTART = 75  # a worker saved after an OOM it could not recover in place; start again from there
 
 
@@ -29,12 +30,12 @@ def launch(recipe: Path, overrides: list[str], resume: bool = True, max_steps: i
     """Run a recipe; returns the process exit code (0 done, 130 interrupted)."""
     loaded = load_recipe(recipe, overrides)
     gpus = loaded.recipe.hardware.gpus
-    already_launched = "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == gpus
+    already_launched = os.environ.get(WORKER_ENV) == "1"  # a worker torchrun started for this launcher
     if gpus == 1 or already_launched:
-        from memtrain.train.loop import prepare_data, train
+        from memtrain.train.loop import train
 
-        if gpus > 1:
-            prepare_data(loaded)
+        if not already_launched:  # workers started by torchrun were checked by their launcher
+            _preflight(loaded)
         result = train(loaded, resume=resume, max_steps=max_steps, profile_steps=profile_steps, save=save)
         while result.status == "restart" and gpus == 1:  # an OOM in ZeRO-1/2 backward: resume smaller
             _release(result)
@@ -45,9 +46,8 @@ def launch(recipe: Path, overrides: list[str], resume: bool = True, max_steps: i
         return EXIT_INTERRUPTED if result.status == "interrupted" else 0
     _check_devices(gpus)
     from memtrain.train.distributed import free_port
-    from memtrain.train.loop import prepare_data
 
-    prepare_data(loaded)  # data problems surface here, once, before any worker starts
+    _preflight(loaded)  # data and memory problems surface here, once, before any worker starts
     args = [str(recipe), *overrides, "--resume" if resume else "--no-resume"]
     if max_steps is not None:
         args += ["--max-steps", str(max_steps)]
@@ -55,12 +55,25 @@ def launch(recipe: Path, overrides: list[str], resume: bool = True, max_steps: i
         args += ["--profile", str(profile_steps)]
     if not save:
         args.append("--no-save")
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // gpus))))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // gpus))),
+               **{WORKER_ENV: "1"})
     while True:
         completed = subprocess.run(torchrun_command(gpus, free_port(), args), env=env)
         if completed.returncode != EXIT_RESTART:
             return completed.returncode
         args = [a for a in args if a != "--no-resume"] + ["--resume"]
+
+
+def _preflight(loaded) -> None:
+    """Data and host memory are checked before anything is built; GPU fit is a warning."""
+    from rich.console import Console
+
+    from memtrain.train.loop import prepare_data
+    from memtrain.train.preflight import check_memory
+
+    prepare_data(loaded)
+    for warning in check_memory(loaded):
+        Console(stderr=True).print(f"[yellow]![/] {warning}", highlight=False)
 
 
 def _release(result) -> None:
