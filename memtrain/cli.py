@@ -96,8 +96,11 @@ def compile_(
     from memtrain.compile.deepspeed import compile_recipe
     from memtrain.recipe.load import load_recipe
 
+    from memtrain.train.loop import prepare_data, resolve_micro_batch, total_steps
+
     loaded = load_recipe(recipe, overrides)
-    config = compile_recipe(loaded.recipe)
+    steps = loaded.recipe.train.steps or total_steps(loaded, len(prepare_data(loaded)[1]))
+    config = compile_recipe(loaded.recipe, micro_batch=resolve_micro_batch(loaded), total_steps=steps)
     text = json.dumps(config, indent=2) + "\n"
     if output is None:
         sys.stdout.write(text)

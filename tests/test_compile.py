@@ -111,3 +111,30 @@ def test_compiler_is_pure():
     assert compile_deepspeed(recipe, 256, 4, 10) == compile_deepspeed(recipe, 256, 4, 10)
     assert recipe.model_dump() == before
 
+
+
+def test_the_compile_command_writes_the_golden_config(tmp_path):
+    from typer.testing import CliRunner
+
+    from memtrain.cli import app
+
+    out = tmp_path / "ds_config.json"
+    result = CliRunner().invoke(app, ["compile", str(ROOT / "recipes" / "quickstart.yaml"), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text()) == json.loads((GOLDEN / "quickstart.json").read_text())
+    printed = CliRunner().invoke(app, ["compile", str(ROOT / "recipes" / "quickstart.yaml"), "batch.micro_batch=4"])
+    assert printed.exit_code == 0 and json.loads(printed.stdout)["gradient_accumulation_steps"] == 4
+
+
+def test_compile_resolves_auto_micro_batch_and_epochs(tmp_path):
+    from typer.testing import CliRunner
+
+    from memtrain.cli import app
+
+    result = CliRunner().invoke(app, ["compile", str(ROOT / "recipes" / "tinyllama-1.1b-full-offload-24gb.yaml"),
+                                      "batch.micro_batch=auto", "train.steps=null", "train.epochs=1"])
+    assert result.exit_code == 0, result.output
+    config = json.loads(result.stdout)
+    micro = config["train_micro_batch_size_per_gpu"]
+    assert isinstance(micro, int) and 1 <= micro <= 16
+    assert config["gradient_accumulation_steps"] * micro == 16
