@@ -33,8 +33,7 @@ def _engine(recipe_text: str, overrides: list[str]):
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     recipe = load_recipe_text(recipe_text, overrides=overrides).recipe
     config = compile_recipe(recipe, micro_batch=4, total_steps=10, on_cpu=True)
-    storage = "fp32" if recipe.precision.mode == "autocast" else recipe.precision.compute
-    model = build_model(recipe.model, storage, torch.device("cpu"), config, seed=0)
+    model = build_model(recipe.model, recipe.precision.storage, torch.device("cpu"), config, seed=0)
     apply_precision(model, recipe.precision)
     lm = TrainableLM(model, recipe.precision)
     engine, *_ = deepspeed.initialize(model=lm, model_parameters=[p for p in lm.parameters() if p.requires_grad],

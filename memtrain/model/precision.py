@@ -31,7 +31,7 @@ def compute_dtype(precision: Precision) -> torch.dtype:
 
 def storage_dtype(precision: Precision) -> torch.dtype:
     """The dtype weights are stored in: the compute dtype, or fp32 under precision.mode autocast."""
-    return torch.float32 if precision.mode == "autocast" else compute_dtype(precision)
+    return DTYPES[precision.storage]
 
 
 def fp32_island_names(model: nn.Module, globs: list[str]) -> list[str]:
@@ -120,9 +120,10 @@ def apply_precision(model: nn.Module, precision: Precision) -> list[str]:
     dtype = compute_dtype(precision)
     base = hf_model(model)
     islands = fp32_island_names(model, precision.fp32_modules)
+    storage = storage_dtype(precision)
     for p in model.parameters():
-        if p.is_floating_point() and p.dtype != storage_dtype(precision):
-            p.data = p.data.to(storage_dtype(precision))
+        if p.is_floating_point() and p.dtype != storage:
+            p.data = p.data.to(storage)
     modules = dict(base.named_modules())
     logits_module = base.get_output_embeddings()
     for name in islands:

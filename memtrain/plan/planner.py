@@ -153,8 +153,7 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
     seq_len = recipe.data.seq_len
     compute_bytes = DTYPE_BYTES[p.compute]
     stage = zero_stage(o.zero_stage, o.params)
-    storage = "fp32" if p.mode == "autocast" else p.compute  # autocast keeps fp32 weights and gradients
-    states = place_model_states(counts, stage, hw.gpus, storage, p.master, o.optimizer, o.params, o.ratio,
+    states = place_model_states(counts, stage, hw.gpus, p.storage, p.master, o.optimizer, o.params, o.ratio,
                                 o.buffer_count)
     acts = estimate_activations(recipe.model, recipe.checkpointing, p.compute, micro_batch, seq_len, counts.num_layers,
                                 counts.layers_name)

@@ -141,6 +141,11 @@ class Precision(Section):
     chunked_loss: bool = Field(True, description="Compute the loss over vocabulary-chunks of tokens so full fp32 logits never exist.")
     loss_chunk_tokens: int = Field(1024, ge=16, description="Tokens per chunk of the chunked loss.")
 
+    @property
+    def storage(self) -> str:
+        """The dtype weights (and their gradients) are stored in: fp32 under autocast, else the compute dtype."""
+        return "fp32" if self.mode == "autocast" else self.compute
+
 
 class Aio(Section):
     block_size: int = Field(1_048_576, ge=4096, description="Bytes per asynchronous I/O request to the NVMe.")

@@ -144,8 +144,7 @@ def _build_engine(loaded: LoadedRecipe, place: Place, micro_batch: int, steps_to
 
     r = loaded.recipe
     ds_config = compile_recipe(r, micro_batch, steps_total, on_cpu=not place.on_cuda)
-    storage = "fp32" if r.precision.mode == "autocast" else r.precision.compute
-    model = build_model(r.model, storage, place.device, ds_config, seed=r.train.seed)
+    model = build_model(r.model, r.precision.storage, place.device, ds_config, seed=r.train.seed)
     apply_checkpointing(model, r.checkpointing)
     apply_precision(model, r.precision)
     lm = TrainableLM(model, r.precision)
