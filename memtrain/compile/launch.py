@@ -34,12 +34,13 @@ def launch(recipe: Path, overrides: list[str], resume: bool = True, max_steps: i
     if gpus == 1 or already_launched:
         from memtrain.train.loop import train
 
-        if not already_launched:  # workers started by torchrun were checked by their launcher
-            _preflight(loaded)
-        result = train(loaded, resume=resume, max_steps=max_steps, profile_steps=profile_steps, save=save)
+        # workers started by torchrun were checked by their launcher
+        data = None if already_launched else _preflight(loaded)
+        result = train(loaded, resume=resume, max_steps=max_steps, profile_steps=profile_steps, save=save, data=data)
         while result.status == "restart" and gpus == 1:  # an OOM in ZeRO-1/2 backward: resume smaller
             _release(result)
-            result = train(loaded, resume=True, max_steps=max_steps, profile_steps=profile_steps, save=save)
+            result = train(loaded, resume=True, max_steps=max_steps, profile_steps=profile_steps, save=save,
+                           data=data)
         _print_result(result)
         if result.status == "restart":
             return EXIT_RESTART
@@ -64,16 +65,18 @@ def launch(recipe: Path, overrides: list[str], resume: bool = True, max_steps: i
         args = [a for a in args if a != "--no-resume"] + ["--resume"]
 
 
-def _preflight(loaded) -> None:
-    """Data and host memory are checked before anything is built; GPU fit is a warning."""
+def _preflight(loaded):
+    """Data and host memory are checked before anything is built; GPU fit is a warning.
+    Returns the prepared data (tokenizer, train and validation sets) for this process to train on."""
     from rich.console import Console
 
     from memtrain.train.loop import prepare_data
     from memtrain.train.preflight import check_memory
 
-    prepare_data(loaded)
+    data = prepare_data(loaded)
     for warning in check_memory(loaded):
         Console(stderr=True).print(f"[yellow]![/] {warning}", highlight=False)
+    return data
 
 
 def _release(result) -> None:

@@ -122,10 +122,11 @@ def evaluate(engine, loader, val_set, samples: int, micro_batch: int, device, wo
 
 
 def train(loaded: LoadedRecipe, resume: bool = True, max_steps: int | None = None, profile_steps: int = 0,
-          quiet: bool = False, save: bool = True) -> RunResult:
+          quiet: bool = False, save: bool = True, data=None) -> RunResult:
+    """Run a recipe in this process; `data` is prepare_data's result when the caller already has it."""
     r = loaded.recipe
     place, cap_bytes = setup_process(r.hardware.gpu, r.hardware.cap_memory)
-    tokenizer, train_set, val_set = prepare_data(loaded)
+    tokenizer, train_set, val_set = data if data is not None else prepare_data(loaded)
     steps_total = total_steps(loaded, len(train_set))
     run_dir = loaded.output_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -170,8 +171,9 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
     r = loaded.recipe
     world, rank, device = place.world_size, place.rank, place.device
     per_rank_batch = r.batch.global_batch // world
-    micro_batch = min(resolve_micro_batch(loaded), per_rank_batch)
-    eval_samples = r.train.eval_batches * resolve_micro_batch(loaded)  # independent of the GPU count
+    recipe_micro_batch = resolve_micro_batch(loaded)  # "auto" asks the planner
+    micro_batch = min(recipe_micro_batch, per_rank_batch)
+    eval_samples = r.train.eval_batches * recipe_micro_batch  # independent of the GPU count
     engine, scheduler, model, ds_config = _build_engine(loaded, place, micro_batch, steps_total)
     zero3 = ds_config["zero_optimization"]["stage"] == 3
 
