@@ -62,7 +62,7 @@ def main() -> int:
         torch.cuda.set_per_process_memory_fraction(cap / total, 0)
     micro = recipe.batch.micro_batch if recipe.batch.micro_batch != "auto" else 1
     accum = grad_accum_steps(recipe.batch.global_batch, micro, recipe.hardware.gpus)
-    ds_config = hf_deepspeed_config(compile_recipe(recipe, micro, args.steps, on_cpu=not on_cuda))
+    ds_config = hf_deepspeed_config(compile_recipe(recipe, micro, args.steps))
     tokenizer = load_tokenizer(recipe.model)
     train_set, _ = build_datasets(recipe.data, tokenizer, recipe.train.seed)
 

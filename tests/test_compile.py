@@ -138,3 +138,23 @@ def test_compile_resolves_auto_micro_batch_and_epochs(tmp_path):
     micro = config["train_micro_batch_size_per_gpu"]
     assert isinstance(micro, int) and 1 <= micro <= 16
     assert config["gradient_accumulation_steps"] * micro == 16
+
+
+def test_an_optimizer_on_the_device_is_torch_fused_adamw():
+    """Nothing to JIT-compile at start-up: DeepSpeed builds torch's fused AdamW from the compiled config."""
+    import deepspeed
+    import torch
+
+    from memtrain.train.distributed import free_port
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    config = compile_deepspeed(recipe_with(overrides=["precision.compute=fp32"]), 256, 4, 10)
+    assert config["optimizer"]["params"]["fused"] is True
+    model = torch.nn.Linear(8, 8)
+    engine, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    assert type(inner) is torch.optim.AdamW and inner.defaults["fused"] is True
+    offloaded = compile_deepspeed(recipe_with(overrides=["offload.optimizer=cpu"]), 256, 4, 10)
+    assert "torch_adam" not in offloaded["optimizer"]["params"]  # DeepSpeed's CPU Adam

@@ -32,7 +32,7 @@ def _engine(recipe_text: str, overrides: list[str]):
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     recipe = load_recipe_text(recipe_text, overrides=overrides).recipe
-    config = compile_recipe(recipe, micro_batch=4, total_steps=10, on_cpu=True)
+    config = compile_recipe(recipe, micro_batch=4, total_steps=10)
     model = build_model(recipe.model, recipe.precision.storage, torch.device("cpu"), config, seed=0)
     apply_precision(model, recipe.precision)
     lm = TrainableLM(model, recipe.precision)

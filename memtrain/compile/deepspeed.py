@@ -121,23 +121,25 @@ def _aio(recipe: Recipe) -> dict:
     }
 
 
-def compile_deepspeed(recipe: Recipe, hidden_size: int, micro_batch: int, total_steps: int,
-                      on_cpu: bool = False) -> dict:
+def compile_deepspeed(recipe: Recipe, hidden_size: int, micro_batch: int, total_steps: int) -> dict:
     """The DeepSpeed config for a recipe.
 
     hidden_size: the model's hidden size (bucket sizes derive from it).
     micro_batch: the resolved starting micro-batch (an int even when the recipe says "auto").
     total_steps: optimizer steps of the whole run (kept in the signature for ZeRO settings that
         depend on run length; the LR schedule is memtrain's own, `memtrain.train.schedule`).
-    on_cpu: DeepSpeed's CPU accelerator has no fused Adam; use torch's AdamW there when the
-        optimizer stays on the device (offloaded optimizers use DeepSpeed's CPU Adam either way).
+
+    An optimizer that stays on the device is torch's fused AdamW (`torch_adam`), not DeepSpeed's
+    FusedAdam: the same single-kernel update, but nothing to JIT-compile at start-up (FusedAdam's
+    nvcc build is most of the time to first step on a fresh machine), and it runs on the CPU
+    accelerator too. Offloaded optimizers use DeepSpeed's CPU Adam.
     """
     b, opt = recipe.batch, recipe.optimizer
     gpus = recipe.hardware.gpus
     uses_nvme = "nvme" in (recipe.offload.optimizer, recipe.offload.params)
     optimizer_params = {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay}
-    if on_cpu and recipe.offload.optimizer == "none":
-        optimizer_params["torch_adam"] = True
+    if recipe.offload.optimizer == "none":
+        optimizer_params.update(torch_adam=True, fused=True)
     accum = grad_accum_steps(b.global_batch, micro_batch, gpus)
     config = {
         "train_batch_size": micro_batch * accum * gpus,
@@ -157,9 +159,9 @@ def compile_deepspeed(recipe: Recipe, hidden_size: int, micro_batch: int, total_
     return config
 
 
-def compile_recipe(recipe: Recipe, micro_batch: int, total_steps: int, on_cpu: bool = False) -> dict:
+def compile_recipe(recipe: Recipe, micro_batch: int, total_steps: int) -> dict:
     """compile_deepspeed with the model's hidden size looked up from its config (preset or directory)."""
     from memtrain.model.config import model_config
 
     hidden_size = model_config(recipe.model).hidden_size
-    return compile_deepspeed(recipe, hidden_size, micro_batch, total_steps, on_cpu=on_cpu)
+    return compile_deepspeed(recipe, hidden_size, micro_batch, total_steps)

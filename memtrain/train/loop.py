@@ -144,7 +144,7 @@ def _build_engine(loaded: LoadedRecipe, place: Place, micro_batch: int, steps_to
     from memtrain.model.wrapper import TrainableLM
 
     r = loaded.recipe
-    ds_config = compile_recipe(r, micro_batch, steps_total, on_cpu=not place.on_cuda)
+    ds_config = compile_recipe(r, micro_batch, steps_total)
     model = build_model(r.model, r.precision.storage, place.device, ds_config, seed=r.train.seed)
     apply_checkpointing(model, r.checkpointing)
     apply_precision(model, r.precision)
