@@ -24,15 +24,26 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_run import machine_name, upsert_row  # noqa: E402
 
 COLUMNS = ["recipe", "memtrain_tokens_per_s", "hf_tokens_per_s", "ratio", "memtrain_peak_reserved_gib",
-           "hf_peak_reserved_gib", "memtrain_host_gib", "hf_host_gib", "machine", "date", "command"]
+           "hf_peak_reserved_gib", "memtrain_host_gib", "hf_host_gib", "memtrain_first_step_s", "hf_first_step_s",
+           "machine", "date", "command"]
 GiB = 1024**3
+
+
+def _run(command: list[str], log: Path, timeout: int) -> None:
+    """Run one side with its output in `log`; on failure, show the log's tail."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as stream:
+        done = subprocess.run(command, cwd=ROOT, timeout=timeout, stdout=stream, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        print(f"{command[1]} exited {done.returncode}; last lines of {log}:", file=sys.stderr)
+        print("\n".join(log.read_text(errors="replace").splitlines()[-15:]), file=sys.stderr)
 
 
 def memtrain_side(recipe: str, overrides: list[str], steps: int, warmup: int, run_dir: Path, timeout: int) -> dict:
     command = [sys.executable, "-m", "memtrain", "run", recipe, *overrides, f"train.steps={steps}",
                "train.eval_every=100000", "train.save_every=100000", "train.log_every=1",
                f"train.output_dir={run_dir}", "--no-resume", "--no-save"]
-    subprocess.run(command, cwd=ROOT, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    _run(command, run_dir.with_suffix(".log"), timeout)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     start = next(r for r in records if r["kind"] == "run" and r.get("event") == "start")
     train = [r for r in records if r["kind"] == "train"]
@@ -45,6 +56,7 @@ def memtrain_side(recipe: str, overrides: list[str], steps: int, warmup: int, ru
         "tokens_per_s": tokens_per_step * (len(timed) - 1) / (timed[-1]["time"] - timed[0]["time"]),
         "peak_reserved_gib": max(r.get("gpu_peak_reserved_bytes", 0) for r in train) / GiB,
         "host_peak_rss_gib": max(r.get("host_peak_rss_bytes", 0) for r in train) / GiB,
+        "first_step_s": train[0]["time"] - start["process_started"],
         "device": start.get("device"),
     }
 
@@ -52,7 +64,7 @@ def memtrain_side(recipe: str, overrides: list[str], steps: int, warmup: int, ru
 def hf_side(recipe: str, overrides: list[str], steps: int, warmup: int, out: Path, timeout: int) -> dict:
     command = [sys.executable, str(ROOT / "scripts" / "hf_baseline.py"), recipe, *overrides,
                "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
-    subprocess.run(command, cwd=ROOT, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    _run(command, out.with_suffix(".log"), timeout)
     return json.loads(out.read_text())
 
 
@@ -71,17 +83,20 @@ def main() -> int:
         args.runs.mkdir(parents=True, exist_ok=True)
         row = {"recipe": name, "machine": machine_name(), "date": dt.date.today().isoformat(),
                "command": f"python scripts/bench_vs_hf.py --steps {args.steps} --warmup {args.warmup} --case '{case}'"}
-        failures = (subprocess.TimeoutExpired, FileNotFoundError, StopIteration, ValueError, ZeroDivisionError)
+        failures = (subprocess.TimeoutExpired, FileNotFoundError, StopIteration, ValueError, ZeroDivisionError,
+                    KeyError, IndexError)
         try:
             ours = memtrain_side(recipe, overrides, args.steps, args.warmup, args.runs / name, args.timeout)
             row.update(memtrain_tokens_per_s=f"{ours['tokens_per_s']:.0f}",
                        memtrain_peak_reserved_gib=f"{ours['peak_reserved_gib']:.2f}",
-                       memtrain_host_gib=f"{ours['host_peak_rss_gib']:.1f}")
+                       memtrain_host_gib=f"{ours['host_peak_rss_gib']:.1f}",
+                       memtrain_first_step_s=f"{ours['first_step_s']:.0f}")
             theirs = hf_side(recipe, overrides, args.steps, args.warmup, args.runs / f"{name}.hf.json", args.timeout)
             row.update(hf_tokens_per_s=f"{theirs['tokens_per_s']:.0f}",
                        ratio=f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}",
                        hf_peak_reserved_gib=f"{theirs['peak_reserved_gib']:.2f}",
-                       hf_host_gib=f"{theirs['host_peak_rss_gib']:.1f}")
+                       hf_host_gib=f"{theirs['host_peak_rss_gib']:.1f}",
+                       hf_first_step_s=f"{theirs['time_to_first_step_s']:.0f}")
         except failures as error:  # a side that did not finish is a row that says so
             row["ratio"] = f"failed: {type(error).__name__}"
         print(json.dumps(row), flush=True)

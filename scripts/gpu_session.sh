@@ -4,6 +4,8 @@
 #   bash scripts/gpu_session.sh 1    # memtrain run: 1.1B offload, 7B LoRA; plan accuracy (1.1B); adaptive batch
 #   bash scripts/gpu_session.sh 2    # plan accuracy (3B, 7B); checkpoint sweep 7B LoRA
 #   bash scripts/gpu_session.sh sweep  # checkpoint sweep 1.1B
+#   bash scripts/gpu_session.sh speed  # memtrain vs HF Trainer + DeepSpeed: 7B LoRA, 1.1B optimizer offload
+#   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -41,8 +43,18 @@ sweep)
   step sweep-1.1b 100 python3 scripts/checkpoint_sweep.py --preset tinyllama-1.1b --micro-batch 4 --seq-len 1024 \
     --steps 4 --out "$OUT/checkpoint_sweep.csv"
   ;;
+speed)
+  python3 -c "import torch; from memtrain.train.pinned import exact_pinned_supported as e; print('torch', torch.__version__, 'exact pinned sizes:', e())"
+  step vs-hf 560 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 12 --warmup 3 --timeout 240 \
+    --case "7b-lora-mb4x1024=recipes/llama2-7b-lora-24gb.yaml" \
+    --case "1.1b-full-opt-offload-mb4x1024=recipes/tinyllama-1.1b-full-offload-24gb.yaml"
+  ;;
+accuracy)
+  step plan-all 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 400 --calibrate \
+    --parallel 5 --host-budget-gib 105 ${ONLY:+--only $ONLY}
+  ;;
 esac
-for f in /tmp/memtrain-bench/*.log /tmp/memtrain-plan-accuracy/*.log; do
+for f in /tmp/memtrain-bench/*.log /tmp/memtrain-plan-accuracy/*.log /tmp/memtrain-vs-hf/*.log; do
   [ -f "$f" ] && grep -l -i -E "Traceback|Error" "$f" >/dev/null && { echo "== $f"; grep -i -E -B2 -A8 "Traceback|Error" "$f" | tail -n 30; }
 done
 echo "== done at ${SECONDS}s"

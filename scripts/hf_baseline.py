@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -83,8 +84,12 @@ def main() -> int:
         torch.manual_seed(recipe.train.seed)
         from transformers import AutoModelForCausalLM
 
-        # under ZeRO-3 TrainingArguments made the HfDeepSpeedConfig above, so from_config partitions
-        model = AutoModelForCausalLM.from_config(model_config(recipe.model), dtype=dtype)
+        # Under ZeRO-3 TrainingArguments made the HfDeepSpeedConfig above, so from_config partitions.
+        # Otherwise the random init runs on the GPU, as memtrain's does (a 7B init on the CPU takes
+        # minutes; real HF users load weights with from_pretrained, which we cannot without a hub).
+        zero3 = ds_config["zero_optimization"]["stage"] == 3
+        with torch.device("cuda" if on_cuda and not zero3 else "cpu"):
+            model = AutoModelForCausalLM.from_config(model_config(recipe.model), dtype=dtype)
         model.config.use_cache = False
         if recipe.model.lora is not None:
             model = add_lora(model, recipe.model)
@@ -95,17 +100,17 @@ def main() -> int:
             def on_step_end(self, *_, **__):
                 if on_cuda:
                     torch.cuda.synchronize()
-                marks.append(time.perf_counter())
+                marks.append(time.time())
 
         trainer = Trainer(model=model, args=training, train_dataset=train_set, callbacks=[Clock()])
-        started = time.perf_counter()
         trainer.train()
     tokens_per_step = recipe.batch.global_batch * recipe.data.seq_len
     timed = marks[args.warmup:]
     result = {
         "tokens_per_s": tokens_per_step * (len(timed) - 1) / (timed[-1] - timed[0]) if len(timed) > 1 else None,
         "steps": len(marks),
-        "time_to_first_step_s": (marks[0] - started) if marks else None,
+        # from the launch of this process, as memtrain's side measures it
+        "time_to_first_step_s": (marks[0] - psutil.Process().create_time()) if marks else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if on_cuda else 0.0,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else 0.0,
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30,

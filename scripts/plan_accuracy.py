@@ -129,65 +129,129 @@ def _is_number(value) -> bool:
         return False
 
 
+def host_reservation_bytes(plan) -> int:
+    """Host RAM to set aside for a case run beside others: its predicted host bytes with a margin."""
+    return max(4 * GiB, int(1.5 * plan.host_bytes))
+
+
+def write_tables(out: Path, view: Path, rows: list[dict]) -> None:
+    """The CSV (rows of cases not run this time are kept: the matrix may be run in parts) and its view."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ran = {row["recipe"] for row in rows}
+    kept = [row for row in csv.DictReader(out.open()) if row["recipe"] not in ran] if out.exists() else []
+    order = [c.name for c in CASES]
+    merged = sorted(kept + rows, key=lambda r: order.index(r["recipe"]) if r["recipe"] in order else len(order))
+    with out.open("w", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(merged)
+    view.parent.mkdir(parents=True, exist_ok=True)
+    view.write_text(markdown(merged))
+
+
+def row_for(case: Case, plan, measured: dict | str, machine: str, date: str) -> dict:
+    row = {"recipe": case.name, "predicted_reserved_gib": f"{plan.peak_reserved_bytes / GiB:.2f}",
+           "predicted_allocated_gib": f"{plan.peak_allocated_bytes / GiB:.2f}",
+           "predicted_host_gib": f"{plan.host_bytes / GiB:.1f}", "machine": machine, "date": date}
+    if isinstance(measured, str):
+        row.update(measured_reserved_gib=measured, measured_allocated_gib=measured, measured_host_gib=measured)
+    else:
+        row.update(measured_reserved_gib=f"{measured['gpu_peak_reserved_bytes'] / GiB:.2f}",
+                   measured_allocated_gib=f"{measured['gpu_peak_allocated_bytes'] / GiB:.2f}",
+                   measured_host_gib=f"{measured['host_peak_rss_bytes'] / GiB:.1f}")
+    return row
+
+
+def run_cases(jobs: list[tuple[Case, list[str], object]], args, on_done) -> None:
+    """Run the cases, up to args.parallel at once within args.host_budget_gib of host RAM.
+
+    Each run has its own process and its own GPU memory cap, so peaks measured side by side are the
+    same as alone (the allocator's numbers are per process); only speed suffers, and it is not measured here.
+    """
+    import threading
+    import time
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    budget = int(args.host_budget_gib * GiB)
+    pending = sorted(jobs, key=lambda job: -host_reservation_bytes(job[2]))  # big ones first
+    running: dict = {}
+    lock = threading.Lock()
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        while pending or running:
+            reserved = sum(host_reservation_bytes(job[2]) for job in running.values())
+            started = False
+            for job in list(pending):
+                need = host_reservation_bytes(job[2])
+                if len(running) < args.parallel and (not running or reserved + need <= budget):
+                    pending.remove(job)
+                    case, overrides, _ = job
+                    running[pool.submit(measure, case, overrides, args.runs / case.name, args.timeout)] = job
+                    reserved += need
+                    started = True
+            if not running:
+                time.sleep(1)
+                continue
+            done, _ = wait(list(running), return_when=FIRST_COMPLETED, timeout=None if not started else 0.5)
+            for future in done:
+                case, _, plan = running.pop(future)
+                with lock:
+                    on_done(case, plan, future.result())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "plan_accuracy.csv")
     parser.add_argument("--gpu", default="rtx3090", help="target card the runs are capped to (profile or size)")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-plan-accuracy"))
-    parser.add_argument("--nvme-path", default="/tmp/memtrain-nvme")
+    parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/memtrain-nvme"))
     parser.add_argument("--only", default="", help="run only cases whose name contains one of these comma-separated strings")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once (each has its own GPU memory cap)")
+    parser.add_argument("--host-budget-gib", type=float, default=100.0, help="host RAM the parallel runs may take")
     parser.add_argument("--markdown", type=Path, default=None, help="Markdown view (default: --out with .md)")
     parser.add_argument("--plan-only", action="store_true", help="print the predictions without running (no GPU)")
+    parser.add_argument("--replan", action="store_true",
+                        help="recompute the predicted columns of --out with the current planner, keeping the measurements")
     parser.add_argument("--calibrate", action="store_true", help="also measure the CUDA context; print constants")
     args = parser.parse_args()
 
     machine = f"{platform.node()} ({args.gpu} cap)"
     date = dt.date.today().isoformat()
-    rows, slack = [], []
+    view = args.markdown or args.out.with_suffix(".md")
     wanted = [part for part in args.only.split(",") if part] or [""]
+    jobs = []
     for case in [c for c in CASES if any(part in c.name for part in wanted)]:
         overrides = [*case.overrides, f"hardware.gpu={args.gpu}", "hardware.cap_memory=true", "train.steps=3",
                      "schedule.warmup_steps=1",
                      "train.eval_every=1000", "train.save_every=1000", "train.log_every=1",
                      f"train.output_dir={args.runs / case.name}"]
         if "nvme" in case.recipe:
-            overrides.append(f"hardware.nvme_path={args.nvme_path}")
+            overrides.append(f"hardware.nvme_path={args.nvme_path / case.name}")
         plan = plan_recipe(load_recipe(ROOT / case.recipe, overrides, check=False), args.gpu)
         if args.plan_only:
             print(f"{case.name:40s} plan {plan.peak_reserved_bytes / GiB:7.2f} GiB reserved "
                   f"({plan.peak_phase}, {'fits' if plan.fits else 'misses'}), host {plan.host_bytes / GiB:.1f} GiB")
             continue
-        measured = measure(case, overrides, args.runs / case.name, args.timeout)
-        row = {"recipe": case.name, "predicted_reserved_gib": f"{plan.peak_reserved_bytes / GiB:.2f}",
-               "predicted_allocated_gib": f"{plan.peak_allocated_bytes / GiB:.2f}",
-               "predicted_host_gib": f"{plan.host_bytes / GiB:.1f}", "machine": machine, "date": date}
-        if isinstance(measured, str):
-            row.update(measured_reserved_gib=measured, measured_allocated_gib=measured, measured_host_gib=measured)
-        else:
-            row.update(measured_reserved_gib=f"{measured['gpu_peak_reserved_bytes'] / GiB:.2f}",
-                       measured_allocated_gib=f"{measured['gpu_peak_allocated_bytes'] / GiB:.2f}",
-                       measured_host_gib=f"{measured['host_peak_rss_bytes'] / GiB:.1f}")
-            if measured["gpu_peak_allocated_bytes"]:
-                slack.append(measured["gpu_peak_reserved_bytes"] / measured["gpu_peak_allocated_bytes"] - 1)
-        verdict = "fits" if plan.fits else "misses"
-        print(f"{case.name:40s} plan {row['predicted_reserved_gib']:>7} GiB ({verdict})  "
-              f"measured {row['measured_reserved_gib']:>7}", flush=True)
-        rows.append(row)
-
+        jobs.append((case, overrides, plan))
     if args.plan_only:
         return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    if args.out.exists():  # keep rows of cases not run this time (the matrix may be run in parts)
-        ran = {row["recipe"] for row in rows}
-        rows = [row for row in csv.DictReader(args.out.open()) if row["recipe"] not in ran] + rows
-    with args.out.open("w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    view = args.markdown or args.out.with_suffix(".md")
-    view.parent.mkdir(parents=True, exist_ok=True)
-    view.write_text(markdown(rows))
+    if args.replan:
+        return replan(args.out, view, {case.name: plan for case, _, plan in jobs})
+
+    rows, slack = [], []
+
+    def on_done(case: Case, plan, measured) -> None:
+        row = row_for(case, plan, measured, machine, date)
+        if isinstance(measured, dict) and measured["gpu_peak_allocated_bytes"]:
+            slack.append(measured["gpu_peak_reserved_bytes"] / measured["gpu_peak_allocated_bytes"] - 1)
+        verdict = "fits" if plan.fits else "misses"
+        print(f"{case.name:40s} plan {row['predicted_reserved_gib']:>7} GiB ({verdict})  "
+              f"measured {row['measured_reserved_gib']:>7}  host plan {row['predicted_host_gib']:>6} "
+              f"measured {row['measured_host_gib']:>6}", flush=True)
+        rows.append(row)
+        write_tables(args.out, view, rows)  # after every case: a cut-short session keeps what it measured
+
+    run_cases(jobs, args, on_done)
     print(f"wrote {args.out} and {view}")
     if args.calibrate:
         context = cuda_context_bytes()
@@ -196,6 +260,20 @@ def main() -> int:
             print(f"  cuda_context: {context / GiB:.2f}GiB")
         if slack:
             print(f"  allocator_slack_ratio: {statistics.median(slack):.3f}")
+    return 0
+
+
+def replan(out: Path, view: Path, plans: dict) -> int:
+    """Rewrite the predicted columns of the committed table from the current planner (no GPU)."""
+    rows = list(csv.DictReader(out.open()))
+    for row in rows:
+        plan = plans.get(row["recipe"])
+        if plan is not None:
+            row.update(predicted_reserved_gib=f"{plan.peak_reserved_bytes / GiB:.2f}",
+                       predicted_allocated_gib=f"{plan.peak_allocated_bytes / GiB:.2f}",
+                       predicted_host_gib=f"{plan.host_bytes / GiB:.1f}")
+    write_tables(out, view, rows)
+    print(f"replanned {sum(row['recipe'] in plans for row in rows)} rows of {out}")
     return 0
 
 

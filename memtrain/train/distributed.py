@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from memtrain.configs import gpu_profile
+from memtrain.train.pinned import use_exact_pinned_sizes
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ def setup_process(gpu: str, cap_memory: bool) -> tuple[Place, int]:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
+        use_exact_pinned_sizes()  # before DeepSpeed pins its offload buffers
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

@@ -22,6 +22,7 @@ from memtrain.errors import DataError
 from memtrain.recipe.load import LoadedRecipe
 from memtrain.train.checkpoint import LoopState, latest_checkpoint, load_checkpoint
 from memtrain.train.distributed import Place, all_reduce_sum, setup_process
+from memtrain.train.pinned import exact_pinned_supported
 from memtrain.train.session import SampleTrace, Session
 from memtrain.train.step import split, step_targets
 
@@ -153,8 +154,26 @@ def _build_engine(loaded: LoadedRecipe, place: Place, micro_batch: int, steps_to
     from memtrain.train.schedule import lr_scheduler_factory
 
     engine, _, _, scheduler = deepspeed.initialize(model=lm, model_parameters=trainable, config=ds_config,
+                                                   optimizer=_client_optimizer(r, trainable),
                                                    lr_scheduler=lr_scheduler_factory(r.schedule, steps_total))
     return engine, scheduler, model, ds_config
+
+
+def _client_optimizer(r, trainable: list[torch.nn.Parameter]):
+    """A bitsandbytes AdamW (8-bit and/or paged states) for DeepSpeed to wrap, or None for the config's AdamW."""
+    from memtrain.compile.deepspeed import uses_client_optimizer
+
+    if not uses_client_optimizer(r):
+        return None
+    from memtrain.model.quantize import require_bitsandbytes
+
+    require_bitsandbytes()
+    import bitsandbytes as bnb
+
+    kinds = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw": bnb.optim.PagedAdamW,
+             "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}
+    o = r.optimizer
+    return kinds[o.name](trainable, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
 
 
 def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total, run_dir, resume, max_steps,
@@ -193,7 +212,9 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
                          tensorboard_dir=run_dir / "tensorboard")
     metrics.event("run", state.step, event="resume" if checkpoint else "start", recipe=loaded.name,
                   gpu_cap_bytes=cap_bytes, device=str(device), world_size=world, total_steps=steps_total,
-                  micro_batch=policy.micro_batch, plan_peak_reserved_bytes=_planned_peak(loaded))
+                  micro_batch=policy.micro_batch, plan_peak_reserved_bytes=_planned_peak(loaded),
+                  process_started=_process_started(),
+                  pinned_sizes="exact" if place.on_cuda and exact_pinned_supported() else "power_of_two")
     order = SampleOrder(len(train_set), r.train.seed)
     loader = BatchLoader(train_set, device)
     val_loader = BatchLoader(val_set, device)
@@ -271,6 +292,13 @@ def _planner_prior(loaded: LoadedRecipe) -> tuple[float, float] | None:
         return None
     slope = max(two - one, 1)
     return float(one - slope), float(slope)
+
+
+def _process_started() -> float:
+    """When this process was launched (epoch seconds): the origin of "time to first step"."""
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def _planned_peak(loaded: LoadedRecipe) -> int | None:

@@ -1,0 +1,54 @@
+"""Pinned host buffers at their real size instead of the next power of two.
+
+PyTorch's caching host allocator rounds every pinned allocation up to a power of two so that freed
+blocks can be reused. DeepSpeed's offload pins a few huge flat buffers once (fp32 master weights,
+their gradients, a bf16 staging copy), so the rounding buys no reuse and costs up to half of them:
+a 4.4 GB buffer takes 8 GiB of page-locked RAM. Since PyTorch 2.9 the rounding has a threshold
+(`pinned_max_round_threshold_mb`); memtrain sets it so that only small pinned blocks (the data
+loader's batches) are rounded. The planner prices host memory with the same rule
+(`pinned_bytes`), asking `exact_pinned_supported()` whether this PyTorch honours the setting.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+MiB = 1024**2
+ROUND_THRESHOLD_BYTES = 1 * MiB   # pinned blocks up to this size are still rounded (cheap, reused)
+SETTING = f"pinned_max_round_threshold_mb:{ROUND_THRESHOLD_BYTES // MiB}"
+
+
+def _set(setting: str) -> bool:
+    import torch
+
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if setter is None or getter is None:
+        return False
+    current = getter() or ""
+    if "pinned_max_round_threshold" in current:  # the user chose a threshold: keep it
+        return True
+    try:
+        setter(f"{current},{setting}" if current else setting)
+    except RuntimeError:  # a PyTorch that does not know the key
+        return False
+    return True
+
+
+@lru_cache(maxsize=1)
+def exact_pinned_supported() -> bool:
+    """Whether this PyTorch has the rounding threshold (setting it is harmless before any pinning)."""
+    return _set(SETTING)
+
+
+def use_exact_pinned_sizes() -> bool:
+    """Apply the threshold for this process (before DeepSpeed pins anything). Returns whether it applied."""
+    return exact_pinned_supported()
+
+
+def pinned_bytes(size_bytes: int, exact: bool) -> int:
+    """Page-locked bytes a pinned allocation of size_bytes takes under the caching host allocator."""
+    if size_bytes <= 0:
+        return 0
+    if exact and size_bytes > ROUND_THRESHOLD_BYTES:
+        return size_bytes
+    return 1 << (size_bytes - 1).bit_length()
