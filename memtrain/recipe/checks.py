@@ -7,6 +7,7 @@ so that when one section failed validation the checks of the other sections stil
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -77,6 +78,23 @@ def approx_param_count(config: dict) -> int | None:
     per_layer = attention + mlp + 2 * hidden
     embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
     return layers * per_layer + embeddings + hidden
+
+
+def _approx_linear_params(config: dict) -> int | None:
+    """Weights of a Llama-family decoder's attention and MLP projections (what quantisation packs)."""
+    try:
+        hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        inter = int(config["intermediate_size"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    return layers * (hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter)
+
+
+def _has_bitsandbytes() -> bool:
+    return importlib.util.find_spec("bitsandbytes") is not None
 
 
 def _zero_stage(recipe) -> int:
@@ -192,15 +210,23 @@ def _check_weights_fit(loaded: LoadedRecipe) -> list[Problem]:
         return []
     bytes_per_param = 4 if r.precision.compute == "fp32" else 2
     weights_bytes = params * bytes_per_param
+    linear = _approx_linear_params(config) if r.model.quant_type else None
+    if linear:
+        from memtrain.plan.quantized import quantized_weight_bytes
+
+        weights_bytes = (params - linear) * bytes_per_param + quantized_weight_bytes(
+            linear, 0, r.model.quant_type, r.model.quantize.double_quant)
+    stored_as = f"{r.model.quant_type} + {r.precision.compute}" if linear else r.precision.compute
     # ZeRO-3 shards the weights over the GPUs; stages 0-2 keep a whole copy on each
     weights_per_gpu_bytes = weights_bytes / r.hardware.gpus if _zero_stage(r) == 3 else weights_bytes
     if weights_per_gpu_bytes <= profile.memory_bytes:
         return []
     return [loaded.sources.problem(
         ("hardware", "gpu"),
-        f"the model's weights alone ({gib(weights_per_gpu_bytes):.1f} GiB per GPU in {r.precision.compute}) "
+        f"the model's weights alone ({gib(weights_per_gpu_bytes):.1f} GiB per GPU in {stored_as}) "
         f"exceed the {profile.name} ({gib(profile.memory_bytes):.0f} GiB)",
-        "offload parameters (offload.params=cpu), use LoRA on bf16 weights, or a larger card; "
+        "offload parameters (offload.params=cpu), LoRA on quantised weights (model.quantize.type=nf4), "
+        "or a larger card; "
         "`memtrain plan --fit` finds a fit",
     )]
 
@@ -321,4 +347,52 @@ def _check_checkpointing(loaded: LoadedRecipe) -> list[Problem]:
         for pattern, message in rule_problems(c.rules):
             problems.append(src.problem(("checkpointing", "rules", pattern), message,
                                         "cut at whole blocks: *.self_attn, *.mlp or a whole layer"))
+    return problems
+
+
+@reads("model", "offload", "precision")
+def _check_quantize(loaded: LoadedRecipe) -> list[Problem]:
+    r, src = loaded.recipe, loaded.sources
+    kind = r.model.quant_type
+    if kind is None:
+        return []
+    problems = []
+    if r.model.lora is None:
+        problems.append(src.problem(("model", "quantize"), f"{kind} base weights are frozen, so nothing would train "
+                                    "without LoRA adapters",
+                                    "add model.lora (for example model.lora.r=16), or remove model.quantize"))
+    if _zero_stage(r) == 3:
+        at = ("offload", "params") if r.offload.params != "none" else ("offload", "zero_stage")
+        problems.append(src.problem(
+            at, f"{kind} weights cannot go through ZeRO-3, which partitions and offloads parameters as flat "
+            "floating-point tensors: bitsandbytes packs them into integers whose quantisation constants live "
+            "beside the tensor, where ZeRO-3 neither partitions nor gathers them",
+            "set offload.params=none and offload.zero_stage=auto (ZeRO-2); quantised weights are a quarter "
+            "of their bf16 size, which is what makes them fit"))
+    if r.precision.mode == "autocast":
+        problems.append(src.problem(("precision", "mode"), "autocast stores weights in fp32, but quantised layers "
+                                    "already compute in precision.compute from their packed weights",
+                                    "set precision.mode=cast with model.quantize"))
+    if not _has_bitsandbytes():
+        problems.append(src.problem(("model", "quantize"), "model.quantize needs bitsandbytes, which is not installed",
+                                    "pip install 'memtrain[qlora]'"))
+    return problems
+
+
+@reads("optimizer", "offload")
+def _check_client_optimizer(loaded: LoadedRecipe) -> list[Problem]:
+    r, src = loaded.recipe, loaded.sources
+    name = r.optimizer.name
+    if name == "adamw":
+        return []
+    problems = []
+    if r.offload.optimizer != "none":
+        problems.append(src.problem(
+            ("optimizer", "name"), f"{name} is bitsandbytes' optimizer, which steps on the device that holds the "
+            f"parameters; with offload.optimizer={r.offload.optimizer} DeepSpeed steps its own CPU Adam on the host "
+            "and refuses any other optimizer",
+            f"set offload.optimizer=none to use {name}, or optimizer.name=adamw to offload"))
+    if not _has_bitsandbytes():
+        problems.append(src.problem(("optimizer", "name"), f"{name} needs bitsandbytes, which is not installed",
+                                    "pip install 'memtrain[qlora]', or optimizer.name=adamw"))
     return problems

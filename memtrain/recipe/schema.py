@@ -52,6 +52,21 @@ class Lora(Section):
     )
 
 
+class Quantize(Section):
+    """Base weights stored quantised by bitsandbytes (QLoRA): only with LoRA, whose adapters stay in precision.compute."""
+
+    type: Literal["nf4", "fp4", "int8", "none"] = Field(
+        "nf4",
+        description="nf4 / fp4: 4-bit blockwise weights (blocks of 64; nf4 is the QLoRA paper's normal-float code); "
+        "int8: LLM.int8 row-wise 8-bit weights; none: full-precision weights. Every nn.Linear except the output "
+        "head is quantised (transformers' rule); embeddings and norms stay in precision.compute, and quantised "
+        "layers dequantise to precision.compute for their matmuls.",
+    )
+    double_quant: bool = Field(
+        True, description="4-bit only: quantise the per-block scales too (8-bit in blocks of 256), "
+        "0.52 instead of 0.56 bytes per weight.")
+
+
 class Model(Section):
     preset: str | None = Field(
         None, description="Name of a shape preset in configs/models (random initialisation), e.g. 'llama2-7b'."
@@ -66,6 +81,14 @@ class Model(Section):
         "sdpa", description="Attention kernel; sdpa has no seq_len^2 activation term."
     )
     lora: Lora | None = Field(None, description="Train LoRA adapters instead of all weights.")
+    quantize: Quantize | None = Field(
+        None, description="Store the frozen base weights quantised (QLoRA; needs lora and bitsandbytes: "
+        "pip install memtrain[qlora]).")
+
+    @property
+    def quant_type(self) -> str | None:
+        """'nf4' | 'fp4' | 'int8' when the base weights are stored quantised, else None."""
+        return self.quantize.type if self.quantize is not None and self.quantize.type != "none" else None
 
 
 class Data(Section):
@@ -189,7 +212,12 @@ class Batch(Section):
 
 
 class Optimizer(Section):
-    name: Literal["adamw"] = Field("adamw", description="Optimizer (DeepSpeed's CPU Adam when offloaded).")
+    name: Literal["adamw", "adamw_8bit", "paged_adamw", "paged_adamw_8bit"] = Field(
+        "adamw",
+        description="adamw: torch's fused AdamW on the GPU, DeepSpeed's CPU Adam when offloaded; adamw_8bit: "
+        "bitsandbytes' AdamW with 8-bit blockwise moments (2 instead of 8 bytes per trainable parameter); "
+        "paged_*: bitsandbytes' AdamW whose states live in CUDA unified memory that pages to the host under "
+        "memory pressure. The bitsandbytes optimizers stay beside the model (no offload.optimizer).")
     lr: float = Field(2e-4, gt=0, lt=1, description="Peak learning rate.")
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
         (0.9, 0.95), description="Adam moment decay rates (beta1, beta2).")
