@@ -34,6 +34,11 @@ def zero_stage(recipe: Recipe) -> int:
     return 3 if recipe.offload.params != "none" else 2
 
 
+def uses_client_optimizer(recipe: Recipe) -> bool:
+    """Whether the optimizer is a bitsandbytes one built outside DeepSpeed's config (8-bit / paged AdamW)."""
+    return recipe.optimizer.name != "adamw"
+
+
 def grad_accum_steps(global_batch: int, micro_batch: int, gpus: int) -> int:
     """Micro-batches per optimizer step per GPU (the last one may be smaller when it does not divide)."""
     return math.ceil(global_batch / (micro_batch * gpus))
@@ -132,7 +137,9 @@ def compile_deepspeed(recipe: Recipe, hidden_size: int, micro_batch: int, total_
     An optimizer that stays on the device is torch's fused AdamW (`torch_adam`), not DeepSpeed's
     FusedAdam: the same single-kernel update, but nothing to JIT-compile at start-up (FusedAdam's
     nvcc build is most of the time to first step on a fresh machine), and it runs on the CPU
-    accelerator too. Offloaded optimizers use DeepSpeed's CPU Adam.
+    accelerator too. Offloaded optimizers use DeepSpeed's CPU Adam. The bitsandbytes optimizers
+    (8-bit / paged AdamW) are built by the loop and handed to `deepspeed.initialize` as client
+    optimizers, so the config has no "optimizer" block for them (`uses_client_optimizer`).
     """
     b, opt = recipe.batch, recipe.optimizer
     gpus = recipe.hardware.gpus
@@ -149,7 +156,7 @@ def compile_deepspeed(recipe: Recipe, hidden_size: int, micro_batch: int, total_
         "gradient_clipping": opt.grad_clip,
         "steps_per_print": NEVER_PRINT,
         "wall_clock_breakdown": False,
-        "optimizer": {"type": "AdamW", "params": optimizer_params},
+        **({} if uses_client_optimizer(recipe) else {"optimizer": {"type": "AdamW", "params": optimizer_params}}),
         **_precision(recipe),
         "zero_optimization": _zero(recipe, hidden_size),
         "zero_allow_untested_optimizer": True,

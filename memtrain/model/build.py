@@ -2,7 +2,8 @@
 
 Weights are created where they will live: directly on the training device, or partitioned by
 DeepSpeed's `zero.Init` under ZeRO-3 (transformers enters it when an `HfDeepSpeedConfig` is alive),
-so a 7B preset starts in seconds instead of minutes of CPU initialisation.
+so a 7B preset starts in seconds instead of minutes of CPU initialisation. With `model.quantize`
+the linear layers are quantised as they are created (`memtrain.model.quantize`).
 """
 from __future__ import annotations
 
@@ -33,7 +34,17 @@ def build_model(model: Model, compute: str, device: torch.device, ds_config: dic
         keep_alive = HfDeepSpeedConfig(ds_config)  # noqa: F841 — transformers reads it while it lives
     torch.manual_seed(seed)
     config = model_config(model)
-    if model.preset:
+    quantization = {}
+    if model.quant_type:
+        from memtrain.model.quantize import bnb_config, require_bitsandbytes
+
+        require_bitsandbytes()
+        quantization = {"quantization_config": bnb_config(model.quantize, dtype)}
+    if model.preset and model.quant_type:
+        from memtrain.model.quantize import quantized_preset
+
+        lm = quantized_preset(config, model.quantize, dtype, device)
+    elif model.preset:
         place = nullcontext() if zero3 else torch.device(device)
         with place:
             lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -41,12 +52,16 @@ def build_model(model: Model, compute: str, device: torch.device, ds_config: dic
         try:
             lm = AutoModelForCausalLM.from_pretrained(
                 model.path, config=config, dtype=dtype, local_files_only=True,
-                low_cpu_mem_usage=True, device_map=None if zero3 else {"": device},
+                low_cpu_mem_usage=True, device_map=None if zero3 else {"": device}, **quantization,
             )
         except (OSError, ValueError) as error:
             raise UserError(Problem(f"cannot load the model from '{model.path}': {error}", key="model.path",
                                     hint="give a directory written by save_pretrained (config.json + weights)")) from None
     lm.config.use_cache = False
+    if model.quant_type:
+        from memtrain.model.quantize import keep_training_layout
+
+        keep_training_layout(lm)
     if model.lora is not None:
         lm = add_lora(lm, model)
     del keep_alive
@@ -67,6 +82,9 @@ def add_lora(lm: PreTrainedModel, model: Model) -> torch.nn.Module:
         ))
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    # Not PEFT's prepare_model_for_kbit_training: its fp32 upcast of the unquantised weights would be
+    # undone by DeepSpeed's bf16 engine (fp32_modules is the recipe's way to keep modules in fp32), and
+    # checkpointing is memtrain's own; what it does that matters here is the input-grad hook below.
     peft_model = get_peft_model(lm, config)
     if hasattr(peft_model, "enable_input_require_grads"):
         # checkpointed layers need an input that requires grad when the embeddings are frozen

@@ -130,7 +130,8 @@ def apply_precision(model: nn.Module, precision: Precision) -> list[str]:
         island = modules[name]
         for sub in island.modules():
             for p in sub.parameters(recurse=False):
-                p.data = p.data.float()
+                if p.is_floating_point():  # quantised weights (uint8 / int8) keep their packed storage
+                    p.data = p.data.float()
             if any(True for _ in sub.parameters(recurse=False)):
                 _upcast_own_parameters(sub)
         _island_boundary(island, None if island is logits_module else dtype)
