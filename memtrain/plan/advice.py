@@ -2,10 +2,12 @@
 
 Levers, in the tree's order: activation checkpointing → precision (chunked loss, bf16 master and
 optimizer states) → micro-batch (gradient accumulation keeps the global batch) → optimizer offload
-→ parameter offload / NVMe → LoRA. Every combination of one option per lever is planned (the plan
-is arithmetic on cached traces, so this takes seconds), the ones that fit are ranked by their
-estimated slowdown, ties broken by the tree's order, and each is returned as `key.path=value`
-overrides. The speed costs are rough fractions of step time, documented in docs/PLAN.md.
+→ parameter offload / NVMe → LoRA → quantised base weights (QLoRA). Every combination of one
+option per lever is planned (the plan is arithmetic on cached traces, so this takes seconds);
+combinations the recipe checks refuse (quantised weights with ZeRO-3, say) are dropped; the ones
+that fit are ranked by their estimated slowdown, ties broken by the tree's order, and each is
+returned as `key.path=value` overrides. The speed costs are rough fractions of step time,
+documented in docs/PLAN.md.
 """
 from __future__ import annotations
 
@@ -101,6 +103,17 @@ def _lora_options(r: Recipe) -> list[Option]:
     return [KEEP, Option(("model.lora.r=16",), 1.0, "train LoRA adapters (r=16) instead of all weights")]
 
 
+def _quantize_options(r: Recipe) -> list[Option]:
+    if r.model.quant_type or r.precision.mode == "autocast":
+        return [KEEP]
+    # Quantised weights are frozen, so they come with LoRA: a full fine-tune pays LoRA's cost as well.
+    lora = () if r.model.lora is not None else ("model.lora.r=16",)
+    cost = 0.3 if r.model.lora is not None else 1.3
+    return [KEEP, Option(lora + ("model.quantize.type=nf4",), cost,
+                         "4-bit nf4 base weights (QLoRA): ~0.52 instead of 2 bytes per weight, "
+                         "dequantised in every matmul")]
+
+
 def _merge(options: tuple[Option, ...]) -> tuple[list[str], float, str]:
     overrides: dict[str, str] = {}
     for option in options:
@@ -122,6 +135,17 @@ def with_overrides(loaded: LoadedRecipe, overrides: list[str]) -> LoadedRecipe:
     return dataclasses.replace(loaded, recipe=validate(data, sources), sources=sources)
 
 
+def _problem_keys(loaded: LoadedRecipe) -> set[tuple[str, str]]:
+    from memtrain.recipe.checks import check_recipe
+
+    return {(p.key, p.message) for p in check_recipe(loaded)}
+
+
+def _adds_problems(candidate: LoadedRecipe, before: set[tuple[str, str]]) -> bool:
+    """Whether the recipe checks refuse a combination that the original recipe did not (e.g. nf4 with ZeRO-3)."""
+    return bool(_problem_keys(candidate) - before)
+
+
 def advise(loaded: LoadedRecipe, gpu: str | None = None, limit: int = 3) -> list[Advice]:
     """Changes that make the recipe fit, cheapest first ([] when it already fits or nothing does)."""
     r = loaded.recipe
@@ -129,7 +153,8 @@ def advise(loaded: LoadedRecipe, gpu: str | None = None, limit: int = 3) -> list
     if current.fits:
         return []
     micro_options = [KEEP] if r.batch.micro_batch == "auto" else _micro_batch_options(loaded, current.micro_batch)
-    levers = [_checkpointing_options(r), _precision_options(r), micro_options, _offload_options(r), _lora_options(r)]
+    levers = [_checkpointing_options(r), _precision_options(r), micro_options, _offload_options(r), _lora_options(r),
+              _quantize_options(r)]
     candidates = []
     for order, combination in enumerate(itertools.product(*levers)):
         overrides, cost, reason = _merge(combination)
@@ -137,6 +162,7 @@ def advise(loaded: LoadedRecipe, gpu: str | None = None, limit: int = 3) -> list
             candidates.append((cost, order, overrides, reason))
     # Cheapest first, so the search stops at the first `limit` fits.
     candidates.sort(key=lambda item: (item[0], item[1]))
+    before = _problem_keys(loaded)
     fitting: list[Advice] = []
     seen: set[tuple[str, ...]] = set()
     for cost, _, overrides, reason in candidates:
@@ -144,7 +170,10 @@ def advise(loaded: LoadedRecipe, gpu: str | None = None, limit: int = 3) -> list
         if tuple(sorted(overrides)) in seen or any(set(a.overrides) <= set(overrides) for a in fitting):
             continue
         seen.add(tuple(sorted(overrides)))
-        plan = plan_recipe(with_overrides(loaded, overrides), gpu)
+        candidate = with_overrides(loaded, overrides)
+        if _adds_problems(candidate, before):
+            continue
+        plan = plan_recipe(candidate, gpu)
         if plan.fits:
             fitting.append(Advice(overrides, plan, round(cost, 2), reason))
             if len(fitting) >= limit:

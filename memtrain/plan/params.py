@@ -21,10 +21,16 @@ class ParamCounts:
     hidden_size: int
     vocab_size: int
     layers_name: str = "model.layers"   # dotted name of the decoder layer list (checkpoint rules match on it)
+    quantized: int = 0           # elements stored quantised (model.quantize), part of `total`
+    quantized_bytes: int = 0     # their bytes, quantisation constants included
 
     @property
     def frozen(self) -> int:
         return self.total - self.trainable
+
+    def weight_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of every parameter: quantised weights at their packed size, the rest at `dtype_bytes` each."""
+        return (self.total - self.quantized) * dtype_bytes + self.quantized_bytes
 
 
 def _lora_targets(name: str, targets: list[str]) -> bool:
@@ -36,7 +42,8 @@ def count_parameters(model: Model) -> ParamCounts:
     """Count the recipe's parameters on the meta device; LoRA adds r × (in + out) per targeted Linear.
 
     LoRA adapters are counted from the target modules' shapes, the same rule PEFT applies; the base
-    weights are frozen, so only the adapters are trainable.
+    weights are frozen, so only the adapters are trainable. With model.quantize, the linear layers
+    the model build quantises (`quantized_linear_names`) are counted at their quantised bytes.
     """
     return _count(model.model_dump_json())
 
@@ -66,6 +73,7 @@ def _count(model_json: str) -> ParamCounts:
         trainable = adapters
         base_total += adapters
         per_layer = [n + adapter_per_layer for n in per_layer]
+    quantized, quantized_bytes = _quantized(module, model)
     return ParamCounts(
         total=base_total,
         trainable=trainable,
@@ -75,7 +83,26 @@ def _count(model_json: str) -> ParamCounts:
         hidden_size=int(config.hidden_size),
         vocab_size=int(config.vocab_size),
         layers_name=layers_name,
+        quantized=quantized,
+        quantized_bytes=quantized_bytes,
     )
+
+
+def _quantized(module: torch.nn.Module, model: Model) -> tuple[int, int]:
+    """(elements, bytes) of the weights stored quantised; (0, 0) without model.quantize."""
+    if not model.quant_type:
+        return 0, 0
+    from memtrain.model.quantize import quantized_linear_names
+    from memtrain.plan.quantized import quantized_weight_bytes
+
+    modules = dict(module.named_modules())
+    elements = size_bytes = 0
+    for name in quantized_linear_names(module):
+        weight = modules[name].weight
+        elements += weight.numel()
+        size_bytes += quantized_weight_bytes(weight.numel(), weight.shape[0], model.quant_type,
+                                             model.quantize.double_quant)
+    return elements, size_bytes
 
 
 def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:

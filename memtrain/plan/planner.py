@@ -17,6 +17,7 @@ from memtrain.plan.calibration import Calibration, calibration
 from memtrain.plan.logits import estimate_logits
 from memtrain.plan.model_states import DTYPE_BYTES, place_model_states, zero_stage
 from memtrain.plan.params import ParamCounts, count_parameters
+from memtrain.plan.quantized import with_quantized_params
 from memtrain.recipe.load import LoadedRecipe
 from memtrain.recipe.schema import Recipe
 
@@ -155,6 +156,7 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
     stage = zero_stage(o.zero_stage, o.params)
     states = place_model_states(counts, stage, hw.gpus, p.storage, p.master, o.optimizer, o.params, o.ratio,
                                 o.buffer_count)
+    states = with_quantized_params(states, counts, DTYPE_BYTES[p.storage])
     acts = estimate_activations(recipe.model, recipe.checkpointing, p.compute, micro_batch, seq_len, counts.num_layers,
                                 counts.layers_name)
     tokens = micro_batch * seq_len
@@ -164,7 +166,7 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
     buffers = _buffers(recipe, counts, stage, cal)
     model_states = states.gpu_params + states.gpu_gradients + states.gpu_optimizer_states
 
-    module_bytes = counts.total * compute_bytes
+    module_bytes = counts.weight_bytes(compute_bytes)
     if stage in (1, 2):
         init = module_bytes + int(cal.zero_init_flat_copies * counts.trainable * compute_bytes)
     else:
