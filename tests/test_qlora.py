@@ -110,6 +110,18 @@ def test_a_local_directory_loads_quantised_and_counts_the_same(tmp_path):
     assert (restored.float() - original.float()).abs().mean() < 0.1 * original.float().abs().mean()
 
 
+def test_a_quantised_preset_has_the_presets_initial_distributions():
+    """Materialised module by module, each module still gets the model's own _init_weights."""
+    lm = quantized("tiny")
+    down = lm.model.layers[1].mlp.down_proj
+    weight = bnb.functional.dequantize_4bit(down.weight.data, down.weight.quant_state).float()
+    std = lm.config.initializer_range
+    assert abs(weight.std().item() - std) < 0.1 * std
+    assert abs(lm.model.embed_tokens.weight.float().std().item() - std) < 0.05 * std
+    assert torch.equal(lm.model.norm.weight, torch.ones_like(lm.model.norm.weight))
+    assert torch.allclose(lm.model.rotary_emb.inv_freq[:2], torch.tensor([1.0, 10000 ** (-2 / 64)]))
+
+
 def test_a_quantised_preset_is_reproducible_for_a_seed():
     one, two, other = packed_state(quantized(seed=3)), packed_state(quantized(seed=3)), packed_state(quantized(seed=4))
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
