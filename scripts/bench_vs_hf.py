@@ -43,7 +43,7 @@ def memtrain_side(recipe: str, overrides: list[str], steps: int, warmup: int, ru
     command = [sys.executable, "-m", "memtrain", "run", recipe, *overrides, f"train.steps={steps}",
                "train.eval_every=100000", "train.save_every=100000", "train.log_every=1",
                f"train.output_dir={run_dir}", "--no-resume", "--no-save"]
-    _run(command, run_dir.with_suffix(".log"), timeout)
+    _run(command, run_dir.parent / f"{run_dir.name}.log", timeout)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     start = next(r for r in records if r["kind"] == "run" and r.get("event") == "start")
     train = [r for r in records if r["kind"] == "train"]

@@ -5,6 +5,7 @@
 #   bash scripts/gpu_session.sh 2    # plan accuracy (3B, 7B); checkpoint sweep 7B LoRA
 #   bash scripts/gpu_session.sh sweep  # checkpoint sweep 1.1B
 #   bash scripts/gpu_session.sh speed  # memtrain vs HF Trainer + DeepSpeed: 7B LoRA, 1.1B optimizer offload
+#   bash scripts/gpu_session.sh speed2  # after the accumulation-boundary fix: 1.1B offload vs HF; larger micro-batches; 13B QLoRA
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 set -u
 part=${1:?part}
@@ -48,6 +49,14 @@ speed)
   step vs-hf 560 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 12 --warmup 3 --timeout 240 \
     --case "7b-lora-mb4x1024=recipes/llama2-7b-lora-24gb.yaml" \
     --case "1.1b-full-opt-offload-mb4x1024=recipes/tinyllama-1.1b-full-offload-24gb.yaml"
+  ;;
+speed2)
+  step vs-hf 250 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 12 --warmup 3 --timeout 200 \
+    --case "1.1b-full-opt-offload-mb4x1024=recipes/tinyllama-1.1b-full-offload-24gb.yaml"
+  step runs 300 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 150 --title "memtrain run on the GPU machine (24 GiB cap)" \
+    --case "1.1b-full-opt-offload-mb16x1024=recipes/tinyllama-1.1b-full-offload-24gb.yaml batch.micro_batch=16 train.steps=12 $quiet" \
+    --case "13b-qlora-nf4-mb8x1024=recipes/llama2-13b-qlora-24gb.yaml train.steps=8 $quiet" \
+    --case "1.1b-full-opt-offload-mb8x1024=recipes/tinyllama-1.1b-full-offload-24gb.yaml batch.micro_batch=8 train.steps=12 $quiet"
   ;;
 accuracy)
   step plan-all 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 400 --calibrate \

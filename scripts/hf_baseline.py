@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def hf_deepspeed_config(compiled: dict) -> dict:
     """memtrain's config minus what the Trainer drives itself (accumulation, schedule)."""
-    config = {k: v for k, v in compiled.items() if k not in ("managed_gradient_accumulation", "steps_per_print")}
+    config = {k: v for k, v in compiled.items() if k != "steps_per_print"}
     config["steps_per_print"] = 10**9
     return config
 

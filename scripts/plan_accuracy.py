@@ -50,6 +50,7 @@ def _batch(micro: int, seq: int) -> tuple[str, ...]:
 TINY, OPEN3B = "recipes/tinyllama-1.1b-full-offload-24gb.yaml", "recipes/openllama-3b-full-offload-24gb.yaml"
 LORA7B, FULL7B, NVME7B = ("recipes/llama2-7b-lora-24gb.yaml", "recipes/llama2-7b-full-offload-2x24gb.yaml",
                           "recipes/llama2-7b-nvme-24gb.yaml")
+QLORA7B, QLORA13B = "recipes/llama2-7b-qlora-16gb.yaml", "recipes/llama2-13b-qlora-24gb.yaml"
 CASES = [
     Case("1.1b-opt-cpu-every-mb4-s1024", TINY, _batch(4, 1024)),
     Case("1.1b-no-offload-every-mb4-s1024", TINY, ("offload.optimizer=none",) + _batch(4, 1024)),
@@ -72,13 +73,15 @@ CASES = [
     Case("7b-zero2-opt-cpu-mb2-s1024", FULL7B, ("hardware.gpus=1", "offload.params=none", "offload.zero_stage=auto")
          + _batch(2, 1024)),
     Case("7b-nvme-mb2-s1024", NVME7B, _batch(2, 1024)),
+    Case("7b-qlora-nf4-every-mb8-s1024", QLORA7B, _batch(8, 1024)),
+    Case("13b-qlora-nf4-every-mb8-s1024", QLORA13B, _batch(8, 1024)),
 ]
 
 
 def measure(case: Case, overrides: list[str], run_dir: Path, timeout_s: int) -> dict | str:
     """Train a few steps; the max of the logged peaks, or 'OOM' / 'failed (rc N)'."""
     command = [sys.executable, "-m", "memtrain", "run", case.recipe, *overrides, "--no-resume", "--no-save"]
-    log = run_dir.with_suffix(".log")
+    log = run_dir.parent / f"{run_dir.name}.log"  # not with_suffix: case names contain dots ("1.1b-...")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
         with log.open("w") as stream:
@@ -213,7 +216,11 @@ def main() -> int:
     parser.add_argument("--replan", action="store_true",
                         help="recompute the predicted columns of --out with the current planner, keeping the measurements")
     parser.add_argument("--calibrate", action="store_true", help="also measure the CUDA context; print constants")
+    parser.add_argument("--pinned", choices=["auto", "exact", "power_of_two"], default="auto",
+                        help="how the measured runs' PyTorch sized pinned buffers (auto: this PyTorch; "
+                             "--replan on another machine must say what the GPU machine's did)")
     args = parser.parse_args()
+    exact_pinned = {"auto": None, "exact": True, "power_of_two": False}[args.pinned]
 
     machine = f"{platform.node()} ({args.gpu} cap)"
     date = dt.date.today().isoformat()
@@ -227,7 +234,8 @@ def main() -> int:
                      f"train.output_dir={args.runs / case.name}"]
         if "nvme" in case.recipe:
             overrides.append(f"hardware.nvme_path={args.nvme_path / case.name}")
-        plan = plan_recipe(load_recipe(ROOT / case.recipe, overrides, check=False), args.gpu)
+        plan = plan_recipe(load_recipe(ROOT / case.recipe, overrides, check=False), args.gpu,
+                           exact_pinned=exact_pinned)
         if args.plan_only:
             print(f"{case.name:40s} plan {plan.peak_reserved_bytes / GiB:7.2f} GiB reserved "
                   f"({plan.peak_phase}, {'fits' if plan.fits else 'misses'}), host {plan.host_bytes / GiB:.1f} GiB")

@@ -23,6 +23,7 @@ class ParamCounts:
     layers_name: str = "model.layers"   # dotted name of the decoder layer list (checkpoint rules match on it)
     quantized: int = 0           # elements stored quantised (model.quantize), part of `total`
     quantized_bytes: int = 0     # their bytes, quantisation constants included
+    trainable_numels: tuple[int, ...] = ()   # elements of each trainable tensor (per-tensor host buffers)
 
     @property
     def frozen(self) -> int:
@@ -60,17 +61,21 @@ def _count(model_json: str) -> ParamCounts:
     layers_name, layers = decoder_layers(module)
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     trainable = base_total
+    trainable_numels = tuple(p.numel() for p in module.parameters())
     if model.lora is not None:
         lora = model.lora
         adapters = 0
         adapter_per_layer = 0
+        lora_numels: list[int] = []
         for name, sub in module.named_modules():
             if isinstance(sub, torch.nn.Linear) and _lora_targets(name, lora.target_modules):
                 count = lora.r * (sub.in_features + sub.out_features)
                 adapters += count
+                lora_numels += [lora.r * sub.in_features, lora.r * sub.out_features]
                 if name.startswith(layers_name + ".0."):
                     adapter_per_layer += count
         trainable = adapters
+        trainable_numels = tuple(lora_numels)
         base_total += adapters
         per_layer = [n + adapter_per_layer for n in per_layer]
     quantized, quantized_bytes = _quantized(module, model)
@@ -85,6 +90,7 @@ def _count(model_json: str) -> ParamCounts:
         layers_name=layers_name,
         quantized=quantized,
         quantized_bytes=quantized_bytes,
+        trainable_numels=trainable_numels,
     )
 
 

@@ -2,18 +2,21 @@
 
 The peak is the largest of four phases, not a sum of maxima:
   init           the module on the GPU plus what deepspeed.initialize builds beside it (ZeRO-1/2
-                 flattens a second copy of the trainable parameters before freeing the first);
+                 flattens a second copy of the trainable parameters before freeing the first;
+                 ZeRO-3 builds under zero.Init, so only one whole tensor exists at a time);
   forward_end    model states + DeepSpeed buffers + every saved activation + the loss forward;
   backward_start the same + one recomputed block + gradient transients + the loss backward;
   optimizer_step model states + the step's transient (fp32 gradients, or buckets copied back).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from memtrain.errors import RecipeError
 from memtrain.plan.activations import estimate_activations
 from memtrain.plan.calibration import Calibration, calibration
+from memtrain.plan.host import offload_host_bytes
 from memtrain.plan.logits import estimate_logits
 from memtrain.plan.model_states import DTYPE_BYTES, place_model_states, zero_stage
 from memtrain.plan.params import ParamCounts, count_parameters
@@ -125,9 +128,19 @@ def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) 
     return buffers
 
 
-def plan_recipe(loaded: LoadedRecipe, gpu: str | None = None, micro_batch: int | None = None) -> Plan:
+def plan_recipe(loaded: LoadedRecipe, gpu: str | None = None, micro_batch: int | None = None,
+                exact_pinned: bool | None = None) -> Plan:
     """Predict the memory of a loaded recipe on `gpu` (default: hardware.gpu) at `micro_batch`
-    (default: the recipe's, with 'auto' resolved to the largest that fits)."""
+    (default: the recipe's, with 'auto' resolved to the largest that fits).
+
+    exact_pinned: whether pinned host buffers take their real size (default: whether this PyTorch
+    honours memtrain's rounding threshold, `memtrain.train.pinned`); False prices PyTorch's
+    power-of-two rounding, as older versions do.
+    """
+    if exact_pinned is None:
+        from memtrain.train.pinned import exact_pinned_supported
+
+        exact_pinned = exact_pinned_supported()
     recipe = loaded.recipe
     gpu = gpu or recipe.hardware.gpu
     try:
@@ -138,7 +151,7 @@ def plan_recipe(loaded: LoadedRecipe, gpu: str | None = None, micro_batch: int |
     if micro_batch is None:
         micro_batch = recipe.batch.micro_batch if recipe.batch.micro_batch != "auto" else resolve_micro_batch(loaded, gpu)
     counts = _counts(loaded)
-    return _plan(loaded, recipe, counts, cal, micro_batch)
+    return _plan(loaded, recipe, counts, cal, micro_batch, exact_pinned)
 
 
 def _counts(loaded: LoadedRecipe) -> ParamCounts:
@@ -149,7 +162,8 @@ def _counts(loaded: LoadedRecipe) -> ParamCounts:
                                                  "check model.preset or model.path")) from None
 
 
-def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibration, micro_batch: int) -> Plan:
+def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibration, micro_batch: int,
+          exact_pinned: bool) -> Plan:
     p, o, hw = recipe.precision, recipe.offload, recipe.hardware
     seq_len = recipe.data.seq_len
     compute_bytes = DTYPE_BYTES[p.compute]
@@ -169,8 +183,10 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
     module_bytes = counts.weight_bytes(compute_bytes)
     if stage in (1, 2):
         init = module_bytes + int(cal.zero_init_flat_copies * counts.trainable * compute_bytes)
+    elif stage == 3:  # built under zero.Init: each tensor is partitioned (or offloaded) as it is created
+        init = states.gpu_params + counts.largest_tensor * compute_bytes
     else:
-        init = module_bytes                                      # built whole, then partitioned / offloaded
+        init = module_bytes
     saved = acts.saved_bytes + head
     forward_end = model_states + buffers + saved + logits.forward_bytes
     backward_start = model_states + buffers + saved + acts.backward_extra_bytes + logits.backward_bytes
@@ -194,11 +210,11 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
         "cuda_context": cal.cuda_context_bytes,
         "allocator_slack": peak_reserved - peak_allocated,
     }
+    accumulates = math.ceil(recipe.batch.global_batch / (micro_batch * hw.gpus)) > 1
     host_breakdown = {
         "baseline": cal.host_baseline_bytes * hw.gpus,
-        "params": states.host_params,
-        "gradients": states.host_gradients,
-        "optimizer_states": states.host_optimizer_states,
+        **offload_host_bytes(counts, stage, hw.gpus, compute_bytes, p.master, o.optimizer, o.params,
+                             o.pin_memory, exact_pinned, accumulates),
         "swap_buffers": states.host_swap_buffers,
         "offloaded_activations": acts.host_bytes * hw.gpus,
         # A local model's weights pass through host memory once while loading.

@@ -1,7 +1,9 @@
 """One optimizer step over a fixed set of samples, split into micro-batches of any size.
 
-The loop owns the accumulation boundary (DeepSpeed runs with managed_gradient_accumulation off):
-every micro-batch's summed token loss is divided by the target tokens of the whole global batch,
+The loop owns the accumulation boundary: before each backward it tells DeepSpeed whether this is
+the step's last micro-batch (`set_gradient_accumulation_boundary`), so the gradient reduction and
+the offload copy of the final gradients overlap that backward, and `step()` only updates. Every
+micro-batch's summed token loss is divided by the target tokens of the whole global batch,
 so gradients are the same whatever the micro-batch size, and the global batch never changes when
 the batch policy changes the micro-batch.
 
@@ -82,6 +84,7 @@ def run_micro_batches(engine, loader, batches: list[list[int]], normaliser: floa
             loss = token_loss_sum * normaliser
             if in_backward is not None:  # test hook: raise from inside autograd's backward pass
                 loss.register_hook(lambda grad, i=done, n=len(indices): in_backward(i, n) or grad)
+            engine.set_gradient_accumulation_boundary(done + 1 == len(batches))
             with phase("backward"):
                 engine.backward(loss, scale_wrt_gas=False)
         except Exception as error:  # noqa: BLE001

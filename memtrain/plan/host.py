@@ -1,0 +1,60 @@
+"""Host RAM of DeepSpeed's CPU offload, buffer by buffer (DeepSpeed 0.19, PyTorch's host allocator).
+
+The logical model states (`model_states.py`: master weights, gradients, Adam moments) are not what
+the host holds. DeepSpeed adds staging copies and accumulation buffers, and every buffer it pins
+goes through PyTorch's caching host allocator, which rounds the size up to a power of two unless
+the rounding threshold is set (`memtrain.train.pinned`; PyTorch ≥ 2.9). What is priced here:
+
+ZeRO-1/2, optimizer on the CPU (per rank, its partition of n trainable elements):
+  master weights   pinned, n × master bytes (4, or 2 with bf16 master weights)
+  staging copy     pinned, n × compute bytes (the updated weights on their way back to the GPU)
+  gradients        pinned, n × master bytes (the optimizer's gradient partition)
+  Adam moments     2 × n × state bytes, plain memory (CPU Adam allocates them lazily)
+  accumulation     with fp32 master weights and more than one micro-batch per step, one pinned
+                   compute-dtype buffer per trainable tensor (each rounded on its own)
+  transfer buffer  pinned, the largest trainable tensor in the compute dtype
+ZeRO-3, optimizer on the CPU (sub-groups of at most `sub_group_size` elements):
+  master weights   n × master bytes, plain; Adam moments as above
+  gradients        a pinned compute-dtype flat buffer of n, and a pinned master-dtype buffer per sub-group
+  parameters       with params on the CPU: a pinned compute-dtype flat buffer of the whole model
+"""
+from __future__ import annotations
+
+from memtrain.plan.params import ParamCounts
+from memtrain.train.pinned import pinned_bytes
+
+SUB_GROUP_ELEMENTS = 1_000_000_000   # the compiled config's sub_group_size (memtrain.compile.deepspeed)
+
+
+def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, compute_bytes: int, master: str,
+                       optimizer_tier: str, params_tier: str, pin_memory: bool, exact_pinned: bool,
+                       accumulates: bool) -> dict[str, int]:
+    """Host bytes of the offloaded model states by buffer, summed over the `gpus` ranks of the machine.
+
+    compute_bytes: bytes per element of the weights on the GPU (2 for bf16/fp16).
+    master: "fp32" or "bf16" (bf16 master weights and optimizer states).
+    accumulates: whether a step runs more than one micro-batch on a rank.
+    """
+    def pin(size: int) -> int:
+        return pinned_bytes(size, exact_pinned) if pin_memory else size
+
+    master_bytes = 2 if master == "bf16" and compute_bytes == 2 else 4
+    state_bytes = master_bytes
+    out = {"params": 0, "master_weights": 0, "gradients": 0, "optimizer_states": 0, "staging_buffers": 0}
+    if optimizer_tier == "cpu":
+        n = counts.trainable // gpus if stage >= 1 else counts.trainable
+        out["optimizer_states"] = gpus * 2 * n * state_bytes
+        if stage == 3:
+            sub_groups = [min(SUB_GROUP_ELEMENTS, n - start) for start in range(0, n, SUB_GROUP_ELEMENTS)]
+            out["master_weights"] = gpus * n * master_bytes
+            out["gradients"] = gpus * (pin(n * compute_bytes) + sum(pin(s * master_bytes) for s in sub_groups))
+        else:
+            out["master_weights"] = gpus * pin(n * master_bytes)
+            out["gradients"] = gpus * pin(n * master_bytes)
+            staging = pin(n * compute_bytes) + pin(max(counts.trainable_numels, default=0) * compute_bytes)
+            if accumulates and master_bytes == 4:
+                staging += sum(pin(k * compute_bytes) for k in counts.trainable_numels) // gpus
+            out["staging_buffers"] = gpus * staging
+    if stage == 3 and params_tier == "cpu":
+        out["params"] = gpus * pin(counts.weight_bytes(compute_bytes) // gpus)
+    return out
