@@ -80,7 +80,8 @@ def _layer_and_rotary(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
 
     name, layers = decoder_layers(model)
     base = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-    return layers[0], getattr(base, "rotary_emb", None)
+    rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
+    return layers[0], getattr(base, "rotary_emb", rotary)
 
 
 def trace_layer(model: Model, compute: str, micro_batch: int, seq_len: int) -> LayerTrace:
@@ -102,16 +103,31 @@ def one_layer_model(model: Model, dtype: torch.dtype) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
+def _with_lora(module: torch.nn.Module, model: Model, dtype: torch.dtype) -> torch.nn.Module:
+    """The one-layer model as it trains under LoRA: frozen base weights (autograd then keeps no input
+    for their weight gradients) and PEFT's adapters, whose dropout and down-projection keep theirs.
+    PEFT creates adapters in fp32; DeepSpeed's engine casts them to the compute dtype, so does this.
+    Quantised bases are traced as plain frozen weights."""
+    if model.lora is None:
+        return module
+    from memtrain.model.build import add_lora
+
+    return add_lora(module, model).to(dtype)
+
+
 @lru_cache(maxsize=256)
 def _trace_layer(model_json: str, compute: str, micro_batch: int, seq_len: int) -> LayerTrace:
     dtype = _DTYPES[compute]
-    model = one_layer_model(Model.model_validate_json(model_json), dtype)
+    recipe_model = Model.model_validate_json(model_json)
+    model = _with_lora(one_layer_model(recipe_model, dtype), recipe_model, dtype)
+    model.train()
     layer, rotary = _layer_and_rotary(model)
     hidden = model.config.hidden_size
     saved: list[SavedTensor] = []
     inputs: dict[str, tuple[int, int]] = {}
     stack: list[str] = [""]
     names = {module: name for name, module in layer.named_modules()}
+    modules = {name: module for module, name in names.items()}
 
     def pre_hook(module, args, kwargs):
         name = names[module]
@@ -144,7 +160,9 @@ def _trace_layer(model_json: str, compute: str, micro_batch: int, seq_len: int) 
             def pack(tensor: torch.Tensor) -> torch.Tensor:
                 storage = tensor.untyped_storage()
                 if storage._cdata not in params and storage._cdata not in shared:
-                    saved.append(SavedTensor(storage._cdata, storage.nbytes(), stack[-1]))
+                    # CUDA's dropout keeps a bool mask; the CPU kernel traced here keeps it in the input dtype
+                    nbytes = tensor.numel() if isinstance(modules.get(stack[-1]), torch.nn.Dropout) else storage.nbytes()
+                    saved.append(SavedTensor(storage._cdata, nbytes, stack[-1]))
                 return tensor
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

@@ -22,14 +22,22 @@ class Calibration:
     capacity_bytes: int
     # defaults (used for a card given only by size) = the H200 calibration of 2026-12-02 (docs/BENCHMARKS.md)
     cuda_context_bytes: int = int(0.6 * GiB)
-    allocator_slack_ratio: float = 0.24       # peak reserved = peak allocated × (1 + ratio)
+    # peak reserved = peak allocated × (1 + ratio), by what churns through the allocator
+    # (memtrain.plan.planner.allocation_pattern); fitted on the H200 matrix of 2026-12-02
+    allocator_slack_ratios: tuple[tuple[str, float], ...] = (
+        ("full", 0.28), ("frozen", 0.05), ("quantized", 0.15), ("zero3", 0.5))
     zero_bucket_factor: float = 4.5           # live reduce buckets with overlap_comm (1 without)
-    host_baseline_bytes: int = 3 * GiB        # torch + DeepSpeed + tokenizer + loader, before model states
+    host_baseline_bytes: int = int(2.2 * GiB)  # torch + DeepSpeed + tokenizer + loader, before model states
+    init_slack_ratio: float = 0.07             # reserved over allocated while deepspeed.initialize builds flat buffers
     # deepspeed.initialize under ZeRO-1/2 holds this many extra compute-dtype copies of the trainable
     # parameters beside the module (its flat buffer and the copy it is built from). The H200 anchors
     # (1.1B: 6.90 GiB, 3B: 20.1 GiB peak reserved, ZeRO-2 optimizer offload) both give 2.
     zero_init_flat_copies: float = 2.0
     pcie_gbps: float = 25.0
+
+    def slack_ratio(self, pattern: str) -> float:
+        """Reserved-over-allocated slack at the peak for an allocation pattern (full, frozen, quantized, zero3)."""
+        return dict(self.allocator_slack_ratios)[pattern]
 
 
 def calibration(gpu: str) -> Calibration:
@@ -44,9 +52,19 @@ def calibration(gpu: str) -> Calibration:
         name=profile.name,
         capacity_bytes=profile.memory_bytes,
         cuda_context_bytes=profile.cuda_context_bytes,
-        allocator_slack_ratio=float(raw.get("allocator_slack_ratio", defaults.allocator_slack_ratio)),
+        allocator_slack_ratios=_slack_ratios(raw.get("allocator_slack_ratio"), defaults.allocator_slack_ratios),
         zero_bucket_factor=float(raw.get("zero_bucket_factor", defaults.zero_bucket_factor)),
         host_baseline_bytes=parse_bytes(raw.get("host_baseline", defaults.host_baseline_bytes)),
         zero_init_flat_copies=float(raw.get("zero_init_flat_copies", defaults.zero_init_flat_copies)),
+        init_slack_ratio=float(raw.get("init_slack_ratio", defaults.init_slack_ratio)),
         pcie_gbps=float(profile.pcie_gbps or defaults.pcie_gbps),
     )
+
+
+def _slack_ratios(raw, defaults: tuple[tuple[str, float], ...]) -> tuple[tuple[str, float], ...]:
+    """A profile's allocator_slack_ratio: one number for every pattern, or a mapping pattern -> ratio."""
+    if raw is None:
+        return defaults
+    if isinstance(raw, dict):
+        return tuple((name, float(raw.get(name, value))) for name, value in defaults)
+    return tuple((name, float(raw)) for name, _ in defaults)

@@ -16,7 +16,11 @@ ZeRO-1/2, optimizer on the CPU (per rank, its partition of n trainable elements)
 ZeRO-3, optimizer on the CPU (sub-groups of at most `sub_group_size` elements):
   master weights   n × master bytes, plain; Adam moments as above
   gradients        a pinned compute-dtype flat buffer of n, and a pinned master-dtype buffer per sub-group
-  parameters       with params on the CPU: a pinned compute-dtype flat buffer of the whole model
+  parameters       with params on the CPU: a pinned compute-dtype flat buffer of the whole model, and
+                   the pinned per-tensor partitions zero.Init made while building it: DeepSpeed copies
+                   them into the flat buffer, and the freed blocks stay in PyTorch's host cache
+                   (measured on the H200: 3B +8.4 GiB, 7B +16.4 GiB beyond the flat buffer, which is
+                   2.6 bytes per parameter: 2 bytes rounded up tensor by tensor)
 """
 from __future__ import annotations
 
@@ -56,5 +60,7 @@ def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, compute_bytes
                 staging += sum(pin(k * compute_bytes) for k in counts.trainable_numels) // gpus
             out["staging_buffers"] = gpus * staging
     if stage == 3 and params_tier == "cpu":
-        out["params"] = gpus * pin(counts.weight_bytes(compute_bytes) // gpus)
+        flat = pin(counts.weight_bytes(compute_bytes) // gpus)
+        init_partitions = sum(pin(k * compute_bytes // gpus) for k in counts.tensor_numels)
+        out["params"] = gpus * (flat + init_partitions)
     return out

@@ -24,6 +24,7 @@ class ParamCounts:
     quantized: int = 0           # elements stored quantised (model.quantize), part of `total`
     quantized_bytes: int = 0     # their bytes, quantisation constants included
     trainable_numels: tuple[int, ...] = ()   # elements of each trainable tensor (per-tensor host buffers)
+    tensor_numels: tuple[int, ...] = ()      # elements of every parameter tensor of the base model
 
     @property
     def frozen(self) -> int:
@@ -61,7 +62,7 @@ def _count(model_json: str) -> ParamCounts:
     layers_name, layers = decoder_layers(module)
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     trainable = base_total
-    trainable_numels = tuple(p.numel() for p in module.parameters())
+    trainable_numels = tensor_numels = tuple(p.numel() for p in module.parameters())
     if model.lora is not None:
         lora = model.lora
         adapters = 0
@@ -91,6 +92,7 @@ def _count(model_json: str) -> ParamCounts:
         quantized=quantized,
         quantized_bytes=quantized_bytes,
         trainable_numels=trainable_numels,
+        tensor_numels=tensor_numels,
     )
 
 

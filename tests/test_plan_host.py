@@ -1,0 +1,133 @@
+"""Host memory of offloaded runs, buffer by buffer (memtrain.plan.host), against hand computations;
+PyTorch's pinned-memory rounding (memtrain.train.pinned); the allocation patterns that set the
+allocator slack; ZeRO-3's initialisation under zero.Init; and LoRA layers traced as they train."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memtrain.plan.calibration import _slack_ratios, calibration
+from memtrain.plan.host import offload_host_bytes
+from memtrain.plan.params import count_parameters
+from memtrain.plan.planner import allocation_pattern, plan_recipe
+from memtrain.recipe.load import load_recipe_text
+from memtrain.recipe.schema import Model
+from memtrain.train.pinned import ROUND_THRESHOLD_BYTES, pinned_bytes
+
+from .test_plan import TINY_TOTAL, tiny
+
+GiB = 1024**3
+
+
+def pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@pytest.mark.parametrize("size", [1, 1000, 4096, 3 * 2**20 + 1, 4_400_000_000])
+def test_pinned_blocks_round_to_a_power_of_two_unless_exact(size):
+    assert pinned_bytes(size, exact=False) == pow2(size) >= size
+    assert pinned_bytes(size, exact=True) == (size if size > ROUND_THRESHOLD_BYTES else pow2(size))
+    assert pinned_bytes(4_400_000_000, exact=False) == 8 * GiB   # a 1.1B fp32 master copy
+
+
+def test_zero2_cpu_offload_buffers_by_hand():
+    counts = count_parameters(Model(preset="tiny"))
+    n, largest = TINY_TOTAL, max(counts.trainable_numels)
+    exact = offload_host_bytes(counts, 2, 1, 2, "fp32", "cpu", "none", pin_memory=True, exact_pinned=True,
+                               accumulates=False)
+    pin = lambda size: pinned_bytes(size, True)  # noqa: E731
+    assert exact == {"params": 0, "master_weights": pin(4 * n), "gradients": pin(4 * n),
+                     "optimizer_states": 8 * n, "staging_buffers": pin(2 * n) + pin(2 * largest)}
+    accumulating = offload_host_bytes(counts, 2, 1, 2, "fp32", "cpu", "none", True, True, accumulates=True)
+    per_tensor = sum(pin(2 * k) for k in counts.trainable_numels)
+    assert accumulating["staging_buffers"] - exact["staging_buffers"] == per_tensor
+    rounded = offload_host_bytes(counts, 2, 1, 2, "fp32", "cpu", "none", True, exact_pinned=False, accumulates=False)
+    assert rounded["master_weights"] == pow2(4 * n) and rounded["optimizer_states"] == 8 * n  # moments are not pinned
+    unpinned = offload_host_bytes(counts, 2, 1, 2, "fp32", "cpu", "none", pin_memory=False, exact_pinned=False,
+                                  accumulates=True)
+    assert unpinned["master_weights"] == 4 * n and unpinned["staging_buffers"] == 2 * n + 2 * largest + 2 * n
+    # bf16 master weights and optimizer states: half of everything, and no separate accumulation buffers
+    half = offload_host_bytes(counts, 2, 1, 2, "bf16", "cpu", "none", True, True, accumulates=True)
+    assert half["master_weights"] == pin(2 * n) and half["optimizer_states"] == 4 * n
+    assert half["staging_buffers"] == exact["staging_buffers"]
+
+
+def test_zero3_cpu_offload_buffers_by_hand():
+    counts = count_parameters(Model(preset="tiny"))
+    n = TINY_TOTAL
+    host = offload_host_bytes(counts, 3, 1, 2, "fp32", "cpu", "cpu", True, exact_pinned=False, accumulates=True)
+    init_partitions = sum(pow2(2 * k) for k in counts.tensor_numels)
+    assert host["params"] == pow2(2 * n) + init_partitions
+    assert host["master_weights"] == 4 * n                        # a plain copy, not pinned
+    assert host["gradients"] == pow2(2 * n) + pow2(4 * n)          # one sub-group: n < sub_group_size
+    assert host["optimizer_states"] == 8 * n and host["staging_buffers"] == 0
+    no_params = offload_host_bytes(counts, 3, 1, 2, "fp32", "cpu", "none", True, False, True)
+    assert no_params["params"] == 0
+
+
+def test_plan_host_total_is_baseline_plus_buffers():
+    plan = plan_recipe(tiny(overrides=["offload.optimizer=cpu"]), exact_pinned=False)
+    cal = calibration("24GiB")
+    assert plan.host_breakdown["baseline"] == cal.host_baseline_bytes
+    assert plan.host_bytes == sum(plan.host_breakdown.values())
+    assert plan.host_breakdown["master_weights"] == pow2(4 * TINY_TOTAL)
+    exact = plan_recipe(tiny(overrides=["offload.optimizer=cpu"]), exact_pinned=True)
+    assert exact.host_bytes < plan.host_bytes   # the rounding threshold saves host memory, never costs it
+
+
+def test_allocation_pattern_and_slack_ratios_from_a_profile():
+    assert allocation_pattern(tiny().recipe, 2) == "full"
+    assert allocation_pattern(tiny().recipe, 3) == "zero3"
+    assert allocation_pattern(tiny(overrides=["model.lora.r=8"]).recipe, 2) == "frozen"
+    defaults = calibration("24GiB").allocator_slack_ratios
+    assert dict(_slack_ratios(0.3, defaults)) == {name: 0.3 for name, _ in defaults}
+    assert dict(_slack_ratios({"zero3": 0.9}, defaults))["zero3"] == 0.9
+    assert dict(_slack_ratios({"zero3": 0.9}, defaults))["full"] == dict(defaults)["full"]
+    lora = plan_recipe(tiny(overrides=["model.lora.r=8"]))
+    ratio = calibration("24GiB").slack_ratio("frozen")
+    if lora.peak_phase != "init":
+        assert lora.peak_reserved_bytes == int(lora.peak_allocated_bytes * (1 + ratio))
+
+
+def test_zero3_init_builds_one_tensor_at_a_time():
+    """Under zero.Init each tensor is partitioned (or offloaded) as it is made: the init phase holds
+    the GPU's share of the parameters and one whole tensor, never the whole module."""
+    offloaded = plan_recipe(tiny(overrides=["offload.optimizer=cpu", "offload.params=cpu"]))
+    counts = count_parameters(Model(preset="tiny"))
+    assert offloaded.zero_stage == 3 and offloaded.params == 0
+    assert offloaded.phases["init"] == counts.largest_tensor * 2
+    zero2 = plan_recipe(tiny(overrides=["offload.optimizer=cpu"]))
+    assert zero2.phases["init"] > TINY_TOTAL * 2   # the module plus DeepSpeed's flat copies
+
+
+def test_lora_layer_trace_equals_real_saved_tensors_except_the_dropout_mask():
+    """The planner traces a LoRA layer as it trains (frozen base, adapters in the compute dtype).
+    On the CPU, dropout keeps its mask in the input dtype; the plan prices CUDA's bool mask instead."""
+    from memtrain.plan.activations import _layer_and_rotary, _with_lora, one_layer_model, trace_layer
+
+    model = Model(preset="tiny", lora={"r": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]})
+    tokens = 2 * 32
+    trace = trace_layer(model, "bf16", 2, 32)
+    lm = _with_lora(one_layer_model(model, torch.bfloat16), model, torch.bfloat16).to_empty(device="cpu")
+    lm.train()
+    for p in lm.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    layer, rotary = _layer_and_rotary(lm)
+    x = torch.randn(2, 32, 256, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(32).unsqueeze(0).expand(2, -1)
+    cos_sin = tuple(t.to(torch.bfloat16) for t in rotary(x, positions))
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {t.untyped_storage().data_ptr() for t in cos_sin}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+    dropout_elements = tokens * (256 + 256 + 688)     # the inputs of q_proj, v_proj, down_proj
+    assert trace.full_bytes == sum(saved.values()) - dropout_elements * (2 - 1)
+    plain = trace_layer(Model(preset="tiny"), "bf16", 2, 32)
+    assert trace.full_bytes != plain.full_bytes   # frozen weights and adapters change what is kept
