@@ -131,3 +131,16 @@ def test_lora_layer_trace_equals_real_saved_tensors_except_the_dropout_mask():
     assert trace.full_bytes == sum(saved.values()) - dropout_elements * (2 - 1)
     plain = trace_layer(Model(preset="tiny"), "bf16", 2, 32)
     assert trace.full_bytes != plain.full_bytes   # frozen weights and adapters change what is kept
+
+
+def test_eight_bit_adamw_states_are_a_byte_per_moment():
+    """bitsandbytes' 8-bit AdamW: fp32 master copy (DeepSpeed's) + two one-byte moments with a scale per 256."""
+    from memtrain.plan.model_states import optimizer_bytes_per_param
+
+    assert optimizer_bytes_per_param("bf16", "fp32") == 12
+    assert optimizer_bytes_per_param("bf16", "fp32", eight_bit=True) == 4 + 2 * (1 + 4 / 256)
+    lora = ["model.lora.r=8"]
+    full = plan_recipe(tiny(overrides=lora))
+    eight = plan_recipe(tiny(overrides=[*lora, "optimizer.name=adamw_8bit"]))
+    assert eight.optimizer_states == int(full.params_trainable * (4 + 2 * (1 + 4 / 256)))
+    assert eight.optimizer_states < full.optimizer_states == full.params_trainable * 12

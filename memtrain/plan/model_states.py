@@ -38,16 +38,24 @@ def zero_stage(zero_stage_setting: int | str, params_tier: str) -> int:
     return 3 if params_tier != "none" else 2
 
 
-def optimizer_bytes_per_param(compute: str, master: str) -> int:
-    """Bytes of optimizer state per trainable parameter: a master copy (unless compute is fp32) + Adam's two moments."""
+EIGHT_BIT_BLOCK = 256   # bitsandbytes' 8-bit optimizers: one fp32 scale per 256 values of each moment
+
+
+def optimizer_bytes_per_param(compute: str, master: str, eight_bit: bool = False) -> float:
+    """Bytes of optimizer state per trainable parameter: a master copy (unless compute is fp32) + Adam's two moments.
+
+    eight_bit: bitsandbytes' 8-bit AdamW keeps each moment in one byte plus a block scale (the
+    master copy stays DeepSpeed's).
+    """
     state = 4 if master == "fp32" or compute == "fp32" else 2
     master_copy = 0 if compute == "fp32" else state
-    return master_copy + 2 * state
+    moment = 1 + 4 / EIGHT_BIT_BLOCK if eight_bit else state
+    return master_copy + 2 * moment
 
 
 def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str, master: str,
                        optimizer_tier: str, params_tier: str, ratio: float = 1.0,
-                       buffer_count: int = 5) -> StateBytes:
+                       buffer_count: int = 5, eight_bit: bool = False) -> StateBytes:
     """Bytes of parameters, gradients and optimizer states on each tier.
 
     ZeRO-1 partitions optimizer states over ranks, ZeRO-2 also gradients, ZeRO-3 also parameters.
@@ -56,10 +64,10 @@ def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str,
     """
     compute_bytes = DTYPE_BYTES[compute]
     grad_host_bytes = 4 if master == "fp32" or compute == "fp32" else 2
-    per_param_optimizer = optimizer_bytes_per_param(compute, master)
+    per_param_optimizer = optimizer_bytes_per_param(compute, master, eight_bit)
     params_bytes = counts.total * compute_bytes
     grads_bytes = counts.trainable * compute_bytes
-    optimizer_bytes = counts.trainable * per_param_optimizer
+    optimizer_bytes = int(counts.trainable * per_param_optimizer)
 
     gpu_params = host_params = nvme_params = 0
     if stage == 3 and params_tier == "cpu":
@@ -88,7 +96,7 @@ def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str,
     # NVMe tiers read and write through pinned host buffers of the largest tensor.
     swap = 0
     if optimizer_tier == "nvme":
-        swap += buffer_count * counts.largest_tensor * per_param_optimizer * gpus
+        swap += int(buffer_count * counts.largest_tensor * per_param_optimizer) * gpus
     if nvme_params:
         swap += buffer_count * counts.largest_tensor * compute_bytes * gpus
     return StateBytes(

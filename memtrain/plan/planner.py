@@ -170,7 +170,7 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
     compute_bytes = DTYPE_BYTES[p.compute]
     stage = zero_stage(o.zero_stage, o.params)
     states = place_model_states(counts, stage, hw.gpus, p.storage, p.master, o.optimizer, o.params, o.ratio,
-                                o.buffer_count)
+                                o.buffer_count, eight_bit=recipe.optimizer.name.endswith("8bit"))
     states = with_quantized_params(states, counts, DTYPE_BYTES[p.storage])
     acts = estimate_activations(recipe.model, recipe.checkpointing, p.compute, micro_batch, seq_len, counts.num_layers,
                                 counts.layers_name)
