@@ -3,7 +3,7 @@
 The logical model states (`model_states.py`: master weights, gradients, Adam moments) are not what
 the host holds. DeepSpeed adds staging copies and accumulation buffers, and every buffer it pins
 goes through PyTorch's caching host allocator, which rounds the size up to a power of two unless
-the rounding threshold is set (`memtrain.train.pinned`; PyTorch ≥ 2.9). What is priced here:
+the rounding threshold is set (`memtrain.train.pinned`; PyTorch 2.13 has it, 2.11 not). What is priced here:
 
 ZeRO-1/2, optimizer on the CPU (per rank, its partition of n trainable elements):
   master weights   pinned, n × master bytes (4, or 2 with bf16 master weights)

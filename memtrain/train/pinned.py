@@ -3,9 +3,9 @@
 PyTorch's caching host allocator rounds every pinned allocation up to a power of two so that freed
 blocks can be reused. DeepSpeed's offload pins a few huge flat buffers once (fp32 master weights,
 their gradients, a bf16 staging copy), so the rounding buys no reuse and costs up to half of them:
-a 4.4 GB buffer takes 8 GiB of page-locked RAM. Since PyTorch 2.9 the rounding has a threshold
-(`pinned_max_round_threshold_mb`); memtrain sets it so that only small pinned blocks (the data
-loader's batches) are rounded. The planner prices host memory with the same rule
+a 4.4 GB buffer takes 8 GiB of page-locked RAM. Newer PyTorch has a threshold for the rounding
+(`pinned_max_round_threshold_mb`: 2.13 has it, the GPU machine's 2.11 does not); memtrain sets it
+so that only small pinned blocks (the data loader's batches) are rounded. The planner prices host memory with the same rule
 (`pinned_bytes`), asking `exact_pinned_supported()` whether this PyTorch honours the setting.
 """
 from __future__ import annotations
