@@ -65,7 +65,8 @@ def plan_table(plan: Plan) -> Table:
     table.add_row("card capacity", f"{gib(plan.gpu_capacity_bytes):.2f}")
     table.add_section()
     host = ", ".join(f"{k} {gib(v):.1f}" for k, v in plan.host_breakdown.items() if v)
-    table.add_row("host", f"{gib(plan.host_bytes):.2f}", end_section=False)
+    pinned = "pinned buffers at their size" if plan.pinned_exact else "pinned buffers rounded up to 2^k by this PyTorch"
+    table.add_row(f"host ({pinned})", f"{gib(plan.host_bytes):.2f}", end_section=False)
     table.add_row(f"  [dim]{host}[/]", "")
     if plan.host_capacity_bytes is not None:
         table.add_row("host capacity", f"{gib(plan.host_capacity_bytes):.2f}")

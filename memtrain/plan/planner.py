@@ -53,6 +53,7 @@ class Plan:
     nvme_bytes: int
     nvme_breakdown: dict[str, int] = field(default_factory=dict)
     saved_for_backward: dict[str, int] = field(default_factory=dict)  # layers / head / loss, at the end of forward
+    pinned_exact: bool = True        # pinned host buffers priced at their size (False: rounded to a power of two)
 
     @property
     def gpu_required_bytes(self) -> int:
@@ -233,6 +234,7 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
         host_capacity_bytes=recipe.hardware.host_memory, nvme_bytes=sum(nvme_breakdown.values()),
         nvme_breakdown=nvme_breakdown,
         saved_for_backward={"layers": acts.saved_bytes, "head": head, "loss": logits.saved_bytes},
+        pinned_exact=exact_pinned,
     )
 
 
