@@ -10,7 +10,6 @@ from memtrain.plan.calibration import _slack_ratios, calibration
 from memtrain.plan.host import offload_host_bytes
 from memtrain.plan.params import count_parameters
 from memtrain.plan.planner import allocation_pattern, plan_recipe
-from memtrain.recipe.load import load_recipe_text
 from memtrain.recipe.schema import Model
 from memtrain.train.pinned import ROUND_THRESHOLD_BYTES, pinned_bytes
 
