@@ -143,3 +143,24 @@ def test_eight_bit_adamw_states_are_a_byte_per_moment():
     eight = plan_recipe(tiny(overrides=[*lora, "optimizer.name=adamw_8bit"]))
     assert eight.optimizer_states == int(full.params_trainable * (4 + 2 * (1 + 4 / 256)))
     assert eight.optimizer_states < full.optimizer_states == full.params_trainable * 12
+
+
+def test_a_fit_below_the_largest_measured_slack_is_tight_and_auto_does_not_take_it():
+    from memtrain.plan.command import verdict
+    from memtrain.plan.planner import resolve_micro_batch
+
+    loaded = tiny()
+    plan = plan_recipe(loaded)
+    cal = calibration("24GiB")
+    assert plan.peak_reserved_high_bytes >= plan.peak_reserved_bytes
+    if plan.peak_phase != "init":
+        assert plan.peak_reserved_high_bytes >= int(plan.peak_allocated_bytes * (1 + cal.slack_ratio_high("full")))
+    assert not plan.tight and "tight" not in verdict(plan)  # 24 GiB is far above both estimates
+    # a card between the expected and the high estimate: fits, but tight
+    squeezed = plan_recipe(loaded)
+    squeezed.gpu_capacity_bytes = (plan.peak_reserved_bytes + plan.peak_reserved_high_bytes) // 2 + plan.cuda_context
+    assert squeezed.fits and squeezed.tight and "tight" in verdict(squeezed)
+    # micro_batch: auto only takes sizes that fit at the high slack
+    auto = tiny(overrides=["batch.micro_batch=auto", "batch.global_batch=64"])
+    chosen = resolve_micro_batch(auto, "24GiB")
+    assert not plan_recipe(auto, "24GiB", micro_batch=chosen).tight

@@ -37,7 +37,11 @@ def load_for_plan(recipe: Path, overrides: list[str]) -> LoadedRecipe:
 
 def verdict(plan: Plan) -> str:
     """'fits with X GiB to spare' or 'misses by X GiB' (GPU), plus the host when it is the problem."""
-    if plan.headroom_bytes >= 0:
+    if plan.tight:
+        high = plan.peak_reserved_high_bytes + plan.terms["cuda_context"]
+        text = (f"fits with {gib(plan.headroom_bytes):.2f} GiB to spare, but tight: at the largest allocator "
+                f"slack measured for such runs it needs {gib(high):.2f} GiB")
+    elif plan.headroom_bytes >= 0:
         text = f"fits with {gib(plan.headroom_bytes):.2f} GiB to spare"
     else:
         text = f"misses by {gib(-plan.headroom_bytes):.2f} GiB"
@@ -71,7 +75,7 @@ def plan_table(plan: Plan) -> Table:
     if plan.host_capacity_bytes is not None:
         table.add_row("host capacity", f"{gib(plan.host_capacity_bytes):.2f}")
     table.add_row("NVMe", f"{gib(plan.nvme_bytes):.2f}")
-    style = "green" if plan.fits else "red"
+    style = "red" if not plan.fits else "yellow" if plan.tight else "green"
     table.add_section()
     table.add_row(f"[{style}]verdict[/]", f"[{style}]{verdict(plan)}[/]")
     return table

@@ -54,6 +54,7 @@ class Plan:
     nvme_breakdown: dict[str, int] = field(default_factory=dict)
     saved_for_backward: dict[str, int] = field(default_factory=dict)  # layers / head / loss, at the end of forward
     pinned_exact: bool = True        # pinned host buffers priced at their size (False: rounded to a power of two)
+    peak_reserved_high_bytes: int = 0  # the peak at the largest allocator slack measured for this kind of run
 
     @property
     def gpu_required_bytes(self) -> int:
@@ -64,6 +65,12 @@ class Plan:
     def headroom_bytes(self) -> int:
         """Spare GPU bytes at the peak (negative: by how much it misses)."""
         return self.gpu_capacity_bytes - self.gpu_required_bytes
+
+    @property
+    def tight(self) -> bool:
+        """Fits at the expected allocator slack, but not at the largest one measured for such runs."""
+        return self.headroom_bytes >= 0 and \
+            self.peak_reserved_high_bytes + self.terms["cuda_context"] > self.gpu_capacity_bytes
 
     @property
     def host_fits(self) -> bool:
@@ -85,7 +92,7 @@ class Plan:
     def to_json(self) -> dict:
         """A JSON-ready dict: every field plus the verdict."""
         data = asdict(self)
-        data.update(fits=self.fits, host_fits=self.host_fits, headroom_bytes=self.headroom_bytes,
+        data.update(fits=self.fits, tight=self.tight, host_fits=self.host_fits, headroom_bytes=self.headroom_bytes,
                     gpu_required_bytes=self.gpu_required_bytes)
         return data
 
@@ -204,6 +211,8 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
                 for name in PHASES}
     peak_phase = max(PHASES, key=lambda name: reserved[name])
     peak_allocated, peak_reserved = phases[peak_phase], reserved[peak_phase]
+    peak_reserved_high = max(int(phases[name] * (1 + (cal.init_slack_ratio if name == "init"
+                                                      else cal.slack_ratio_high(pattern)))) for name in PHASES)
     terms = {
         "params": states.gpu_params,
         "gradients": states.gpu_gradients,
@@ -234,7 +243,7 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
         host_capacity_bytes=recipe.hardware.host_memory, nvme_bytes=sum(nvme_breakdown.values()),
         nvme_breakdown=nvme_breakdown,
         saved_for_backward={"layers": acts.saved_bytes, "head": head, "loss": logits.saved_bytes},
-        pinned_exact=exact_pinned,
+        pinned_exact=exact_pinned, peak_reserved_high_bytes=peak_reserved_high,
     )
 
 
@@ -260,13 +269,15 @@ def micro_batch_candidates(loaded: LoadedRecipe) -> list[int]:
 
 
 def resolve_micro_batch(loaded: LoadedRecipe, gpu: str | None = None) -> int:
-    """The largest micro-batch dividing global_batch // gpus that fits the card (1 when none does).
+    """The largest micro-batch dividing global_batch // gpus that fits the card (1 when none does),
+    at the largest allocator slack measured for such runs (a tight fit is not taken).
 
     Memory grows with the micro-batch, so the search stops at the first size that misses.
     """
     best = 1
     for candidate in micro_batch_candidates(loaded):
-        if not plan_recipe(loaded, gpu, micro_batch=candidate).fits:
+        plan = plan_recipe(loaded, gpu, micro_batch=candidate)
+        if not plan.fits or plan.tight:
             break
         best = candidate
     return best
