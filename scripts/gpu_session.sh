@@ -6,6 +6,8 @@
 #   bash scripts/gpu_session.sh sweep  # checkpoint sweep 1.1B
 #   bash scripts/gpu_session.sh speed  # memtrain vs HF Trainer + DeepSpeed: 7B LoRA, 1.1B optimizer offload
 #   bash scripts/gpu_session.sh speed2  # after the accumulation-boundary fix: 1.1B offload vs HF; larger micro-batches; 13B QLoRA
+#   bash scripts/gpu_session.sh speed3  # 3B ZeRO-3 offload and 7B full fine-tune vs HF (not run yet)
+#   bash scripts/gpu_session.sh heldout # accuracy cases not used to fit the constants (not run yet)
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 set -u
 part=${1:?part}
@@ -57,6 +59,16 @@ speed2)
     --case "1.1b-full-opt-offload-mb16x1024=recipes/tinyllama-1.1b-full-offload-24gb.yaml batch.micro_batch=16 train.steps=12 $quiet" \
     --case "13b-qlora-nf4-mb8x1024=recipes/llama2-13b-qlora-24gb.yaml train.steps=8 $quiet" \
     --case "1.1b-full-opt-offload-mb8x1024=recipes/tinyllama-1.1b-full-offload-24gb.yaml batch.micro_batch=8 train.steps=12 $quiet"
+  ;;
+speed3)  # next session: the offload cases not yet side by side, and the 7B full fine-tune goal
+  step vs-hf 560 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 270 \
+    --case "3b-zero3-opt-param-offload-mb4x1024=recipes/openllama-3b-full-offload-24gb.yaml" \
+    --case "7b-full-zero3-offload-bf16master-mb2x1024=recipes/llama2-7b-full-offload-2x24gb.yaml hardware.gpus=1 batch.micro_batch=2" \
+    --case "7b-full-zero3-offload-bf16master-unpinned-mb2x1024=recipes/llama2-7b-full-offload-2x24gb.yaml hardware.gpus=1 batch.micro_batch=2 offload.pin_memory=false"
+  ;;
+heldout)  # next session: accuracy cases the constants were not fitted on
+  step plan-heldout 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 400 \
+    --parallel 5 --host-budget-gib 105 --only 1.1b-opt-cpu-every-mb1-s2048,7b-nvme
   ;;
 accuracy)
   step plan-all 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 400 --calibrate \

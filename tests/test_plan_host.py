@@ -62,6 +62,8 @@ def test_zero3_cpu_offload_buffers_by_hand():
     assert host["optimizer_states"] == 8 * n and host["staging_buffers"] == 0
     no_params = offload_host_bytes(counts, 3, 1, 2, "fp32", "cpu", "none", True, False, True)
     assert no_params["params"] == 0
+    unpinned = offload_host_bytes(counts, 3, 1, 2, "fp32", "cpu", "cpu", False, False, True)
+    assert unpinned["params"] == 2 * n   # the flat copy only: freed plain partitions are not kept
 
 
 def test_plan_host_total_is_baseline_plus_buffers():

@@ -18,7 +18,8 @@ ZeRO-3, optimizer on the CPU (sub-groups of at most `sub_group_size` elements):
   gradients        a pinned compute-dtype flat buffer of n, and a pinned master-dtype buffer per sub-group
   parameters       with params on the CPU: a pinned compute-dtype flat buffer of the whole model, and
                    the pinned per-tensor partitions zero.Init made while building it: DeepSpeed copies
-                   them into the flat buffer, and the freed blocks stay in PyTorch's host cache
+                   them into the flat buffer, and the freed blocks stay in PyTorch's host cache (with
+                   offload.pin_memory false they are plain memory, returned when freed)
                    (measured on the H200: 3B +8.4 GiB, 7B +16.4 GiB beyond the flat buffer, which is
                    2.6 bytes per parameter: 2 bytes rounded up tensor by tensor)
 """
@@ -61,6 +62,7 @@ def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, compute_bytes
             out["staging_buffers"] = gpus * staging
     if stage == 3 and params_tier == "cpu":
         flat = pin(counts.weight_bytes(compute_bytes) // gpus)
-        init_partitions = sum(pin(k * compute_bytes // gpus) for k in counts.tensor_numels)
+        # pinned blocks stay in PyTorch's host cache once freed; plain ones go back to the system
+        init_partitions = sum(pin(k * compute_bytes // gpus) for k in counts.tensor_numels) if pin_memory else 0
         out["params"] = gpus * (flat + init_partitions)
     return out
