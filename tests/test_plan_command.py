@@ -143,3 +143,27 @@ def test_cli_exit_codes(tmp_path):
     assert bad.exit_code == 2
     as_json = runner.invoke(app, ["plan", str(write(tmp_path, gpu="1GiB", name="j.yaml")), "--json"])
     assert as_json.exit_code == 1 and json.loads(as_json.stdout)["advice"]  # long lines are not wrapped
+
+
+def test_spare_memory_is_offered_as_a_larger_micro_batch(tmp_path, capsys):
+    from memtrain.plan.command import larger_micro_batch
+    from memtrain.plan.planner import plan_recipe as plan_of
+    from memtrain.recipe.load import load_recipe_text as load_text
+
+    loaded = load_text("""
+model: {preset: tiny}
+data: {train: "builtin:shakespeare", seq_len: 64}
+batch: {global_batch: 16, micro_batch: 2}
+train: {steps: 10}
+""")
+    plan = plan_of(loaded)
+    faster = larger_micro_batch(loaded, None, plan)
+    assert faster is not None and faster.micro_batch == 16 and faster.fits and not faster.tight
+    assert faster.peak_reserved_bytes > plan.peak_reserved_bytes
+    auto = load_text("""
+model: {preset: tiny}
+data: {train: "builtin:shakespeare", seq_len: 64}
+batch: {global_batch: 16, micro_batch: auto}
+train: {steps: 10}
+""")
+    assert larger_micro_batch(auto, None, plan_of(auto)) is None  # auto already takes the largest
