@@ -207,12 +207,10 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
     phases = {"init": init, "forward_end": forward_end, "backward_start": backward_start,
               "optimizer_step": optimizer_step}
     pattern = allocation_pattern(recipe, stage)
-    reserved = {name: int(phases[name] * (1 + (cal.init_slack_ratio if name == "init" else cal.slack_ratio(pattern))))
-                for name in PHASES}
+    reserved = _reserved(phases, cal.init_slack_ratio, cal.slack_ratio(pattern))
     peak_phase = max(PHASES, key=lambda name: reserved[name])
     peak_allocated, peak_reserved = phases[peak_phase], reserved[peak_phase]
-    peak_reserved_high = max(int(phases[name] * (1 + (cal.init_slack_ratio if name == "init"
-                                                      else cal.slack_ratio_high(pattern)))) for name in PHASES)
+    peak_reserved_high = max(_reserved(phases, cal.init_slack_ratio, cal.slack_ratio_high(pattern)).values())
     terms = {
         "params": states.gpu_params,
         "gradients": states.gpu_gradients,
@@ -245,6 +243,11 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
         saved_for_backward={"layers": acts.saved_bytes, "head": head, "loss": logits.saved_bytes},
         pinned_exact=exact_pinned, peak_reserved_high_bytes=peak_reserved_high,
     )
+
+
+def _reserved(phases: dict[str, int], init_ratio: float, ratio: float) -> dict[str, int]:
+    """Reserved bytes of each phase: its allocated bytes plus the allocator's slack at that phase."""
+    return {name: int(allocated * (1 + (init_ratio if name == "init" else ratio))) for name, allocated in phases.items()}
 
 
 def allocation_pattern(recipe: Recipe, stage: int) -> str:
