@@ -179,14 +179,12 @@ def run_cases(jobs: list[tuple[Case, list[str], object]], args, on_done) -> None
     Each run has its own process and its own GPU memory cap, so peaks measured side by side are the
     same as alone (the allocator's numbers are per process); only speed suffers, and it is not measured here.
     """
-    import threading
     import time
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
     budget = int(args.host_budget_gib * GiB)
     pending = sorted(jobs, key=lambda job: -host_reservation_bytes(job[2]))  # big ones first
     running: dict = {}
-    lock = threading.Lock()
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         while pending or running:
             reserved = sum(host_reservation_bytes(job[2]) for job in running.values())
@@ -205,8 +203,7 @@ def run_cases(jobs: list[tuple[Case, list[str], object]], args, on_done) -> None
             done, _ = wait(list(running), return_when=FIRST_COMPLETED, timeout=None if not started else 0.5)
             for future in done:
                 case, _, plan = running.pop(future)
-                with lock:
-                    on_done(case, plan, future.result())
+                on_done(case, plan, future.result())  # on this thread: the tables are written one at a time
 
 
 def main() -> int:

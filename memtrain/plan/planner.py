@@ -10,9 +10,9 @@ The peak is the largest of four phases, not a sum of maxima:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
+from memtrain.compile.deepspeed import grad_accum_steps
 from memtrain.errors import RecipeError
 from memtrain.plan.activations import estimate_activations
 from memtrain.plan.calibration import Calibration, calibration
@@ -221,7 +221,7 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
         "cuda_context": cal.cuda_context_bytes,
         "allocator_slack": peak_reserved - peak_allocated,
     }
-    accumulates = math.ceil(recipe.batch.global_batch / (micro_batch * hw.gpus)) > 1
+    accumulates = grad_accum_steps(recipe.batch.global_batch, micro_batch, hw.gpus) > 1
     host_breakdown = {
         "baseline": cal.host_baseline_bytes * hw.gpus,
         **offload_host_bytes(counts, stage, hw.gpus, compute_bytes, p.master, o.optimizer, o.params,
