@@ -32,21 +32,21 @@ def test_pinned_blocks_round_to_a_power_of_two_unless_exact(size):
 def test_zero2_cpu_offload_buffers_by_hand():
     counts = count_parameters(Model(preset="tiny"))
     n, largest = TINY_TOTAL, max(counts.trainable_numels)
-    exact = offload_host_bytes(counts, 2, 1, 2, "fp32", "cpu", "none", pin_memory=True, exact_pinned=True,
+    exact = offload_host_bytes(counts, 2, 1, "bf16", "fp32", "cpu", "none", pin_memory=True, exact_pinned=True,
                                accumulates=False)
     pin = lambda size: pinned_bytes(size, True)  # noqa: E731
     assert exact == {"params": 0, "master_weights": pin(4 * n), "gradients": pin(4 * n),
                      "optimizer_states": 8 * n, "staging_buffers": pin(2 * n) + pin(2 * largest)}
-    accumulating = offload_host_bytes(counts, 2, 1, 2, "fp32", "cpu", "none", True, True, accumulates=True)
+    accumulating = offload_host_bytes(counts, 2, 1, "bf16", "fp32", "cpu", "none", True, True, accumulates=True)
     per_tensor = sum(pin(2 * k) for k in counts.trainable_numels)
     assert accumulating["staging_buffers"] - exact["staging_buffers"] == per_tensor
-    rounded = offload_host_bytes(counts, 2, 1, 2, "fp32", "cpu", "none", True, exact_pinned=False, accumulates=False)
+    rounded = offload_host_bytes(counts, 2, 1, "bf16", "fp32", "cpu", "none", True, exact_pinned=False, accumulates=False)
     assert rounded["master_weights"] == pow2(4 * n) and rounded["optimizer_states"] == 8 * n  # moments are not pinned
-    unpinned = offload_host_bytes(counts, 2, 1, 2, "fp32", "cpu", "none", pin_memory=False, exact_pinned=False,
+    unpinned = offload_host_bytes(counts, 2, 1, "bf16", "fp32", "cpu", "none", pin_memory=False, exact_pinned=False,
                                   accumulates=True)
     assert unpinned["master_weights"] == 4 * n and unpinned["staging_buffers"] == 2 * n + 2 * largest + 2 * n
     # bf16 master weights and optimizer states: half of everything, and no separate accumulation buffers
-    half = offload_host_bytes(counts, 2, 1, 2, "bf16", "cpu", "none", True, True, accumulates=True)
+    half = offload_host_bytes(counts, 2, 1, "bf16", "bf16", "cpu", "none", True, True, accumulates=True)
     assert half["master_weights"] == pin(2 * n) and half["optimizer_states"] == 4 * n
     assert half["staging_buffers"] == exact["staging_buffers"]
 
@@ -54,15 +54,15 @@ def test_zero2_cpu_offload_buffers_by_hand():
 def test_zero3_cpu_offload_buffers_by_hand():
     counts = count_parameters(Model(preset="tiny"))
     n = TINY_TOTAL
-    host = offload_host_bytes(counts, 3, 1, 2, "fp32", "cpu", "cpu", True, exact_pinned=False, accumulates=True)
+    host = offload_host_bytes(counts, 3, 1, "bf16", "fp32", "cpu", "cpu", True, exact_pinned=False, accumulates=True)
     init_partitions = sum(pow2(2 * k) for k in counts.tensor_numels)
     assert host["params"] == pow2(2 * n) + init_partitions
     assert host["master_weights"] == 4 * n                        # a plain copy, not pinned
     assert host["gradients"] == pow2(2 * n) + pow2(4 * n)          # one sub-group: n < sub_group_size
     assert host["optimizer_states"] == 8 * n and host["staging_buffers"] == 0
-    no_params = offload_host_bytes(counts, 3, 1, 2, "fp32", "cpu", "none", True, False, True)
+    no_params = offload_host_bytes(counts, 3, 1, "bf16", "fp32", "cpu", "none", True, False, True)
     assert no_params["params"] == 0
-    unpinned = offload_host_bytes(counts, 3, 1, 2, "fp32", "cpu", "cpu", False, False, True)
+    unpinned = offload_host_bytes(counts, 3, 1, "bf16", "fp32", "cpu", "cpu", False, False, True)
     assert unpinned["params"] == 2 * n   # the flat copy only: freed plain partitions are not kept
 
 

@@ -25,44 +25,44 @@ ZeRO-3, optimizer on the CPU (sub-groups of at most `sub_group_size` elements):
 """
 from __future__ import annotations
 
+from memtrain.plan.model_states import DTYPE_BYTES, master_bytes
 from memtrain.plan.params import ParamCounts
 from memtrain.train.pinned import pinned_bytes
 
 SUB_GROUP_ELEMENTS = 1_000_000_000   # the compiled config's sub_group_size (memtrain.compile.deepspeed)
 
 
-def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, compute_bytes: int, master: str,
+def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str, master: str,
                        optimizer_tier: str, params_tier: str, pin_memory: bool, exact_pinned: bool,
                        accumulates: bool) -> dict[str, int]:
     """Host bytes of the offloaded model states by buffer, summed over the `gpus` ranks of the machine.
 
-    compute_bytes: bytes per element of the weights on the GPU (2 for bf16/fp16).
+    storage: dtype of the weights on the GPU (bf16 / fp16, or fp32 under precision.mode autocast).
     master: "fp32" or "bf16" (bf16 master weights and optimizer states).
     accumulates: whether a step runs more than one micro-batch on a rank.
     """
     def pin(size: int) -> int:
         return pinned_bytes(size, exact_pinned) if pin_memory else size
 
-    master_bytes = 2 if master == "bf16" and compute_bytes == 2 else 4
-    state_bytes = master_bytes
+    weight_bytes, state_bytes = DTYPE_BYTES[storage], master_bytes(storage, master)
     out = {"params": 0, "master_weights": 0, "gradients": 0, "optimizer_states": 0, "staging_buffers": 0}
     if optimizer_tier == "cpu":
         n = counts.trainable // gpus if stage >= 1 else counts.trainable
         out["optimizer_states"] = gpus * 2 * n * state_bytes
         if stage == 3:
             sub_groups = [min(SUB_GROUP_ELEMENTS, n - start) for start in range(0, n, SUB_GROUP_ELEMENTS)]
-            out["master_weights"] = gpus * n * master_bytes
-            out["gradients"] = gpus * (pin(n * compute_bytes) + sum(pin(s * master_bytes) for s in sub_groups))
+            out["master_weights"] = gpus * n * state_bytes
+            out["gradients"] = gpus * (pin(n * weight_bytes) + sum(pin(s * state_bytes) for s in sub_groups))
         else:
-            out["master_weights"] = gpus * pin(n * master_bytes)
-            out["gradients"] = gpus * pin(n * master_bytes)
-            staging = pin(n * compute_bytes) + pin(max(counts.trainable_numels, default=0) * compute_bytes)
-            if accumulates and master_bytes == 4:
-                staging += sum(pin(k * compute_bytes) for k in counts.trainable_numels) // gpus
+            out["master_weights"] = gpus * pin(n * state_bytes)
+            out["gradients"] = gpus * pin(n * state_bytes)
+            staging = pin(n * weight_bytes) + pin(max(counts.trainable_numels, default=0) * weight_bytes)
+            if accumulates and state_bytes == 4:
+                staging += sum(pin(k * weight_bytes) for k in counts.trainable_numels) // gpus
             out["staging_buffers"] = gpus * staging
     if stage == 3 and params_tier == "cpu":
-        flat = pin(counts.weight_bytes(compute_bytes) // gpus)
+        flat = pin(counts.weight_bytes(weight_bytes) // gpus)
         # pinned blocks stay in PyTorch's host cache once freed; plain ones go back to the system
-        init_partitions = sum(pin(k * compute_bytes // gpus) for k in counts.tensor_numels) if pin_memory else 0
+        init_partitions = sum(pin(k * weight_bytes // gpus) for k in counts.tensor_numels) if pin_memory else 0
         out["params"] = gpus * (flat + init_partitions)
     return out

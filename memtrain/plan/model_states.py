@@ -41,13 +41,19 @@ def zero_stage(zero_stage_setting: int | str, params_tier: str) -> int:
 EIGHT_BIT_BLOCK = 256   # bitsandbytes' 8-bit optimizers: one fp32 scale per 256 values of each moment
 
 
+def master_bytes(storage: str, master: str) -> int:
+    """Bytes per element of the master weights, their gradients and Adam's moments: 4, or 2 with
+    bf16 master weights (fp32 weights are their own master copy, in fp32)."""
+    return 4 if master == "fp32" or storage == "fp32" else 2
+
+
 def optimizer_bytes_per_param(compute: str, master: str, eight_bit: bool = False) -> float:
     """Bytes of optimizer state per trainable parameter: a master copy (unless compute is fp32) + Adam's two moments.
 
     eight_bit: bitsandbytes' 8-bit AdamW keeps each moment in one byte plus a block scale (the
     master copy stays DeepSpeed's).
     """
-    state = 4 if master == "fp32" or compute == "fp32" else 2
+    state = master_bytes(compute, master)
     master_copy = 0 if compute == "fp32" else state
     moment = 1 + 4 / EIGHT_BIT_BLOCK if eight_bit else state
     return master_copy + 2 * moment
@@ -63,7 +69,7 @@ def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str,
     GPU then only streams gradients through the reduce buckets (priced as DeepSpeed buffers).
     """
     compute_bytes = DTYPE_BYTES[compute]
-    grad_host_bytes = 4 if master == "fp32" or compute == "fp32" else 2
+    grad_host_bytes = master_bytes(compute, master)
     per_param_optimizer = optimizer_bytes_per_param(compute, master, eight_bit)
     params_bytes = counts.total * compute_bytes
     grads_bytes = counts.trainable * compute_bytes

@@ -224,7 +224,7 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
     accumulates = grad_accum_steps(recipe.batch.global_batch, micro_batch, hw.gpus) > 1
     host_breakdown = {
         "baseline": cal.host_baseline_bytes * hw.gpus,
-        **offload_host_bytes(counts, stage, hw.gpus, compute_bytes, p.master, o.optimizer, o.params,
+        **offload_host_bytes(counts, stage, hw.gpus, p.storage, p.master, o.optimizer, o.params,
                              o.pin_memory, exact_pinned, accumulates),
         "swap_buffers": states.host_swap_buffers,
         "offloaded_activations": acts.host_bytes * hw.gpus,
