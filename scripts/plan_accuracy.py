@@ -160,10 +160,25 @@ def write_tables(out: Path, view: Path, rows: list[dict]) -> None:
     view.write_text(markdown(merged))
 
 
+def case_overrides(case: Case, gpu: str, runs: Path, nvme_path: Path) -> list[str]:
+    """The case's overrides plus what every accuracy run sets: the card and its cap, 3 short steps, its own dirs."""
+    overrides = [*case.overrides, f"hardware.gpu={gpu}", "hardware.cap_memory=true", "train.steps=3",
+                 "schedule.warmup_steps=1", "train.eval_every=1000", "train.save_every=1000", "train.log_every=1",
+                 f"train.output_dir={runs / case.name}"]
+    if "nvme" in case.recipe:
+        overrides.append(f"hardware.nvme_path={nvme_path / case.name}")
+    return overrides
+
+
+def predicted_columns(plan) -> dict:
+    """The table's predicted columns, as written by a run and by --replan."""
+    return {"predicted_reserved_gib": f"{plan.peak_reserved_bytes / GiB:.2f}",
+            "predicted_allocated_gib": f"{plan.peak_allocated_bytes / GiB:.2f}",
+            "predicted_host_gib": f"{plan.host_bytes / GiB:.1f}"}
+
+
 def row_for(case: Case, plan, measured: dict | str, machine: str, date: str) -> dict:
-    row = {"recipe": case.name, "predicted_reserved_gib": f"{plan.peak_reserved_bytes / GiB:.2f}",
-           "predicted_allocated_gib": f"{plan.peak_allocated_bytes / GiB:.2f}",
-           "predicted_host_gib": f"{plan.host_bytes / GiB:.1f}", "machine": machine, "date": date}
+    row = {"recipe": case.name, **predicted_columns(plan), "machine": machine, "date": date}
     if isinstance(measured, str):
         row.update(measured_reserved_gib=measured, measured_allocated_gib=measured, measured_host_gib=measured)
     else:
@@ -233,12 +248,7 @@ def main() -> int:
     wanted = [part for part in args.only.split(",") if part] or [""]
     jobs = []
     for case in [c for c in CASES if any(part in c.name for part in wanted)]:
-        overrides = [*case.overrides, f"hardware.gpu={args.gpu}", "hardware.cap_memory=true", "train.steps=3",
-                     "schedule.warmup_steps=1",
-                     "train.eval_every=1000", "train.save_every=1000", "train.log_every=1",
-                     f"train.output_dir={args.runs / case.name}"]
-        if "nvme" in case.recipe:
-            overrides.append(f"hardware.nvme_path={args.nvme_path / case.name}")
+        overrides = case_overrides(case, args.gpu, args.runs, args.nvme_path)
         plan = plan_recipe(load_recipe(ROOT / case.recipe, overrides, check=False), args.gpu,
                            exact_pinned=exact_pinned)
         if args.plan_only:
@@ -282,9 +292,7 @@ def replan(out: Path, view: Path, plans: dict) -> int:
     for row in rows:
         plan = plans.get(row["recipe"])
         if plan is not None:
-            row.update(predicted_reserved_gib=f"{plan.peak_reserved_bytes / GiB:.2f}",
-                       predicted_allocated_gib=f"{plan.peak_allocated_bytes / GiB:.2f}",
-                       predicted_host_gib=f"{plan.host_bytes / GiB:.1f}")
+            row.update(predicted_columns(plan))
     write_tables(out, view, rows)
     print(f"replanned {sum(row['recipe'] in plans for row in rows)} rows of {out}")
     return 0
