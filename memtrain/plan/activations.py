@@ -80,8 +80,7 @@ def _layer_and_rotary(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
 
     name, layers = decoder_layers(model)
     base = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-    rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
-    return layers[0], getattr(base, "rotary_emb", rotary)
+    return layers[0], getattr(base, "rotary_emb", None)
 
 
 def trace_layer(model: Model, compute: str, micro_batch: int, seq_len: int) -> LayerTrace:
