@@ -11,6 +11,7 @@ from memtrain.model.checkpointing import apply_checkpointing
 from memtrain.model.precision import apply_precision
 from memtrain.model.wrapper import TrainableLM
 from memtrain.recipe.schema import Checkpointing, Precision
+from memtrain.train.preflight import cpu_fp16_supported
 from tests.test_policies_support import one_torch_thread, shakespeare_batches, tiny_llama  # noqa: F401
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -68,6 +69,7 @@ def test_checkpointing_under_zero_matches_no_checkpointing(stage):
         assert torch.allclose(losses, runs["none"], rtol=0, atol=1e-5), (stage, name, losses - runs["none"])
 
 
+@pytest.mark.skipif(not cpu_fp16_supported(), reason="DeepSpeed's CPU accelerator has no fp16 on this CPU")
 @pytest.mark.parametrize("hysteresis", [1, 2])
 def test_fp16_overflow_lowers_the_scale_and_skips_the_step(hysteresis):
     """DeepSpeed's fp16 dynamic loss scaler runs on the CPU accelerator (ZeRO-2 optimizer)."""

@@ -71,8 +71,9 @@ def _preflight(loaded):
     from rich.console import Console
 
     from memtrain.train.loop import prepare_data
-    from memtrain.train.preflight import check_memory
+    from memtrain.train.preflight import check_dtype, check_memory
 
+    check_dtype(loaded)
     data = prepare_data(loaded)
     for warning in check_memory(loaded):
         Console(stderr=True).print(f"[yellow]![/] {warning}", highlight=False)

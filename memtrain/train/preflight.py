@@ -1,4 +1,5 @@
-"""Before any GPU work: ask the planner whether the host can hold what the recipe puts there.
+"""Before any GPU work: ask the planner whether the host can hold what the recipe puts there, and
+whether this machine can compute in the recipe's dtype at all.
 
 A host that cannot hold the offloaded states is OOM-killed minutes into a run (LLaMA-Factory users
 at 160 GB); the planner knows the bytes in advance. The GPU side is only a warning: the batch
@@ -45,3 +46,24 @@ def check_memory(loaded: LoadedRecipe) -> list[str]:
                         "`memtrain plan --fit` finds a recipe that fits")
     return warnings
 
+
+
+def cpu_fp16_supported() -> bool:
+    """Whether DeepSpeed's CPU accelerator takes fp16 here (it needs oneDNN fp16: AVX512-FP16 / AMX)."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def check_dtype(loaded: LoadedRecipe) -> None:
+    """Raise UserError for fp16 on a CPU whose DeepSpeed accelerator refuses it (before any work)."""
+    import torch
+
+    if loaded.recipe.precision.compute != "fp16" or torch.cuda.is_available() or cpu_fp16_supported():
+        return
+    raise UserError(loaded.sources.problem(
+        ("precision", "compute"), "fp16 is not supported by DeepSpeed on this CPU (it needs AVX512-FP16 or AMX)",
+        "use precision.compute=bf16 (or fp32) for runs on this machine"))
