@@ -7,6 +7,10 @@ Appends to benchmarks/vs_hf.csv and rewrites its Markdown view.
 
     python scripts/bench_vs_hf.py --out benchmarks/vs_hf.csv --steps 12 --warmup 3 \
         --case "1.1b-full-opt-offload=recipes/tinyllama-1.1b-full-offload-24gb.yaml"
+
+Overrides after a `::` in a case apply to memtrain only (its levers: a planner-chosen micro-batch or
+checkpointing); the global batch must stay the same. Cases with the same recipe and shared overrides
+run the Hugging Face side once per invocation and share its numbers.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from bench_run import machine_name, upsert_row  # noqa: E402
 
 COLUMNS = ["recipe", "memtrain_tokens_per_s", "hf_tokens_per_s", "ratio", "memtrain_peak_reserved_gib",
            "hf_peak_reserved_gib", "memtrain_host_gib", "hf_host_gib", "memtrain_first_step_s", "hf_first_step_s",
-           "machine", "date", "command"]
+           "memtrain_setup", "machine", "date", "command"]
 GiB = 1024**3
 
 
@@ -58,7 +62,17 @@ def memtrain_side(recipe: str, overrides: list[str], steps: int, warmup: int, ru
         "host_peak_rss_gib": max(r.get("host_peak_rss_bytes", 0) for r in train) / GiB,
         "first_step_s": train[0]["time"] - start["process_started"],
         "device": start.get("device"),
+        "setup": _setup(start, json.loads((run_dir / "recipe.json").read_text())),
     }
+
+
+def _setup(start: dict, recipe: dict) -> str:
+    """What memtrain ran with, 'auto' resolved: micro-batch, checkpointing, allocator."""
+    c = recipe["checkpointing"]
+    checkpointing = {"every_n_layers": f"every_n_layers={c['every_n_layers']}",
+                     "first_n_layers": f"first_n_layers={c['first_n_layers']}"}.get(c["strategy"], c["strategy"])
+    allocator = "expandable" if recipe["hardware"].get("expandable_segments") else "caching"
+    return f"mb {start.get('micro_batch')}, {checkpointing}, {allocator}"
 
 
 def hf_side(recipe: str, overrides: list[str], steps: int, warmup: int, out: Path, timeout: int) -> dict:
@@ -66,6 +80,12 @@ def hf_side(recipe: str, overrides: list[str], steps: int, warmup: int, out: Pat
                "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
     _run(command, out.with_suffix(".log"), timeout)
     return json.loads(out.read_text())
+
+
+def _global_batch(recipe: str, overrides: list[str]) -> int:
+    from memtrain.recipe.load import load_recipe
+
+    return load_recipe(ROOT / recipe, overrides, check=False).recipe.batch.global_batch
 
 
 def prebuild_cpu_adam() -> None:
@@ -88,21 +108,30 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=600)
     args = parser.parse_args()
     prebuild_cpu_adam()
+    hf_results: dict[tuple[str, ...], dict] = {}
     for case in args.case:
         name, _, spec = case.partition("=")
-        recipe, *overrides = shlex.split(spec)
+        shared, _, ours_only = spec.partition("::")
+        recipe, *overrides = shlex.split(shared)
+        memtrain_overrides = overrides + shlex.split(ours_only)
+        if _global_batch(recipe, overrides) != _global_batch(recipe, memtrain_overrides):
+            parser.error(f"case {name}: the memtrain-only overrides change the global batch")
         args.runs.mkdir(parents=True, exist_ok=True)
         row = {"recipe": name, "machine": machine_name(), "date": dt.date.today().isoformat(),
                "command": f"python scripts/bench_vs_hf.py --steps {args.steps} --warmup {args.warmup} --case '{case}'"}
         failures = (subprocess.TimeoutExpired, FileNotFoundError, StopIteration, ValueError, ZeroDivisionError,
                     KeyError, IndexError)
         try:
-            ours = memtrain_side(recipe, overrides, args.steps, args.warmup, args.runs / name, args.timeout)
+            ours = memtrain_side(recipe, memtrain_overrides, args.steps, args.warmup, args.runs / name, args.timeout)
             row.update(memtrain_tokens_per_s=f"{ours['tokens_per_s']:.0f}",
                        memtrain_peak_reserved_gib=f"{ours['peak_reserved_gib']:.2f}",
                        memtrain_host_gib=f"{ours['host_peak_rss_gib']:.1f}",
-                       memtrain_first_step_s=f"{ours['first_step_s']:.0f}")
-            theirs = hf_side(recipe, overrides, args.steps, args.warmup, args.runs / f"{name}.hf.json", args.timeout)
+                       memtrain_first_step_s=f"{ours['first_step_s']:.0f}", memtrain_setup=ours["setup"])
+            key = (recipe, *overrides)
+            if key not in hf_results:
+                hf_results[key] = hf_side(recipe, overrides, args.steps, args.warmup, args.runs / f"{name}.hf.json",
+                                          args.timeout)
+            theirs = hf_results[key]
             row.update(hf_tokens_per_s=f"{theirs['tokens_per_s']:.0f}",
                        ratio=f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}",
                        hf_peak_reserved_gib=f"{theirs['peak_reserved_gib']:.2f}",

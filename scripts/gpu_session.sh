@@ -7,6 +7,8 @@
 #   bash scripts/gpu_session.sh speed  # memtrain vs HF Trainer + DeepSpeed: 7B LoRA, 1.1B optimizer offload
 #   bash scripts/gpu_session.sh speed2  # after the accumulation-boundary fix: 1.1B offload vs HF; larger micro-batches; 13B QLoRA
 #   bash scripts/gpu_session.sh speed3  # 3B ZeRO-3 offload and 7B full fine-tune vs HF (not run yet)
+#   bash scripts/gpu_session.sh speed4  # memtrain-only levers: expandable segments, micro-batch 16, checkpointing auto
+#   bash scripts/gpu_session.sh speed5  # 7B LoRA micro-batch 8 + checkpointing auto; 3B ZeRO-3 with both auto
 #   bash scripts/gpu_session.sh heldout # accuracy cases not used to fit the constants (not run yet)
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 set -u
@@ -65,6 +67,20 @@ speed3)  # next session: the offload cases not yet side by side, and the 7B full
     --case "3b-zero3-opt-param-offload-mb4x1024=recipes/openllama-3b-full-offload-24gb.yaml" \
     --case "7b-full-zero3-offload-bf16master-mb2x1024=recipes/llama2-7b-full-offload-2x24gb.yaml hardware.gpus=1 batch.micro_batch=2" \
     --case "7b-full-zero3-offload-bf16master-unpinned-mb2x1024=recipes/llama2-7b-full-offload-2x24gb.yaml hardware.gpus=1 batch.micro_batch=2 offload.pin_memory=false"
+  ;;
+speed4)  # planner-chosen levers (memtrain only, after "::"): expandable segments, larger micro-batch, checkpointing auto
+  tiny=recipes/tinyllama-1.1b-full-offload-24gb.yaml lora=recipes/llama2-7b-lora-24gb.yaml
+  step vs-hf 560 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 12 --warmup 3 --timeout 200 \
+    --case "1.1b-full-opt-offload-mb4x1024 (memtrain mb16)=$tiny :: batch.micro_batch=16" \
+    --case "7b-lora-mb4x1024 (memtrain mb1, checkpointing auto)=$lora :: batch.micro_batch=1 checkpointing.strategy=auto" \
+    --case "7b-lora-mb4x1024 (memtrain mb2, checkpointing auto)=$lora :: batch.micro_batch=2 checkpointing.strategy=auto" \
+    --case "1.1b-full-opt-offload-mb4x1024 (memtrain mb16, checkpointing auto)=$tiny :: batch.micro_batch=16 checkpointing.strategy=auto" \
+    --case "7b-lora-mb4x1024 (memtrain checkpointing auto)=$lora :: checkpointing.strategy=auto"
+  ;;
+speed5)  # 7B LoRA at a planner-sized micro-batch 8; 3B ZeRO-3 offload with micro-batch and checkpointing auto
+  step vs-hf 420 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 150 \
+    --case "7b-lora-mb4x1024 (memtrain mb8, checkpointing auto)=recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2 :: batch.micro_batch=8 checkpointing.strategy=auto" \
+    --case "3b-zero3-opt-param-offload-mb4x1024 (memtrain micro-batch and checkpointing auto)=recipes/openllama-3b-full-offload-24gb.yaml schedule.warmup_steps=2 :: batch.micro_batch=auto checkpointing.strategy=auto"
   ;;
 heldout)  # next session: accuracy cases the constants were not fitted on
   step plan-heldout 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 400 \

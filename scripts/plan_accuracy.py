@@ -78,6 +78,25 @@ CASES = [
 ]
 
 
+def _first_n(layers: int) -> tuple[str, ...]:
+    return ("checkpointing.strategy=first_n_layers", f"checkpointing.first_n_layers={layers}")
+
+
+# Held out: not used to fit the expandable-segment constants. These are the configurations that
+# `checkpointing.strategy: auto` and planner-sized micro-batches chose in the side-by-side speed runs
+# (benchmarks/vs_hf.csv), at the recipes' global batch of 16.
+HELD_OUT = [
+    Case("1.1b-opt-cpu-every-mb16-s1024", TINY, ("batch.micro_batch=16",)),
+    Case("1.1b-opt-cpu-first9-mb16-s1024", TINY, ("batch.micro_batch=16",) + _first_n(9)),
+    Case("3b-zero3-cpu-first22-mb16-s1024", OPEN3B, ("batch.micro_batch=16",) + _first_n(22)),
+    Case("7b-lora-first0-mb1-s1024", LORA7B, ("batch.micro_batch=1",) + _first_n(0)),
+    Case("7b-lora-first16-mb2-s1024", LORA7B, ("batch.micro_batch=2",) + _first_n(16)),
+    Case("7b-lora-first25-mb4-s1024", LORA7B, _first_n(25)),
+    Case("7b-lora-first29-mb8-s1024", LORA7B, ("batch.micro_batch=8",) + _first_n(29)),
+]
+CASES += HELD_OUT
+
+
 def measure(case: Case, overrides: list[str], run_dir: Path, timeout_s: int) -> dict | str:
     """Train a few steps; the max of the logged peaks, or 'OOM' / 'failed (rc N)'."""
     command = [sys.executable, "-m", "memtrain", "run", case.recipe, *overrides, "--no-resume", "--no-save"]
@@ -102,6 +121,12 @@ def measure(case: Case, overrides: list[str], run_dir: Path, timeout_s: int) -> 
     return {key: max(r.get(key) or 0 for r in train) for key in keys}
 
 
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.node()
+
+
 def cuda_context_bytes() -> int | None:
     """Device memory in use by a process that has only initialised CUDA (not counted by the allocator)."""
     probe = ("import torch; torch.zeros(1, device='cuda'); free, total = torch.cuda.mem_get_info(); "
@@ -110,9 +135,12 @@ def cuda_context_bytes() -> int | None:
     return int(done.stdout.strip()) if done.returncode == 0 else None
 
 
-def markdown(rows: list[dict]) -> str:
-    lines = ["# `memtrain plan` accuracy", "",
-             "Predicted vs measured peak memory per GPU (GiB) and host RSS; error = predicted / measured − 1.", "",
+def markdown(rows: list[dict], expandable: bool = True) -> str:
+    allocator = ("with expandable CUDA segments (`hardware.expandable_segments: true`, memtrain's default)" if expandable
+                 else "with PyTorch's default caching allocator (`hardware.expandable_segments: false`)")
+    lines = [f"# `memtrain plan` accuracy, {'expandable segments' if expandable else 'caching allocator'}", "",
+             f"Runs {allocator}. Predicted vs measured peak memory per GPU (GiB) and host RSS; "
+             "error = predicted / measured − 1.", "",
              "| recipe | reserved pred | reserved meas | error | allocated pred | allocated meas | host pred | host meas |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
@@ -124,7 +152,8 @@ def markdown(rows: list[dict]) -> str:
                      f"{row['predicted_host_gib']} | {row['measured_host_gib']} |")
     if rows:
         lines += ["", f"Machine: {rows[0]['machine']}, {rows[0]['date']}.", "",
-                  "Measured with `python scripts/plan_accuracy.py --parallel 5 --calibrate` (`bash scripts/gpu_session.sh "
+                  f"Measured with `python scripts/plan_accuracy.py --parallel 5 --calibrate --allocator "
+                  f"{'expandable' if expandable else 'caching'}` (`bash scripts/gpu_session.sh "
                   "accuracy`: runs side by side, each under its own 24 GiB cap, 3 steps each). A measured `OOM at mb N` "
                   "is a run that ran out of memory at the case's micro-batch and went on smaller. The predicted columns "
                   "are the current planner's (`--replan --pinned power_of_two`: the GPU machine's PyTorch 2.11 rounds "
@@ -145,7 +174,7 @@ def host_reservation_bytes(plan) -> int:
     return max(4 * GiB, int(1.5 * plan.host_bytes))
 
 
-def write_tables(out: Path, view: Path, rows: list[dict]) -> None:
+def write_tables(out: Path, view: Path, rows: list[dict], expandable: bool = True) -> None:
     """The CSV (rows of cases not run this time are kept: the matrix may be run in parts) and its view."""
     out.parent.mkdir(parents=True, exist_ok=True)
     ran = {row["recipe"] for row in rows}
@@ -157,17 +186,24 @@ def write_tables(out: Path, view: Path, rows: list[dict]) -> None:
         writer.writeheader()
         writer.writerows(merged)
     view.parent.mkdir(parents=True, exist_ok=True)
-    view.write_text(markdown(merged))
+    view.write_text(markdown(merged, expandable))
 
 
-def case_overrides(case: Case, gpu: str, runs: Path, nvme_path: Path) -> list[str]:
-    """The case's overrides plus what every accuracy run sets: the card and its cap, 3 short steps, its own dirs."""
-    overrides = [*case.overrides, f"hardware.gpu={gpu}", "hardware.cap_memory=true", "train.steps=3",
+def case_overrides(case: Case, gpu: str, runs: Path, nvme_path: Path, expandable: bool = True) -> list[str]:
+    """The case's overrides plus what every accuracy run sets: the card and its cap, the CUDA allocator's
+    mode, 3 short steps, its own dirs."""
+    overrides = [*case.overrides, f"hardware.gpu={gpu}", "hardware.cap_memory=true",
+                 f"hardware.expandable_segments={str(expandable).lower()}", "train.steps=3",
                  "schedule.warmup_steps=1", "train.eval_every=1000", "train.save_every=1000", "train.log_every=1",
                  f"train.output_dir={runs / case.name}"]
     if "nvme" in case.recipe:
         overrides.append(f"hardware.nvme_path={nvme_path / case.name}")
     return overrides
+
+
+def table_path(expandable: bool) -> Path:
+    """The committed table of runs with expandable CUDA segments (memtrain's default) or without."""
+    return ROOT / "benchmarks" / ("plan_accuracy.csv" if expandable else "plan_accuracy_caching.csv")
 
 
 def predicted_columns(plan) -> dict:
@@ -223,7 +259,10 @@ def run_cases(jobs: list[tuple[Case, list[str], object]], args, on_done) -> None
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "plan_accuracy.csv")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: benchmarks/plan_accuracy.csv, or plan_accuracy_caching.csv with --allocator caching")
+    parser.add_argument("--allocator", choices=["expandable", "caching"], default="expandable",
+                        help="PyTorch's CUDA allocator mode for the runs (hardware.expandable_segments true / false)")
     parser.add_argument("--gpu", default="rtx3090", help="target card the runs are capped to (profile or size)")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-plan-accuracy"))
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/memtrain-nvme"))
@@ -241,14 +280,16 @@ def main() -> int:
                              "--replan on another machine must say what the GPU machine's did)")
     args = parser.parse_args()
     exact_pinned = {"auto": None, "exact": True, "power_of_two": False}[args.pinned]
+    expandable = args.allocator == "expandable"
+    args.out = args.out or table_path(expandable)
 
-    machine = f"{platform.node()} ({args.gpu} cap)"
+    machine = f"{_gpu_name()} capped to {args.gpu}"
     date = dt.date.today().isoformat()
     view = args.markdown or args.out.with_suffix(".md")
     wanted = [part for part in args.only.split(",") if part] or [""]
     jobs = []
     for case in [c for c in CASES if any(part in c.name for part in wanted)]:
-        overrides = case_overrides(case, args.gpu, args.runs, args.nvme_path)
+        overrides = case_overrides(case, args.gpu, args.runs, args.nvme_path, expandable)
         plan = plan_recipe(load_recipe(ROOT / case.recipe, overrides, check=False), args.gpu,
                            exact_pinned=exact_pinned)
         if args.plan_only:
@@ -259,7 +300,7 @@ def main() -> int:
     if args.plan_only:
         return 0
     if args.replan:
-        return replan(args.out, view, {case.name: plan for case, _, plan in jobs})
+        return replan(args.out, view, {case.name: plan for case, _, plan in jobs}, expandable)
 
     rows, slack = [], []
 
@@ -272,7 +313,7 @@ def main() -> int:
               f"measured {row['measured_reserved_gib']:>7}  host plan {row['predicted_host_gib']:>6} "
               f"measured {row['measured_host_gib']:>6}", flush=True)
         rows.append(row)
-        write_tables(args.out, view, rows)  # after every case: a cut-short session keeps what it measured
+        write_tables(args.out, view, rows, expandable)  # after every case: a cut-short session keeps what it measured
 
     run_cases(jobs, args, on_done)
     print(f"wrote {args.out} and {view}")
@@ -286,14 +327,14 @@ def main() -> int:
     return 0
 
 
-def replan(out: Path, view: Path, plans: dict) -> int:
+def replan(out: Path, view: Path, plans: dict, expandable: bool) -> int:
     """Rewrite the predicted columns of the committed table from the current planner (no GPU)."""
     rows = list(csv.DictReader(out.open()))
     for row in rows:
         plan = plans.get(row["recipe"])
         if plan is not None:
             row.update(predicted_columns(plan))
-    write_tables(out, view, rows)
+    write_tables(out, view, rows, expandable)
     print(f"replanned {sum(row['recipe'] in plans for row in rows)} rows of {out}")
     return 0
 

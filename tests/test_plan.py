@@ -187,14 +187,17 @@ def test_peak_grows_with_micro_batch_and_sequence_length():
             assert all(a < b for a, b in zip(values, values[1:])), phase
 
 
-def test_peak_is_the_largest_phase_plus_allocator_slack():
-    plan = plan_recipe(tiny())
+@pytest.mark.parametrize("expandable", [True, False])
+def test_peak_is_the_largest_phase_plus_allocator_slack(expandable):
+    plan = plan_recipe(tiny(overrides=[f"hardware.expandable_segments={str(expandable).lower()}"]))
     assert plan.peak_allocated_bytes == plan.phases[plan.peak_phase]
     cal = calibration("24GiB")
-    slack = cal.init_slack_ratio if plan.peak_phase == "init" else cal.slack_ratio("full")
+    init_slack = cal.expandable_init_slack_ratio if expandable else cal.init_slack_ratio
+    full_slack = dict(cal.expandable_slack_ratios if expandable else cal.allocator_slack_ratios)["full"]
+    slack = init_slack if plan.peak_phase == "init" else full_slack
     assert plan.peak_reserved_bytes == int(plan.peak_allocated_bytes * (1 + slack))
     for phase, allocated in plan.phases.items():  # no phase needs more reserved memory than the peak
-        ratio = cal.init_slack_ratio if phase == "init" else cal.slack_ratio("full")
+        ratio = init_slack if phase == "init" else full_slack
         assert int(allocated * (1 + ratio)) <= plan.peak_reserved_bytes
     assert plan.headroom_bytes == 24 * GiB - plan.peak_reserved_bytes - plan.cuda_context
     assert plan.fits
@@ -226,6 +229,48 @@ def test_auto_micro_batch_is_the_largest_that_fits():
     larger = [m for m in (1, 2, 4, 8, 16) if m > chosen]
     assert larger and not plan_recipe(loaded, micro_batch=larger[0]).fits
     assert plan_recipe(loaded).micro_batch == chosen
+
+
+def _first_n(n: int, *extra: str):
+    return tiny(overrides=["checkpointing.strategy=first_n_layers", f"checkpointing.first_n_layers={n}",
+                           "data.seq_len=1024", "batch.micro_batch=8", *extra])
+
+
+def test_first_n_layers_spans_no_checkpointing_to_every_layer():
+    def saved(loaded) -> int:
+        return plan_recipe(loaded).saved_for_backward["layers"]
+
+    layer_input = 8 * 1024 * 256 * 2
+    none = saved(tiny(overrides=["checkpointing.strategy=none", "data.seq_len=1024", "batch.micro_batch=8"]))
+    every = saved(tiny(overrides=["checkpointing.strategy=every_layer", "data.seq_len=1024", "batch.micro_batch=8"]))
+    by_n = [saved(_first_n(n)) for n in range(5)]
+    assert by_n[0] == none and by_n[4] == every
+    steps = [a - b for a, b in zip(by_n, by_n[1:])]
+    assert len(set(steps)) == 1 and steps[0] > 10 * layer_input  # each layer frees the same bytes
+    assert plan_recipe(_first_n(9)).recomputed_layers == 4  # more than the model has: all of them
+    peaks = [plan_recipe(_first_n(n)).peak_allocated_bytes for n in range(5)]
+    assert peaks[:4] == sorted(peaks[:4], reverse=True)
+    assert peaks[3] <= peaks[4]  # recomputing the last layer too saves nothing: it is rebuilt at the peak
+
+
+@pytest.mark.parametrize("gpu, layers", [("1.3GiB", 3), ("1.4GiB", 2), ("1.5GiB", 1), ("1.6GiB", 0), ("1.0GiB", 3)])
+def test_auto_checkpointing_recomputes_the_fewest_layers_that_fit(gpu, layers):
+    from memtrain.plan.planner import with_resolved_checkpointing
+
+    loaded = _first_n(0, "checkpointing.strategy=auto", f"hardware.gpu={gpu}")
+    plan = plan_recipe(loaded)
+    assert (plan.checkpointing, plan.recomputed_layers) == (f"first_n_layers={layers}", layers)
+    chosen = plan_recipe(_first_n(layers, f"hardware.gpu={gpu}"))
+    assert chosen.peak_reserved_bytes == plan.peak_reserved_bytes
+    if chosen.fits:
+        assert not chosen.tight
+    else:  # 1 GiB: nothing fits; all but the last layer is still the smallest peak
+        assert layers == 3
+    if layers:
+        fewer = plan_recipe(_first_n(layers - 1, f"hardware.gpu={gpu}"))
+        assert not fewer.fits or fewer.tight
+    resolved = with_resolved_checkpointing(loaded, micro_batch=8).recipe.checkpointing
+    assert (resolved.strategy, resolved.first_n_layers) == ("first_n_layers", layers)
 
 
 def test_unknown_card_is_a_recipe_error():

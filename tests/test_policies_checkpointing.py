@@ -18,6 +18,7 @@ STRATEGIES = {
     "every_layer": Checkpointing(strategy="every_layer"),
     "every_2_layers": Checkpointing(strategy="every_n_layers", every_n_layers=2),
     "every_8_layers": Checkpointing(strategy="every_n_layers", every_n_layers=8),
+    "first_3_layers": Checkpointing(strategy="first_n_layers", first_n_layers=3),
     "selective": Checkpointing(strategy="selective"),
     "rules_branches": Checkpointing(strategy="rules", rules={
         "model.embed_tokens": "save", "model.layers.*.self_attn": "recompute", "model.layers.*.mlp": "offload"}),
@@ -71,7 +72,7 @@ def _calls_per_module(model, names):
 
 
 @pytest.mark.parametrize("name, recomputed_layers", [
-    ("every_layer", [0, 1, 2, 3]), ("every_2_layers", [0, 2]), ("every_8_layers", [0]),
+    ("every_layer", [0, 1, 2, 3]), ("every_2_layers", [0, 2]), ("every_8_layers", [0]), ("first_3_layers", [0, 1, 2]),
     ("selective", [0, 1, 2, 3]), ("rules_branches", [0, 1, 2, 3]), ("rules_layers_offload", [])])
 def test_exactly_the_planned_blocks_run_twice(name, recomputed_layers):
     model = tiny_llama()
@@ -87,7 +88,7 @@ def test_exactly_the_planned_blocks_run_twice(name, recomputed_layers):
     mlp_recomputed = name != "rules_branches"  # there the MLP is offloaded, not recomputed
     assert [counts[n] for n in mlp] == [2 if i in recomputed_layers and mlp_recomputed else 1 for i in range(4)]
     assert plan.num_layers == 4
-    if name.startswith("every"):
+    if name.startswith(("every", "first")):
         assert plan.layers_with("recompute") == recomputed_layers
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from memtrain.compile.launch import launch
+from memtrain.train.preflight import cpu_fp16_supported
 from tests.conftest import read_records, train_losses
 
 pytestmark = pytest.mark.slow
@@ -83,6 +84,7 @@ def test_training_lowers_the_loss_and_exports_a_model_that_generates(write_recip
     assert ends[-1]["status"] == "done"
 
 
+@pytest.mark.skipif(not cpu_fp16_supported(), reason="DeepSpeed's CPU accelerator has no fp16 on this CPU")
 def test_fp16_records_the_loss_scale_and_skipped_steps(write_recipe):
     recipe = write_recipe("fp16", {"precision": {"compute": "fp16", "loss_scale": {"initial_scale_power": 30,
                                                                                      "hysteresis": 1}},
@@ -324,6 +326,39 @@ def test_a_host_too_small_for_the_offloaded_states_is_refused_before_any_work(wr
     result = CliRunner().invoke(app, ["run", str(recipe)])
     assert result.exit_code == 2, result.output
     assert "host memory" in result.output and "16.0 GiB" in result.output and "Traceback" not in result.output
+    assert not run_dir_of(recipe).exists()
+
+
+def test_checkpointing_auto_trains_with_the_layers_the_planner_chose(write_recipe):
+    """A card sized between the plans with 0 and 1 recomputed layers: auto recomputes exactly one,
+    and the run records (and trains with) that concrete strategy."""
+    from memtrain.plan.planner import plan_recipe
+    from memtrain.recipe.load import load_recipe
+
+    def required_high(layers: int) -> int:
+        path = write_recipe(f"n{layers}", {"checkpointing": {"strategy": "first_n_layers", "first_n_layers": layers}})
+        plan = plan_recipe(load_recipe(path))
+        return plan.peak_reserved_high_bytes + plan.cuda_context
+
+    card_bytes = (required_high(0) + required_high(1)) // 2
+    recipe = write_recipe("auto", {"checkpointing": {"strategy": "auto"}, "hardware": {"gpu": str(card_bytes)},
+                                   "train": {"steps": 3, "eval_every": 100, "save_every": 100}})
+    assert run(recipe, save=False) == 0
+    recorded = json.loads((run_dir_of(recipe) / "recipe.json").read_text())["checkpointing"]
+    assert (recorded["strategy"], recorded["first_n_layers"]) == ("first_n_layers", 1)
+    assert len(train_losses(run_dir_of(recipe))) == 3
+
+
+@pytest.mark.skipif(cpu_fp16_supported(), reason="this CPU computes in fp16")
+def test_fp16_on_a_cpu_without_it_is_refused_with_the_key(write_recipe):
+    recipe = write_recipe("fp16-refused", {"precision": {"compute": "fp16"}})
+    from typer.testing import CliRunner
+
+    from memtrain.cli import app
+
+    result = CliRunner().invoke(app, ["run", str(recipe)])
+    assert result.exit_code == 2, result.output
+    assert "precision.compute" in result.output and "bf16" in result.output and "Traceback" not in result.output
     assert not run_dir_of(recipe).exists()
 
 

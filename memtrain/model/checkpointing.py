@@ -139,9 +139,14 @@ def checkpoint_plan(model: nn.Module, config: Checkpointing) -> CheckpointPlan:
     """The plan a checkpointing section gives for this model, without changing it (meta models work)."""
     layers = decoder_layer_names(model)
     plan = CheckpointPlan(strategy=config.strategy, num_layers=len(layers), layer_names=layers)
+    if config.strategy == "auto":
+        raise ValueError("checkpointing strategy 'auto' is resolved by the planner (memtrain.plan.planner."
+                         "resolve_checkpointing) before it is applied")
     if config.strategy in ("every_layer", "every_n_layers"):
         every = config.every_n_layers if config.strategy == "every_n_layers" else 1
         plan.actions = {name: "recompute" for i, name in enumerate(layers) if i % every == 0}
+    elif config.strategy == "first_n_layers":
+        plan.actions = {name: "recompute" for name in layers[:config.first_n_layers]}
     elif config.strategy == "selective":
         names = dict(hf_model(model).named_modules())
         embed = hf_model(model).get_input_embeddings()

@@ -227,6 +227,12 @@ def estimate_activations(model: Model, checkpointing: Checkpointing, compute: st
         checkpointed = math.ceil(num_layers / every)
         saved = checkpointed * trace.layer_input_bytes + (num_layers - checkpointed) * full
         recomputed = full
+    elif strategy == "first_n_layers":
+        checkpointed = min(checkpointing.first_n_layers, num_layers)
+        saved = checkpointed * trace.layer_input_bytes + (num_layers - checkpointed) * full
+        # Backward starts at the last layer: a layer is recomputed only after every later, fully saved
+        # layer has been freed, so the recompute adds to the peak only when every layer is checkpointed.
+        recomputed = full if checkpointed == num_layers else 0
     elif strategy == "selective":
         blocks = tuple(b for b in SELECTIVE_BLOCKS if b in trace.inputs)
         saved = num_layers * trace.saved_bytes(recompute=blocks)[0]

@@ -30,6 +30,19 @@ class Calibration:
     # "tight" warning and `micro_batch: auto` use it, so a fit at the expected slack is not taken for sure
     allocator_slack_ratios_high: tuple[tuple[str, float], ...] = (
         ("full", 0.58), ("frozen", 0.06), ("quantized", 0.16), ("zero3", 0.55))
+    # the same with expandable segments (hardware.expandable_segments, the default), fitted on the H200
+    # matrix of 2026-12-02 (benchmarks/plan_accuracy.csv): freed memory is reused whatever the sizes
+    # (full 0.005-0.06, LoRA 0.02-0.03). QLoRA was not measured with them: its caching values stand.
+    expandable_slack_ratios: tuple[tuple[str, float], ...] = (
+        ("full", 0.03), ("frozen", 0.02), ("quantized", 0.15), ("zero3", 0.03))
+    expandable_slack_ratios_high: tuple[tuple[str, float], ...] = (
+        ("full", 0.08), ("frozen", 0.04), ("quantized", 0.16), ("zero3", 0.08))
+    expandable_init_slack_ratio: float = 0.06  # 1.1B 6.65 / 6.15 GiB, 3B 19.95 / 19.15 GiB
+    # ...except across CUDA streams: ZeRO-3 gathers parameters on its own stream, whose segment the
+    # compute stream cannot reuse; reserved beyond allocated there = this share of the gathered-parameter
+    # buffers (3B and 7B ZeRO-3: 1.45 and 1.35 GiB unused beside 2.18 and 2.38 GiB of buffers)
+    expandable_stream_slack_ratio: float = 0.55
+    expandable_stream_slack_ratio_high: float = 0.67
     zero_bucket_factor: float = 4.5           # live reduce buckets with overlap_comm (1 without)
     host_baseline_bytes: int = int(2.2 * GiB)  # torch + DeepSpeed + tokenizer + loader, before model states
     init_slack_ratio: float = 0.07             # reserved over allocated while deepspeed.initialize builds flat buffers
@@ -39,13 +52,19 @@ class Calibration:
     zero_init_flat_copies: float = 2.0
     pcie_gbps: float = 25.0
 
-    def slack_ratio(self, pattern: str) -> float:
-        """Reserved-over-allocated slack at the peak for an allocation pattern (full, frozen, quantized, zero3)."""
-        return dict(self.allocator_slack_ratios)[pattern]
+    def slack_ratio(self, pattern: str, expandable: bool = False) -> float:
+        """Reserved-over-allocated slack at the peak for an allocation pattern (full, frozen, quantized,
+        zero3), with expandable segments or PyTorch's default caching of fixed blocks."""
+        return dict(self.expandable_slack_ratios if expandable else self.allocator_slack_ratios)[pattern]
 
-    def slack_ratio_high(self, pattern: str) -> float:
+    def slack_ratio_high(self, pattern: str, expandable: bool = False) -> float:
         """The largest slack measured for the pattern (never below the expected one)."""
-        return max(self.slack_ratio(pattern), dict(self.allocator_slack_ratios_high)[pattern])
+        high = self.expandable_slack_ratios_high if expandable else self.allocator_slack_ratios_high
+        return max(self.slack_ratio(pattern, expandable), dict(high)[pattern])
+
+    def init_slack(self, expandable: bool = False) -> float:
+        """Reserved over allocated while deepspeed.initialize builds its flat buffers."""
+        return self.expandable_init_slack_ratio if expandable else self.init_slack_ratio
 
 
 def calibration(gpu: str) -> Calibration:
@@ -63,6 +82,15 @@ def calibration(gpu: str) -> Calibration:
         allocator_slack_ratios=_slack_ratios(raw.get("allocator_slack_ratio"), defaults.allocator_slack_ratios),
         allocator_slack_ratios_high=_slack_ratios(raw.get("allocator_slack_ratio_high"),
                                                   defaults.allocator_slack_ratios_high),
+        expandable_slack_ratios=_slack_ratios(raw.get("expandable_slack_ratio"), defaults.expandable_slack_ratios),
+        expandable_slack_ratios_high=_slack_ratios(raw.get("expandable_slack_ratio_high"),
+                                                   defaults.expandable_slack_ratios_high),
+        expandable_init_slack_ratio=float(raw.get("expandable_init_slack_ratio",
+                                                  defaults.expandable_init_slack_ratio)),
+        expandable_stream_slack_ratio=float(raw.get("expandable_stream_slack_ratio",
+                                                    defaults.expandable_stream_slack_ratio)),
+        expandable_stream_slack_ratio_high=float(raw.get("expandable_stream_slack_ratio_high",
+                                                         defaults.expandable_stream_slack_ratio_high)),
         zero_bucket_factor=float(raw.get("zero_bucket_factor", defaults.zero_bucket_factor)),
         host_baseline_bytes=parse_bytes(raw.get("host_baseline", defaults.host_baseline_bytes)),
         zero_init_flat_copies=float(raw.get("zero_init_flat_copies", defaults.zero_init_flat_copies)),

@@ -10,6 +10,7 @@ The peak is the largest of four phases, not a sum of maxima:
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from memtrain.compile.deepspeed import grad_accum_steps
@@ -22,7 +23,7 @@ from memtrain.plan.model_states import DTYPE_BYTES, place_model_states, zero_sta
 from memtrain.plan.params import ParamCounts, count_parameters
 from memtrain.plan.quantized import with_quantized_params
 from memtrain.recipe.load import LoadedRecipe
-from memtrain.recipe.schema import Recipe
+from memtrain.recipe.schema import Checkpointing, Recipe
 
 TERMS = ("params", "gradients", "optimizer_states", "activations", "logits_loss", "deepspeed_buffers",
          "cuda_context", "allocator_slack")
@@ -55,6 +56,8 @@ class Plan:
     saved_for_backward: dict[str, int] = field(default_factory=dict)  # layers / head / loss, at the end of forward
     pinned_exact: bool = True        # pinned host buffers priced at their size (False: rounded to a power of two)
     peak_reserved_high_bytes: int = 0  # the peak at the largest allocator slack measured for this kind of run
+    checkpointing: str = "every_layer"  # the strategy planned ('auto' shows as the first_n_layers it resolved to)
+    recomputed_layers: int = 0        # whole decoder layers recomputed in backward
 
     @property
     def gpu_required_bytes(self) -> int:
@@ -160,7 +163,43 @@ def plan_recipe(loaded: LoadedRecipe, gpu: str | None = None, micro_batch: int |
     if micro_batch is None:
         micro_batch = recipe.batch.micro_batch if recipe.batch.micro_batch != "auto" else resolve_micro_batch(loaded, gpu)
     counts = _counts(loaded)
-    return _plan(loaded, recipe, counts, cal, micro_batch, exact_pinned)
+    if recipe.checkpointing.strategy != "auto":
+        return _plan(loaded, recipe, counts, cal, micro_batch, exact_pinned)
+    return _fewest_recomputed_layers(loaded, recipe, counts, cal, micro_batch, exact_pinned)
+
+
+def _with_first_n_layers(recipe: Recipe, layers: int) -> Recipe:
+    checkpointing = recipe.checkpointing.model_copy(update={"strategy": "first_n_layers", "first_n_layers": layers})
+    return recipe.model_copy(update={"checkpointing": checkpointing})
+
+
+def _fewest_recomputed_layers(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibration,
+                              micro_batch: int, exact_pinned: bool) -> Plan:
+    """The plan of checkpointing 'auto': recompute the fewest decoder layers, from the first, whose plan
+    fits without being tight. Memory falls as layers are added, so the search is a bisection. It stops
+    one short of every layer: the last layer would be recomputed as soon as backward starts, at the
+    peak, so recomputing it saves nothing (all but the last is also the answer when nothing fits)."""
+    def plan_at(layers: int) -> Plan:
+        return _plan(loaded, _with_first_n_layers(recipe, layers), counts, cal, micro_batch, exact_pinned)
+
+    low, high = 0, max(counts.num_layers - 1, 0)  # the answer lies in [low, high]
+    while low < high:
+        middle = (low + high) // 2
+        plan = plan_at(middle)
+        if plan.fits and not plan.tight:
+            high = middle
+        else:
+            low = middle + 1
+    return plan_at(high)
+
+
+def with_resolved_checkpointing(loaded: LoadedRecipe, micro_batch: int, gpu: str | None = None) -> LoadedRecipe:
+    """The loaded recipe with checkpointing 'auto' made concrete (first_n_layers) at this micro-batch."""
+    recipe = loaded.recipe
+    if recipe.checkpointing.strategy != "auto":
+        return loaded
+    layers = plan_recipe(loaded, gpu, micro_batch=micro_batch).recomputed_layers
+    return dataclasses.replace(loaded, recipe=_with_first_n_layers(recipe, layers))
 
 
 def _counts(loaded: LoadedRecipe) -> ParamCounts:
@@ -200,17 +239,28 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
     forward_end = model_states + buffers + saved + logits.forward_bytes
     backward_start = model_states + buffers + saved + acts.backward_extra_bytes + logits.backward_bytes
     if o.optimizer == "none":
-        step_transient = 0 if p.compute == "fp32" else counts.trainable * 4 // (hw.gpus if stage >= 1 else 1)
+        # fp32 gradients for the step; ZeRO-1/2 builds them from a flat compute-dtype copy of the
+        # gradient partition that is alive at the same time (stage_1_and_2.py: flatten, then .to(fp32))
+        per_param = 0 if p.compute == "fp32" else 4 + (compute_bytes if stage in (1, 2) else 0)
+        step_transient = counts.trainable * per_param // (hw.gpus if stage >= 1 else 1)
     else:
         step_transient = buffers
     optimizer_step = model_states + step_transient
     phases = {"init": init, "forward_end": forward_end, "backward_start": backward_start,
               "optimizer_step": optimizer_step}
     pattern = allocation_pattern(recipe, stage)
-    reserved = _reserved(phases, cal.init_slack_ratio, cal.slack_ratio(pattern))
+    expandable = hw.expandable_segments
+    init_slack = cal.init_slack(expandable)
+    # With expandable segments, ZeRO-3's gathered parameters live in its prefetch stream's own segment,
+    # which the compute stream cannot reuse: that slack scales with the gathered buffers, not the total.
+    streams = stage == 3 and expandable
+    stream_slack = int(buffers * cal.expandable_stream_slack_ratio) if streams else 0
+    stream_slack_high = int(buffers * cal.expandable_stream_slack_ratio_high) if streams else 0
+    reserved = _reserved(phases, init_slack, cal.slack_ratio(pattern, expandable), stream_slack)
     peak_phase = max(PHASES, key=lambda name: reserved[name])
     peak_allocated, peak_reserved = phases[peak_phase], reserved[peak_phase]
-    peak_reserved_high = max(_reserved(phases, cal.init_slack_ratio, cal.slack_ratio_high(pattern)).values())
+    peak_reserved_high = max(_reserved(phases, init_slack, cal.slack_ratio_high(pattern, expandable),
+                                       stream_slack_high).values())
     terms = {
         "params": states.gpu_params,
         "gradients": states.gpu_gradients,
@@ -242,12 +292,35 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
         nvme_breakdown=nvme_breakdown,
         saved_for_backward={"layers": acts.saved_bytes, "head": head, "loss": logits.saved_bytes},
         pinned_exact=exact_pinned, peak_reserved_high_bytes=peak_reserved_high,
+        checkpointing=_describe(recipe.checkpointing), recomputed_layers=recomputed_layers(recipe.checkpointing,
+                                                                                          counts.num_layers),
     )
 
 
-def _reserved(phases: dict[str, int], init_ratio: float, ratio: float) -> dict[str, int]:
-    """Reserved bytes of each phase: its allocated bytes plus the allocator's slack at that phase."""
-    return {name: int(allocated * (1 + (init_ratio if name == "init" else ratio))) for name, allocated in phases.items()}
+def recomputed_layers(checkpointing: Checkpointing, num_layers: int) -> int:
+    """How many whole decoder layers a (resolved) strategy recomputes; 0 for block-level strategies."""
+    if checkpointing.strategy == "every_layer":
+        return num_layers
+    if checkpointing.strategy == "every_n_layers":
+        return -(-num_layers // checkpointing.every_n_layers)
+    if checkpointing.strategy == "first_n_layers":
+        return min(checkpointing.first_n_layers, num_layers)
+    return 0
+
+
+def _describe(checkpointing: Checkpointing) -> str:
+    if checkpointing.strategy == "every_n_layers":
+        return f"every_n_layers={checkpointing.every_n_layers}"
+    if checkpointing.strategy == "first_n_layers":
+        return f"first_n_layers={checkpointing.first_n_layers}"
+    return checkpointing.strategy
+
+
+def _reserved(phases: dict[str, int], init_ratio: float, ratio: float, stream_bytes: int = 0) -> dict[str, int]:
+    """Reserved bytes of each phase: its allocated bytes plus the allocator's slack at that phase
+    (a share of the allocated bytes, plus what a second stream holds once training has started)."""
+    return {name: int(allocated * (1 + init_ratio)) if name == "init" else int(allocated * (1 + ratio)) + stream_bytes
+            for name, allocated in phases.items()}
 
 
 def allocation_pattern(recipe: Recipe, stage: int) -> str:

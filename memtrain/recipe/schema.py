@@ -121,18 +121,24 @@ class Hardware(Section):
     host_memory: ByteSize | None = Field(None, description="Host RAM available to the run, e.g. '64GiB' (default: what the machine has).")
     nvme_path: str | None = Field(None, description="Directory on a fast disk for the NVMe offload tiers.")
     cap_memory: bool = Field(True, description="On a card larger than the target, cap this process to the target's memory.")
+    expandable_segments: bool = Field(True, description="PyTorch's expandable CUDA segments: memory one phase frees is "
+                                      "reused by the next whatever the sizes, so little is reserved beyond what is "
+                                      "allocated (PYTORCH_CUDA_ALLOC_CONF, when set, wins).")
 
 
 CheckpointAction = Literal["save", "recompute", "offload"]
 
 
 class Checkpointing(Section):
-    strategy: Literal["none", "every_layer", "every_n_layers", "selective", "rules"] = Field(
+    strategy: Literal["none", "every_layer", "every_n_layers", "first_n_layers", "auto", "selective", "rules"] = Field(
         "every_layer",
-        description="none: keep all activations; every_layer / every_n_layers: recompute whole decoder layers; "
+        description="none: keep all activations; every_layer / every_n_layers / first_n_layers: recompute whole decoder "
+        "layers; auto: the planner recomputes the fewest whole layers (from the first) that fit the card; "
         "selective: the article's default (embeddings saved, attention and MLP blocks recomputed); rules: use `rules`.",
     )
     every_n_layers: int = Field(1, ge=1, description="With every_n_layers: checkpoint one layer in N.")
+    first_n_layers: int = Field(0, ge=0, description="With first_n_layers: recompute this many decoder layers, "
+                                "from the first (all of them when it is more than the model has).")
     rules: dict[str, CheckpointAction] = Field(
         default_factory=dict,
         description="Module-name glob -> save | recompute | offload, e.g. {'model.layers.*.mlp': recompute}.",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from memtrain.configs import gpu_profile
+from memtrain.train.allocator import use_expandable_segments
 from memtrain.train.pinned import use_exact_pinned_sizes
 
 
@@ -33,8 +34,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def setup_process(gpu: str, cap_memory: bool) -> tuple[Place, int]:
-    """Join (or, alone, create) the process group; pick the device; cap GPU memory to the target card.
+def setup_process(gpu: str, cap_memory: bool, expandable_segments: bool = True) -> tuple[Place, int]:
+    """Join (or, alone, create) the process group; pick the device; set the allocators up (expandable
+    CUDA segments, pinned sizes); cap GPU memory to the target card.
 
     Returns the place and the GPU memory cap in bytes (0 on the CPU).
     """
@@ -45,6 +47,7 @@ def setup_process(gpu: str, cap_memory: bool) -> tuple[Place, int]:
     world_size = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         use_exact_pinned_sizes()  # before DeepSpeed pins its offload buffers
+        use_expandable_segments(expandable_segments)  # before the first CUDA allocation
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

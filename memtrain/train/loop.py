@@ -126,7 +126,7 @@ def train(loaded: LoadedRecipe, resume: bool = True, max_steps: int | None = Non
           quiet: bool = False, save: bool = True, data=None) -> RunResult:
     """Run a recipe in this process; `data` is prepare_data's result when the caller already has it."""
     r = loaded.recipe
-    place, cap_bytes = setup_process(r.hardware.gpu, r.hardware.cap_memory)
+    place, cap_bytes = setup_process(r.hardware.gpu, r.hardware.cap_memory, r.hardware.expandable_segments)
     tokenizer, train_set, val_set = data if data is not None else prepare_data(loaded)
     steps_total = total_steps(loaded, len(train_set))
     run_dir = loaded.output_dir
@@ -182,6 +182,7 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
     from memtrain.monitor.forecast import PeakForecast
     from memtrain.monitor.metrics import MetricsLog
     from memtrain.monitor.profiler import StepProfiler, phase
+    from memtrain.plan.planner import with_resolved_checkpointing
     from memtrain.train.batch_policy import BatchPolicy
     from memtrain.train.export import export_model
     from memtrain.train.oom import start_memory_history
@@ -192,6 +193,8 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
     per_rank_batch = r.batch.global_batch // world
     recipe_micro_batch = resolve_micro_batch(loaded)  # "auto" asks the planner
     micro_batch = min(recipe_micro_batch, per_rank_batch)
+    loaded = with_resolved_checkpointing(loaded, micro_batch)  # checkpointing "auto" asks the planner too
+    r = loaded.recipe
     eval_samples = r.train.eval_batches * recipe_micro_batch  # independent of the GPU count
     engine, scheduler, model, ds_config = _build_engine(loaded, place, micro_batch, steps_total)
     zero3 = ds_config["zero_optimization"]["stage"] == 3

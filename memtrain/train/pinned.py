@@ -12,32 +12,17 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from memtrain.train.allocator import set_allocator_setting
+
 MiB = 1024**2
 ROUND_THRESHOLD_BYTES = 1 * MiB   # pinned blocks up to this size are still rounded (cheap, reused)
-SETTING = f"pinned_max_round_threshold_mb:{ROUND_THRESHOLD_BYTES // MiB}"
-
-
-def _set(setting: str) -> bool:
-    import torch
-
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    if setter is None or getter is None:
-        return False
-    current = getter() or ""
-    if "pinned_max_round_threshold" in current:  # the user chose a threshold: keep it
-        return True
-    try:
-        setter(f"{current},{setting}" if current else setting)
-    except RuntimeError:  # a PyTorch that does not know the key
-        return False
-    return True
+SETTING_KEY = "pinned_max_round_threshold_mb"
 
 
 @lru_cache(maxsize=1)
 def exact_pinned_supported() -> bool:
     """Whether this PyTorch has the rounding threshold (setting it is harmless before any pinning)."""
-    return _set(SETTING)
+    return set_allocator_setting(SETTING_KEY, str(ROUND_THRESHOLD_BYTES // MiB))
 
 
 def use_exact_pinned_sizes() -> bool:
