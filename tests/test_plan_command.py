@@ -167,3 +167,27 @@ batch: {global_batch: 16, micro_batch: auto}
 train: {steps: 10}
 """)
     assert larger_micro_batch(auto, None, plan_of(auto)) is None  # auto already takes the largest
+
+
+def test_spare_memory_is_offered_as_fewer_recomputed_layers():
+    from memtrain.plan.command import fewer_recomputed_layers
+    from memtrain.plan.planner import plan_recipe as plan_of
+    from memtrain.recipe.load import load_recipe_text as load_text
+
+    text = """
+model: {preset: tiny}
+data: {train: "builtin:shakespeare", seq_len: 1024}
+hardware: {gpu: %s}
+checkpointing: {strategy: %s}
+batch: {global_batch: 16, micro_batch: 8}
+train: {steps: 10}
+"""
+    every = load_text(text % ("1.0GiB", "every_layer"))  # between the plans with 1 and 2 layers recomputed
+    plan = plan_of(every)
+    assert plan.recomputed_layers == 4 and plan.fits
+    fewer = fewer_recomputed_layers(every, None, plan)
+    assert fewer is not None and fewer.recomputed_layers == 2 and fewer.fits and not fewer.tight
+    assert fewer.micro_batch == plan.micro_batch and fewer.peak_reserved_bytes > plan.peak_reserved_bytes
+    roomy = load_text(text % ("24GiB", "every_n_layers"))
+    assert fewer_recomputed_layers(roomy, None, plan_of(roomy)).recomputed_layers == 0
+    assert fewer_recomputed_layers(load_text(text % ("24GiB", "none")), None, plan_of(load_text(text % ("24GiB", "none")))) is None
