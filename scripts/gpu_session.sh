@@ -9,7 +9,7 @@
 #   bash scripts/gpu_session.sh speed3  # 3B ZeRO-3 offload and 7B full fine-tune vs HF (not run yet)
 #   bash scripts/gpu_session.sh speed4  # memtrain-only levers: expandable segments, micro-batch 16, checkpointing auto
 #   bash scripts/gpu_session.sh speed5  # 7B LoRA micro-batch 8 + checkpointing auto; 3B ZeRO-3 with both auto
-#   bash scripts/gpu_session.sh heldout # accuracy cases not used to fit the constants (not run yet)
+#   bash scripts/gpu_session.sh heldout # accuracy cases not yet measured with expandable segments (NVMe, QLoRA)
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 set -u
 part=${1:?part}
@@ -82,9 +82,9 @@ speed5)  # 7B LoRA at a planner-sized micro-batch 8; 3B ZeRO-3 offload with micr
     --case "7b-lora-mb4x1024 (memtrain mb8, checkpointing auto)=recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2 :: batch.micro_batch=8 checkpointing.strategy=auto" \
     --case "3b-zero3-opt-param-offload-mb4x1024 (memtrain micro-batch and checkpointing auto)=recipes/openllama-3b-full-offload-24gb.yaml schedule.warmup_steps=2 :: batch.micro_batch=auto checkpointing.strategy=auto"
   ;;
-heldout)  # next session: accuracy cases the constants were not fitted on
-  step plan-heldout 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 400 \
-    --parallel 5 --host-budget-gib 105 --only 1.1b-opt-cpu-every-mb1-s2048,7b-nvme
+heldout)  # next session: the cases not yet measured with expandable segments (NVMe; QLoRA needs .whl/pkgs/bitsandbytes)
+  step plan-heldout 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 450 \
+    --parallel 3 --host-budget-gib 105 --only 7b-nvme,qlora
   ;;
 accuracy)
   step plan-all 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 400 --calibrate \
