@@ -141,7 +141,7 @@ def checkpoint_plan(model: nn.Module, config: Checkpointing) -> CheckpointPlan:
     plan = CheckpointPlan(strategy=config.strategy, num_layers=len(layers), layer_names=layers)
     if config.strategy == "auto":
         raise ValueError("checkpointing strategy 'auto' is resolved by the planner (memtrain.plan.planner."
-                         "resolve_checkpointing) before it is applied")
+                         "with_resolved_checkpointing) before it is applied")
     if config.strategy in ("every_layer", "every_n_layers"):
         every = config.every_n_layers if config.strategy == "every_n_layers" else 1
         plan.actions = {name: "recompute" for i, name in enumerate(layers) if i % every == 0}
