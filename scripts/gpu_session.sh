@@ -9,6 +9,7 @@
 #   bash scripts/gpu_session.sh speed3  # 3B ZeRO-3 offload and 7B full fine-tune vs HF (not run yet)
 #   bash scripts/gpu_session.sh speed4  # memtrain-only levers: expandable segments, micro-batch 16, checkpointing auto
 #   bash scripts/gpu_session.sh speed5  # 7B LoRA micro-batch 8 + checkpointing auto; 3B ZeRO-3 with both auto
+#   bash scripts/gpu_session.sh speed6  # next: 7B LoRA under ZeRO-0, and HF at micro-batch 1
 #   bash scripts/gpu_session.sh heldout # accuracy cases not yet measured with expandable segments (NVMe, QLoRA)
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 set -u
@@ -81,6 +82,14 @@ speed5)  # 7B LoRA at a planner-sized micro-batch 8; 3B ZeRO-3 offload with micr
   step vs-hf 420 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 150 \
     --case "7b-lora-mb4x1024 (memtrain mb8, checkpointing auto)=recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2 :: batch.micro_batch=8 checkpointing.strategy=auto" \
     --case "3b-zero3-opt-param-offload-mb4x1024 (memtrain micro-batch and checkpointing auto)=recipes/openllama-3b-full-offload-24gb.yaml schedule.warmup_steps=2 :: batch.micro_batch=auto checkpointing.strategy=auto"
+  ;;
+speed6)  # next session: 7B LoRA levers not yet measured — ZeRO-0 (no per-parameter reduce hooks for the 448 LoRA
+  # tensors; ~40 ms per micro-batch on the CPU probe), and HF itself at micro-batch 1 (is the mb-1 slowness memtrain's?)
+  lora=recipes/llama2-7b-lora-24gb.yaml
+  step vs-hf 560 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 12 --warmup 3 --timeout 200 \
+    --case "7b-lora-mb4x1024 (memtrain ZeRO-0, checkpointing auto)=$lora :: offload.zero_stage=0 checkpointing.strategy=auto" \
+    --case "7b-lora-mb4x1024 (memtrain ZeRO-0, mb8, checkpointing auto)=$lora :: offload.zero_stage=0 batch.micro_batch=8 checkpointing.strategy=auto" \
+    --case "7b-lora-mb1x1024 (both mb1; memtrain ZeRO-0, checkpointing auto)=$lora batch.micro_batch=1 :: offload.zero_stage=0 checkpointing.strategy=auto"
   ;;
 heldout)  # next session: the cases not yet measured with expandable segments (NVMe; QLoRA needs .whl/pkgs/bitsandbytes)
   step plan-heldout 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 450 \
