@@ -191,3 +191,17 @@ train: {steps: 10}
     roomy = load_text(text % ("24GiB", "every_n_layers"))
     assert fewer_recomputed_layers(roomy, None, plan_of(roomy)).recomputed_layers == 0
     assert fewer_recomputed_layers(load_text(text % ("24GiB", "none")), None, plan_of(load_text(text % ("24GiB", "none")))) is None
+
+
+def test_the_plan_says_what_checkpointing_auto_resolved_to(tmp_path):
+    from typer.testing import CliRunner
+
+    from memtrain.cli import app
+
+    result = CliRunner().invoke(app, ["plan", str(write(tmp_path)), "checkpointing.strategy=auto", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)["plan"]
+    assert plan["checkpointing"] == f"first_n_layers={plan['recomputed_layers']}"
+    table = CliRunner().invoke(app, ["plan", str(write(tmp_path)), "checkpointing.strategy=auto"])
+    words = " ".join(table.output.split())  # the title wraps to the table's width
+    assert f"checkpointing first_n_layers={plan['recomputed_layers']}" in words

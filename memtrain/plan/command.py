@@ -54,7 +54,8 @@ def verdict(plan: Plan) -> str:
 def plan_table(plan: Plan) -> Table:
     """The article's breakdown per GPU, then the phases, host, NVMe, capacity and verdict."""
     table = Table(title=f"{plan.recipe_name} on {plan.gpus} × {plan.gpu_name} — ZeRO-{plan.zero_stage}, "
-                        f"micro-batch {plan.micro_batch} × {plan.seq_len} tokens", title_justify="left")
+                        f"micro-batch {plan.micro_batch} × {plan.seq_len} tokens, checkpointing {plan.checkpointing}",
+                  title_justify="left")
     table.add_column("per GPU", style="bold")
     table.add_column("GiB", justify="right")
     for term in TERMS:
