@@ -68,9 +68,10 @@ def memtrain_side(recipe: str, overrides: list[str], steps: int, warmup: int, ru
 
 def _setup(start: dict, recipe: dict) -> str:
     """What memtrain ran with, 'auto' resolved: micro-batch, checkpointing, allocator."""
-    c = recipe["checkpointing"]
-    checkpointing = {"every_n_layers": f"every_n_layers={c['every_n_layers']}",
-                     "first_n_layers": f"first_n_layers={c['first_n_layers']}"}.get(c["strategy"], c["strategy"])
+    from memtrain.plan.planner import describe_checkpointing
+    from memtrain.recipe.schema import Checkpointing
+
+    checkpointing = describe_checkpointing(Checkpointing.model_validate(recipe["checkpointing"]))
     allocator = "expandable" if recipe["hardware"].get("expandable_segments") else "caching"
     return f"mb {start.get('micro_batch')}, {checkpointing}, {allocator}"
 

@@ -31,10 +31,7 @@ NEVER_PRINT = 2**31 - 1
 
 def zero_stage(recipe: Recipe) -> int:
     """The ZeRO stage a recipe runs with."""
-    stage = recipe.offload.zero_stage
-    if stage != "auto":
-        return int(stage)
-    return 3 if recipe.offload.params != "none" else 2
+    return recipe.offload.stage
 
 
 def uses_client_optimizer(recipe: Recipe) -> bool:

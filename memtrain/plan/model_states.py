@@ -31,13 +31,6 @@ class StateBytes:
             + self.nvme_params + self.nvme_optimizer_states
 
 
-def zero_stage(zero_stage_setting: int | str, params_tier: str) -> int:
-    """The ZeRO stage a recipe runs: its setting, or auto = 3 when parameters are offloaded, else 2."""
-    if zero_stage_setting != "auto":
-        return int(zero_stage_setting)
-    return 3 if params_tier != "none" else 2
-
-
 EIGHT_BIT_BLOCK = 256   # bitsandbytes' 8-bit optimizers: one fp32 scale per 256 values of each moment
 
 

@@ -19,7 +19,7 @@ from memtrain.plan.activations import estimate_activations
 from memtrain.plan.calibration import Calibration, calibration
 from memtrain.plan.host import offload_host_bytes
 from memtrain.plan.logits import estimate_logits
-from memtrain.plan.model_states import DTYPE_BYTES, place_model_states, zero_stage
+from memtrain.plan.model_states import DTYPE_BYTES, place_model_states
 from memtrain.plan.params import ParamCounts, count_parameters
 from memtrain.plan.quantized import with_quantized_params
 from memtrain.recipe.load import LoadedRecipe
@@ -215,7 +215,7 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
     p, o, hw = recipe.precision, recipe.offload, recipe.hardware
     seq_len = recipe.data.seq_len
     compute_bytes = DTYPE_BYTES[p.compute]
-    stage = zero_stage(o.zero_stage, o.params)
+    stage = o.stage
     states = place_model_states(counts, stage, hw.gpus, p.storage, p.master, o.optimizer, o.params, o.ratio,
                                 o.buffer_count, eight_bit=recipe.optimizer.name.endswith("8bit"))
     states = with_quantized_params(states, counts, DTYPE_BYTES[p.storage])
@@ -292,7 +292,7 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
         nvme_breakdown=nvme_breakdown,
         saved_for_backward={"layers": acts.saved_bytes, "head": head, "loss": logits.saved_bytes},
         pinned_exact=exact_pinned, peak_reserved_high_bytes=peak_reserved_high,
-        checkpointing=_describe(recipe.checkpointing), recomputed_layers=recomputed_layers(recipe.checkpointing,
+        checkpointing=describe_checkpointing(recipe.checkpointing), recomputed_layers=recomputed_layers(recipe.checkpointing,
                                                                                           counts.num_layers),
     )
 
@@ -308,7 +308,8 @@ def recomputed_layers(checkpointing: Checkpointing, num_layers: int) -> int:
     return 0
 
 
-def _describe(checkpointing: Checkpointing) -> str:
+def describe_checkpointing(checkpointing: Checkpointing) -> str:
+    """The strategy with its number, as plans and benchmark tables print it (first_n_layers=24)."""
     if checkpointing.strategy == "every_n_layers":
         return f"every_n_layers={checkpointing.every_n_layers}"
     if checkpointing.strategy == "first_n_layers":

@@ -97,13 +97,6 @@ def _has_bitsandbytes() -> bool:
     return importlib.util.find_spec("bitsandbytes") is not None
 
 
-def _zero_stage(recipe) -> int:
-    """The ZeRO stage a recipe resolves to: its own, or 3 when parameters are offloaded, else 2."""
-    if recipe.offload.zero_stage != "auto":
-        return int(recipe.offload.zero_stage)
-    return 3 if recipe.offload.params != "none" else 2
-
-
 def _profile(loaded: LoadedRecipe):
     try:
         return gpu_profile(loaded.recipe.hardware.gpu)
@@ -218,7 +211,7 @@ def _check_weights_fit(loaded: LoadedRecipe) -> list[Problem]:
             linear, 0, r.model.quant_type, r.model.quantize.double_quant)
     stored_as = f"{r.model.quant_type} + {r.precision.compute}" if linear else r.precision.compute
     # ZeRO-3 shards the weights over the GPUs; stages 0-2 keep a whole copy on each
-    weights_per_gpu_bytes = weights_bytes / r.hardware.gpus if _zero_stage(r) == 3 else weights_bytes
+    weights_per_gpu_bytes = weights_bytes / r.hardware.gpus if r.offload.stage == 3 else weights_bytes
     if weights_per_gpu_bytes <= profile.memory_bytes:
         return []
     return [loaded.sources.problem(
@@ -251,7 +244,7 @@ def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
             problems.append(src.problem(("offload", "ratio"),
                                         f"a partial offload ratio works only with offload.optimizer=cpu, not {o.optimizer}",
                                         "remove offload.ratio or set offload.optimizer=cpu"))
-        elif _zero_stage(loaded.recipe) != 3:
+        elif loaded.recipe.offload.stage != 3:
             problems.append(src.problem(("offload", "ratio"), "DeepSpeed's partial optimizer offload needs ZeRO stage 3",
                                         "set offload.zero_stage=3 or remove offload.ratio"))
     return problems
@@ -361,7 +354,7 @@ def _check_quantize(loaded: LoadedRecipe) -> list[Problem]:
         problems.append(src.problem(("model", "quantize"), f"{kind} base weights are frozen, so nothing would train "
                                     "without LoRA adapters",
                                     "add model.lora (for example model.lora.r=16), or remove model.quantize"))
-    if _zero_stage(r) == 3:
+    if r.offload.stage == 3:
         at = ("offload", "params") if r.offload.params != "none" else ("offload", "zero_stage")
         problems.append(src.problem(
             at, f"{kind} weights cannot go through ZeRO-3, which partitions and offloads parameters as flat "

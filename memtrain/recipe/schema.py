@@ -197,6 +197,13 @@ class Offload(Section):
     bucket_size: int | Literal["auto"] = Field("auto", description="Reduce / all-gather bucket size in elements; auto derives from hidden size.")
     aio: Aio = Field(default_factory=Aio, description="Asynchronous I/O settings for the NVMe tiers (DeepSpeed `aio`).")
 
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage this runs with: zero_stage, or for 'auto' 3 when parameters are offloaded, else 2."""
+        if self.zero_stage != "auto":
+            return int(self.zero_stage)
+        return 3 if self.params != "none" else 2
+
 
 class Adaptive(Section):
     grow_after_steps: int = Field(5, ge=1, description="Consecutive steps under grow_below before growing.")

@@ -47,7 +47,6 @@ def check_memory(loaded: LoadedRecipe) -> list[str]:
     return warnings
 
 
-
 def cpu_fp16_supported() -> bool:
     """Whether DeepSpeed's CPU accelerator takes fp16 here (it needs oneDNN fp16: AVX512-FP16 / AMX)."""
     import torch
