@@ -84,7 +84,7 @@ speed5)  # 7B LoRA at a planner-sized micro-batch 8; 3B ZeRO-3 offload with micr
     --case "3b-zero3-opt-param-offload-mb4x1024 (memtrain micro-batch and checkpointing auto)=recipes/openllama-3b-full-offload-24gb.yaml schedule.warmup_steps=2 :: batch.micro_batch=auto checkpointing.strategy=auto"
   ;;
 speed6)  # next session: 7B LoRA levers not yet measured — ZeRO-0 (no per-parameter reduce hooks for the 448 LoRA
-  # tensors: +15-30 ms per micro-batch over ZeRO-0 in scripts/micro_batch_overhead.py on the CPU), and HF itself
+  # tensors; scripts/micro_batch_overhead.py times them on the CPU, no table committed yet), and HF itself
   # at micro-batch 1 (is the mb-1 slowness memtrain's?)
   lora=recipes/llama2-7b-lora-24gb.yaml
   step vs-hf 560 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 12 --warmup 3 --timeout 200 \
