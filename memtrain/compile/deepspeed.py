@@ -69,7 +69,7 @@ def _precision(recipe: Recipe) -> dict:
     return config
 
 
-def _offload_block(tier: str, recipe: Recipe, params: bool, hidden_size: int) -> dict:
+def _offload_block(tier: str, recipe: Recipe, params: bool, largest_param_numel: int) -> dict:
     o = recipe.offload
     block: dict = {"device": tier, "pin_memory": o.pin_memory}
     if tier == "nvme":
@@ -77,14 +77,18 @@ def _offload_block(tier: str, recipe: Recipe, params: bool, hidden_size: int) ->
         block["buffer_count"] = o.buffer_count if params else max(4, o.buffer_count)
     if params:
         if tier == "nvme":
-            block["buffer_size"] = max(100_000_000, 4 * hidden_size * hidden_size)
-            block["max_in_cpu"] = 1_000_000_000
+            # Each swap buffer holds one whole parameter: the largest one (the embedding of a 7B Llama,
+            # 131 M elements) must fit, or DeepSpeed stops at it ("More elements ... than buffer size").
+            block["buffer_size"] = largest_param_numel
+            # Every parameter on NVMe: DeepSpeed's default keeps the first 1e9 elements in host memory,
+            # which the NVMe tier exists to avoid (and which left only a 1.1B model's last layers on disk).
+            block["max_in_cpu"] = 0
     elif o.ratio < 1.0:
         block["ratio"] = o.ratio
     return block
 
 
-def _zero(recipe: Recipe, hidden_size: int) -> dict:
+def _zero(recipe: Recipe, hidden_size: int, largest_param_numel: int) -> dict:
     o = recipe.offload
     stage = zero_stage(recipe)
     bucket = hidden_size * hidden_size if o.bucket_size == "auto" else o.bucket_size
@@ -99,7 +103,8 @@ def _zero(recipe: Recipe, hidden_size: int) -> dict:
     if stage in (1, 2):
         zero.update(allgather_bucket_size=bucket, reduce_scatter=True)
     if o.optimizer != "none":
-        zero["offload_optimizer"] = _offload_block(o.optimizer, recipe, params=False, hidden_size=hidden_size)
+        zero["offload_optimizer"] = _offload_block(o.optimizer, recipe, params=False,
+                                                   largest_param_numel=largest_param_numel)
     if stage == 3:
         prefetch = int(0.9 * hidden_size * hidden_size) if o.prefetch_bucket_size == "auto" else o.prefetch_bucket_size
         zero.update(
@@ -111,7 +116,14 @@ def _zero(recipe: Recipe, hidden_size: int) -> dict:
             sub_group_size=1_000_000_000,
         )
         if o.params != "none":
-            zero["offload_param"] = _offload_block(o.params, recipe, params=True, hidden_size=hidden_size)
+            zero["offload_param"] = _offload_block(o.params, recipe, params=True,
+                                                   largest_param_numel=largest_param_numel)
+        if o.params == "nvme":
+            # A parameter kept for reuse holds one of the `buffer_count` swap buffers until then. With the
+            # default distance (1e9 elements) a checkpointed model keeps its last layers from forward to
+            # backward, more parameters than buffers: DeepSpeed asserts "Not enough buffers 0 for swapping 1".
+            # Released at once, they are read back from NVMe when backward needs them (prefetched).
+            zero["stage3_max_reuse_distance"] = 0
     return zero
 
 
@@ -126,10 +138,12 @@ def _aio(recipe: Recipe) -> dict:
     }
 
 
-def compile_deepspeed(recipe: Recipe, hidden_size: int, micro_batch: int, total_steps: int) -> dict:
+def compile_deepspeed(recipe: Recipe, hidden_size: int, micro_batch: int, total_steps: int,
+                      largest_param_numel: int = 100_000_000) -> dict:
     """The DeepSpeed config for a recipe.
 
     hidden_size: the model's hidden size (bucket sizes derive from it).
+    largest_param_numel: elements of the model's largest parameter (NVMe parameter swap buffers hold it).
     micro_batch: the resolved starting micro-batch (an int even when the recipe says "auto").
     total_steps: optimizer steps of the whole run (kept in the signature for ZeRO settings that
         depend on run length; the LR schedule is memtrain's own, `memtrain.train.schedule`).
@@ -157,7 +171,7 @@ def compile_deepspeed(recipe: Recipe, hidden_size: int, micro_batch: int, total_
         "wall_clock_breakdown": False,
         **({} if uses_client_optimizer(recipe) else {"optimizer": {"type": "AdamW", "params": optimizer_params}}),
         **_precision(recipe),
-        "zero_optimization": _zero(recipe, hidden_size),
+        "zero_optimization": _zero(recipe, hidden_size, largest_param_numel),
         "zero_allow_untested_optimizer": True,
     }
     if uses_nvme:
@@ -166,8 +180,11 @@ def compile_deepspeed(recipe: Recipe, hidden_size: int, micro_batch: int, total_
 
 
 def compile_recipe(recipe: Recipe, micro_batch: int, total_steps: int) -> dict:
-    """compile_deepspeed with the model's hidden size looked up from its config (preset or directory)."""
-    from memtrain.model.config import model_config
+    """compile_deepspeed with the model's shapes looked up from its config (preset or directory)."""
+    from memtrain.model.config import meta_model, model_config
 
     hidden_size = model_config(recipe.model).hidden_size
-    return compile_deepspeed(recipe, hidden_size, micro_batch, total_steps)
+    largest = 100_000_000
+    if recipe.offload.params == "nvme":  # the meta model's shapes, in well under a second even for 13B
+        largest = max(p.numel() for p in meta_model(recipe.model).parameters())
+    return compile_deepspeed(recipe, hidden_size, micro_batch, total_steps, largest_param_numel=largest)
