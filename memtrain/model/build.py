@@ -86,6 +86,10 @@ def add_lora(lm: PreTrainedModel, model: Model) -> torch.nn.Module:
     # undone by DeepSpeed's bf16 engine (fp32_modules is the recipe's way to keep modules in fp32), and
     # checkpointing is memtrain's own; what it does that matters here is the input-grad hook below.
     peft_model = get_peft_model(lm, config)
+    if lora.lean_dropout and lora.dropout > 0:
+        from memtrain.model.lora_dropout import use_lean_dropout
+
+        use_lean_dropout(peft_model)
     if hasattr(peft_model, "enable_input_require_grads"):
         # checkpointed layers need an input that requires grad when the embeddings are frozen
         peft_model.enable_input_require_grads()

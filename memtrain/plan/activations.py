@@ -104,7 +104,8 @@ def one_layer_model(model: Model, dtype: torch.dtype) -> torch.nn.Module:
 
 def _with_lora(module: torch.nn.Module, model: Model, dtype: torch.dtype) -> torch.nn.Module:
     """The one-layer model as it trains under LoRA: frozen base weights (autograd then keeps no input
-    for their weight gradients) and PEFT's adapters, whose dropout and down-projection keep theirs.
+    for their weight gradients) and PEFT's adapters, whose dropout and down-projection keep theirs
+    (with lean dropout, the A matrices keep the shared input and no mask: memtrain.model.lora_dropout).
     PEFT creates adapters in fp32; DeepSpeed's engine casts them to the compute dtype, so does this.
     Quantised bases are traced as plain frozen weights."""
     if model.lora is None:
@@ -159,7 +160,8 @@ def _trace_layer(model_json: str, compute: str, micro_batch: int, seq_len: int) 
             def pack(tensor: torch.Tensor) -> torch.Tensor:
                 storage = tensor.untyped_storage()
                 if storage._cdata not in params and storage._cdata not in shared:
-                    # CUDA's dropout keeps a bool mask; the CPU kernel traced here keeps it in the input dtype
+                    # CUDA's dropout keeps a bool mask; the CPU kernel traced here keeps it in the input dtype.
+                    # (Lean LoRA dropout keeps no mask: it regenerates it from a seed, also under this fake mode.)
                     nbytes = tensor.numel() if isinstance(modules.get(stack[-1]), torch.nn.Dropout) else storage.nbytes()
                     saved.append(SavedTensor(storage._cdata, nbytes, stack[-1]))
                 return tensor
