@@ -6,11 +6,12 @@
 #   bash scripts/gpu_session.sh sweep  # checkpoint sweep 1.1B
 #   bash scripts/gpu_session.sh speed  # memtrain vs HF Trainer + DeepSpeed: 7B LoRA, 1.1B optimizer offload
 #   bash scripts/gpu_session.sh speed2  # after the accumulation-boundary fix: 1.1B offload vs HF; larger micro-batches; 13B QLoRA
-#   bash scripts/gpu_session.sh speed3  # 3B ZeRO-3 offload and 7B full fine-tune vs HF (not run yet)
+#   bash scripts/gpu_session.sh speed3  # 7B full fine-tune vs HF, pinned and unpinned (session 4)
 #   bash scripts/gpu_session.sh speed4  # memtrain-only levers: expandable segments, micro-batch 16, checkpointing auto
 #   bash scripts/gpu_session.sh speed5  # 7B LoRA micro-batch 8 + checkpointing auto; 3B ZeRO-3 with both auto
-#   bash scripts/gpu_session.sh speed6  # next: 7B LoRA under ZeRO-0, and HF at micro-batch 1
-#   bash scripts/gpu_session.sh heldout # accuracy cases not yet measured with expandable segments (NVMe, QLoRA)
+#   bash scripts/gpu_session.sh speed6  # not run yet: 7B LoRA under ZeRO-0, and HF at micro-batch 1
+#   bash scripts/gpu_session.sh heldout # NVMe and QLoRA accuracy cases (session 4)
+#   bash scripts/gpu_session.sh final   # lean LoRA dropout accuracy rows + 1.1B NVMe (ran, session 4); its vs-HF step not run yet
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 set -u
 part=${1:?part}
@@ -63,11 +64,12 @@ speed2)
     --case "13b-qlora-nf4-mb8x1024=recipes/llama2-13b-qlora-24gb.yaml train.steps=8 $quiet" \
     --case "1.1b-full-opt-offload-mb8x1024=recipes/tinyllama-1.1b-full-offload-24gb.yaml batch.micro_batch=8 train.steps=12 $quiet"
   ;;
-speed3)  # next session: the offload cases not yet side by side, and the 7B full fine-tune goal
-  step vs-hf 560 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 270 \
-    --case "3b-zero3-opt-param-offload-mb4x1024=recipes/openllama-3b-full-offload-24gb.yaml" \
-    --case "7b-full-zero3-offload-bf16master-mb2x1024=recipes/llama2-7b-full-offload-2x24gb.yaml hardware.gpus=1 batch.micro_batch=2" \
-    --case "7b-full-zero3-offload-bf16master-unpinned-mb2x1024=recipes/llama2-7b-full-offload-2x24gb.yaml hardware.gpus=1 batch.micro_batch=2 offload.pin_memory=false"
+speed3)  # the 7B full fine-tune goal (>= 1,077 tokens/s with host <= 90 GiB): HF at the recipe's micro-batch 2
+  # against memtrain with the planner's micro-batch and checkpointing, pinned and unpinned host buffers
+  full7b="recipes/llama2-7b-full-offload-2x24gb.yaml hardware.gpus=1 schedule.warmup_steps=2"
+  step vs-hf 560 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 5 --warmup 1 --timeout 260 \
+    --case "7b-full-zero3-offload-bf16master-mb2x1024 (memtrain micro-batch and checkpointing auto)=$full7b :: batch.micro_batch=auto checkpointing.strategy=auto" \
+    --case "7b-full-zero3-offload-bf16master-mb2x1024 (memtrain micro-batch and checkpointing auto, unpinned)=$full7b :: batch.micro_batch=auto checkpointing.strategy=auto offload.pin_memory=false"
   ;;
 speed4)  # planner-chosen levers (memtrain only, after "::"): expandable segments, larger micro-batch, checkpointing auto
   tiny=recipes/tinyllama-1.1b-full-offload-24gb.yaml lora=recipes/llama2-7b-lora-24gb.yaml
@@ -92,9 +94,24 @@ speed6)  # next session: 7B LoRA levers not yet measured — ZeRO-0 (no per-para
     --case "7b-lora-mb4x1024 (memtrain ZeRO-0, mb8, checkpointing auto)=$lora :: offload.zero_stage=0 batch.micro_batch=8 checkpointing.strategy=auto" \
     --case "7b-lora-mb1x1024 (both mb1; memtrain ZeRO-0, checkpointing auto)=$lora batch.micro_batch=1 :: offload.zero_stage=0 checkpointing.strategy=auto"
   ;;
-heldout)  # next session: the cases not yet measured with expandable segments (NVMe; QLoRA needs .whl/pkgs/bitsandbytes)
-  step plan-heldout 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 450 \
-    --parallel 3 --host-budget-gib 105 --only 7b-nvme,qlora
+heldout)  # the cases not yet measured with expandable segments: NVMe (disk: 64 GB, one 7B case at a time), QLoRA
+  # (needs the bitsandbytes wheel in .whl/)
+  step plan-heldout 240 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 220 \
+    --parallel 3 --host-budget-gib 105 --only 1.1b-nvme,qlora
+  rm -rf /tmp/memtrain-nvme
+  step plan-7b-nvme 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy_7b_nvme.csv" --timeout 500 \
+    --only 7b-nvme
+  ;;
+final)  # lean LoRA dropout: accuracy rows (held out) and 7B LoRA vs HF; the fixed NVMe parameter tier (1.1B)
+  step plan-lean-nvme 175 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 170 \
+    --parallel 5 --host-budget-gib 105 --only 1.1b-nvme,lean
+  rm -rf /tmp/memtrain-nvme
+  lora="recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2 model.lora.lean_dropout=true"
+  step vs-hf 380 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 110 \
+    --case "7b-lora-mb4x1024 (memtrain lean dropout, checkpointing auto)=$lora :: checkpointing.strategy=auto" \
+    --case "7b-lora-mb4x1024 (memtrain lean dropout, mb8, checkpointing auto)=$lora :: batch.micro_batch=8 checkpointing.strategy=auto" \
+    --case "7b-lora-mb4x1024 (memtrain lean dropout, mb16, checkpointing auto)=$lora :: batch.micro_batch=16 checkpointing.strategy=auto" \
+    --case "7b-lora-mb4x1024 (memtrain lean dropout, ZeRO-0, mb8, checkpointing auto)=$lora :: offload.zero_stage=0 batch.micro_batch=8 checkpointing.strategy=auto"
   ;;
 accuracy)
   step plan-all 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 400 --calibrate \
