@@ -205,3 +205,17 @@ def test_the_plan_says_what_checkpointing_auto_resolved_to(tmp_path):
     table = CliRunner().invoke(app, ["plan", str(write(tmp_path)), "checkpointing.strategy=auto"])
     words = " ".join(table.output.split())  # the title wraps to the table's width
     assert f"checkpointing first_n_layers={plan['recomputed_layers']}" in words
+
+
+def test_lora_recipe_that_lean_dropout_makes_fit_is_advised_it_first():
+    """A card between the recipe's peak with PEFT's dropout and with lean dropout: the cheapest change is lean."""
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "llama2-7b-lora-24gb.yaml"
+    base = ["checkpointing.strategy=none", "batch.micro_batch=1", "data.seq_len=512"]
+    peft = plan_recipe(load_recipe(recipe, base + ["model.lora.lean_dropout=false"]))
+    lean = plan_recipe(load_recipe(recipe, base + ["model.lora.lean_dropout=true"]))
+    assert lean.peak_reserved_bytes < peft.peak_reserved_bytes
+    card_gib = (lean.peak_reserved_bytes + peft.peak_reserved_bytes) / 2 / GiB + 0.6  # + the CUDA context
+    loaded = load_recipe(recipe, base + [f"hardware.gpu={card_gib:.2f}GiB"])
+    assert not plan_recipe(loaded).fits
+    advice = advise(loaded)
+    assert advice[0].overrides == ["model.lora.lean_dropout=true"] and advice[0].plan.fits

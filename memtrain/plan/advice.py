@@ -1,6 +1,6 @@
 """Advice: the cheapest change that makes a recipe fit, walking the article's decision tree.
 
-Levers, in the tree's order: activation checkpointing → precision (chunked loss, bf16 master and
+Levers, in the tree's order: activation checkpointing → lean LoRA dropout → precision (chunked loss, bf16 master and
 optimizer states) → micro-batch (gradient accumulation keeps the global batch) → optimizer offload
 → parameter offload / NVMe → LoRA → quantised base weights (QLoRA). Every combination of one
 option per lever is planned (the plan is arithmetic on cached traces, so this takes seconds);
@@ -59,6 +59,14 @@ def _checkpointing_options(r: Recipe) -> list[Option]:
     options.append(Option(("checkpointing.strategy=every_layer",), 0.33,
                           "recompute every decoder layer in backward (one extra forward)"))
     return options
+
+
+def _lora_dropout_options(r: Recipe) -> list[Option]:
+    lora = r.model.lora
+    if lora is None or lora.dropout == 0 or lora.lean_dropout:
+        return [KEEP]
+    return [KEEP, Option(("model.lora.lean_dropout=true",), 0.1,
+                         "regenerate LoRA dropout masks in backward instead of keeping the dropped inputs")]
 
 
 def _precision_options(r: Recipe) -> list[Option]:
@@ -153,8 +161,8 @@ def advise(loaded: LoadedRecipe, gpu: str | None = None, limit: int = 3) -> list
     if current.fits:
         return []
     micro_options = [KEEP] if r.batch.micro_batch == "auto" else _micro_batch_options(loaded, current.micro_batch)
-    levers = [_checkpointing_options(r), _precision_options(r), micro_options, _offload_options(r), _lora_options(r),
-              _quantize_options(r)]
+    levers = [_checkpointing_options(r), _lora_dropout_options(r), _precision_options(r), micro_options,
+              _offload_options(r), _lora_options(r), _quantize_options(r)]
     candidates = []
     for order, combination in enumerate(itertools.product(*levers)):
         overrides, cost, reason = _merge(combination)
