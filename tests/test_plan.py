@@ -177,7 +177,7 @@ def test_activation_term_matches_bytes_a_real_forward_saves_for_backward():
 
 
 def test_peak_grows_with_micro_batch_and_sequence_length():
-    by_micro = [plan_recipe(tiny(micro_batch=m)) for m in (1, 2, 4, 8)]
+    by_micro = [plan_recipe(tiny(micro_batch=m)) for m in (1, 4, 8, 16)]
     by_seq = [plan_recipe(tiny(seq_len=s, micro_batch=8)) for s in (32, 64, 128, 256)]
     for plans in (by_micro, by_seq):
         peaks = [p.peak_reserved_bytes for p in plans]
@@ -249,11 +249,15 @@ def test_first_n_layers_spans_no_checkpointing_to_every_layer():
     assert len(set(steps)) == 1 and steps[0] > 10 * layer_input  # each layer frees the same bytes
     assert plan_recipe(_first_n(9)).recomputed_layers == 4  # more than the model has: all of them
     peaks = [plan_recipe(_first_n(n)).peak_allocated_bytes for n in range(5)]
-    assert peaks[:4] == sorted(peaks[:4], reverse=True)
-    assert peaks[3] <= peaks[4]  # recomputing the last layer too saves nothing: it is rebuilt at the peak
+    assert peaks == sorted(peaks, reverse=True)
+    # Recomputing the last layer too saves memory when the loss's backward, which comes first, outweighs
+    # the layer's own backward (this model's unchunked 4k-vocabulary loss against a 256-wide layer); then it
+    # saves what any other layer saves, never more: the recomputed layer is rebuilt in backward.
+    assert peaks[3] - peaks[4] <= peaks[2] - peaks[3]
 
 
-@pytest.mark.parametrize("gpu, layers", [("1.3GiB", 3), ("1.4GiB", 2), ("1.5GiB", 1), ("1.6GiB", 0), ("1.0GiB", 3)])
+@pytest.mark.parametrize("gpu, layers", [("1.25GiB", 3), ("1.35GiB", 2), ("1.45GiB", 1), ("1.55GiB", 0),
+                                         ("1.15GiB", 4), ("1.0GiB", 4)])
 def test_auto_checkpointing_recomputes_the_fewest_layers_that_fit(gpu, layers):
     from memtrain.plan.planner import with_resolved_checkpointing
 
@@ -264,8 +268,12 @@ def test_auto_checkpointing_recomputes_the_fewest_layers_that_fit(gpu, layers):
     assert chosen.peak_reserved_bytes == plan.peak_reserved_bytes
     if chosen.fits:
         assert not chosen.tight
-    else:  # 1 GiB: nothing fits; all but the last layer is still the smallest peak
-        assert layers == 3
+    else:  # 1 GiB: nothing fits; the smallest peak is every layer (the unchunked loss outweighs a layer)
+        assert layers == 4
+    if layers == 4:  # only when all but the last does not fit comfortably, and every layer plans lower
+        all_but_last = plan_recipe(_first_n(3, f"hardware.gpu={gpu}"))
+        assert not (all_but_last.fits and not all_but_last.tight)
+        assert chosen.peak_reserved_bytes < all_but_last.peak_reserved_bytes
     if layers:
         fewer = plan_recipe(_first_n(layers - 1, f"hardware.gpu={gpu}"))
         assert not fewer.fits or fewer.tight
