@@ -181,10 +181,12 @@ def compile_deepspeed(recipe: Recipe, hidden_size: int, micro_batch: int, total_
 
 def compile_recipe(recipe: Recipe, micro_batch: int, total_steps: int) -> dict:
     """compile_deepspeed with the model's shapes looked up from its config (preset or directory)."""
-    from memtrain.model.config import meta_model, model_config
+    from memtrain.model.config import model_config
+    from memtrain.plan.params import count_parameters
 
     hidden_size = model_config(recipe.model).hidden_size
-    largest = 100_000_000
-    if recipe.offload.params == "nvme":  # the meta model's shapes, in well under a second even for 13B
-        largest = max(p.numel() for p in meta_model(recipe.model).parameters())
+    if recipe.offload.params != "nvme":
+        return compile_deepspeed(recipe, hidden_size, micro_batch, total_steps)
+    # the same largest tensor the planner prices the swap buffers at (counted on the meta device, cached)
+    largest = count_parameters(recipe.model).largest_tensor
     return compile_deepspeed(recipe, hidden_size, micro_batch, total_steps, largest_param_numel=largest)
