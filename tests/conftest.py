@@ -56,3 +56,42 @@ def read_records(run_dir: Path, kind: str) -> list[dict]:
 
 def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_records(run_dir, "train")}
+
+
+def saved_for_backward_bytes(run, skip=()) -> int:
+    """Bytes autograd keeps for backward while `run()` runs: each storage once, those of the tensors in
+    `skip` (parameters, shared tables) left out."""
+    import torch
+
+    skipped = {t.untyped_storage().data_ptr() for t in skip}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skipped:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(saved.values())
+
+
+def lora_layer_saved_bytes(model, micro_batch: int, seq_len: int) -> int:
+    """What one real decoder layer of a recipe's LoRA model keeps for backward on the CPU in bf16, built
+    the way the planner traces it (adapters in the compute dtype, training mode), random weights."""
+    import torch
+
+    from memtrain.plan.activations import _layer_and_rotary, _with_lora, one_layer_model
+
+    lm = _with_lora(one_layer_model(model, torch.bfloat16), model, torch.bfloat16).to_empty(device="cpu")
+    lm.train()
+    for p in lm.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    layer, rotary = _layer_and_rotary(lm)
+    x = torch.randn(micro_batch, seq_len, lm.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(seq_len).unsqueeze(0).expand(micro_batch, -1)
+    cos_sin = tuple(t.to(torch.bfloat16) for t in rotary(x, positions))
+    return saved_for_backward_bytes(
+        lambda: layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin),
+        skip=[*layer.parameters(), *cos_sin])

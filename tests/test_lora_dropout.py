@@ -10,6 +10,7 @@ from memtrain.model.build import build_model
 from memtrain.model.checkpointing import apply_checkpointing
 from memtrain.model.lora_dropout import DropoutLinear, LeanDropoutLinear, dropout_mask
 from memtrain.recipe.schema import Checkpointing, Lora, Model
+from tests.conftest import lora_layer_saved_bytes, saved_for_backward_bytes
 from tests.test_policies_support import one_torch_thread  # noqa: F401 (autouse fixture)
 
 CPU = torch.device("cpu")
@@ -147,19 +148,8 @@ def test_peft_s_bitsandbytes_4bit_layer_goes_through_the_lean_path():
 
 def saved_bytes(lm) -> int:
     """Bytes autograd keeps for backward in one forward (unique storages, parameters left out)."""
-    params = {p.untyped_storage().data_ptr() for p in lm.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     ids = torch.randint(4096, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lm(input_ids=ids, labels=ids)
-    return sum(saved.values())
+    return saved_for_backward_bytes(lambda: lm(input_ids=ids, labels=ids), skip=lm.parameters())
 
 
 def test_training_keeps_one_input_per_shared_adapter_input_instead_of_dropped_copies_and_masks():
@@ -196,7 +186,7 @@ def test_recompute_regenerates_the_same_masks(strategy):
 def test_the_plan_prices_lean_dropout_as_what_the_layer_saves():
     """The trace of a lean LoRA layer equals the real layer's saved bytes on the CPU (no mask to price
     differently), and is below PEFT's dropout by the dropped copies and masks less the shared inputs."""
-    from memtrain.plan.activations import _layer_and_rotary, _with_lora, one_layer_model, trace_layer
+    from memtrain.plan.activations import trace_layer
 
     targets = ["q_proj", "v_proj", "down_proj"]
     model = Model(preset="tiny", lora={"r": 8, "target_modules": targets, "lean_dropout": True})
@@ -209,23 +199,4 @@ def test_the_plan_prices_lean_dropout_as_what_the_layer_saves():
     assert peft.full_bytes - trace.full_bytes == tokens * (3 * (hidden + hidden + intermediate)
                                                            - 2 * (hidden + intermediate))
 
-    lm = _with_lora(one_layer_model(model, torch.bfloat16), model, torch.bfloat16).to_empty(device="cpu")
-    lm.train()
-    for p in lm.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    layer, rotary = _layer_and_rotary(lm)
-    x = torch.randn(2, 32, hidden, dtype=torch.bfloat16, requires_grad=True)
-    positions = torch.arange(32).unsqueeze(0).expand(2, -1)
-    cos_sin = tuple(t.to(torch.bfloat16) for t in rotary(x, positions))
-    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {t.untyped_storage().data_ptr() for t in cos_sin}
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in skip:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
-    assert trace.full_bytes == sum(saved.values())
+    assert trace.full_bytes == lora_layer_saved_bytes(model, 2, 32)

@@ -14,6 +14,7 @@ from memtrain.plan.params import count_parameters
 from memtrain.plan.planner import bucket_elements, plan_recipe, resolve_micro_batch
 from memtrain.recipe.load import load_recipe_text
 from memtrain.recipe.schema import Lora, Model
+from tests.conftest import saved_for_backward_bytes
 
 GiB = 1024**3
 
@@ -157,19 +158,9 @@ def test_activation_term_matches_bytes_a_real_forward_saves_for_backward():
     plan = plan_recipe(tiny(overrides=["checkpointing.strategy=none"]))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config(Model(preset="tiny")), dtype=torch.bfloat16)
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage._cdata not in params:
-            saved[storage._cdata] = storage.nbytes()
-        return tensor
-
     ids = torch.randint(0, 4096, (2, 64))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids).loss.backward()
-    measured = sum(saved.values())
+    measured = saved_for_backward_bytes(lambda: model(input_ids=ids, labels=ids).loss.backward(),
+                                        skip=model.parameters())
     predicted = sum(plan.saved_for_backward.values())
     assert measured > 5e6
     print(f"predicted {predicted} measured {measured}")

@@ -13,6 +13,7 @@ from memtrain.plan.planner import allocation_pattern, plan_recipe
 from memtrain.recipe.schema import Model
 from memtrain.train.pinned import ROUND_THRESHOLD_BYTES, pinned_bytes
 
+from .conftest import lora_layer_saved_bytes
 from .test_plan import TINY_TOTAL, tiny
 
 GiB = 1024**3
@@ -109,32 +110,13 @@ def test_zero3_init_builds_one_tensor_at_a_time():
 def test_lora_layer_trace_equals_real_saved_tensors_except_the_dropout_mask():
     """The planner traces a LoRA layer as it trains (frozen base, adapters in the compute dtype).
     On the CPU, dropout keeps its mask in the input dtype; the plan prices CUDA's bool mask instead."""
-    from memtrain.plan.activations import _layer_and_rotary, _with_lora, one_layer_model, trace_layer
+    from memtrain.plan.activations import trace_layer
 
     model = Model(preset="tiny", lora={"r": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]})
     tokens = 2 * 32
     trace = trace_layer(model, "bf16", 2, 32)
-    lm = _with_lora(one_layer_model(model, torch.bfloat16), model, torch.bfloat16).to_empty(device="cpu")
-    lm.train()
-    for p in lm.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    layer, rotary = _layer_and_rotary(lm)
-    x = torch.randn(2, 32, 256, dtype=torch.bfloat16, requires_grad=True)
-    positions = torch.arange(32).unsqueeze(0).expand(2, -1)
-    cos_sin = tuple(t.to(torch.bfloat16) for t in rotary(x, positions))
-    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {t.untyped_storage().data_ptr() for t in cos_sin}
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in skip:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
     dropout_elements = tokens * (256 + 256 + 688)     # the inputs of q_proj, v_proj, down_proj
-    assert trace.full_bytes == sum(saved.values()) - dropout_elements * (2 - 1)
+    assert trace.full_bytes == lora_layer_saved_bytes(model, 2, 32) - dropout_elements * (2 - 1)
     plain = trace_layer(Model(preset="tiny"), "bf16", 2, 32)
     assert trace.full_bytes != plain.full_bytes   # frozen weights and adapters change what is kept
 
