@@ -73,7 +73,8 @@ def _setup(start: dict, recipe: dict) -> str:
 
     checkpointing = describe_checkpointing(Checkpointing.model_validate(recipe["checkpointing"]))
     allocator = "expandable" if recipe["hardware"].get("expandable_segments") else "caching"
-    return f"mb {start.get('micro_batch')}, {checkpointing}, {allocator}"
+    compiled = ", compiled layers" if recipe.get("train", {}).get("compile") else ""
+    return f"mb {start.get('micro_batch')}, {checkpointing}, {allocator}{compiled}"
 
 
 def hf_side(recipe: str, overrides: list[str], steps: int, warmup: int, out: Path, timeout: int) -> dict:

@@ -10,8 +10,10 @@
 #   bash scripts/gpu_session.sh speed4  # memtrain-only levers: expandable segments, micro-batch 16, checkpointing auto
 #   bash scripts/gpu_session.sh speed5  # 7B LoRA micro-batch 8 + checkpointing auto; 3B ZeRO-3 with both auto
 #   bash scripts/gpu_session.sh speed6  # not run yet: 7B LoRA under ZeRO-0, and HF at micro-batch 1
-#   bash scripts/gpu_session.sh heldout # NVMe and QLoRA accuracy cases (session 4)
+#   bash scripts/gpu_session.sh heldout # 1.1B NVMe and QLoRA accuracy cases (session 4)
 #   bash scripts/gpu_session.sh final   # lean LoRA dropout accuracy rows + 1.1B NVMe (ran, session 4); its vs-HF step not run yet
+#   bash scripts/gpu_session.sh profile # 7B LoRA: where a step goes (torch.profiler summaries, allocator retries) (session 5)
+#   bash scripts/gpu_session.sh compile # 7B LoRA with compiled decoder layers (train.compile) vs HF (session 5)
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 set -u
 part=${1:?part}
@@ -94,13 +96,10 @@ speed6)  # next session: 7B LoRA levers not yet measured — ZeRO-0 (no per-para
     --case "7b-lora-mb4x1024 (memtrain ZeRO-0, mb8, checkpointing auto)=$lora :: offload.zero_stage=0 batch.micro_batch=8 checkpointing.strategy=auto" \
     --case "7b-lora-mb1x1024 (both mb1; memtrain ZeRO-0, checkpointing auto)=$lora batch.micro_batch=1 :: offload.zero_stage=0 checkpointing.strategy=auto"
   ;;
-heldout)  # the cases not yet measured with expandable segments: NVMe (disk: 64 GB, one 7B case at a time), QLoRA
+heldout)  # the cases not yet measured with expandable segments: 1.1B NVMe, QLoRA
   # (needs the bitsandbytes wheel in .whl/)
   step plan-heldout 240 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 220 \
     --parallel 3 --host-budget-gib 105 --only 1.1b-nvme,qlora
-  rm -rf /tmp/memtrain-nvme
-  step plan-7b-nvme 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy_7b_nvme.csv" --timeout 500 \
-    --only 7b-nvme
   ;;
 final)  # lean LoRA dropout: accuracy rows (held out) and 7B LoRA vs HF; the fixed NVMe parameter tier (1.1B)
   step plan-lean-nvme 175 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 170 \
@@ -112,6 +111,22 @@ final)  # lean LoRA dropout: accuracy rows (held out) and 7B LoRA vs HF; the fix
     --case "7b-lora-mb4x1024 (memtrain lean dropout, mb8, checkpointing auto)=$lora :: batch.micro_batch=8 checkpointing.strategy=auto" \
     --case "7b-lora-mb4x1024 (memtrain lean dropout, mb16, checkpointing auto)=$lora :: batch.micro_batch=16 checkpointing.strategy=auto" \
     --case "7b-lora-mb4x1024 (memtrain lean dropout, ZeRO-0, mb8, checkpointing auto)=$lora :: offload.zero_stage=0 batch.micro_batch=8 checkpointing.strategy=auto"
+  ;;
+profile)  # memtrain run --profile 1 on 7B LoRA: the profile summary and per-step metrics land in $OUT
+  for v in "mb8-auto::batch.micro_batch=8" "mb8-auto-lean::batch.micro_batch=8 model.lora.lean_dropout=true" \
+           "mb1-auto::batch.micro_batch=1"; do
+    name=${v%%::*}; dir=/tmp/memtrain-profile/$name
+    step "profile-$name" 150 python3 -m memtrain run recipes/llama2-7b-lora-24gb.yaml ${v#*::} checkpointing.strategy=auto \
+      train.steps=4 $quiet train.log_every=1 train.output_dir=$dir --no-resume --no-save --profile 1
+    cp "$dir/profile_summary.txt" "$OUT/profile-$name.txt"; cp "$dir/metrics.jsonl" "$OUT/profile-$name.metrics.jsonl"
+    python3 -c "import json,sys; [print(r['step'], round(r['step_time_s'],3), r.get('gpu_alloc_retries'), round(r['gpu_peak_reserved_bytes']/2**30,2)) for r in map(json.loads, open(sys.argv[1])) if r['kind']=='train']" "$dir/metrics.jsonl"
+  done
+  ;;
+compile)  # 7B LoRA with compiled decoder layers against HF as Axolotl and LLaMA-Factory run it (eager)
+  lora="recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2"
+  step vs-hf 380 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 170 \
+    --case "7b-lora-mb4x1024 (memtrain compiled layers, mb8, checkpointing auto)=$lora :: train.compile=true batch.micro_batch=8 checkpointing.strategy=auto" \
+    --case "7b-lora-mb4x1024 (memtrain compiled layers, lean dropout, mb8, checkpointing auto)=$lora :: train.compile=true model.lora.lean_dropout=true batch.micro_batch=8 checkpointing.strategy=auto"
   ;;
 accuracy)
   step plan-all 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 400 --calibrate \

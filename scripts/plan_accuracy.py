@@ -76,10 +76,10 @@ CASES = [
     Case("7b-zero3-cpu-bf16master-mb2-s1024", FULL7B, ("hardware.gpus=1",) + _batch(2, 1024)),
     Case("7b-zero2-opt-cpu-mb2-s1024", FULL7B, ("hardware.gpus=1", "offload.params=none", "offload.zero_stage=auto")
          + _batch(2, 1024)),
-    # The GPU machine has 64 GB of disk: the 7B NVMe recipe with fp32 master weights needs 88 GiB there,
-    # so 7B runs with bf16 master weights and optimizer states (50 GiB), and 1.1B with the recipe's fp32.
+    # The GPU machine has 64 GB of disk: the 7B NVMe recipe with fp32 master weights needs 88 GiB there, and
+    # bf16 master weights on NVMe stop DeepSpeed 0.19's optimizer swapper (memtrain refuses them), so the
+    # NVMe tier is measured at 1.1B with the recipe's fp32 master weights.
     Case("1.1b-nvme-mb2-s1024", NVME7B, ("model.preset=tinyllama-1.1b",) + _batch(2, 1024)),
-    Case("7b-nvme-bf16master-mb2-s1024", NVME7B, ("precision.master=bf16",) + _batch(2, 1024)),
     Case("7b-qlora-nf4-every-mb8-s1024", QLORA7B, PEFT_DROPOUT + _batch(8, 1024)),
     Case("13b-qlora-nf4-every-mb8-s1024", QLORA13B, PEFT_DROPOUT + _batch(8, 1024)),
 ]

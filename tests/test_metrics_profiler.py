@@ -6,7 +6,7 @@ import json
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from memtrain.monitor.profiler import TRACE_FILE, StepProfiler, phase
+from memtrain.monitor.profiler import SUMMARY_FILE, TRACE_FILE, StepProfiler, phase
 
 
 def _train(profiler: StepProfiler, steps: int) -> None:
@@ -43,6 +43,11 @@ def test_trace_holds_the_profiled_steps_and_their_phases(tmp_path):
         assert names.count(name) == 2, name
     assert not profiler.recording
     assert phase("forward") is phase("backward")  # back to the shared no-op after the profile
+    summary = (tmp_path / SUMMARY_FILE).read_text()
+    rows = {line.split()[0]: line.split() for line in summary.splitlines() if line.strip()}
+    for name in ("forward", "backward", "optimizer_step", "aten::mm"):
+        assert name in rows, name
+    assert rows["forward"][-1] == "2"  # the "# of Calls" column: once per profiled step
 
 
 def test_a_run_shorter_than_the_profile_still_writes_its_trace(tmp_path):
@@ -56,5 +61,6 @@ def test_zero_steps_records_nothing(tmp_path):
     assert not profiler.enabled
     _train(profiler, steps=2)
     assert not (tmp_path / TRACE_FILE).exists()
+    assert not (tmp_path / SUMMARY_FILE).exists()
     assert list(tmp_path.iterdir()) == []
     assert phase("forward") is phase("backward")  # one shared do-nothing context

@@ -1,4 +1,5 @@
-"""`memtrain run --profile N`: a torch.profiler Chrome trace of N optimizer steps, with named phases.
+"""`memtrain run --profile N`: a torch.profiler Chrome trace of N optimizer steps, with named phases,
+and a table of the operators that took the time (profile_summary.txt).
 
 The loop wraps its work in `phase("forward")`, `phase("backward")`, `phase("optimizer_step")`,
 `phase("offload")`; while a profile is being recorded each becomes a record_function range (and an
@@ -14,6 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 TRACE_FILE = "trace.json"
+SUMMARY_FILE = "profile_summary.txt"  # the operators that took the time, as a table for people
+SUMMARY_ROWS = 40
 WARMUP_STEPS = 1
 
 _NO_OP = contextlib.nullcontext()
@@ -109,3 +112,18 @@ class StepProfiler:
         tmp = self.trace_path.with_name(f".{TRACE_FILE}.tmp")
         profiler.export_chrome_trace(str(tmp))
         tmp.replace(self.trace_path)
+        self._write_summary(profiler)
+
+    def _write_summary(self, profiler: profile) -> None:
+        """run_dir/profile_summary.txt: the top operators and phases by device time (CPU time without a GPU),
+        then by host time: where a step goes, without opening the trace."""
+        events = profiler.key_averages()
+        by_host = events.table(sort_by="cpu_time_total", row_limit=SUMMARY_ROWS)
+        parts = [f"{self.steps} profiled step(s) after {WARMUP_STEPS} warm-up; times are totals over them.\n"]
+        if self.device.type == "cuda":
+            parts += ["By device time (self):", events.table(sort_by="self_cuda_time_total", row_limit=SUMMARY_ROWS)]
+        parts += ["By host time (total, includes children):", by_host]
+        path = self.trace_path.with_name(SUMMARY_FILE)
+        tmp = path.with_name(f".{SUMMARY_FILE}.tmp")
+        tmp.write_text("\n".join(parts))
+        tmp.replace(path)

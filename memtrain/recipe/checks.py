@@ -224,7 +224,7 @@ def _check_weights_fit(loaded: LoadedRecipe) -> list[Problem]:
     )]
 
 
-@reads("offload")
+@reads("offload", "precision")
 def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
     o, src = loaded.recipe.offload, loaded.sources
     problems = []
@@ -236,6 +236,12 @@ def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
         problems.append(src.problem(("offload", "zero_stage"),
                                     f"offload.optimizer={o.optimizer} needs ZeRO stage 1, 2 or 3, not 0",
                                     "set offload.zero_stage=auto"))
+    if o.optimizer == "nvme" and loaded.recipe.precision.master == "bf16":
+        # DeepSpeed 0.19's optimizer swapper sizes its pinned buffers in the master dtype but swaps fp32 tensors
+        # through them: the first optimizer step stops on an assertion
+        problems.append(src.problem(("precision", "master"), "bf16 master weights cannot go to NVMe: DeepSpeed's "
+                                    "optimizer swapper stops at the first step with them",
+                                    "set precision.master=fp32, or offload.optimizer=cpu"))
     if o.params == "nvme" and o.optimizer == "none":
         problems.append(src.problem(("offload", "optimizer"), "parameters on NVMe need the optimizer offloaded too",
                                     "set offload.optimizer=cpu or nvme"))
@@ -321,6 +327,22 @@ def _check_warmup(loaded: LoadedRecipe) -> list[Problem]:
         return [src.problem(("schedule", "warmup_steps"),
                             f"warmup of {r.schedule.warmup_steps} steps is longer than the whole run ({r.train.steps})",
                             f"use at most {r.train.steps} warmup steps")]
+    return []
+
+
+@reads("train", "offload", "checkpointing")
+def _check_compile(loaded: LoadedRecipe) -> list[Problem]:
+    r, src = loaded.recipe, loaded.sources
+    if not r.train.compile:
+        return []
+    if r.offload.stage == 3:
+        return [src.problem(("train", "compile"), "train.compile works with ZeRO stage 0-2; ZeRO-3 gathers each "
+                            "layer's weights in hooks that torch.compile would have to trace through",
+                            "set train.compile=false, or offload.params=none and offload.zero_stage=2")]
+    if "offload" in r.checkpointing.rules.values():
+        return [src.problem(("train", "compile"), "train.compile cannot be combined with activation offload rules "
+                            "(their saved-tensor hooks do not run inside compiled layers)",
+                            "set train.compile=false, or use recompute instead of offload in checkpointing.rules")]
     return []
 
 

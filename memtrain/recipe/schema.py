@@ -259,6 +259,11 @@ class Train(Section):
     keep_last: int = Field(2, ge=1, description="Checkpoints kept.")
     log_every: int = Field(10, ge=1, description="Flush metrics every N optimizer steps (no per-step host sync).")
     seed: int = Field(1234, ge=0, description="Seed of model initialisation, data order and dropout.")
+    compile: bool = Field(
+        False, description="torch.compile each decoder layer: fuses the element-wise work around the matmuls "
+        "(norms, rotary embedding, SwiGLU, LoRA scaling and dropout) into fewer kernels. The first step waits "
+        "for the compiler (one layer is compiled, the others reuse it). ZeRO stage 0-2; `memtrain plan` "
+        "keeps the uncompiled activation estimate, an upper bound.")
     output_dir: str = Field("runs/{name}", description="Run directory; {name} is the recipe file's stem.")
 
 

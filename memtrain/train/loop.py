@@ -149,6 +149,10 @@ def _build_engine(loaded: LoadedRecipe, place: Place, micro_batch: int, steps_to
     model = build_model(r.model, r.precision.storage, place.device, ds_config, seed=r.train.seed)
     apply_checkpointing(model, r.checkpointing)
     apply_precision(model, r.precision)
+    if r.train.compile:
+        from memtrain.model.compiled import compile_layers
+
+        compile_layers(model)
     lm = TrainableLM(model, r.precision)
     trainable = [p for p in lm.parameters() if p.requires_grad]
     from memtrain.train.schedule import lr_scheduler_factory
@@ -336,5 +340,7 @@ def _memory_fields(place: Place, cap_bytes: int) -> dict:
                       gpu_reserved_bytes=torch.cuda.memory_reserved(device),
                       gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
                       gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
-                      gpu_cap_bytes=cap_bytes)
+                      gpu_cap_bytes=cap_bytes,
+                      # the allocator hit the cap, freed its cache and retried: slow, a sign to plan lower
+                      gpu_alloc_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
     return fields
