@@ -153,3 +153,52 @@ def test_a_fit_below_the_largest_measured_slack_is_tight_and_auto_does_not_take_
     auto = tiny(overrides=["batch.micro_batch=auto", "batch.global_batch=64"])
     chosen = resolve_micro_batch(auto, "24GiB")
     assert not plan_recipe(auto, "24GiB", micro_batch=chosen).tight
+
+
+def test_largest_sub_group_follows_deepspeeds_grouping():
+    from memtrain.plan.model_states import largest_sub_group
+
+    # tensors join a group until it holds `size` or more; the rest form the last group
+    assert largest_sub_group([4, 4, 4, 4, 1], 6) == 8          # [4, 4] [4, 4] [1]
+    assert largest_sub_group([10, 1, 1], 6) == 10               # one tensor may exceed the size
+    assert largest_sub_group([1, 2, 3], 100) == 6               # fewer elements than the size: one group
+    assert largest_sub_group([3, 3, 3, 3, 3], 7) == 9           # [3, 3, 3] [3, 3]
+
+
+def test_nvme_tiers_host_buffers_by_hand(tmp_path):
+    """Optimizer states and parameters on NVMe: the flat compute-dtype gradient partition stays in host
+    memory; four or more page-locked buffers of the largest sub-group in fp32 carry the optimizer's
+    tensors; the parameters' writes go through one compute-dtype copy of that sub-group and
+    `buffer_count` buffers of the largest tensor. The compiled config uses the same sub-group size."""
+    from memtrain.compile.deepspeed import compile_recipe
+    from memtrain.plan.model_states import largest_sub_group
+
+    loaded = tiny(overrides=["offload.optimizer=nvme", "offload.params=nvme", f"hardware.nvme_path={tmp_path}",
+                             "offload.buffer_count=3"])
+    counts = count_parameters(loaded.recipe.model)
+    sub_group_size = compile_recipe(loaded.recipe, 1, 10)["zero_optimization"]["sub_group_size"]
+    assert sub_group_size == 100_000_000
+    sub_group = largest_sub_group(counts.trainable_numels, sub_group_size)
+    assert sub_group == TINY_TOTAL   # the tiny preset is one sub-group
+    host = plan_recipe(loaded, exact_pinned=False).host_breakdown
+    assert host["gradients"] == pow2(2 * TINY_TOTAL)
+    assert host["swap_buffers"] == 4 * sub_group * 4 + (sub_group + 3 * counts.largest_tensor) * 2
+    assert host["master_weights"] == host["optimizer_states"] == 0   # on disk, not in host memory
+
+
+def test_nvme_parameters_keep_one_layer_and_a_prefetch_bucket_on_the_gpu(tmp_path):
+    """With parameters on NVMe the compiler releases each one right after use (reuse distance 0), so the
+    GPU holds one gathered layer and a prefetch bucket, not max_live_parameters' worth (the CPU tier)."""
+    from memtrain.compile.deepspeed import compile_recipe
+    from memtrain.plan.calibration import calibration as cal_of
+    from memtrain.plan.planner import bucket_elements
+
+    nvme = tiny(overrides=["offload.optimizer=nvme", "offload.params=nvme", f"hardware.nvme_path={tmp_path}"])
+    cpu = tiny(overrides=["offload.optimizer=cpu", "offload.params=cpu"])
+    assert compile_recipe(nvme.recipe, 1, 10)["zero_optimization"]["stage3_max_reuse_distance"] == 0
+    counts = count_parameters(nvme.recipe.model)
+    reduce, prefetch = bucket_elements(nvme.recipe, counts.hidden_size)
+    cal = cal_of(nvme.recipe.hardware.gpu)
+    live = max(counts.largest_layer + prefetch, counts.largest_tensor)
+    assert plan_recipe(nvme).deepspeed_buffers == int(reduce * 2 * cal.zero_bucket_factor) + live * 2
+    assert plan_recipe(cpu).deepspeed_buffers == int(reduce * 2 * cal.zero_bucket_factor) + TINY_TOTAL * 2

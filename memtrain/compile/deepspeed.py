@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+from memtrain.plan.model_states import sub_group_elements
 from memtrain.recipe.schema import Recipe
 
 NEVER_PRINT = 2**31 - 1
@@ -113,7 +114,7 @@ def _zero(recipe: Recipe, hidden_size: int, largest_param_numel: int) -> dict:
             stage3_max_live_parameters=o.max_live_parameters,
             stage3_max_reuse_distance=o.max_live_parameters,
             stage3_gather_16bit_weights_on_model_save=True,
-            sub_group_size=1_000_000_000,
+            sub_group_size=sub_group_elements(o.optimizer),
         )
         if o.params != "none":
             zero["offload_param"] = _offload_block(o.params, recipe, params=True,

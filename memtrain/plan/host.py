@@ -22,14 +22,19 @@ ZeRO-3, optimizer on the CPU (sub-groups of at most `sub_group_size` elements):
                    offload.pin_memory false they are plain memory, returned when freed)
                    (measured on the H200: 3B +8.4 GiB, 7B +16.4 GiB beyond the flat buffer, which is
                    2.6 bytes per parameter: 2 bytes rounded up tensor by tensor)
+ZeRO-3, optimizer on NVMe:
+  gradients        the pinned compute-dtype flat buffer of n, as above
+  swap buffers     (model_states.py) max(4, buffer_count) page-locked buffers of the largest sub-group
+                   in the master dtype; with parameters on NVMe too, one page-locked copy of the largest
+                   sub-group in the compute dtype (the updated weights on their way to disk) and
+                   buffer_count buffers of the largest tensor
 """
 from __future__ import annotations
 
-from memtrain.plan.model_states import DTYPE_BYTES, master_bytes
+from memtrain.plan.model_states import DTYPE_BYTES, SUB_GROUP_ELEMENTS, master_bytes
 from memtrain.plan.params import ParamCounts
 from memtrain.train.pinned import pinned_bytes
 
-SUB_GROUP_ELEMENTS = 1_000_000_000   # the compiled config's sub_group_size (memtrain.compile.deepspeed)
 
 
 def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str, master: str,
@@ -60,6 +65,10 @@ def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str,
             if accumulates and state_bytes == 4:
                 staging += sum(pin(k * weight_bytes) for k in counts.trainable_numels) // gpus
             out["staging_buffers"] = gpus * staging
+    if optimizer_tier == "nvme":
+        # ZeRO-3's flat gradient partition stays in host memory (in the compute dtype); the states, the
+        # master weights and their fp32 gradients go to disk through the swap buffers (model_states.py)
+        out["gradients"] = gpus * pin(counts.trainable // gpus * weight_bytes)
     if stage == 3 and params_tier == "cpu":
         flat = pin(counts.weight_bytes(weight_bytes) // gpus)
         # pinned blocks stay in PyTorch's host cache once freed; plain ones go back to the system

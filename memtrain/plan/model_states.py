@@ -9,6 +9,32 @@ from dataclasses import dataclass
 
 from memtrain.plan.params import ParamCounts
 
+SUB_GROUP_ELEMENTS = 1_000_000_000   # the compiled config's sub_group_size (memtrain.compile.deepspeed)
+# With optimizer states on NVMe every swap buffer holds a whole sub-group in the master dtype: at 1e9
+# elements five of them pinned 19 GiB of host memory for a 1.1B model (measured on the H200, 34.9 GiB
+# in all), which is what the NVMe tier exists to avoid.
+NVME_SUB_GROUP_ELEMENTS = 100_000_000
+
+
+def sub_group_elements(optimizer_tier: str) -> int:
+    """ZeRO-3's sub_group_size for this optimizer tier (what the compiler writes)."""
+    return NVME_SUB_GROUP_ELEMENTS if optimizer_tier == "nvme" else SUB_GROUP_ELEMENTS
+
+
+def largest_sub_group(numels: tuple[int, ...] | list[int], size: int) -> int:
+    """Elements of ZeRO-3's largest sub-group: tensors are taken in order into a group until it holds
+    `size` or more (stage3.py `_create_fp16_sub_groups`); one group when they are fewer than `size`."""
+    total = sum(numels)
+    if total <= size:
+        return total
+    largest = current = 0
+    for numel in numels:
+        current += numel
+        if current >= size:
+            largest, current = max(largest, current), 0
+    return max(largest, current)
+
+
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -92,12 +118,16 @@ def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str,
     else:
         nvme_optimizer = optimizer_bytes
 
-    # NVMe tiers read and write through pinned host buffers of the largest tensor.
+    # NVMe tiers read and write through page-locked host buffers (DeepSpeed's aio, exact sizes): the
+    # optimizer's hold a whole sub-group each (its master weights, two moments and gradients take 4 of
+    # them at a time), the parameters' one tensor each.
     swap = 0
+    sub_group = largest_sub_group([k // gpus for k in counts.trainable_numels] or [counts.trainable // gpus],
+                                  sub_group_elements(optimizer_tier))
     if optimizer_tier == "nvme":
-        swap += int(buffer_count * counts.largest_tensor * per_param_optimizer) * gpus
+        swap += max(4, buffer_count) * sub_group * grad_host_bytes * gpus
     if nvme_params:
-        swap += buffer_count * counts.largest_tensor * compute_bytes * gpus
+        swap += (sub_group + buffer_count * counts.largest_tensor) * compute_bytes * gpus
     return StateBytes(
         gpu_params=gpu_params, gpu_gradients=gpu_gradients, gpu_optimizer_states=gpu_optimizer,
         host_params=host_params, host_gradients=host_gradients, host_optimizer_states=host_optimizer,
