@@ -98,8 +98,8 @@ speed6)  # next session: 7B LoRA levers not yet measured — ZeRO-0 (no per-para
   ;;
 heldout)  # the cases not yet measured with expandable segments: 1.1B NVMe, QLoRA
   # (needs the bitsandbytes wheel in .whl/)
-  step plan-heldout 240 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 220 \
-    --parallel 3 --host-budget-gib 105 --only 1.1b-nvme,qlora
+  step plan-heldout 480 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 300 \
+    --parallel 3 --host-budget-gib 105 --only 1.1b-nvme,qlora   # the NVMe case runs alone (session 5: 210 s)
   ;;
 final)  # lean LoRA dropout: accuracy rows (held out) and 7B LoRA vs HF; the fixed NVMe parameter tier (1.1B)
   step plan-lean-nvme 175 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 170 \
