@@ -219,3 +219,29 @@ def test_lora_recipe_that_lean_dropout_makes_fit_is_advised_it_first():
     assert not plan_recipe(loaded).fits
     advice = advise(loaded)
     assert advice[0].overrides == ["model.lora.lean_dropout=true"] and advice[0].plan.fits
+
+
+def test_compiled_layers_are_offered_where_they_are_allowed(tmp_path):
+    code, text = run(write(tmp_path))
+    assert code == 0 and "faster: train.compile=true" in text
+    _, compiled = run(write(tmp_path), "train.compile=true")
+    assert "train.compile=true fuses" not in compiled
+    # ZeRO-3 (parameters offloaded) cannot compile its layers: not offered
+    _, zero3 = run(write(tmp_path), "offload.optimizer=cpu", "offload.params=cpu")
+    assert "train.compile" not in zero3
+    _, as_json = run(write(tmp_path), as_json=True)
+    assert json.loads(as_json)["compile_layers"] is True
+
+
+def test_lean_dropout_is_not_advised_with_compiled_layers():
+    from memtrain.plan.advice import _lora_dropout_options
+    from memtrain.recipe.load import load_recipe_text
+
+    text = """
+model: {preset: tiny, lora: {r: 4, dropout: 0.1}}
+data: {train: "builtin:shakespeare", seq_len: 64}
+train: {steps: 10, compile: %s}
+"""
+    eager, compiled = (load_recipe_text(text % flag).recipe for flag in ("false", "true"))
+    assert any("model.lora.lean_dropout=true" in o.overrides for o in _lora_dropout_options(eager))
+    assert all("model.lora.lean_dropout=true" not in o.overrides for o in _lora_dropout_options(compiled))

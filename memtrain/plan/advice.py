@@ -63,8 +63,8 @@ def _checkpointing_options(r: Recipe) -> list[Option]:
 
 def _lora_dropout_options(r: Recipe) -> list[Option]:
     lora = r.model.lora
-    if lora is None or lora.dropout == 0 or lora.lean_dropout:
-        return [KEEP]
+    if lora is None or lora.dropout == 0 or lora.lean_dropout or r.train.compile:
+        return [KEEP]  # with compiled layers it is slower (docs/BENCHMARKS.md: its autograd function is not fused)
     return [KEEP, Option(("model.lora.lean_dropout=true",), 0.1,
                          "regenerate LoRA dropout masks in backward instead of keeping the dropped inputs")]
 
