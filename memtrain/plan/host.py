@@ -36,7 +36,6 @@ from memtrain.plan.params import ParamCounts
 from memtrain.train.pinned import pinned_bytes
 
 
-
 def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str, master: str,
                        optimizer_tier: str, params_tier: str, pin_memory: bool, exact_pinned: bool,
                        accumulates: bool) -> dict[str, int]:
