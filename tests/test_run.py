@@ -60,6 +60,8 @@ def test_training_lowers_the_loss_and_exports_a_model_that_generates(write_recip
     trace = json.loads((run_dir / "trace.json").read_text())  # --profile 2: a Chrome trace of two steps
     names = {event.get("name") for event in trace["traceEvents"]}
     assert {"forward", "backward", "optimizer_step"} <= names
+    summary = (run_dir / "profile_summary.txt").read_text()  # and the table of where the time went
+    assert "By host time" in summary and "aten::mm" in summary
     losses = train_losses(run_dir)
     assert sorted(losses) == list(range(1, 31))
     first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (28, 29, 30)) / 3
