@@ -14,6 +14,7 @@
 #   bash scripts/gpu_session.sh final   # lean LoRA dropout accuracy rows + 1.1B NVMe (ran, session 4); its vs-HF step not run yet
 #   bash scripts/gpu_session.sh profile # 7B LoRA: where a step goes (torch.profiler summaries, allocator retries) (session 5)
 #   bash scripts/gpu_session.sh compile # 7B LoRA with compiled decoder layers (train.compile) vs HF (session 5)
+#   bash scripts/gpu_session.sh equal3b # next: 3B ZeRO-3 offload vs HF at HF's own peak (6.41 GiB), not run yet
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 set -u
 part=${1:?part}
@@ -127,6 +128,12 @@ compile)  # 7B LoRA with compiled decoder layers against HF as Axolotl and LLaMA
   step vs-hf 380 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 170 \
     --case "7b-lora-mb4x1024 (memtrain compiled layers, mb8, checkpointing auto)=$lora :: train.compile=true batch.micro_batch=8 checkpointing.strategy=auto" \
     --case "7b-lora-mb4x1024 (memtrain compiled layers, lean dropout, mb8, checkpointing auto)=$lora :: train.compile=true model.lora.lean_dropout=true batch.micro_batch=8 checkpointing.strategy=auto"
+  ;;
+equal3b)  # the offload goal asks for equal or lower peak memory: memtrain capped to HF's measured 6.41 GiB
+  three="recipes/openllama-3b-full-offload-24gb.yaml schedule.warmup_steps=2"
+  step vs-hf 560 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 200 \
+    --case "3b-zero3-opt-param-offload-mb4x1024 (memtrain as the recipe: mb 4, every layer)=$three" \
+    --case "3b-zero3-opt-param-offload-mb4x1024 (memtrain capped to 6.4 GiB, micro-batch and checkpointing auto)=$three :: hardware.gpu=6.4GiB batch.micro_batch=auto checkpointing.strategy=auto"
   ;;
 accuracy)
   step plan-all 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 400 --calibrate \
