@@ -105,9 +105,9 @@ def compile_(
     if output is None:
         sys.stdout.write(text)
         return
-    tmp = output.with_name(output.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(output)
+    from memtrain.files import write_atomically
+
+    write_atomically(output, text)
     console.print(f"[green]✓[/] wrote {output}")
 
 

@@ -117,13 +117,11 @@ class StepProfiler:
     def _write_summary(self, profiler: profile) -> None:
         """run_dir/profile_summary.txt: the top operators and phases by device time (CPU time without a GPU),
         then by host time: where a step goes, without opening the trace."""
+        from memtrain.files import write_atomically
+
         events = profiler.key_averages()
-        by_host = events.table(sort_by="cpu_time_total", row_limit=SUMMARY_ROWS)
         parts = [f"{self.steps} profiled step(s) after {WARMUP_STEPS} warm-up; times are totals over them.\n"]
         if self.device.type == "cuda":
             parts += ["By device time (self):", events.table(sort_by="self_cuda_time_total", row_limit=SUMMARY_ROWS)]
-        parts += ["By host time (total, includes children):", by_host]
-        path = self.trace_path.with_name(SUMMARY_FILE)
-        tmp = path.with_name(f".{SUMMARY_FILE}.tmp")
-        tmp.write_text("\n".join(parts))
-        tmp.replace(path)
+        parts += ["By host time (total, includes children):", events.table(sort_by="cpu_time_total", row_limit=SUMMARY_ROWS)]
+        write_atomically(self.trace_path.with_name(SUMMARY_FILE), "\n".join(parts))

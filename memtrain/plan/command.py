@@ -4,13 +4,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import yaml
 from rich.table import Table
 
 from memtrain.errors import Problem, RecipeError
+from memtrain.files import write_atomically
 from memtrain.plan.advice import Advice, advise
 from memtrain.plan.planner import TERMS, Plan, plan_recipe, resolve_micro_batch
 from memtrain.recipe.load import COMMAND_LINE, LoadedRecipe, Sources, apply_overrides, load_recipe
@@ -96,19 +96,6 @@ def fitted_yaml(recipe: Path, overrides: list[str], output: Path) -> str:
     return header + yaml.safe_dump(data, sort_keys=False)
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write a whole file or nothing: a temporary file in the same directory, then a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as stream:
-            stream.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _advice_table(advice: list[Advice]) -> Table:
     table = Table(title="cheapest changes that fit", title_justify="left")
     table.add_column("overrides", overflow="fold", ratio=3)
@@ -151,13 +138,9 @@ def compile_offered(loaded: LoadedRecipe) -> bool:
     """Whether `train.compile=true` is worth offering: off, and allowed for this recipe (ZeRO 0-2, no
     activation offload rules). docs/BENCHMARKS.md: 7B LoRA on 24 GB, 1.57x HF + DeepSpeed compiled against
     1.14x eager; the first step waits for the compiler."""
-    from memtrain.recipe.checks import _check_compile
+    from memtrain.recipe.checks import compile_unsupported
 
-    if loaded.recipe.train.compile:
-        return False
-    train = loaded.recipe.train.model_copy(update={"compile": True})
-    compiled = dataclasses.replace(loaded, recipe=loaded.recipe.model_copy(update={"train": train}))
-    return not _check_compile(compiled)
+    return not loaded.recipe.train.compile and compile_unsupported(loaded.recipe) is None
 
 
 def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool, output: Path | None,

@@ -122,12 +122,12 @@ def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str,
     # optimizer's hold a whole sub-group each (its master weights, two moments and gradients take 4 of
     # them at a time), the parameters' one tensor each.
     swap = 0
-    sub_group = largest_sub_group([k // gpus for k in counts.trainable_numels] or [counts.trainable // gpus],
-                                  sub_group_elements(optimizer_tier))
-    if optimizer_tier == "nvme":
-        swap += max(4, buffer_count) * sub_group * grad_host_bytes * gpus
-    if nvme_params:
-        swap += (sub_group + buffer_count * counts.largest_tensor) * compute_bytes * gpus
+    if optimizer_tier == "nvme" or nvme_params:
+        sub_group = largest_sub_group([k // gpus for k in counts.trainable_numels], sub_group_elements(optimizer_tier))
+        if optimizer_tier == "nvme":
+            swap += max(4, buffer_count) * sub_group * grad_host_bytes * gpus
+        if nvme_params:
+            swap += (sub_group + buffer_count * counts.largest_tensor) * compute_bytes * gpus
     return StateBytes(
         gpu_params=gpu_params, gpu_gradients=gpu_gradients, gpu_optimizer_states=gpu_optimizer,
         host_params=host_params, host_gradients=host_gradients, host_optimizer_states=host_optimizer,

@@ -135,11 +135,12 @@ def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) 
         # DeepSpeed releases gathered parameters only once more than max_live_parameters are resident,
         # so up to that many plus the layer being gathered stay on the GPU (measured on the H200:
         # 7B and 3B ZeRO-3 held 1.9 and 1.5 GiB more than one layer + one prefetch bucket).
-        live = min(recipe.offload.max_live_parameters + counts.largest_layer, counts.total)
         if recipe.offload.params == "nvme":
             # released right after use (the compiler sets stage3_max_reuse_distance 0 for this tier): one
             # layer and one prefetch bucket (measured on the H200: 1.1B, 1.04 GiB allocated in all)
             live = counts.largest_layer + prefetch
+        else:
+            live = min(recipe.offload.max_live_parameters + counts.largest_layer, counts.total)
         buffers += max(live, counts.largest_tensor) * compute_bytes
     return buffers
 

@@ -330,20 +330,23 @@ def _check_warmup(loaded: LoadedRecipe) -> list[Problem]:
     return []
 
 
+def compile_unsupported(r) -> tuple[str, str] | None:
+    """(what is wrong, what to do) when this recipe's layers cannot be compiled (train.compile), else None."""
+    if r.offload.stage == 3:
+        return ("train.compile works with ZeRO stage 0-2; ZeRO-3 gathers each layer's weights in hooks that "
+                "torch.compile would have to trace through",
+                "set train.compile=false, or offload.params=none and offload.zero_stage=2")
+    if "offload" in r.checkpointing.rules.values():
+        return ("train.compile cannot be combined with activation offload rules (their saved-tensor hooks do "
+                "not run inside compiled layers)",
+                "set train.compile=false, or use recompute instead of offload in checkpointing.rules")
+    return None
+
+
 @reads("train", "offload", "checkpointing")
 def _check_compile(loaded: LoadedRecipe) -> list[Problem]:
-    r, src = loaded.recipe, loaded.sources
-    if not r.train.compile:
-        return []
-    if r.offload.stage == 3:
-        return [src.problem(("train", "compile"), "train.compile works with ZeRO stage 0-2; ZeRO-3 gathers each "
-                            "layer's weights in hooks that torch.compile would have to trace through",
-                            "set train.compile=false, or offload.params=none and offload.zero_stage=2")]
-    if "offload" in r.checkpointing.rules.values():
-        return [src.problem(("train", "compile"), "train.compile cannot be combined with activation offload rules "
-                            "(their saved-tensor hooks do not run inside compiled layers)",
-                            "set train.compile=false, or use recompute instead of offload in checkpointing.rules")]
-    return []
+    unsupported = compile_unsupported(loaded.recipe) if loaded.recipe.train.compile else None
+    return [loaded.sources.problem(("train", "compile"), *unsupported)] if unsupported else []
 
 
 @reads("checkpointing")
