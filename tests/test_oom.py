@@ -167,3 +167,56 @@ def test_malformed_spec_is_a_user_error_naming_the_point(spec):
         OomInjector.parse(f"1:0,{spec}")
     assert repr(spec) in str(caught.value)
     assert INJECT_ENV in str(caught.value)
+
+
+def test_a_layer_point_arms_and_raises_from_inside_that_layer():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    entered = []
+    for index, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_pre_hook(lambda m, a, index=index: entered.append(index))
+    injector = OomInjector.parse("1:0@layer1")
+    injector.attach(model)
+    ids = torch.tensor([[1, 2, 3]])
+    injector.maybe_raise(1, 0, 4)  # arms instead of raising before the forward
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        model(input_ids=ids)
+    assert entered == [0, 1]  # raised after layer 1's attention ran, before layer 2
+    entered.clear()
+    model(input_ids=ids)  # fired once: the retry passes every layer
+    assert entered == [0, 1, 2]
+
+
+def _checkpoint_as_torch_2_11_did(function, x):
+    """torch.utils.checkpoint (non-reentrant) before 2.13: its saved-tensor hooks live in a generator
+    that is only closed on success; when `function` raises, they stay installed until the frame dies."""
+    def hooks_around_forward():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: ("packed", t), lambda p: p[1]):
+            yield
+
+    gen = hooks_around_forward()
+    next(gen)
+    out = function(x)
+    next(gen, None)
+    return out
+
+
+def _saved_tensor_hooks_installed() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def test_an_oom_inside_a_checkpointed_region_leaves_no_saved_tensor_hooks_behind():
+    from memtrain.train.step import OomDuringStep, _as_oom
+
+    def forward_that_runs_out(x):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    try:
+        _checkpoint_as_torch_2_11_did(forward_that_runs_out, torch.ones(2, requires_grad=True))
+    except torch.OutOfMemoryError as error:
+        assert _saved_tensor_hooks_installed()  # what the retry's forward would have saved into
+        oom = _as_oom(error, in_backward=False, done=0)
+    assert isinstance(oom, OomDuringStep)
+    assert not _saved_tensor_hooks_installed()

@@ -279,6 +279,19 @@ def test_injected_ooms_lose_no_sample_and_keep_the_math(write_recipe, tmp_path, 
     assert [o["step"] for o in read_records(faulty[1], "oom")] == [1, 3]
 
 
+@pytest.mark.parametrize("strategy", [{"strategy": "every_layer"}, {"strategy": "every_n_layers", "every_n_layers": 2}])
+def test_an_oom_inside_a_checkpointed_layer_is_retried_exactly(write_recipe, tmp_path, monkeypatch, strategy):
+    """The OOM comes from inside a recomputed decoder layer's forward, so a checkpointed region is left
+    open when it unwinds (on torch < 2.13 with its saved-tensor hooks still installed); the retry
+    must neither save into it nor keep its tensors: same samples and losses as a clean run."""
+    extra = {"batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"}, "checkpointing": strategy,
+             "train": {"steps": 4, "eval_every": 100, "save_every": 100}}
+    clean, faulty = clean_and_faulty(write_recipe, tmp_path, monkeypatch, extra, "MEMTRAIN_INJECT_OOM",
+                                     "1:0@layer0,2:1@layer1")
+    assert_same_samples_and_losses(clean, faulty, steps=4, global_batch=8)
+    assert [o["step"] for o in read_records(faulty[1], "oom")] == [1, 2]
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_an_oom_in_backward_loses_no_sample_and_keeps_the_math(write_recipe, tmp_path, monkeypatch, stage):
     """ZeRO-3 drops the step's partial gradients in place; ZeRO-2 cannot, so it saves the last

@@ -87,7 +87,8 @@ def release_memory(device) -> None:
 # -- injection for tests --------------------------------------------------------------------------
 
 _POINT = re.compile(
-    r"^(?P<step>\d+):(?P<micro>\d+)(?:\*(?P<times>\d+))?(?::mb(?P<op>>=|<=|==|>|<)(?P<size>\d+))?$"
+    r"^(?P<step>\d+):(?P<micro>\d+)(?:\*(?P<times>\d+))?(?::mb(?P<op>>=|<=|==|>|<)(?P<size>\d+))?"
+    r"(?:@layer(?P<layer>\d+))?$"
 )
 _COMPARE = {
     ">=": lambda a, b: a >= b,
@@ -100,13 +101,18 @@ _COMPARE = {
 
 @dataclass(frozen=True)
 class InjectionPoint:
-    """Raise at (optimizer step, micro-batch index) `times` times, when micro_batch satisfies `op size`."""
+    """Raise at (optimizer step, micro-batch index) `times` times, when micro_batch satisfies `op size`.
+
+    With `layer`, the error comes from inside that decoder layer's forward (from its last child
+    module, so inside any checkpointed region around the layer) instead of before the forward.
+    """
 
     step: int
     micro_index: int
     times: int = 1
     op: str | None = None
     size: int | None = None
+    layer: int | None = None
 
     def matches(self, step: int, micro_index: int, micro_batch: int) -> bool:
         if (step, micro_index) != (self.step, self.micro_index):
@@ -123,14 +129,16 @@ def _this_rank_injects() -> bool:
 class OomInjector:
     """Test hook: raises torch.OutOfMemoryError at chosen points; each point fires `times` times (default once).
 
-    Spec, comma-separated: `step:micro_index`, optionally `*times` and `:mb>=N` (also >, <=, <, ==),
-    e.g. "3:0,7:1", "3:0:mb>=4" (only while the micro-batch is at least 4), "2:0*3" (the first three
-    attempts of step 2's first micro-batch). Steps count as the loop counts them.
+    Spec, comma-separated: `step:micro_index`, optionally `*times`, `:mb>=N` (also >, <=, <, ==) and
+    `@layerK`, e.g. "3:0,7:1", "3:0:mb>=4" (only while the micro-batch is at least 4), "2:0*3" (the
+    first three attempts of step 2's first micro-batch), "1:0@layer0" (from inside decoder layer 0's
+    forward; needs `attach(model)`). Steps count as the loop counts them.
     """
 
     def __init__(self, points: list[InjectionPoint] | tuple[InjectionPoint, ...] = ()):
         self.points = tuple(points)
         self.fired = [0] * len(self.points)
+        self.armed: tuple[int, str] | None = None  # (layer, message) for the next forward of that layer
 
     @classmethod
     def parse(cls, spec: str, source: str = INJECT_ENV) -> "OomInjector":
@@ -144,14 +152,16 @@ class OomInjector:
                 raise UserError(Problem(
                     f"cannot read OOM injection point {part!r}",
                     key=source,
-                    hint="write points as step:micro_index[*times][:mb>=N], comma-separated, e.g. '3:0,7:1:mb>=4'",
+                    hint="write points as step:micro_index[*times][:mb>=N][@layerK], comma-separated, "
+                     "e.g. '3:0,7:1:mb>=4,5:0@layer1'",
                 ))
             times = int(match["times"]) if match["times"] else 1
             if times < 1:
                 raise UserError(Problem(f"injection point {part!r} fires {times} times", key=source,
                                         hint="use *1 or more"))
             size = int(match["size"]) if match["size"] else None
-            points.append(InjectionPoint(int(match["step"]), int(match["micro"]), times, match["op"], size))
+            layer = int(match["layer"]) if match["layer"] else None
+            points.append(InjectionPoint(int(match["step"]), int(match["micro"]), times, match["op"], size, layer))
         return cls(points)
 
     @classmethod
@@ -172,7 +182,25 @@ class OomInjector:
         for index, point in enumerate(self.points):
             if self.fired[index] < point.times and point.matches(step, micro_index, micro_batch):
                 self.fired[index] += 1
-                raise torch.OutOfMemoryError(
-                    f"CUDA out of memory (injected by {INJECT_ENV} at step {step}, micro-batch "
-                    f"{micro_index}, micro_batch {micro_batch}, firing {self.fired[index]} of {point.times})"
-                )
+                message = (f"CUDA out of memory (injected by {INJECT_ENV} at step {step}, micro-batch "
+                           f"{micro_index}, micro_batch {micro_batch}, firing {self.fired[index]} of {point.times})")
+                if point.layer is not None:
+                    self.armed = (point.layer, message)
+                    return
+                raise torch.OutOfMemoryError(message)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """For `@layerK` points: hook the last child of each decoder layer so an armed point raises there."""
+        if not any(point.layer is not None for point in self.points):
+            return
+        from memtrain.model.checkpointing import decoder_layer_names, hf_model
+
+        modules = dict(hf_model(model).named_modules())
+        for index, name in enumerate(decoder_layer_names(model)):
+            last_child = list(modules[name].children())[-1]
+            last_child.register_forward_pre_hook(lambda module, args, index=index: self._raise_if_armed(index))
+
+    def _raise_if_armed(self, layer: int) -> None:
+        if self.armed is not None and self.armed[0] == layer:
+            message, self.armed = self.armed[1], None
+            raise torch.OutOfMemoryError(message)

@@ -1,0 +1,96 @@
+"""Where a run's reserved GPU memory sits: segments and allocations per CUDA stream (GPU).
+
+Runs a recipe in this process for a few steps with the allocator's history recorded, then writes a
+JSON summary: for each stream, the bytes its segments hold at the end and the peak of its live
+allocations over the run, plus the ten largest allocations per stream. Reserved memory beyond the
+peak allocated usually means blocks cached by one stream that another could not reuse; this shows
+which stream, and how big its blocks are, so the planner's terms can be checked against it.
+
+    python scripts/memory_segments.py recipes/llama2-7b-nvme-24gb.yaml model.preset=tinyllama-1.1b \\
+        train.steps=3 --out /tmp/segments.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+GiB = 2**30
+HISTORY_ENTRIES = 2_000_000  # alloc/free events kept: enough for a few steps of a 7B model
+
+
+def summarise(snapshot: dict) -> dict:
+    """Per stream: bytes in segments now, peak live allocated bytes and largest allocations over the trace."""
+    segment_bytes: dict[int, int] = defaultdict(int)
+    for segment in snapshot["segments"]:
+        segment_bytes[segment["stream"]] += segment["total_size"]
+    live: dict[int, int] = defaultdict(int)
+    peak: dict[int, int] = defaultdict(int)
+    mapped: dict[int, int] = defaultdict(int)
+    peak_mapped: dict[int, int] = defaultdict(int)
+    largest: dict[int, list[int]] = defaultdict(list)
+    total_live, total_peak, stream_live_at_total_peak = 0, 0, {}
+    for trace in snapshot["device_traces"]:
+        for event in trace:
+            stream, size, action = event.get("stream", 0), event["size"], event["action"]
+            if action == "alloc":
+                live[stream] += size
+                total_live += size
+                largest[stream] = sorted(largest[stream] + [size], reverse=True)[:10]
+            elif action == "free_completed":
+                live[stream] -= size
+                total_live -= size
+            elif action in ("segment_alloc", "segment_map"):
+                mapped[stream] += size
+            elif action in ("segment_free", "segment_unmap"):
+                mapped[stream] -= size
+            peak[stream] = max(peak[stream], live[stream])
+            peak_mapped[stream] = max(peak_mapped[stream], mapped[stream])
+            if total_live > total_peak:
+                total_peak, stream_live_at_total_peak = total_live, dict(live)
+    streams = sorted(set(segment_bytes) | set(peak))
+    return {
+        "streams": [{"stream": s, "segment_gib_at_end": segment_bytes[s] / GiB,
+                     "peak_mapped_gib_in_trace": peak_mapped[s] / GiB,
+                     "peak_allocated_gib_in_trace": peak[s] / GiB,
+                     "allocated_gib_at_overall_peak": stream_live_at_total_peak.get(s, 0) / GiB,
+                     "largest_allocations_mib": [round(b / 2**20, 1) for b in largest[s]]} for s in streams],
+        "overall_peak_allocated_gib_in_trace": total_peak / GiB,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", type=Path)
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("memory_segments.py reads CUDA allocator segments; this machine has no GPU", file=sys.stderr)
+        return 2
+    from memtrain.compile.launch import launch
+    import memtrain.train.oom as oom
+
+    # the run starts history itself (for OOM snapshots); keep more events than it does
+    oom.HISTORY_MAX_ENTRIES = HISTORY_ENTRIES
+    code = launch(args.recipe, args.overrides, resume=False, save=False)
+    stats = torch.cuda.memory_stats()
+    summary = {"exit_code": code,
+               "peak_reserved_gib": stats["reserved_bytes.all.peak"] / GiB,
+               "peak_allocated_gib": stats["allocated_bytes.all.peak"] / GiB,
+               "alloc_retries": stats["num_alloc_retries"],
+               **summarise(torch.cuda.memory._snapshot())}
+    args.out.write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
