@@ -13,6 +13,7 @@ import argparse
 import csv
 import datetime as dt
 import json
+import re
 import shlex
 import statistics
 import subprocess
@@ -39,9 +40,14 @@ def machine_name() -> str:
     return f"{platform.processor() or platform.machine()} CPU"
 
 
+def run_dir_for(runs: Path, name: str) -> Path:
+    """A directory for a case whose label may hold spaces, colons or commas (an override would misread them)."""
+    return runs / re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
+
+
 def run_case(name: str, spec: str, runs: Path, timeout_s: int, warmup_steps: int) -> dict:
     recipe, *overrides = shlex.split(spec)
-    run_dir = runs / name
+    run_dir = run_dir_for(runs, name)
     overrides += [f"train.output_dir={run_dir}", "train.log_every=1"]
     command = [sys.executable, "-m", "memtrain", "run", recipe, *overrides, "--no-resume", "--no-save"]
     shown = "memtrain run " + " ".join(shlex.quote(c) for c in [recipe, *overrides[:-2]])

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_run import machine_name, upsert_row  # noqa: E402
+from bench_run import machine_name, run_dir_for, upsert_row  # noqa: E402
 
 COLUMNS = ["recipe", "memtrain_tokens_per_s", "hf_tokens_per_s", "ratio", "memtrain_peak_reserved_gib",
            "hf_peak_reserved_gib", "memtrain_host_gib", "hf_host_gib", "memtrain_first_step_s", "hf_first_step_s",
@@ -124,7 +124,7 @@ def main() -> int:
         failures = (subprocess.TimeoutExpired, FileNotFoundError, StopIteration, ValueError, ZeroDivisionError,
                     KeyError, IndexError)
         try:
-            ours = memtrain_side(recipe, memtrain_overrides, args.steps, args.warmup, args.runs / name, args.timeout)
+            ours = memtrain_side(recipe, memtrain_overrides, args.steps, args.warmup, run_dir_for(args.runs, name), args.timeout)
             row.update(memtrain_tokens_per_s=f"{ours['tokens_per_s']:.0f}",
                        memtrain_peak_reserved_gib=f"{ours['peak_reserved_gib']:.2f}",
                        memtrain_host_gib=f"{ours['host_peak_rss_gib']:.1f}",

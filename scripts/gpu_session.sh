@@ -16,6 +16,7 @@
 #   bash scripts/gpu_session.sh compile # 7B LoRA with compiled decoder layers (train.compile) vs HF (session 5)
 #   bash scripts/gpu_session.sh equal3b # 3B ZeRO-3 offload vs HF near HF's own peak (6.41 GiB): mb 4 and mb 8 (session 6)
 #   bash scripts/gpu_session.sh torch211 # session 6: the checkpoint-hooks fix under torch 2.11; 7B LoRA every-2 again; NVMe segments
+#   bash scripts/gpu_session.sh equal3b-chunk # 3B mb 8 with smaller loss chunks, to stay under HF's 6.41 GiB (session 6)
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 set -u
 part=${1:?part}
@@ -150,6 +151,12 @@ torch211)  # torch < 2.13 left a failed checkpointed region's hooks installed (t
     --out "$OUT/segments-1.1b-nvme.json"
   step segments-cpu 150 python3 scripts/memory_segments.py $nvme offload.optimizer=cpu offload.params=cpu train.output_dir=/tmp/seg-cpu \
     --out "$OUT/segments-1.1b-zero3-cpu.json"
+  ;;
+equal3b-chunk)  # mb 8 measured 6.49 GiB, 0.08 above HF: smaller loss chunks free the rest (planner: -0.19 / -0.28 GiB)
+  three="recipes/openllama-3b-full-offload-24gb.yaml schedule.warmup_steps=2"
+  step vs-hf 560 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 200 \
+    --case "3b-zero3-opt-param-offload-mb4x1024 (memtrain mb8, loss chunks of 256 tokens)=$three :: batch.micro_batch=8 precision.loss_chunk_tokens=256" \
+    --case "3b-zero3-opt-param-offload-mb4x1024 (memtrain mb8, loss chunks of 512 tokens)=$three :: batch.micro_batch=8 precision.loss_chunk_tokens=512"
   ;;
 accuracy)
   step plan-all 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 400 --calibrate \
