@@ -124,7 +124,8 @@ def main() -> int:
         failures = (subprocess.TimeoutExpired, FileNotFoundError, StopIteration, ValueError, ZeroDivisionError,
                     KeyError, IndexError)
         try:
-            ours = memtrain_side(recipe, memtrain_overrides, args.steps, args.warmup, run_dir_for(args.runs, name), args.timeout)
+            ours = memtrain_side(recipe, memtrain_overrides, args.steps, args.warmup, run_dir_for(args.runs, name),
+                                 args.timeout)
             row.update(memtrain_tokens_per_s=f"{ours['tokens_per_s']:.0f}",
                        memtrain_peak_reserved_gib=f"{ours['peak_reserved_gib']:.2f}",
                        memtrain_host_gib=f"{ours['host_peak_rss_gib']:.1f}",

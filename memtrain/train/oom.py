@@ -5,6 +5,7 @@ import gc
 import logging
 import os
 import re
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,20 +31,26 @@ _OOM_FRAGMENTS = (
 )
 
 
+def _chain(error: BaseException):
+    """`error` and the errors it was raised from (cause, else context), each once."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
 def is_oom(error: BaseException) -> bool:
     """True when `error` (or an error it was raised from) is a failed memory allocation.
 
     Python's MemoryError counts too: on CPU runs activations live in host memory.
     """
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in _chain(error):
         if isinstance(current, (torch.OutOfMemoryError, MemoryError)):
             return True
         if isinstance(current, RuntimeError) and any(f in str(current).lower() for f in _OOM_FRAGMENTS):
             return True
-        current = current.__cause__ or current.__context__
     return False
 
 
@@ -75,6 +82,19 @@ def dump_memory_snapshot(run_dir: Path, step: int) -> Path | None:
         log.warning("could not write the memory snapshot %s: %s", path, error)
         return None
     return path
+
+
+def abandon_failed_frames(error: BaseException) -> None:
+    """Free the finished frames an OOM unwound through, now rather than at the next garbage collection.
+
+    They hold the failed attempt's activations, and on torch < 2.13 a non-reentrant
+    `torch.utils.checkpoint` that raised keeps its saved-tensor hooks installed until its frame is
+    freed: the retried forward then saved its tensors into the failed region, and its backward
+    stopped with a CheckpointError (seen on a 7B LoRA run under a 24 GiB cap, torch 2.11).
+    Frames still running (the handler's and its callers') are left alone.
+    """
+    for current in _chain(error):
+        traceback.clear_frames(current.__traceback__)
 
 
 def release_memory(device) -> None:
@@ -190,14 +210,15 @@ class OomInjector:
                 raise torch.OutOfMemoryError(message)
 
     def attach(self, model: torch.nn.Module) -> None:
-        """For `@layerK` points: hook the last child of each decoder layer so an armed point raises there."""
-        if not any(point.layer is not None for point in self.points):
+        """For `@layerK` points: hook the last child of each layer named so an armed point raises there."""
+        layers = sorted({point.layer for point in self.points if point.layer is not None})
+        if not layers:
             return
         from memtrain.model.checkpointing import decoder_layer_names, hf_model
 
-        modules = dict(hf_model(model).named_modules())
-        for index, name in enumerate(decoder_layer_names(model)):
-            last_child = list(modules[name].children())[-1]
+        modules, names = dict(hf_model(model).named_modules()), decoder_layer_names(model)
+        for index in layers:
+            last_child = list(modules[names[index]].children())[-1]
             last_child.register_forward_pre_hook(lambda module, args, index=index: self._raise_if_armed(index))
 
     def _raise_if_armed(self, layer: int) -> None:

@@ -20,7 +20,6 @@ others are already waiting in its gradient reductions); the run stops there.
 """
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass
 
 import torch
@@ -97,31 +96,14 @@ def run_micro_batches(engine, loader, batches: list[list[int]], normaliser: floa
 
 
 def _as_oom(error: BaseException, in_backward: bool, done: int) -> BaseException:
-    from memtrain.train.oom import is_oom
+    from memtrain.train.oom import abandon_failed_frames, is_oom
 
     if not is_oom(error):
         return error
-    _abandon_failed_frames(error)
+    abandon_failed_frames(error)
     oom = OomDuringStep(error, in_backward)
     oom.done = done
     return oom
-
-
-def _abandon_failed_frames(error: BaseException) -> None:
-    """Free the finished frames an OOM unwound through, now rather than at the next garbage collection.
-
-    They hold the failed attempt's activations, and on torch < 2.13 a non-reentrant
-    `torch.utils.checkpoint` that raised keeps its saved-tensor hooks installed until its frame is
-    freed: the retried forward then saved its tensors into the failed region, and its backward
-    stopped with a CheckpointError (seen on a 7B LoRA run under a 24 GiB cap, torch 2.11).
-    Frames still running (this one and its callers) are left alone.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)
-        current = current.__cause__ or current.__context__
 
 
 def step_targets(dataset, indices: list[int], device: torch.device, world_size: int) -> int:
