@@ -220,3 +220,13 @@ def test_an_oom_inside_a_checkpointed_region_leaves_no_saved_tensor_hooks_behind
         oom = _as_oom(error, in_backward=False, done=0)
     assert isinstance(oom, OomDuringStep)
     assert not _saved_tensor_hooks_installed()
+
+
+def test_a_layer_point_beyond_the_model_is_a_user_error_naming_the_range():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    with pytest.raises(UserError) as caught:
+        OomInjector.parse("1:0@layer3").attach(model)
+    assert "3 decoder layers" in str(caught.value) and "@layer0 to @layer2" in str(caught.value)

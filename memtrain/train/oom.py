@@ -217,6 +217,9 @@ class OomInjector:
         from memtrain.model.checkpointing import decoder_layer_names, hf_model
 
         modules, names = dict(hf_model(model).named_modules()), decoder_layer_names(model)
+        if layers[-1] >= len(names):
+            raise UserError(Problem(f"OOM injection point @layer{layers[-1]}: the model has {len(names)} decoder layers",
+                                    key=INJECT_ENV, hint=f"use @layer0 to @layer{len(names) - 1}"))
         for index in layers:
             last_child = list(modules[names[index]].children())[-1]
             last_child.register_forward_pre_hook(lambda module, args, index=index: self._raise_if_armed(index))
