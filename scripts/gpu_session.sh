@@ -18,6 +18,7 @@
 #   bash scripts/gpu_session.sh torch211 # session 6: the checkpoint-hooks fix under torch 2.11; 7B LoRA every-2 again; NVMe segments
 #   bash scripts/gpu_session.sh equal3b-chunk # 3B mb 8 with smaller loss chunks, to stay under HF's 6.41 GiB (session 6)
 #   bash scripts/gpu_session.sh equal3b-live # 3B mb 8 keeping 3e8 instead of 1e9 parameters gathered (session 6)
+#   bash scripts/gpu_session.sh segments2 # per-stream segments of 1.1B ZeRO-3 CPU and NVMe, 3B ZeRO-3 CPU, init included (session 7)
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 set -u
 part=${1:?part}
@@ -161,8 +162,20 @@ equal3b-chunk)  # mb 8 measured 6.49 GiB, 0.08 above HF: smaller loss chunks fre
   ;;
 equal3b-live)  # mb 8 with fewer parameters kept gathered between forward and backward (planner: 6.75 -> 4.69 GiB)
   three="recipes/openllama-3b-full-offload-24gb.yaml schedule.warmup_steps=2"
-  step vs-hf 250 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 6 --warmup 2 --timeout 130 \
-    --case "3b-zero3-opt-param-offload-mb4x1024 (memtrain mb8, max_live_parameters 3e8)=$three :: batch.micro_batch=8 offload.max_live_parameters=300000000"
+  step vs-hf 380 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 6 --warmup 2 --timeout 130 \
+    --case "3b-zero3-opt-param-offload-mb4x1024 (memtrain mb8, max_live_parameters 3e8)=$three :: batch.micro_batch=8 offload.max_live_parameters=300000000" \
+    --case "3b-zero3-opt-param-offload-mb4x1024 (memtrain mb8, max_live_parameters 5e8)=$three :: batch.micro_batch=8 offload.max_live_parameters=500000000"
+  ;;
+segments2)  # session 7: per-stream segments from before the model is built, for the ZeRO-3 reserved model
+  one="model.preset=tinyllama-1.1b batch.micro_batch=2 data.seq_len=1024 hardware.gpu=rtx3090 hardware.cap_memory=true
+       train.steps=3 schedule.warmup_steps=1 $quiet train.log_every=1"
+  step segments-cpu 110 python3 scripts/memory_segments.py recipes/llama2-7b-nvme-24gb.yaml $one offload.optimizer=cpu \
+    offload.params=cpu train.output_dir=/tmp/seg-cpu --out "$OUT/segments-1.1b-zero3-cpu.json"
+  step segments-3b 200 python3 scripts/memory_segments.py recipes/openllama-3b-full-offload-24gb.yaml batch.micro_batch=4 \
+    batch.global_batch=8 data.seq_len=1024 train.steps=3 schedule.warmup_steps=1 $quiet train.log_every=1 \
+    train.output_dir=/tmp/seg-3b --out "$OUT/segments-3b-zero3-cpu.json"
+  step segments-nvme 250 python3 scripts/memory_segments.py recipes/llama2-7b-nvme-24gb.yaml $one hardware.nvme_path=/tmp/nvme-seg \
+    train.output_dir=/tmp/seg-nvme --out "$OUT/segments-1.1b-nvme.json"
   ;;
 accuracy)
   step plan-all 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 400 --calibrate \

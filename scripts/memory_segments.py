@@ -23,19 +23,22 @@ GiB = 2**30
 HISTORY_ENTRIES = 2_000_000  # alloc/free events kept: enough for a few steps of a 7B model
 
 
-def summarise(snapshot: dict) -> dict:
-    """Per stream: bytes in segments now, peak live allocated bytes and largest allocations over the trace."""
+def summarise(snapshot: dict, train_from: int = 0) -> dict:
+    """Per stream: bytes in segments now, the high-water mark of its mapped segments, peak live allocated
+    bytes and largest allocations over the trace, and the same peaks over the training steps alone
+    (events from index `train_from` of the trace on: the run's initialisation comes before)."""
     segment_bytes: dict[int, int] = defaultdict(int)
     for segment in snapshot["segments"]:
         segment_bytes[segment["stream"]] += segment["total_size"]
     live: dict[int, int] = defaultdict(int)
     peak: dict[int, int] = defaultdict(int)
+    train_peak: dict[int, int] = defaultdict(int)
     mapped: dict[int, int] = defaultdict(int)
     peak_mapped: dict[int, int] = defaultdict(int)
     largest: dict[int, list[int]] = defaultdict(list)
     total_live, total_peak, stream_live_at_total_peak = 0, 0, {}
     for trace in snapshot["device_traces"]:
-        for event in trace:
+        for index, event in enumerate(trace):
             stream, size, action = event.get("stream", 0), event["size"], event["action"]
             if action == "alloc":
                 live[stream] += size
@@ -49,6 +52,8 @@ def summarise(snapshot: dict) -> dict:
             elif action in ("segment_free", "segment_unmap"):
                 mapped[stream] -= size
             peak[stream] = max(peak[stream], live[stream])
+            if index >= train_from:
+                train_peak[stream] = max(train_peak[stream], live[stream])
             peak_mapped[stream] = max(peak_mapped[stream], mapped[stream])
             if total_live > total_peak:
                 total_peak, stream_live_at_total_peak = total_live, dict(live)
@@ -57,9 +62,11 @@ def summarise(snapshot: dict) -> dict:
         "streams": [{"stream": s, "segment_gib_at_end": segment_bytes[s] / GiB,
                      "peak_mapped_gib_in_trace": peak_mapped[s] / GiB,
                      "peak_allocated_gib_in_trace": peak[s] / GiB,
+                     "peak_allocated_gib_in_training": train_peak[s] / GiB,
                      "allocated_gib_at_overall_peak": stream_live_at_total_peak.get(s, 0) / GiB,
                      "largest_allocations_mib": [round(b / 2**20, 1) for b in largest[s]]} for s in streams],
         "overall_peak_allocated_gib_in_trace": total_peak / GiB,
+        "training_starts_at_event": train_from,
     }
 
 
@@ -78,15 +85,18 @@ def main() -> int:
     from memtrain.compile.launch import launch
     import memtrain.train.oom as oom
 
-    # the run starts history itself (for OOM snapshots); keep more events than it does
-    oom.HISTORY_MAX_ENTRIES = HISTORY_ENTRIES
+    # record from before the model is built (the run itself starts recording only for its training
+    # steps); where it would start, note how many events came before, so initialisation can be told apart
+    torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, context=None)
+    train_from = []
+    oom.start_memory_history = lambda device: train_from.append(len(torch.cuda.memory._snapshot()["device_traces"][0]))
     code = launch(args.recipe, args.overrides, resume=False, save=False)
     stats = torch.cuda.memory_stats()
     summary = {"exit_code": code,
                "peak_reserved_gib": stats["reserved_bytes.all.peak"] / GiB,
                "peak_allocated_gib": stats["allocated_bytes.all.peak"] / GiB,
                "alloc_retries": stats["num_alloc_retries"],
-               **summarise(torch.cuda.memory._snapshot())}
+               **summarise(torch.cuda.memory._snapshot(), train_from[0] if train_from else 0)}
     args.out.write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
     return code
