@@ -29,9 +29,9 @@ def clean_env(**extra: str) -> dict:
 
 
 def run(path: Path, *overrides: str, **kwargs) -> int:
-    from memtrain.train.session import _injectors
+    from memtrain.train.oom import injectors_from_env
 
-    _injectors.cache_clear()  # read MEMTRAIN_INJECT_OOM* afresh for this run
+    injectors_from_env.cache_clear()  # read MEMTRAIN_INJECT_OOM* afresh for this run
     return launch(path, list(overrides), **kwargs)
 
 
@@ -335,9 +335,9 @@ def test_repeated_ooms_at_the_smallest_size_stop_with_a_checkpoint_and_advice(wr
 
     from memtrain.cli import app
     from memtrain.train.checkpoint import latest_checkpoint
-    from memtrain.train.session import _injectors
+    from memtrain.train.oom import injectors_from_env
 
-    _injectors.cache_clear()
+    injectors_from_env.cache_clear()
     result = CliRunner().invoke(app, ["run", str(recipe)])
     assert result.exit_code == 2, result.output
     assert "memtrain plan" in result.output and "Traceback" not in result.output

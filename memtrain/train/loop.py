@@ -23,7 +23,8 @@ from memtrain.recipe.load import LoadedRecipe
 from memtrain.train.checkpoint import LoopState, latest_checkpoint, load_checkpoint
 from memtrain.train.distributed import Place, all_reduce_sum, setup_process
 from memtrain.train.pinned import exact_pinned_supported
-from memtrain.train.session import SampleTrace, Session, _injectors
+from memtrain.train.oom import injectors_from_env
+from memtrain.train.session import SampleTrace, Session
 from memtrain.train.step import split, step_targets
 
 
@@ -237,7 +238,7 @@ def _train(loaded, place, cap_bytes, tokenizer, train_set, val_set, steps_total,
 
     session = Session(r, place, engine, policy, metrics, forecast, loader, sample_trace, run_dir, zero3, save,
                       state, cap_bytes)
-    _injectors()[0].attach(model)  # test hook: OOMs from inside a decoder layer (MEMTRAIN_INJECT_OOM=…@layerK)
+    injectors_from_env()[0].attach(model)  # test hook: OOMs from inside a decoder layer (MEMTRAIN_INJECT_OOM=…@layerK)
     with interrupted.installed(), progress, profiler:
         progress.update(state.step)
         while state.step < stop_at:

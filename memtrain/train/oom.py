@@ -1,6 +1,7 @@
 """Out-of-memory helpers: recognise an OOM, free what it left, keep forensics, inject OOMs in tests."""
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -228,3 +229,10 @@ class OomInjector:
         if self.armed is not None and self.armed[0] == layer:
             message, self.armed = self.armed[1], None
             raise torch.OutOfMemoryError(message)
+
+
+@functools.lru_cache(maxsize=None)
+def injectors_from_env() -> tuple[OomInjector, OomInjector]:
+    """The forward and backward test hooks, read once per process so a point that fired stays fired
+    across a restart of the step."""
+    return OomInjector.from_env(), OomInjector.from_env("MEMTRAIN_INJECT_OOM_BACKWARD")

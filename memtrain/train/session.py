@@ -6,7 +6,6 @@ memory pressure without losing or repeating a sample.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 from dataclasses import dataclass
@@ -61,12 +60,12 @@ class Session:
         Returns (summed token loss, micro-batches run, OOMs survived); None when an OOM in ZeRO-1/2
         backward left gradients that cannot be dropped, after saving the last completed step.
         """
-        from memtrain.train.oom import dump_memory_snapshot
+        from memtrain.train.oom import dump_memory_snapshot, injectors_from_env
 
         step, device = self.state.step, self.place.device
         if self.place.on_cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        injector, backward_injector = _injectors()
+        injector, backward_injector = injectors_from_env()
         loss_sum = torch.zeros((), device=device)
         remaining, micro_batches, ooms = mine, 0, 0
         while remaining:
@@ -171,14 +170,6 @@ class SampleTrace:
                 for indices in self.pending:
                     handle.write(json.dumps({"step": step, "rank": rank, "indices": indices}) + "\n")
         self.pending = []
-
-
-@functools.lru_cache(maxsize=None)
-def _injectors():
-    """Test hooks, read once per process so a point that fired stays fired across a restart."""
-    from memtrain.train.oom import OomInjector
-
-    return OomInjector.from_env(), OomInjector.from_env("MEMTRAIN_INJECT_OOM_BACKWARD")
 
 
 def _str(path) -> str | None:
