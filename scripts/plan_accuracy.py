@@ -109,7 +109,12 @@ LEAN = [
     Case("7b-qlora-nf4-lean-every-mb8-s1024", QLORA7B, LEAN_DROPOUT + _batch(8, 1024)),
     Case("13b-qlora-nf4-lean-every-mb8-s1024", QLORA13B, LEAN_DROPOUT + _batch(8, 1024)),
 ]
-CASES += HELD_OUT + LEAN
+# Held out, session 7: the NVMe tier at another micro-batch, predicted before it ran, after the per-stream
+# ZeRO-3 model was fitted on the micro-batch 2 row and the per-stream segments (benchmarks/segments/).
+STREAMS = [
+    Case("1.1b-nvme-mb4-s1024", NVME7B, ("model.preset=tinyllama-1.1b",) + _batch(4, 1024)),
+]
+CASES += HELD_OUT + LEAN + STREAMS
 
 
 def measure(case: Case, overrides: list[str], run_dir: Path, timeout_s: int) -> dict | str:

@@ -33,16 +33,20 @@ class Calibration:
     # the same with expandable segments (hardware.expandable_segments, the default), fitted on the H200
     # matrix of 2026-12-02 (benchmarks/plan_accuracy.csv): freed memory is reused whatever the sizes
     # (full 0.005-0.06, LoRA 0.02-0.03, QLoRA 0.083-0.109).
+    # (ZeRO-3: its compute stream only, see below)
     expandable_slack_ratios: tuple[tuple[str, float], ...] = (
-        ("full", 0.03), ("frozen", 0.02), ("quantized", 0.09), ("zero3", 0.03))
+        ("full", 0.03), ("frozen", 0.02), ("quantized", 0.09), ("zero3", 0.06))
     expandable_slack_ratios_high: tuple[tuple[str, float], ...] = (
-        ("full", 0.08), ("frozen", 0.04), ("quantized", 0.11), ("zero3", 0.08))
+        ("full", 0.08), ("frozen", 0.04), ("quantized", 0.11), ("zero3", 0.10))
     expandable_init_slack_ratio: float = 0.06  # 1.1B 6.65 / 6.15 GiB, 3B 19.95 / 19.15 GiB
-    # ...except across CUDA streams: ZeRO-3 gathers parameters on its own stream, whose segment the
-    # compute stream cannot reuse; reserved beyond allocated there = this share of the gathered-parameter
-    # buffers (3B and 7B ZeRO-3: 1.45 and 1.35 GiB unused beside 2.18 and 2.38 GiB of buffers)
-    expandable_stream_slack_ratio: float = 0.55
-    expandable_stream_slack_ratio_high: float = 0.67
+    # ...except across CUDA streams: ZeRO-3 gathers parameters and reduces large gradients on streams of
+    # its own, whose segments keep their own high-water marks; their few large blocks leave little unused
+    # (1.1B: 3 % and 22 % on 2.0 and 0.28 GiB of gathered parameters, 3 % on the reduce stream's 0.61).
+    # Its compute stream keeps at least expandable_zero3_min_slack unused (1.1B and 3B: 0.16 and 0.14 GiB
+    # beside 0.77 and 1.70 GiB; benchmarks/segments/*.json, H200, 2026-12-03).
+    expandable_side_stream_slack_ratio: float = 0.03
+    expandable_side_stream_slack_ratio_high: float = 0.05
+    expandable_zero3_min_slack_bytes: int = int(0.15 * GiB)
     zero_bucket_factor: float = 4.5           # live reduce buckets with overlap_comm (1 without)
     host_baseline_bytes: int = int(2.2 * GiB)  # torch + DeepSpeed + tokenizer + loader, before model states
     init_slack_ratio: float = 0.07             # reserved over allocated while deepspeed.initialize builds flat buffers
@@ -87,10 +91,12 @@ def calibration(gpu: str) -> Calibration:
                                                    defaults.expandable_slack_ratios_high),
         expandable_init_slack_ratio=float(raw.get("expandable_init_slack_ratio",
                                                   defaults.expandable_init_slack_ratio)),
-        expandable_stream_slack_ratio=float(raw.get("expandable_stream_slack_ratio",
-                                                    defaults.expandable_stream_slack_ratio)),
-        expandable_stream_slack_ratio_high=float(raw.get("expandable_stream_slack_ratio_high",
-                                                         defaults.expandable_stream_slack_ratio_high)),
+        expandable_side_stream_slack_ratio=float(raw.get("expandable_side_stream_slack_ratio",
+                                                         defaults.expandable_side_stream_slack_ratio)),
+        expandable_side_stream_slack_ratio_high=float(raw.get("expandable_side_stream_slack_ratio_high",
+                                                              defaults.expandable_side_stream_slack_ratio_high)),
+        expandable_zero3_min_slack_bytes=parse_bytes(raw.get("expandable_zero3_min_slack",
+                                                             defaults.expandable_zero3_min_slack_bytes)),
         zero_bucket_factor=float(raw.get("zero_bucket_factor", defaults.zero_bucket_factor)),
         host_baseline_bytes=parse_bytes(raw.get("host_baseline", defaults.host_baseline_bytes)),
         zero_init_flat_copies=float(raw.get("zero_init_flat_copies", defaults.zero_init_flat_copies)),

@@ -121,28 +121,67 @@ def _head_bytes(counts: ParamCounts, compute_bytes: int, tokens: int) -> int:
     return tokens * 8 + tokens * counts.hidden_size * (4 + 2 * compute_bytes)
 
 
-def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) -> int:
-    """DeepSpeed's GPU buffers: reduce buckets (several alive with overlap_comm) and ZeRO-3 live parameters."""
-    if stage == 0:
+# A gradient larger than the reduce bucket (the embedding, the lm_head) is reduced and handed to the
+# offloaded optimizer on its own, on ZeRO-3's reduce stream, through transient copies (compute dtype, the
+# fp32 of its norm, the master dtype) whose high-water mark that stream's segment keeps. Measured on the H200
+# (benchmarks/segments/*.json, bf16 compute, fp32 master): 0.61 and 0.95 GiB, 10 bytes per element of the
+# 1.1B and 3B embeddings, with optimizer states on the CPU and on NVMe alike. The 7B bf16-master row of
+# the accuracy matrix is within 3 % with the same figure, so it is not split by master dtype.
+LARGE_GRADIENT_BYTES_PER_ELEMENT = 10
+
+
+def large_gradient_bytes(recipe: Recipe, counts: ParamCounts, reduce_elements: int) -> int:
+    """ZeRO-3 with the optimizer offloaded: the reduce stream's transient for the largest gradient."""
+    if recipe.offload.optimizer == "none" or counts.largest_tensor <= reduce_elements:
         return 0
+    return counts.largest_tensor * LARGE_GRADIENT_BYTES_PER_ELEMENT
+
+
+@dataclass(frozen=True)
+class ZeroBuffers:
+    """DeepSpeed's GPU buffers, by the CUDA stream that holds them."""
+
+    reduce_bytes: int = 0          # reduce buckets, several alive with overlap_comm (compute stream)
+    gathered_bytes: int = 0        # ZeRO-3: gathered parameters still resident (its all-gather stream)
+    large_gradient_bytes: int = 0  # ZeRO-3, optimizer offloaded: see large_gradient_bytes (its reduce stream)
+
+    @property
+    def resident_bytes(self) -> int:
+        """What stays allocated through forward and backward (the phases add it)."""
+        return self.reduce_bytes + self.gathered_bytes
+
+    @property
+    def side_stream_bytes(self) -> int:
+        """The high-water marks of ZeRO-3's all-gather and reduce streams."""
+        return self.gathered_bytes + self.large_gradient_bytes
+
+
+def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) -> ZeroBuffers:
+    """DeepSpeed's GPU buffers: reduce buckets (several alive with overlap_comm), ZeRO-3's live parameters
+    and its reduce stream's copies of the largest gradient."""
+    if stage == 0:
+        return ZeroBuffers()
     compute_bytes = DTYPE_BYTES[recipe.precision.compute]
     reduce, prefetch = bucket_elements(recipe, counts.hidden_size)
+    bucket = reduce
     if recipe.offload.optimizer == "none" and stage < 3:
         reduce = min(reduce, counts.trainable)
     factor = cal.zero_bucket_factor if recipe.offload.overlap_comm else 1.0
-    buffers = int(reduce * compute_bytes * factor)
-    if stage == 3:
+    reduce_bytes = int(reduce * compute_bytes * factor)
+    if stage < 3:
+        return ZeroBuffers(reduce_bytes=reduce_bytes)
+    if recipe.offload.params == "nvme":
+        # released right after use (the compiler sets stage3_max_reuse_distance 0 for this tier): the layer
+        # in use, the next one being fetched and the largest tensor, gathered whole (measured on the H200:
+        # 1.1B, 0.28 GiB on the all-gather stream against 0.29 planned)
+        live = 2 * counts.largest_layer + counts.largest_tensor
+    else:
         # DeepSpeed releases gathered parameters only once more than max_live_parameters are resident,
         # so up to that many plus the layer being gathered stay on the GPU (measured on the H200:
         # 7B and 3B ZeRO-3 held 1.9 and 1.5 GiB more than one layer + one prefetch bucket).
-        if recipe.offload.params == "nvme":
-            # released right after use (the compiler sets stage3_max_reuse_distance 0 for this tier): one
-            # layer and one prefetch bucket (measured on the H200: 1.1B, 1.04 GiB allocated in all)
-            live = counts.largest_layer + prefetch
-        else:
-            live = min(recipe.offload.max_live_parameters + counts.largest_layer, counts.total)
-        buffers += max(live, counts.largest_tensor) * compute_bytes
-    return buffers
+        live = max(min(recipe.offload.max_live_parameters + counts.largest_layer, counts.total), counts.largest_tensor)
+    return ZeroBuffers(reduce_bytes=reduce_bytes, gathered_bytes=live * compute_bytes,
+                       large_gradient_bytes=large_gradient_bytes(recipe, counts, bucket))
 
 
 def plan_recipe(loaded: LoadedRecipe, gpu: str | None = None, micro_batch: int | None = None,
@@ -248,7 +287,7 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
     else:
         init = module_bytes
     saved = acts.saved_bytes + head
-    forward_end = model_states + buffers + saved + logits.forward_bytes
+    forward_end = model_states + buffers.resident_bytes + saved + logits.forward_bytes
     # Backward frees the loss's logits gradients before it reaches the last decoder layer, so the layer's
     # recompute and gradient transients come after them, not on top. Under ZeRO-3 the measured peaks match
     # the sum (the max would be 4-7 % under on the H200): parameters gathered for the first layers of
@@ -257,37 +296,39 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
         backward_extra = acts.backward_extra_bytes + logits.backward_bytes
     else:
         backward_extra = max(acts.backward_extra_bytes, logits.backward_bytes)
-    backward_start = model_states + buffers + saved + backward_extra
+    backward_start = model_states + buffers.resident_bytes + saved + backward_extra
     if o.optimizer == "none":
         # fp32 gradients for the step; ZeRO-1/2 builds them from a flat compute-dtype copy of the
         # gradient partition that is alive at the same time (stage_1_and_2.py: flatten, then .to(fp32))
         per_param = 0 if p.compute == "fp32" else 4 + (compute_bytes if stage in (1, 2) else 0)
         step_transient = counts.trainable * per_param // (hw.gpus if stage >= 1 else 1)
     else:
-        step_transient = buffers
+        step_transient = buffers.resident_bytes
     optimizer_step = model_states + step_transient
     phases = {"init": init, "forward_end": forward_end, "backward_start": backward_start,
               "optimizer_step": optimizer_step}
     pattern = allocation_pattern(recipe, stage)
     expandable = hw.expandable_segments
     init_slack = cal.init_slack(expandable)
-    # With expandable segments, ZeRO-3's gathered parameters live in its prefetch stream's own segment,
-    # which the compute stream cannot reuse: that slack scales with the gathered buffers, not the total.
-    streams = stage == 3 and expandable
-    stream_slack = int(buffers * cal.expandable_stream_slack_ratio) if streams else 0
-    stream_slack_high = int(buffers * cal.expandable_stream_slack_ratio_high) if streams else 0
-    reserved = _reserved(phases, init_slack, cal.slack_ratio(pattern, expandable), stream_slack)
+    # With expandable segments, memory freed on one CUDA stream is not reused by another: each stream's
+    # segments keep that stream's own high-water mark. ZeRO-3 gathers parameters and reduces large
+    # gradients on side streams, so its reserved memory is the compute stream's peak plus theirs, not the
+    # peak of the sum (benchmarks/segments/*.json: the sum of the streams' segments, in every run).
+    side = SideStreams(buffers.gathered_bytes, buffers.side_stream_bytes, cal.expandable_zero3_min_slack_bytes) \
+        if stage == 3 and expandable else SideStreams()
+    reserved = _reserved(phases, init_slack, cal.slack_ratio(pattern, expandable), side,
+                         cal.expandable_side_stream_slack_ratio)
     peak_phase = max(PHASES, key=lambda name: reserved[name])
     peak_allocated, peak_reserved = phases[peak_phase], reserved[peak_phase]
-    peak_reserved_high = max(_reserved(phases, init_slack, cal.slack_ratio_high(pattern, expandable),
-                                       stream_slack_high).values())
+    peak_reserved_high = max(_reserved(phases, init_slack, cal.slack_ratio_high(pattern, expandable), side,
+                                       cal.expandable_side_stream_slack_ratio_high).values())
     terms = {
         "params": states.gpu_params,
         "gradients": states.gpu_gradients,
         "optimizer_states": states.gpu_optimizer_states,
         "activations": saved + acts.backward_extra_bytes,
         "logits_loss": logits.peak_bytes,
-        "deepspeed_buffers": buffers,
+        "deepspeed_buffers": buffers.resident_bytes,
         "cuda_context": cal.cuda_context_bytes,
         "allocator_slack": peak_reserved - peak_allocated,
     }
@@ -337,10 +378,26 @@ def describe_checkpointing(checkpointing: Checkpointing) -> str:
     return checkpointing.strategy
 
 
-def _reserved(phases: dict[str, int], init_ratio: float, ratio: float, stream_bytes: int = 0) -> dict[str, int]:
-    """Reserved bytes of each phase: its allocated bytes plus the allocator's slack at that phase
-    (a share of the allocated bytes, plus what a second stream holds once training has started)."""
-    return {name: int(allocated * (1 + init_ratio)) if name == "init" else int(allocated * (1 + ratio)) + stream_bytes
+@dataclass(frozen=True)
+class SideStreams:
+    """ZeRO-3's bytes on CUDA streams beside the compute stream (with expandable segments)."""
+
+    resident_bytes: int = 0  # what every training phase's allocated bytes hold there (gathered parameters)
+    peak_bytes: int = 0      # their segments' high-water mark (gathered parameters + the large gradient's copies)
+    min_compute_slack_bytes: int = 0  # the compute stream's unused reserved bytes beside them, at least
+
+
+def _reserved(phases: dict[str, int], init_ratio: float, ratio: float, side: SideStreams = SideStreams(),
+              side_ratio: float = 0.0) -> dict[str, int]:
+    """Reserved bytes of each phase: the compute stream's allocated bytes plus the allocator's slack at that
+    phase (a share of them, at least side.min_compute_slack_bytes), plus the side streams' high-water mark
+    with its own, smaller slack."""
+    def compute_stream(allocated: int) -> int:
+        compute = allocated - side.resident_bytes
+        return compute + max(int(compute * ratio), side.min_compute_slack_bytes)
+
+    return {name: int(allocated * (1 + init_ratio)) if name == "init" else
+            compute_stream(allocated) + int(side.peak_bytes * (1 + side_ratio))
             for name, allocated in phases.items()}
 
 
