@@ -42,11 +42,12 @@ class Calibration:
     # ...except across CUDA streams: ZeRO-3 gathers parameters and reduces large gradients on streams of
     # its own, whose segments keep their own high-water marks; their few large blocks leave little unused
     # (1.1B: 3 % and 22 % on 2.0 and 0.28 GiB of gathered parameters, 3 % on the reduce stream's 0.61).
-    # Its compute stream keeps at least expandable_zero3_min_slack unused (1.1B and 3B: 0.16 and 0.14 GiB
-    # beside 0.77 and 1.70 GiB; benchmarks/segments/*.json, H200, 2026-12-03).
+    # Its compute stream keeps at least this many loss-sized tensors (tokens of a loss chunk × vocabulary,
+    # fp32) unused: 1.1B and 3B 160 and 143 MiB beside a 125 MiB one (benchmarks/segments/*.json, H200,
+    # 2026-12-03), whatever their activations (0.77 and 1.70 GiB).
     expandable_side_stream_slack_ratio: float = 0.03
     expandable_side_stream_slack_ratio_high: float = 0.05
-    expandable_zero3_min_slack_bytes: int = int(0.15 * GiB)
+    expandable_zero3_min_slack_loss_tensors: float = 1.2
     zero_bucket_factor: float = 4.5           # live reduce buckets with overlap_comm (1 without)
     host_baseline_bytes: int = int(2.2 * GiB)  # torch + DeepSpeed + tokenizer + loader, before model states
     init_slack_ratio: float = 0.07             # reserved over allocated while deepspeed.initialize builds flat buffers
@@ -95,8 +96,8 @@ def calibration(gpu: str) -> Calibration:
                                                          defaults.expandable_side_stream_slack_ratio)),
         expandable_side_stream_slack_ratio_high=float(raw.get("expandable_side_stream_slack_ratio_high",
                                                               defaults.expandable_side_stream_slack_ratio_high)),
-        expandable_zero3_min_slack_bytes=parse_bytes(raw.get("expandable_zero3_min_slack",
-                                                             defaults.expandable_zero3_min_slack_bytes)),
+        expandable_zero3_min_slack_loss_tensors=float(raw.get("expandable_zero3_min_slack_loss_tensors",
+                                                              defaults.expandable_zero3_min_slack_loss_tensors)),
         zero_bucket_factor=float(raw.get("zero_bucket_factor", defaults.zero_bucket_factor)),
         host_baseline_bytes=parse_bytes(raw.get("host_baseline", defaults.host_baseline_bytes)),
         zero_init_flat_copies=float(raw.get("zero_init_flat_copies", defaults.zero_init_flat_copies)),

@@ -24,6 +24,7 @@ class LogitsEstimate:
     saved_bytes: int       # kept by the loss for backward (log-softmax output)
     forward_bytes: int     # live at the end of the loss forward: logits + upcast + saved
     backward_bytes: int    # live at the start of its backward: saved + two gradients
+    loss_tensor_bytes: int = 0  # one tokens × vocabulary tensor in the loss dtype (a gradient of the chunk)
 
     @property
     def peak_bytes(self) -> int:
@@ -67,4 +68,5 @@ def estimate_logits(hidden_size: int, vocab_size: int, compute: str, micro_batch
     upcast = elements * loss_bytes if loss_bytes != compute_bytes else 0
     forward = saved + elements * compute_bytes + upcast
     backward = saved + 2 * elements * loss_bytes
-    return LogitsEstimate(tokens=tokens, saved_bytes=saved, forward_bytes=forward, backward_bytes=backward)
+    return LogitsEstimate(tokens=tokens, saved_bytes=saved, forward_bytes=forward, backward_bytes=backward,
+                          loss_tensor_bytes=elements * loss_bytes)

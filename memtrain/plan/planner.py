@@ -314,7 +314,10 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
     # segments keep that stream's own high-water mark. ZeRO-3 gathers parameters and reduces large
     # gradients on side streams, so its reserved memory is the compute stream's peak plus theirs, not the
     # peak of the sum (benchmarks/segments/*.json: the sum of the streams' segments, in every run).
-    side = SideStreams(buffers.gathered_bytes, buffers.side_stream_bytes, cal.expandable_zero3_min_slack_bytes) \
+    # The compute stream's own slack is at least about one loss-sized tensor: the loss allocates and frees
+    # tokens × vocabulary fp32 tensors between the layers' blocks.
+    min_slack = int(cal.expandable_zero3_min_slack_loss_tensors * logits.loss_tensor_bytes)
+    side = SideStreams(buffers.gathered_bytes, buffers.side_stream_bytes, min_slack) \
         if stage == 3 and expandable else SideStreams()
     reserved = _reserved(phases, init_slack, cal.slack_ratio(pattern, expandable), side,
                          cal.expandable_side_stream_slack_ratio)
