@@ -186,9 +186,10 @@ def test_nvme_tiers_host_buffers_by_hand(tmp_path):
     assert host["master_weights"] == host["optimizer_states"] == 0   # on disk, not in host memory
 
 
-def test_nvme_parameters_keep_one_layer_and_a_prefetch_bucket_on_the_gpu(tmp_path):
+def test_nvme_parameters_keep_two_layers_and_the_largest_tensor_on_the_gpu(tmp_path):
     """With parameters on NVMe the compiler releases each one right after use (reuse distance 0), so the
-    GPU holds one gathered layer and a prefetch bucket, not max_live_parameters' worth (the CPU tier)."""
+    GPU holds the layer in use, the next one and the largest tensor (gathered whole), not
+    max_live_parameters' worth (the CPU tier)."""
     from memtrain.compile.deepspeed import compile_recipe
     from memtrain.plan.calibration import calibration as cal_of
     from memtrain.plan.planner import bucket_elements
@@ -197,8 +198,56 @@ def test_nvme_parameters_keep_one_layer_and_a_prefetch_bucket_on_the_gpu(tmp_pat
     cpu = tiny(overrides=["offload.optimizer=cpu", "offload.params=cpu"])
     assert compile_recipe(nvme.recipe, 1, 10)["zero_optimization"]["stage3_max_reuse_distance"] == 0
     counts = count_parameters(nvme.recipe.model)
-    reduce, prefetch = bucket_elements(nvme.recipe, counts.hidden_size)
+    reduce, _ = bucket_elements(nvme.recipe, counts.hidden_size)
     cal = cal_of(nvme.recipe.hardware.gpu)
-    live = max(counts.largest_layer + prefetch, counts.largest_tensor)
+    live = 2 * counts.largest_layer + counts.largest_tensor
     assert plan_recipe(nvme).deepspeed_buffers == int(reduce * 2 * cal.zero_bucket_factor) + live * 2
     assert plan_recipe(cpu).deepspeed_buffers == int(reduce * 2 * cal.zero_bucket_factor) + TINY_TOTAL * 2
+
+
+def test_zero3_reserved_is_the_sum_of_each_streams_peak_by_hand():
+    """Expandable segments: the compute stream's peak with its slack, plus the all-gather stream's live
+    parameters and the reduce stream's copies of the largest gradient (10 bytes per element), each +3 %."""
+    from memtrain.plan.logits import estimate_logits
+    from memtrain.plan.planner import LARGE_GRADIENT_BYTES_PER_ELEMENT, bucket_elements
+
+    loaded = tiny(overrides=["offload.optimizer=cpu", "offload.params=cpu", "offload.max_live_parameters=300000"])
+    plan = plan_recipe(loaded)
+    counts = count_parameters(loaded.recipe.model)
+    cal = calibration("24GiB")
+    reduce, _ = bucket_elements(loaded.recipe, counts.hidden_size)
+    assert counts.largest_tensor > reduce  # the embedding is reduced on its own
+    gathered = (300_000 + counts.largest_layer) * 2
+    large_gradient = counts.largest_tensor * LARGE_GRADIENT_BYTES_PER_ELEMENT
+    compute = plan.phases[plan.peak_phase] - gathered
+    logits = estimate_logits(256, 4096, "bf16", 2, 64, False, 1024, True)
+    slack = max(int(compute * cal.slack_ratio("zero3", True)),
+                int(cal.expandable_zero3_min_slack_loss_tensors * logits.loss_tensor_bytes))
+    side = int((gathered + large_gradient) * (1 + cal.expandable_side_stream_slack_ratio))
+    assert plan.peak_reserved_bytes == compute + slack + side
+    # the large gradient's copies are reserved on their stream, never counted as allocated
+    assert plan.peak_allocated_bytes == plan.phases[plan.peak_phase] < plan.peak_reserved_bytes - large_gradient
+
+
+def test_zero3_side_streams_only_with_expandable_segments_and_an_offloaded_optimizer():
+    """PyTorch's caching allocator prices ZeRO-3 by one slack ratio over all allocated bytes; without an
+    offloaded optimizer there is no host-bound copy of the largest gradient."""
+    from memtrain.plan.planner import _buffers
+
+    offload = ["offload.optimizer=cpu", "offload.params=cpu"]
+    caching = plan_recipe(tiny(overrides=offload + ["hardware.expandable_segments=false"]))
+    cal = calibration("24GiB")
+    assert caching.peak_reserved_bytes == int(caching.peak_allocated_bytes * (1 + cal.slack_ratio("zero3")))
+    loaded = tiny(overrides=offload)
+    counts = count_parameters(loaded.recipe.model)
+    assert _buffers(loaded.recipe, counts, 3, cal).large_gradient_bytes == counts.largest_tensor * 10
+    on_gpu = tiny(overrides=["offload.optimizer=none", "offload.zero_stage=3"])
+    assert _buffers(on_gpu.recipe, counts, 3, cal).large_gradient_bytes == 0
+
+
+def test_fewer_live_parameters_reserve_less_by_what_they_hold():
+    plans = [plan_recipe(tiny(overrides=["offload.optimizer=cpu", "offload.params=cpu",
+                                         f"offload.max_live_parameters={live}"])) for live in (300_000, 1_200_000)]
+    held = (1_200_000 - 300_000) * 2
+    growth = plans[1].peak_reserved_bytes - plans[0].peak_reserved_bytes
+    assert held <= growth <= held * (1 + calibration("24GiB").expandable_side_stream_slack_ratio) + 1
