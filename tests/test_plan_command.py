@@ -221,6 +221,20 @@ def test_lora_recipe_that_lean_dropout_makes_fit_is_advised_it_first():
     assert advice[0].overrides == ["model.lora.lean_dropout=true"] and advice[0].plan.fits
 
 
+def test_zero3_recipe_just_over_the_card_is_advised_fewer_live_parameters_not_a_smaller_micro_batch():
+    """3B ZeRO-3 with parameters on the CPU at micro-batch 8 on a card 0.3 GiB too small: keeping fewer
+    gathered parameters costs ~4 %; halving the micro-batch re-gathers every parameter twice as often."""
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "openllama-3b-full-offload-24gb.yaml"
+    base = ["batch.micro_batch=8"]
+    needs = plan_recipe(load_recipe(recipe, base)).gpu_required_bytes
+    loaded = load_recipe(recipe, base + [f"hardware.gpu={(needs - 0.3 * GiB) / GiB:.2f}GiB"])
+    assert not plan_recipe(loaded).fits
+    advice = advise(loaded)
+    assert advice[0].overrides == ["offload.max_live_parameters=300000000"] and advice[0].plan.fits
+    halved = next(a for a in advice if a.overrides == ["batch.micro_batch=4"])
+    assert halved.speed_cost == 0.5 > advice[0].speed_cost
+
+
 def test_compiled_layers_are_offered_where_they_are_allowed(tmp_path):
     code, text = run(write(tmp_path))
     assert code == 0 and "faster: train.compile=true" in text

@@ -2,7 +2,7 @@
 
 Levers, in the tree's order: activation checkpointing → lean LoRA dropout → precision (chunked loss, bf16 master and
 optimizer states) → micro-batch (gradient accumulation keeps the global batch) → optimizer offload
-→ parameter offload / NVMe → LoRA → quantised base weights (QLoRA). Every combination of one
+→ parameter offload / NVMe → fewer parameters kept gathered (ZeRO-3) → LoRA → quantised base weights (QLoRA). Every combination of one
 option per lever is planned (the plan is arithmetic on cached traces, so this takes seconds);
 combinations the recipe checks refuse (quantised weights with ZeRO-3, say) are dropped; the ones
 that fit are ranked by their estimated slowdown, ties broken by the tree's order, and each is
@@ -83,9 +83,12 @@ def _precision_options(r: Recipe) -> list[Option]:
 
 def _micro_batch_options(loaded: LoadedRecipe, current: int) -> list[Option]:
     options = [KEEP]
+    # With parameters offloaded every micro-batch gathers every parameter from the host again: the 3B
+    # ZeRO-3 recipe ran at 3,458 tokens/s at micro-batch 4 against 5,279 at 8 (docs/BENCHMARKS.md)
+    per_halving = 0.5 if loaded.recipe.offload.params != "none" else 0.05
     for size in reversed([m for m in micro_batch_candidates(loaded) if m < current]):
         halvings = (current // size).bit_length() - 1
-        options.append(Option((f"batch.micro_batch={size}",), 0.05 * max(halvings, 1),
+        options.append(Option((f"batch.micro_batch={size}",), per_halving * max(halvings, 1),
                               f"micro-batch {size} with more gradient accumulation (same global batch)"))
     return options
 
@@ -102,6 +105,18 @@ def _offload_options(r: Recipe) -> list[Option]:
         options.append(Option(("offload.optimizer=nvme", "offload.params=nvme", "offload.zero_stage=3"), 1.5,
                               "optimizer states and parameters on NVMe (ZeRO-Infinity)"))
     return options
+
+
+LEAN_LIVE_PARAMETERS = 300_000_000
+
+
+def _live_parameters_options(r: Recipe) -> list[Option]:
+    # ZeRO-3 keeps up to max_live_parameters gathered between uses; 3e8 instead of 1e9 saves 1.3 GiB of
+    # bf16 and cost the 3B recipe at micro-batch 8 about 4 % (docs/BENCHMARKS.md, two invocations)
+    if r.offload.max_live_parameters <= LEAN_LIVE_PARAMETERS:
+        return [KEEP]
+    return [KEEP, Option((f"offload.max_live_parameters={LEAN_LIVE_PARAMETERS}",), 0.04,
+                         "ZeRO-3 keeps fewer gathered parameters between uses (3e8)")]
 
 
 def _lora_options(r: Recipe) -> list[Option]:
@@ -162,7 +177,7 @@ def advise(loaded: LoadedRecipe, gpu: str | None = None, limit: int = 3) -> list
         return []
     micro_options = [KEEP] if r.batch.micro_batch == "auto" else _micro_batch_options(loaded, current.micro_batch)
     levers = [_checkpointing_options(r), _lora_dropout_options(r), _precision_options(r), micro_options,
-              _offload_options(r), _lora_options(r), _quantize_options(r)]
+              _offload_options(r), _live_parameters_options(r), _lora_options(r), _quantize_options(r)]
     candidates = []
     for order, combination in enumerate(itertools.product(*levers)):
         overrides, cost, reason = _merge(combination)
