@@ -19,7 +19,8 @@
 #   bash scripts/gpu_session.sh equal3b-chunk # 3B mb 8 with smaller loss chunks, to stay under HF's 6.41 GiB (session 6)
 #   bash scripts/gpu_session.sh equal3b-live # 3B mb 8 keeping 3e8 instead of 1e9 parameters gathered (session 6)
 #   bash scripts/gpu_session.sh segments2 # per-stream segments of 1.1B ZeRO-3 CPU and NVMe, 3B ZeRO-3 CPU, init included (session 7)
-#   bash scripts/gpu_session.sh streams  # held-out NVMe micro-batch 4 row; 3B equal memory with a larger prefetch (session 7)
+#   bash scripts/gpu_session.sh streams  # held-out NVMe micro-batch 4 row (session 7)
+#   bash scripts/gpu_session.sh prefetch # 3B at equal memory with a prefetch bucket of most of a layer (not run yet)
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 set -u
 part=${1:?part}
@@ -178,9 +179,11 @@ segments2)  # session 7: per-stream segments from before the model is built, for
   step segments-nvme 250 python3 scripts/memory_segments.py recipes/llama2-7b-nvme-24gb.yaml $one hardware.nvme_path=/tmp/nvme-seg \
     train.output_dir=/tmp/seg-nvme --out "$OUT/segments-1.1b-nvme.json"
   ;;
-streams)  # session 7: the held-out NVMe row (predicted 2.30 GiB before it ran), then 3B at equal memory
-  # with a prefetch bucket of most of a layer (1e8 elements) so the next layer's fetch overlaps compute
+streams)  # session 7: the held-out NVMe row (predicted 2.30 GiB before it ran)
   step plan-nvme-mb4 300 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 280 --only 1.1b-nvme-mb4
+  ;;
+prefetch)  # 3B at equal memory with a prefetch bucket of most of a layer (1e8 elements), so the next
+  # layer's fetch overlaps compute; not run yet (session 7's device time went to the NVMe row)
   three="recipes/openllama-3b-full-offload-24gb.yaml schedule.warmup_steps=2"
   step vs-hf 260 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 6 --warmup 2 --timeout 120 \
     --case "3b-zero3-opt-param-offload-mb4x1024 (memtrain mb8, max_live_parameters 5e8, prefetch 1e8)=$three :: batch.micro_batch=8 offload.max_live_parameters=500000000 offload.prefetch_bucket_size=100000000"
