@@ -171,13 +171,15 @@ def markdown(rows: list[dict], expandable: bool = True) -> str:
                      f"{row['predicted_allocated_gib']} | {row['measured_allocated_gib']} | "
                      f"{row['predicted_host_gib']} | {row['measured_host_gib']} |")
     if rows:
-        lines += ["", f"Machine: {rows[0]['machine']}, {rows[0]['date']}.", "",
+        dates = sorted({row["date"] for row in rows})
+        lines += ["", f"Machine: {rows[0]['machine']}, {' to '.join(dict.fromkeys([dates[0], dates[-1]]))}.", "",
                   f"Measured with `python scripts/plan_accuracy.py --parallel 5 --calibrate --allocator "
                   f"{'expandable' if expandable else 'caching'}` (`bash scripts/gpu_session.sh "
                   "accuracy`: runs side by side, each under its own 24 GiB cap, 3 steps each). A measured `OOM at mb N` "
                   "is a run that ran out of memory at the case's micro-batch and went on smaller. The predicted columns "
                   "are the current planner's (`--replan --pinned power_of_two`: the GPU machine's PyTorch 2.11 rounds "
-                  "pinned blocks to a power of two). docs/PLAN.md says which constants were fitted on these rows."]
+                  "pinned blocks to a power of two). docs/PLAN.md says which constants were fitted on these rows, and which "
+                  "ran later and alone (the NVMe rows, `bash scripts/gpu_session.sh streams`)."]
     return "\n".join(lines) + "\n"
 
 
