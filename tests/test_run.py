@@ -349,6 +349,22 @@ def test_repeated_ooms_at_the_smallest_size_stop_with_a_checkpoint_and_advice(wr
     assert sizes[:2] == [4, 2] and sizes[-1] == 1
 
 
+def test_a_layer_injection_point_beyond_the_model_is_refused_before_the_run_dir_exists(write_recipe, monkeypatch):
+    recipe = write_recipe("layer-range")
+    monkeypatch.setenv("MEMTRAIN_INJECT_OOM", "1:0@layer4")  # the micro preset has layers 0 and 1
+    from typer.testing import CliRunner
+
+    from memtrain.cli import app
+    from memtrain.train.oom import injectors_from_env
+
+    injectors_from_env.cache_clear()
+    result = CliRunner().invoke(app, ["run", str(recipe)])
+    injectors_from_env.cache_clear()
+    assert result.exit_code == 2, result.output
+    assert "@layer0 to @layer1" in result.output and "Traceback" not in result.output
+    assert not run_dir_of(recipe).exists()
+
+
 def test_a_host_too_small_for_the_offloaded_states_is_refused_before_any_work(write_recipe):
     recipe = write_recipe("tinyhost", {"model": {"preset": "llama2-7b"}, "offload": {"optimizer": "cpu", "params": "cpu"},
                                        "hardware": {"host_memory": "16GiB"}, "precision": {"compute": "bf16"}})

@@ -74,10 +74,22 @@ def _preflight(loaded):
     from memtrain.train.preflight import check_dtype, check_memory
 
     check_dtype(loaded)
+    _check_test_hooks(loaded)
     data = prepare_data(loaded)
     for warning in check_memory(loaded):
         Console(stderr=True).print(f"[yellow]![/] {warning}", highlight=False)
     return data
+
+
+def _check_test_hooks(loaded) -> None:
+    """MEMTRAIN_INJECT_OOM's layer points must name layers the model has, before a run dir exists."""
+    from memtrain.train.oom import injectors_from_env
+
+    injector = injectors_from_env()[0]
+    if any(point.layer is not None for point in injector.points):
+        from memtrain.plan.params import count_parameters
+
+        injector.check_layers(count_parameters(loaded.recipe.model).num_layers)
 
 
 def _release(result) -> None:

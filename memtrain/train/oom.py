@@ -218,12 +218,17 @@ class OomInjector:
         from memtrain.model.checkpointing import decoder_layer_names, hf_model
 
         modules, names = dict(hf_model(model).named_modules()), decoder_layer_names(model)
-        if layers[-1] >= len(names):
-            raise UserError(Problem(f"OOM injection point @layer{layers[-1]}: the model has {len(names)} decoder layers",
-                                    key=INJECT_ENV, hint=f"use @layer0 to @layer{len(names) - 1}"))
+        self.check_layers(len(names))
         for index in layers:
             last_child = list(modules[names[index]].children())[-1]
             last_child.register_forward_pre_hook(lambda module, args, index=index: self._raise_if_armed(index))
+
+    def check_layers(self, num_layers: int) -> None:
+        """A `@layerK` point beyond the model's decoder layers is a user error naming the valid range."""
+        last = max((point.layer for point in self.points if point.layer is not None), default=None)
+        if last is not None and last >= num_layers:
+            raise UserError(Problem(f"OOM injection point @layer{last}: the model has {num_layers} decoder layers",
+                                    key=INJECT_ENV, hint=f"use @layer0 to @layer{num_layers - 1}"))
 
     def _raise_if_armed(self, layer: int) -> None:
         if self.armed is not None and self.armed[0] == layer:
