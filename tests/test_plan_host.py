@@ -251,3 +251,16 @@ def test_fewer_live_parameters_reserve_less_by_what_they_hold():
     held = (1_200_000 - 300_000) * 2
     growth = plans[1].peak_reserved_bytes - plans[0].peak_reserved_bytes
     assert held <= growth <= held * (1 + calibration("24GiB").expandable_side_stream_slack_ratio) + 1
+
+
+def test_a_profile_value_that_is_not_a_number_names_its_file_and_key(tmp_path, monkeypatch):
+    import memtrain.plan.calibration as calibration_module
+    from memtrain.errors import UserError
+
+    (tmp_path / "gpus").mkdir()
+    (tmp_path / "gpus" / "rtx4090.yaml").write_text("zero_bucket_factor: lots\n")
+    monkeypatch.setattr(calibration_module, "CONFIGS_DIR", tmp_path)
+    with pytest.raises(UserError) as caught:
+        calibration("rtx4090")
+    text = str(caught.value)
+    assert "zero_bucket_factor" in text and "'lots' is not a number" in text and "rtx4090.yaml" in text

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import yaml
 
 from memtrain.configs import CONFIGS_DIR, gpu_profile
+from memtrain.errors import Problem, UserError
 from memtrain.recipe.units import GiB, parse_bytes
 
 
@@ -73,35 +74,44 @@ class Calibration:
 
 
 def calibration(gpu: str) -> Calibration:
-    """The calibration of a GPU profile name or an anonymous size ('24GiB'). Raises ValueError for neither."""
+    """The calibration of a GPU profile name or an anonymous size ('24GiB'). Raises ValueError for neither,
+    and UserError naming the file and key for a profile value that is not a number."""
     profile = gpu_profile(gpu)
     raw: dict = {}
     path = CONFIGS_DIR / "gpus" / f"{gpu}.yaml"
     if path.is_file():
         raw = yaml.safe_load(path.read_text()) or {}
     defaults = Calibration(name=profile.name, capacity_bytes=profile.memory_bytes)
+
+    def value(key: str, default, convert=float):
+        try:
+            return convert(raw[key]) if key in raw else default
+        except (TypeError, ValueError):
+            raise UserError(Problem(f"{raw[key]!r} is not a number", key=key, file=str(path),
+                                    hint="a number (a ratio) or a size such as 0.6GiB; docs/PLAN.md lists the keys")) from None
+
+    def ratios(key: str, default):
+        return value(key, default, lambda raw_value: _slack_ratios(raw_value, default))
+
     return Calibration(
         name=profile.name,
         capacity_bytes=profile.memory_bytes,
         cuda_context_bytes=profile.cuda_context_bytes,
-        allocator_slack_ratios=_slack_ratios(raw.get("allocator_slack_ratio"), defaults.allocator_slack_ratios),
-        allocator_slack_ratios_high=_slack_ratios(raw.get("allocator_slack_ratio_high"),
-                                                  defaults.allocator_slack_ratios_high),
-        expandable_slack_ratios=_slack_ratios(raw.get("expandable_slack_ratio"), defaults.expandable_slack_ratios),
-        expandable_slack_ratios_high=_slack_ratios(raw.get("expandable_slack_ratio_high"),
-                                                   defaults.expandable_slack_ratios_high),
-        expandable_init_slack_ratio=float(raw.get("expandable_init_slack_ratio",
-                                                  defaults.expandable_init_slack_ratio)),
-        expandable_side_stream_slack_ratio=float(raw.get("expandable_side_stream_slack_ratio",
-                                                         defaults.expandable_side_stream_slack_ratio)),
-        expandable_side_stream_slack_ratio_high=float(raw.get("expandable_side_stream_slack_ratio_high",
-                                                              defaults.expandable_side_stream_slack_ratio_high)),
-        expandable_zero3_min_slack_loss_tensors=float(raw.get("expandable_zero3_min_slack_loss_tensors",
-                                                              defaults.expandable_zero3_min_slack_loss_tensors)),
-        zero_bucket_factor=float(raw.get("zero_bucket_factor", defaults.zero_bucket_factor)),
-        host_baseline_bytes=parse_bytes(raw.get("host_baseline", defaults.host_baseline_bytes)),
-        zero_init_flat_copies=float(raw.get("zero_init_flat_copies", defaults.zero_init_flat_copies)),
-        init_slack_ratio=float(raw.get("init_slack_ratio", defaults.init_slack_ratio)),
+        allocator_slack_ratios=ratios("allocator_slack_ratio", defaults.allocator_slack_ratios),
+        allocator_slack_ratios_high=ratios("allocator_slack_ratio_high", defaults.allocator_slack_ratios_high),
+        expandable_slack_ratios=ratios("expandable_slack_ratio", defaults.expandable_slack_ratios),
+        expandable_slack_ratios_high=ratios("expandable_slack_ratio_high", defaults.expandable_slack_ratios_high),
+        expandable_init_slack_ratio=value("expandable_init_slack_ratio", defaults.expandable_init_slack_ratio),
+        expandable_side_stream_slack_ratio=value("expandable_side_stream_slack_ratio",
+                                                 defaults.expandable_side_stream_slack_ratio),
+        expandable_side_stream_slack_ratio_high=value("expandable_side_stream_slack_ratio_high",
+                                                      defaults.expandable_side_stream_slack_ratio_high),
+        expandable_zero3_min_slack_loss_tensors=value("expandable_zero3_min_slack_loss_tensors",
+                                                      defaults.expandable_zero3_min_slack_loss_tensors),
+        zero_bucket_factor=value("zero_bucket_factor", defaults.zero_bucket_factor),
+        host_baseline_bytes=value("host_baseline", defaults.host_baseline_bytes, parse_bytes),
+        zero_init_flat_copies=value("zero_init_flat_copies", defaults.zero_init_flat_copies),
+        init_slack_ratio=value("init_slack_ratio", defaults.init_slack_ratio),
         pcie_gbps=float(profile.pcie_gbps or defaults.pcie_gbps),
     )
 
