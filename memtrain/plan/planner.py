@@ -122,8 +122,8 @@ def _head_bytes(counts: ParamCounts, compute_bytes: int, tokens: int) -> int:
 
 
 # A gradient larger than the reduce bucket (the embedding, the lm_head) is reduced and handed to the
-# offloaded optimizer on its own, on ZeRO-3's reduce stream, through transient copies (compute dtype, the
-# fp32 of its norm, the master dtype) whose high-water mark that stream's segment keeps. Measured on the H200
+# offloaded optimizer on its own, on ZeRO-3's reduce stream, through transient copies (in compute, fp32 and
+# master dtypes) whose high-water mark that stream's segment keeps. Measured on the H200
 # (benchmarks/segments/*.json, bf16 compute, fp32 master): 0.61 and 0.95 GiB, 10 bytes per element of the
 # 1.1B and 3B embeddings, with optimizer states on the CPU and on NVMe alike. The 7B bf16-master row of
 # the accuracy matrix is within 3 % with the same figure, so it is not split by master dtype.
@@ -162,7 +162,7 @@ def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) 
     if stage == 0:
         return ZeroBuffers()
     compute_bytes = DTYPE_BYTES[recipe.precision.compute]
-    reduce, prefetch = bucket_elements(recipe, counts.hidden_size)
+    reduce, _ = bucket_elements(recipe, counts.hidden_size)
     bucket = reduce
     if recipe.offload.optimizer == "none" and stage < 3:
         reduce = min(reduce, counts.trainable)
