@@ -86,7 +86,7 @@ def _check_test_hooks(loaded) -> None:
     from memtrain.train.oom import injectors_from_env
 
     injector = injectors_from_env()[0]
-    if any(point.layer is not None for point in injector.points):
+    if injector.layers:
         from memtrain.plan.params import count_parameters
 
         injector.check_layers(count_parameters(loaded.recipe.model).num_layers)

@@ -163,7 +163,6 @@ def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) 
         return ZeroBuffers()
     compute_bytes = DTYPE_BYTES[recipe.precision.compute]
     reduce, _ = bucket_elements(recipe, counts.hidden_size)
-    bucket = reduce
     if recipe.offload.optimizer == "none" and stage < 3:
         reduce = min(reduce, counts.trainable)
     factor = cal.zero_bucket_factor if recipe.offload.overlap_comm else 1.0
@@ -181,7 +180,7 @@ def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) 
         # 7B and 3B ZeRO-3 held 1.9 and 1.5 GiB more than one layer + one prefetch bucket).
         live = max(min(recipe.offload.max_live_parameters + counts.largest_layer, counts.total), counts.largest_tensor)
     return ZeroBuffers(reduce_bytes=reduce_bytes, gathered_bytes=live * compute_bytes,
-                       large_gradient_bytes=large_gradient_bytes(recipe, counts, bucket))
+                       large_gradient_bytes=large_gradient_bytes(recipe, counts, reduce))
 
 
 def plan_recipe(loaded: LoadedRecipe, gpu: str | None = None, micro_batch: int | None = None,

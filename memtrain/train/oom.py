@@ -160,6 +160,7 @@ class OomInjector:
         self.points = tuple(points)
         self.fired = [0] * len(self.points)
         self.armed: tuple[int, str] | None = None  # (layer, message) for the next forward of that layer
+        self.layers = sorted({point.layer for point in self.points if point.layer is not None})  # @layerK points
 
     @classmethod
     def parse(cls, spec: str, source: str = INJECT_ENV) -> "OomInjector":
@@ -212,23 +213,21 @@ class OomInjector:
 
     def attach(self, model: torch.nn.Module) -> None:
         """For `@layerK` points: hook the last child of each layer named so an armed point raises there."""
-        layers = sorted({point.layer for point in self.points if point.layer is not None})
-        if not layers:
+        if not self.layers:
             return
         from memtrain.model.checkpointing import decoder_layer_names, hf_model
 
         modules, names = dict(hf_model(model).named_modules()), decoder_layer_names(model)
         self.check_layers(len(names))
-        for index in layers:
+        for index in self.layers:
             last_child = list(modules[names[index]].children())[-1]
             last_child.register_forward_pre_hook(lambda module, args, index=index: self._raise_if_armed(index))
 
     def check_layers(self, num_layers: int) -> None:
         """A `@layerK` point beyond the model's decoder layers is a user error naming the valid range."""
-        last = max((point.layer for point in self.points if point.layer is not None), default=None)
-        if last is not None and last >= num_layers:
-            raise UserError(Problem(f"OOM injection point @layer{last}: the model has {num_layers} decoder layers",
-                                    key=INJECT_ENV, hint=f"use @layer0 to @layer{num_layers - 1}"))
+        if self.layers and self.layers[-1] >= num_layers:
+            message = f"OOM injection point @layer{self.layers[-1]}: the model has {num_layers} decoder layers"
+            raise UserError(Problem(message, key=INJECT_ENV, hint=f"use @layer0 to @layer{num_layers - 1}"))
 
     def _raise_if_armed(self, layer: int) -> None:
         if self.armed is not None and self.armed[0] == layer:
