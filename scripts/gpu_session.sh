@@ -21,6 +21,7 @@
 #   bash scripts/gpu_session.sh segments2 # per-stream segments of 1.1B ZeRO-3 CPU and NVMe, 3B ZeRO-3 CPU, init included (session 7)
 #   bash scripts/gpu_session.sh streams  # held-out NVMe micro-batch 4 row (session 7)
 #   bash scripts/gpu_session.sh prefetch # 3B at equal memory with a prefetch bucket of most of a layer (not run yet)
+#   bash scripts/gpu_session.sh peaks    # session 8: what is live at the training peak, 1.1B ZeRO-3 CPU mb 2/4 and NVMe mb 4
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 set -u
 part=${1:?part}
@@ -181,6 +182,16 @@ segments2)  # session 7: per-stream segments from before the model is built, for
   ;;
 streams)  # session 7: the held-out NVMe row (predicted 2.30 GiB before it ran)
   step plan-nvme-mb4 300 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 280 --only 1.1b-nvme-mb4
+  ;;
+peaks)  # session 8: the NVMe plan grew 0.42 GiB from micro-batch 2 to 4, the run 0.21: what is live at the peak
+  one="model.preset=tinyllama-1.1b batch.global_batch=8 data.seq_len=1024 hardware.gpu=rtx3090 hardware.cap_memory=true
+       train.steps=3 schedule.warmup_steps=1 $quiet train.log_every=1"
+  for mb in 2 4; do
+    step peaks-cpu-mb$mb 140 python3 scripts/memory_segments.py recipes/llama2-7b-nvme-24gb.yaml $one batch.micro_batch=$mb \
+      offload.optimizer=cpu offload.params=cpu train.output_dir=/tmp/peak-cpu-$mb --out "$OUT/peaks-1.1b-zero3-cpu-mb$mb.json"
+  done
+  step peaks-nvme-mb4 280 python3 scripts/memory_segments.py recipes/llama2-7b-nvme-24gb.yaml $one batch.micro_batch=4 \
+    hardware.nvme_path=/tmp/nvme-peak train.output_dir=/tmp/peak-nvme --out "$OUT/peaks-1.1b-nvme-mb4.json"
   ;;
 prefetch)  # 3B at equal memory with a prefetch bucket of most of a layer (1e8 elements), so the next
   # layer's fetch overlaps compute; not run yet (session 7's device time went to the NVMe row)

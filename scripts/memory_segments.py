@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 GiB = 2**30
 HISTORY_ENTRIES = 2_000_000  # alloc/free events kept: enough for a few steps of a 7B model
+SITE_PACKAGES = ("memtrain/", "transformers/", "deepspeed/", "peft/")  # frames that name who allocated
 
 
 def summarise(snapshot: dict, train_from: int = 0) -> dict:
@@ -67,7 +68,45 @@ def summarise(snapshot: dict, train_from: int = 0) -> dict:
                      "largest_allocations_mib": [round(b / 2**20, 1) for b in largest[s]]} for s in streams],
         "overall_peak_allocated_gib_in_trace": total_peak / GiB,
         "training_starts_at_event": train_from,
+        "live_at_training_peak": live_at_training_peak(snapshot, train_from),
     }
+
+
+def _site(event: dict) -> str:
+    """Who allocated: the innermost frame in memtrain, transformers, DeepSpeed or PEFT (else the innermost)."""
+    frames = event.get("frames") or []
+    for frame in frames:
+        name = frame.get("filename", "")
+        for package in SITE_PACKAGES:
+            if package in name:
+                return f"{package}{name.split(package, 1)[1]}:{frame.get('line')} {frame.get('name')}"
+    return f"{frames[0].get('filename')}:{frames[0].get('line')}" if frames else "unknown (no stack recorded)"
+
+
+def live_at_training_peak(snapshot: dict, train_from: int = 0, top: int = 20) -> dict:
+    """What is allocated on the first device at the moment the training steps' live bytes peak, grouped by
+    allocation site, largest first: the composition the planner's phase peak has to match."""
+    trace = snapshot["device_traces"][0] if snapshot["device_traces"] else []
+    peak_index, peak_bytes, total = None, -1, 0
+    for index, event in enumerate(trace):
+        total += {"alloc": event["size"], "free_completed": -event["size"]}.get(event["action"], 0)
+        if index >= train_from and total > peak_bytes:
+            peak_index, peak_bytes = index, total
+    if peak_index is None:
+        return {}
+    live: dict[int, dict] = {}
+    for index, event in enumerate(trace[:peak_index + 1]):
+        if event["action"] == "alloc":
+            live[event.get("addr", index)] = event
+        elif event["action"] == "free_completed":
+            live.pop(event.get("addr", index), None)
+    sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for event in live.values():
+        sites[_site(event)][0] += event["size"]
+        sites[_site(event)][1] += 1
+    ranked = sorted(sites.items(), key=lambda item: -item[1][0])[:top]
+    return {"event": peak_index, "allocated_gib": peak_bytes / GiB,
+            "sites": [{"site": site, "mib": round(size / 2**20, 1), "blocks": count} for site, (size, count) in ranked]}
 
 
 def main() -> int:
@@ -87,7 +126,7 @@ def main() -> int:
 
     # record from before the model is built (the run itself starts recording only for its training
     # steps); where it would start, note how many events came before, so initialisation can be told apart
-    torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, context=None)
+    torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, context="alloc", stacks="python")
     train_from = []
     oom.start_memory_history = lambda device: train_from.append(len(torch.cuda.memory._snapshot()["device_traces"][0]))
     code = launch(args.recipe, args.overrides, resume=False, save=False)

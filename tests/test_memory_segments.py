@@ -42,3 +42,27 @@ def test_peaks_per_stream_and_during_training(segments):
     assert by_stream[side]["allocated_gib_at_overall_peak"] == pytest.approx(200 / GiB)
     assert by_stream[0]["largest_allocations_mib"][:3] == [300.0, 100.0, 50.0]
     assert summary["training_starts_at_event"] == 3
+
+
+def _at(action, size_mib, addr, filename="", line=0):
+    frames = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+              {"filename": filename, "line": line, "name": "forward"}] if filename else []
+    return {"action": action, "size": size_mib * MiB, "stream": 0, "addr": addr, "frames": frames}
+
+
+def test_live_at_training_peak_groups_blocks_by_who_allocated_them(segments):
+    layer = "/venv/site-packages/transformers/models/llama/modeling_llama.py"
+    trace = [
+        _at("alloc", 500, 1, layer, 10), _at("free_completed", 500, 1, layer, 10),  # initialisation, larger
+        _at("alloc", 40, 2, layer, 10), _at("alloc", 30, 3, layer, 10),            # training from index 2
+        _at("alloc", 100, 4, "/repo/memtrain/model/loss.py", 7),
+        _at("free_completed", 30, 3, layer, 10),  # peak was before this free: 170 MiB
+        _at("alloc", 5, 5),
+    ]
+    composition = segments.live_at_training_peak({"device_traces": [trace]}, train_from=2)
+    assert composition["event"] == 4
+    assert composition["allocated_gib"] == pytest.approx(170 / 1024)
+    assert composition["sites"] == [
+        {"site": "memtrain/model/loss.py:7 forward", "mib": 100.0, "blocks": 1},
+        {"site": "transformers/models/llama/modeling_llama.py:10 forward", "mib": 70.0, "blocks": 2},
+    ]
