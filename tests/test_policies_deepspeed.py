@@ -112,3 +112,29 @@ def test_lora_bf16_islands_under_zero3_match_no_checkpointing():
     assert runs["none"][-1] < runs["none"][0]
     for name, losses in runs.items():
         assert torch.allclose(losses, runs["none"], rtol=0, atol=1e-5), (name, losses - runs["none"])
+
+
+@pytest.mark.parametrize("zenflow", [False, True])
+def test_deepspeed_zenflow_scrambles_the_weights_it_is_given(zenflow):
+    """Why memtrain refuses `offload.zenflow` (recipe checks): DeepSpeed's ZenFlow (ZeRO-2, optimizer on the CPU)
+    flattens each weight matrix transposed and hands the model views of the original shape, so after
+    deepspeed.initialize every matrix holds its own transpose, reshaped. Plain ZeRO-Offload keeps them.
+    When this fails for zenflow=True, DeepSpeed has fixed the layout: the refusal can be lifted."""
+    model = tiny_llama(layers=2)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    if zenflow:
+        zero["zenflow"] = {"topk_ratio": 0.1, "select_strategy": "step", "select_interval": 4, "update_interval": 4,
+                           "overlap_step": False}
+    eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_allow_untested_optimizer": True})
+    matrices = {name: p for name, p in eng.module.named_parameters() if p.dim() == 2}
+    assert len(matrices) == 2 * 7 + 2  # 7 projections per layer, embedding and head
+    for name, p in matrices.items():
+        original = before[name]
+        transposed_reshaped = original.t().contiguous().view(original.shape)
+        if zenflow:
+            assert torch.equal(p.detach(), transposed_reshaped) and not torch.equal(p.detach(), original), name
+        else:
+            assert torch.equal(p.detach(), original), name

@@ -256,6 +256,19 @@ def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
     return problems
 
 
+@reads("offload")
+def _check_zenflow(loaded: LoadedRecipe) -> list[Problem]:
+    # DeepSpeed's ZenFlow at ZeRO-1/2 flattens every weight matrix transposed but hands the model views of the
+    # original shape, so after deepspeed.initialize each matrix holds its own transpose, reshaped (0.19.8;
+    # tests/test_policies_deepspeed.py shows it and fails once DeepSpeed lays the weights out right)
+    if not loaded.recipe.offload.zenflow:
+        return []
+    return [loaded.sources.problem(("offload", "zenflow"), "DeepSpeed's ZenFlow replaces every weight matrix with its "
+                                   "own transpose, reshaped, inside deepspeed.initialize: the run would fine-tune "
+                                   "scrambled weights", "remove offload.zenflow (plain ZeRO-Offload is the same "
+                                   "recipe without it)")]
+
+
 @reads("precision")
 def _check_precision(loaded: LoadedRecipe) -> list[Problem]:
     p, src = loaded.recipe.precision, loaded.sources

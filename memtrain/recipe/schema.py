@@ -201,6 +201,9 @@ class Offload(Section):
     prefetch_bucket_size: int | Literal["auto"] = Field("auto", description="ZeRO-3 prefetch size in elements; auto derives from hidden size.")
     bucket_size: int | Literal["auto"] = Field("auto", description="Reduce / all-gather bucket size in elements; auto derives from hidden size.")
     aio: Aio = Field(default_factory=Aio, description="Asynchronous I/O settings for the NVMe tiers (DeepSpeed `aio`).")
+    zenflow: bool = Field(False, description="DeepSpeed ZenFlow (top-k gradient columns updated on the GPU, the rest "
+                          "by the CPU optimizer, overlapped). Refused: DeepSpeed 0.19.8's ZenFlow scrambles the weight "
+                          "matrices inside deepspeed.initialize (docs/BENCHMARKS.md, levers).")
 
     @property
     def stage(self) -> int:
