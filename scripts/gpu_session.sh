@@ -22,6 +22,7 @@
 #   bash scripts/gpu_session.sh streams  # held-out NVMe micro-batch 4 row (session 7)
 #   bash scripts/gpu_session.sh prefetch # 3B at equal memory with a prefetch bucket of most of a layer (not run yet)
 #   bash scripts/gpu_session.sh peaks    # session 8: what is live at the training peak, 1.1B ZeRO-3 CPU mb 2/4 and NVMe mb 4
+#   bash scripts/gpu_session.sh heldout8 # session 8: three ZeRO-3 accuracy rows predicted before they ran
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 set -u
 part=${1:?part}
@@ -192,6 +193,11 @@ peaks)  # session 8: the NVMe plan grew 0.42 GiB from micro-batch 2 to 4, the ru
   done
   step peaks-nvme-mb4 280 python3 scripts/memory_segments.py recipes/llama2-7b-nvme-24gb.yaml $one batch.micro_batch=4 \
     hardware.nvme_path=/tmp/nvme-peak train.output_dir=/tmp/peak-nvme --out "$OUT/peaks-1.1b-nvme-mb4.json"
+  ;;
+heldout8)  # session 8: predicted 2.84 / 5.02 / 4.55 GiB reserved before they ran (PEAKS in plan_accuracy.py)
+  step heldout-nvme 250 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 240 --only 1.1b-nvme-mb8
+  step heldout-zero3 260 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 250 \
+    --only 3b-zero3-cpu-every-mb2-s2048,1.1b-zero3-cpu-every-mb8
   ;;
 prefetch)  # 3B at equal memory with a prefetch bucket of most of a layer (1e8 elements), so the next
   # layer's fetch overlaps compute; not run yet (session 7's device time went to the NVMe row)

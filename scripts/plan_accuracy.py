@@ -114,7 +114,16 @@ LEAN = [
 STREAMS = [
     Case("1.1b-nvme-mb4-s1024", NVME7B, ("model.preset=tinyllama-1.1b",) + _batch(4, 1024)),
 ]
-CASES += HELD_OUT + LEAN + STREAMS
+# Held out, session 8: predicted (commit before the run) after the ZeRO-3 backward peak became the larger of the
+# loss's and a recomputed layer's moments, fitted on the rows above and the peak compositions in
+# benchmarks/segments/peaks-*.json.
+PEAKS = [
+    Case("1.1b-nvme-mb8-s1024", NVME7B, ("model.preset=tinyllama-1.1b",) + _batch(8, 1024)),
+    Case("3b-zero3-cpu-every-mb2-s2048", OPEN3B, _batch(2, 2048)),
+    Case("1.1b-zero3-cpu-every-mb8-s1024", NVME7B, ("model.preset=tinyllama-1.1b", "offload.optimizer=cpu",
+                                                    "offload.params=cpu") + _batch(8, 1024)),
+]
+CASES += HELD_OUT + LEAN + STREAMS + PEAKS
 
 
 def measure(case: Case, overrides: list[str], run_dir: Path, timeout_s: int) -> dict | str:

@@ -5,7 +5,8 @@ The peak is the largest of four phases, not a sum of maxima:
                  flattens a second copy of the trainable parameters before freeing the first;
                  ZeRO-3 builds under zero.Init, so only one whole tensor exists at a time);
   forward_end    model states + DeepSpeed buffers + every saved activation + the loss forward;
-  backward_start the same + one recomputed block + gradient transients + the loss backward;
+  backward_start the same + the larger of one recomputed block with its gradient transients and the loss
+                 backward (ZeRO-3 per stream: the loss backward with the head's gradient copies);
   optimizer_step model states + the step's transient (fp32 gradients, or buckets copied back).
 """
 from __future__ import annotations
@@ -288,10 +289,18 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
     saved = acts.saved_bytes + head
     forward_end = model_states + buffers.resident_bytes + saved + logits.forward_bytes
     # Backward frees the loss's logits gradients before it reaches the last decoder layer, so the layer's
-    # recompute and gradient transients come after them, not on top. Under ZeRO-3 the measured peaks match
-    # the sum (the max would be 4-7 % under on the H200): parameters gathered for the first layers of
-    # backward are alive during the loss's backward there.
-    if stage == 3:
+    # recompute and gradient transients come after them, not on top.
+    if stage == 3 and hw.expandable_segments:
+        # ZeRO-3, per stream (gathered parameters and the reduce stream are priced as side streams): the compute
+        # stream peaks either in the loss's backward, beside the head's gradient and its partitioned copy, or
+        # in a recomputed layer's backward, beside that layer's gradients. What was live at the training peak
+        # (benchmarks/segments/peaks-*.json, 1.1B at micro-batch 2 and 4): the saved layer inputs, the head's
+        # gradient twice (DeepSpeed's linear backward and partition_grads) and the reduce stream's copies.
+        backward_extra = max(logits.backward_bytes + 2 * counts.largest_tensor * compute_bytes,
+                             acts.backward_extra_bytes + counts.largest_layer * compute_bytes)
+    elif stage == 3:
+        # caching allocator: the measured peaks match the sum (the max would be 4-7 % under on the H200);
+        # parameters gathered for the first layers of backward are alive during the loss's backward there
         backward_extra = acts.backward_extra_bytes + logits.backward_bytes
     else:
         backward_extra = max(acts.backward_extra_bytes, logits.backward_bytes)
