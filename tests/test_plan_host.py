@@ -229,6 +229,35 @@ def test_zero3_reserved_is_the_sum_of_each_streams_peak_by_hand():
     assert plan.peak_allocated_bytes == plan.phases[plan.peak_phase] < plan.peak_reserved_bytes - large_gradient
 
 
+@pytest.mark.parametrize("micro_batch, seq_len, chunked", [(1, 64, False), (16, 256, True)])
+def test_zero3_backward_peak_is_the_loss_moment_or_a_layer_moment_by_hand(micro_batch, seq_len, chunked):
+    """Expandable segments, ZeRO-3: backward peaks either in the loss's backward, beside the head's gradient
+    and DeepSpeed's partitioned copy of it, or in a recomputed layer's backward beside that layer's
+    gradients, whichever is larger (segments/peaks-*.json); with the caching allocator, layer + loss."""
+    from memtrain.plan.activations import estimate_activations
+    from memtrain.plan.logits import estimate_logits
+
+    offload = ["offload.optimizer=cpu", "offload.params=cpu", "checkpointing.strategy=every_layer",
+               f"precision.chunked_loss={str(chunked).lower()}", "precision.loss_chunk_tokens=64"]
+    expandable = tiny(overrides=offload, micro_batch=micro_batch, seq_len=seq_len)
+    r = expandable.recipe
+    counts = count_parameters(r.model)
+    acts = estimate_activations(r.model, r.checkpointing, "bf16", micro_batch, seq_len, counts.num_layers,
+                                counts.layers_name)
+    logits = estimate_logits(counts.hidden_size, counts.vocab_size, "bf16", micro_batch, seq_len, chunked, 64, True)
+    loss_moment = logits.backward_bytes + 2 * counts.largest_tensor * 2
+    layer_moment = acts.backward_extra_bytes + counts.largest_layer * 2
+    plan = plan_recipe(expandable)
+    assert plan.phases["backward_start"] - plan.phases["forward_end"] == \
+        max(loss_moment, layer_moment) - logits.forward_bytes
+    caching = plan_recipe(tiny(overrides=offload + ["hardware.expandable_segments=false"], micro_batch=micro_batch,
+                               seq_len=seq_len))
+    assert caching.phases["backward_start"] - caching.phases["forward_end"] == \
+        acts.backward_extra_bytes + logits.backward_bytes - logits.forward_bytes
+    # unchunked at 1 × 64 tokens the loss and the embedding's gradients win; chunked at 16 × 256 a layer's
+    assert (loss_moment > layer_moment) == (micro_batch == 1)
+
+
 def test_zero3_side_streams_only_with_expandable_segments_and_an_offloaded_optimizer():
     """PyTorch's caching allocator prices ZeRO-3 by one slack ratio over all allocated bytes; without an
     offloaded optimizer there is no host-bound copy of the largest gradient."""
