@@ -37,7 +37,8 @@ def test_zero2_cpu_offload_buffers_by_hand():
                                accumulates=False)
     pin = lambda size: pinned_bytes(size, True)  # noqa: E731
     assert exact == {"params": 0, "master_weights": pin(4 * n), "gradients": pin(4 * n),
-                     "optimizer_states": 8 * n, "staging_buffers": pin(2 * n) + pin(2 * largest)}
+                     "optimizer_states": 8 * n, "staging_buffers": pin(2 * n) + pin(2 * largest),
+                     "pinning_copy": 0}
     accumulating = offload_host_bytes(counts, 2, 1, "bf16", "fp32", "cpu", "none", True, True, accumulates=True)
     per_tensor = sum(pin(2 * k) for k in counts.trainable_numels)
     assert accumulating["staging_buffers"] - exact["staging_buffers"] == per_tensor
@@ -184,6 +185,11 @@ def test_nvme_tiers_host_buffers_by_hand(tmp_path):
     assert host["gradients"] == pow2(2 * TINY_TOTAL)
     assert host["swap_buffers"] == 4 * sub_group * 4 + (sub_group + 3 * counts.largest_tensor) * 2
     assert host["master_weights"] == host["optimizer_states"] == 0   # on disk, not in host memory
+    # initialisation pins the gradient partition from a plain zeroed buffer: both alive for a moment
+    assert host["pinning_copy"] == 2 * TINY_TOTAL
+    unpinned = plan_recipe(tiny(overrides=["offload.optimizer=nvme", "offload.params=nvme", "offload.pin_memory=false",
+                                           f"hardware.nvme_path={tmp_path}"])).host_breakdown
+    assert unpinned["pinning_copy"] == 0 and unpinned["gradients"] == 2 * TINY_TOTAL
 
 
 def test_nvme_parameters_keep_two_layers_and_the_largest_tensor_on_the_gpu(tmp_path):

@@ -24,6 +24,11 @@ ZeRO-3, optimizer on the CPU (sub-groups of at most `sub_group_size` elements):
                    2.6 bytes per parameter: 2 bytes rounded up tensor by tensor)
 ZeRO-3, optimizer on NVMe:
   gradients        the pinned compute-dtype flat buffer of n, as above
+  pinning copy     while deepspeed.initialize pins that buffer, the plain buffer it was made from (zeroed,
+                   so resident) is alive beside the pinned copy: n more compute-dtype bytes at that moment,
+                   which is the host peak when nothing larger comes later (measured on the CPU with DeepSpeed's
+                   native pinning: 1.1B and 3B, +n × 2 at stage3.py's pin of the gradient partition). With the
+                   optimizer on the CPU the Adam states, allocated later, outweigh it
   swap buffers     (model_states.py) max(4, buffer_count) page-locked buffers of the largest sub-group
                    in the master dtype; with parameters on NVMe too, one page-locked copy of the largest
                    sub-group in the compute dtype (the updated weights on their way to disk) and
@@ -49,7 +54,8 @@ def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str,
         return pinned_bytes(size, exact_pinned) if pin_memory else size
 
     weight_bytes, state_bytes = DTYPE_BYTES[storage], master_bytes(storage, master)
-    out = {"params": 0, "master_weights": 0, "gradients": 0, "optimizer_states": 0, "staging_buffers": 0}
+    out = {"params": 0, "master_weights": 0, "gradients": 0, "optimizer_states": 0, "staging_buffers": 0,
+           "pinning_copy": 0}
     if optimizer_tier == "cpu":
         n = counts.trainable // gpus if stage >= 1 else counts.trainable
         out["optimizer_states"] = gpus * 2 * n * state_bytes
@@ -68,6 +74,8 @@ def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str,
         # ZeRO-3's flat gradient partition stays in host memory (in the compute dtype); the states, the
         # master weights and their fp32 gradients go to disk through the swap buffers (model_states.py)
         out["gradients"] = gpus * pin(counts.trainable // gpus * weight_bytes)
+        if pin_memory:
+            out["pinning_copy"] = gpus * (counts.trainable // gpus * weight_bytes)
     if stage == 3 and params_tier == "cpu":
         flat = pin(counts.weight_bytes(weight_bytes) // gpus)
         # pinned blocks stay in PyTorch's host cache once freed; plain ones go back to the system
