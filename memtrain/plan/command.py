@@ -19,7 +19,7 @@ from memtrain.recipe.units import gib
 LABELS = {
     "params": "model_params", "gradients": "gradients", "optimizer_states": "optimizer_states",
     "activations": "activation_memory", "logits_loss": "logits + loss", "deepspeed_buffers": "DeepSpeed buffers",
-    "cuda_context": "CUDA context", "allocator_slack": "allocator slack",
+    "reduce_stream": "ZeRO-3 reduce stream", "cuda_context": "CUDA context", "allocator_slack": "allocator slack",
 }
 
 

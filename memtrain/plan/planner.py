@@ -27,7 +27,7 @@ from memtrain.recipe.load import LoadedRecipe
 from memtrain.recipe.schema import Checkpointing, Recipe
 
 TERMS = ("params", "gradients", "optimizer_states", "activations", "logits_loss", "deepspeed_buffers",
-         "cuda_context", "allocator_slack")
+         "reduce_stream", "cuda_context", "allocator_slack")
 PHASES = ("init", "forward_end", "backward_start", "optimizer_step")
 
 
@@ -333,6 +333,7 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
     peak_allocated, peak_reserved = phases[peak_phase], reserved[peak_phase]
     peak_reserved_high = max(_reserved(phases, init_slack, cal.slack_ratio_high(pattern, expandable), side,
                                        cal.expandable_side_stream_slack_ratio_high).values())
+    reduce_stream = buffers.large_gradient_bytes if side.peak_bytes else 0
     terms = {
         "params": states.gpu_params,
         "gradients": states.gpu_gradients,
@@ -340,8 +341,10 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
         "activations": saved + acts.backward_extra_bytes,
         "logits_loss": logits.peak_bytes,
         "deepspeed_buffers": buffers.resident_bytes,
+        # reserved, never counted as allocated at a phase: the reduce stream's copies of the largest gradient
+        "reduce_stream": reduce_stream,
         "cuda_context": cal.cuda_context_bytes,
-        "allocator_slack": peak_reserved - peak_allocated,
+        "allocator_slack": peak_reserved - peak_allocated - reduce_stream,
     }
     accumulates = grad_accum_steps(recipe.batch.global_batch, micro_batch, hw.gpus) > 1
     host_breakdown = {
