@@ -233,6 +233,8 @@ def test_zero3_reserved_is_the_sum_of_each_streams_peak_by_hand():
     assert plan.peak_reserved_bytes == compute + slack + side
     # the large gradient's copies are reserved on their stream, never counted as allocated
     assert plan.peak_allocated_bytes == plan.phases[plan.peak_phase] < plan.peak_reserved_bytes - large_gradient
+    assert plan.terms["reduce_stream"] == large_gradient
+    assert plan.terms["allocator_slack"] == plan.peak_reserved_bytes - plan.peak_allocated_bytes - large_gradient
 
 
 @pytest.mark.parametrize("micro_batch, seq_len, chunked", [(1, 64, False), (16, 256, True)])
