@@ -23,6 +23,7 @@
 #   bash scripts/gpu_session.sh prefetch # 3B at equal memory again, and with a prefetch bucket of most of a layer (session 8)
 #   bash scripts/gpu_session.sh peaks    # session 8: what is live at the training peak, 1.1B ZeRO-3 CPU mb 2/4 and NVMe mb 4
 #   bash scripts/gpu_session.sh heldout8 # session 8: three ZeRO-3 accuracy rows predicted before they ran
+#   bash scripts/gpu_session.sh final8   # session 8, one call: the two ZeRO-3 CPU held-out rows, then 3B equal memory again
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 set -u
 part=${1:?part}
@@ -198,6 +199,13 @@ heldout8)  # session 8: predicted 2.84 / 5.02 / 4.55 GiB reserved before they ra
   step heldout-nvme 250 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 240 --only 1.1b-nvme-mb8
   step heldout-zero3 260 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 250 \
     --only 3b-zero3-cpu-every-mb2-s2048,1.1b-zero3-cpu-every-mb8
+  ;;
+final8)  # session 8: device time for one call only
+  step heldout-zero3 240 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 200 \
+    --only 3b-zero3-cpu-every-mb2-s2048,1.1b-zero3-cpu-every-mb8
+  three="recipes/openllama-3b-full-offload-24gb.yaml schedule.warmup_steps=2"
+  step vs-hf 300 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 6 --warmup 2 --timeout 130 \
+    --case "3b-zero3-opt-param-offload-mb4x1024 (memtrain mb8, max_live_parameters 5e8)=$three :: batch.micro_batch=8 offload.max_live_parameters=500000000"
   ;;
 prefetch)  # 3B at equal memory again (session 7's 1.50x was at the threshold, HF varies ~5 % between invocations),
   # beside a prefetch bucket of most of a layer (1e8 elements), so the next layer's fetch overlaps compute
