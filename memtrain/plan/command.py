@@ -59,6 +59,8 @@ def plan_table(plan: Plan) -> Table:
     table.add_column("per GPU", style="bold")
     table.add_column("GiB", justify="right")
     for term in TERMS:
+        if term == "reduce_stream" and not plan.terms[term]:
+            continue  # only ZeRO-3 with an offloaded optimizer has one; the article's rows always show
         table.add_row(LABELS[term], f"{gib(plan.terms[term]):.2f}")
     table.add_section()
     for phase, allocated in plan.phases.items():
