@@ -73,9 +73,10 @@ def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str,
     if optimizer_tier == "nvme":
         # ZeRO-3's flat gradient partition stays in host memory (in the compute dtype); the states, the
         # master weights and their fp32 gradients go to disk through the swap buffers (model_states.py)
-        out["gradients"] = gpus * pin(counts.trainable // gpus * weight_bytes)
+        partition = counts.trainable // gpus * weight_bytes
+        out["gradients"] = gpus * pin(partition)
         if pin_memory:
-            out["pinning_copy"] = gpus * (counts.trainable // gpus * weight_bytes)
+            out["pinning_copy"] = gpus * partition
     if stage == 3 and params_tier == "cpu":
         flat = pin(counts.weight_bytes(weight_bytes) // gpus)
         # pinned blocks stay in PyTorch's host cache once freed; plain ones go back to the system
