@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from memtrain.recipe.units import GiB, parse_bytes
+from memtrain.units import GiB, parse_bytes
 
 CONFIGS_DIR = Path(os.environ.get("MEMTRAIN_CONFIGS", Path(__file__).resolve().parents[1] / "configs"))
 

@@ -1,19 +1,54 @@
-"""Files written whole or not at all."""
+"""Files written whole or not at all: every file and directory memtrain writes goes through here.
+
+A reader (a resumed run, `memtrain report`, another run sharing the token cache) sees the old
+content or the new, never half of it: the writer fills a temporary path beside the target, which is
+renamed onto the target only when the writing finished, and removed when it failed.
+"""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write a whole file or nothing: a temporary file in the same directory, then a rename."""
+@contextmanager
+def atomic_path(path: Path, directory: bool = False) -> Iterator[Path]:
+    """A temporary file (or, with `directory`, an empty directory) beside `path` to write into;
+    it replaces `path` when the block ends and is removed if the block raises."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    prefix, suffix = f".{path.name}.", ".tmp"
+    if directory:
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=suffix))
+    else:
+        handle, name = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=suffix)
+        os.close(handle)
+        tmp = Path(name)
     try:
-        with os.fdopen(handle, "w") as stream:
-            stream.write(text)
+        yield tmp
+        if directory:
+            if path.exists():
+                shutil.rmtree(path)
+        else:
+            os.chmod(tmp, 0o644)  # mkstemp makes 0600; other users' runs may share a cache or read a report
+            with open(tmp, "rb") as written:
+                os.fsync(written.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
         raise
+
+
+def write_atomically(path: Path, content: str | bytes) -> None:
+    """Write a whole file or nothing."""
+    with atomic_path(path) as tmp:
+        if isinstance(content, bytes):
+            tmp.write_bytes(content)
+        else:
+            tmp.write_text(content)

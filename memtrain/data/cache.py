@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from memtrain.data.corpus import read_documents, source_fingerprint
 from memtrain.data.tokenizer import tokenizer_fingerprint
 from memtrain.errors import Problem, UserError
+from memtrain.files import atomic_path
 
 # Bump when the layout or the tokenisation rules below change, so old entries are not reused.
 CACHE_VERSION = "1"
@@ -129,15 +129,6 @@ def _complete(tokens_path: Path, ends_path: Path) -> bool:
 
 
 def _save_atomic(path: Path, array: np.ndarray) -> None:
-    """Write to a temporary file in the same directory, then rename: readers see all of it or nothing."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.save(handle, array)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; other users' runs may share the cache
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Readers see all of the array or nothing (np.save to a path would also append .npy to the temporary name)."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as handle:
+        np.save(handle, array)

@@ -12,11 +12,11 @@ from contextlib import nullcontext
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from memtrain.dtypes import DTYPES
 from memtrain.errors import Problem, UserError
 from memtrain.model.config import model_config
 from memtrain.recipe.schema import Model
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def build_model(model: Model, compute: str, device: torch.device, ds_config: dict | None = None,

@@ -17,11 +17,11 @@ import functools
 import torch
 from torch import nn
 
+from memtrain.dtypes import DTYPES
 from memtrain.errors import Problem, RecipeError
 from memtrain.model.checkpointing import hf_model, name_matches
 from memtrain.recipe.schema import Precision
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def compute_dtype(precision: Precision) -> torch.dtype:

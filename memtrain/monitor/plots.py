@@ -14,6 +14,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from memtrain.files import atomic_path
+
 GIB = 2**30
 FIGURE_SIZE_INCHES = (9.0, 4.8)
 DPI = 100
@@ -70,9 +72,8 @@ def render_plots(records: list[dict], out_dir: Path) -> list[Path]:
         for axes in figure.axes:
             axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         path = out_dir / name
-        tmp = path.with_name(f".{name}.tmp")
-        figure.savefig(tmp, format="png", dpi=DPI)
-        tmp.replace(path)  # a reader never sees half a PNG
+        with atomic_path(path) as tmp:  # a reader never sees half a PNG
+            figure.savefig(tmp, format="png", dpi=DPI)
         paths.append(path)
     return paths
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
+from memtrain.files import atomic_path, write_atomically
+
 TRACE_FILE = "trace.json"
 SUMMARY_FILE = "profile_summary.txt"  # the operators that took the time, as a table for people
 SUMMARY_ROWS = 40
@@ -109,16 +111,13 @@ class StepProfiler:
         profiler.__exit__(None, None, None)
 
     def _write_trace(self, profiler: profile) -> None:
-        tmp = self.trace_path.with_name(f".{TRACE_FILE}.tmp")
-        profiler.export_chrome_trace(str(tmp))
-        tmp.replace(self.trace_path)
+        with atomic_path(self.trace_path) as tmp:
+            profiler.export_chrome_trace(str(tmp))
         self._write_summary(profiler)
 
     def _write_summary(self, profiler: profile) -> None:
         """run_dir/profile_summary.txt: the top operators and phases by device time (CPU time without a GPU),
         then by host time: where a step goes, without opening the trace."""
-        from memtrain.files import write_atomically
-
         events = profiler.key_averages()
         parts = [f"{self.steps} profiled step(s) after {WARMUP_STEPS} warm-up; times are totals over them.\n"]
         if self.device.type == "cuda":

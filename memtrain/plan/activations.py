@@ -17,9 +17,9 @@ from functools import lru_cache
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memtrain.dtypes import DTYPES
 from memtrain.recipe.schema import Checkpointing, Model
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def _with_lora(module: torch.nn.Module, model: Model, dtype: torch.dtype) -> tor
 
 @lru_cache(maxsize=256)
 def _trace_layer(model_json: str, compute: str, micro_batch: int, seq_len: int) -> LayerTrace:
-    dtype = _DTYPES[compute]
+    dtype = DTYPES[compute]
     recipe_model = Model.model_validate_json(model_json)
     model = _with_lora(one_layer_model(recipe_model, dtype), recipe_model, dtype)
     model.train()

@@ -14,7 +14,7 @@ import yaml
 
 from memtrain.configs import CONFIGS_DIR, gpu_profile
 from memtrain.errors import Problem, UserError
-from memtrain.recipe.units import GiB, parse_bytes
+from memtrain.units import GiB, parse_bytes
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from memtrain.files import write_atomically
 from memtrain.plan.advice import Advice, advise
 from memtrain.plan.planner import TERMS, Plan, plan_recipe, resolve_micro_batch
 from memtrain.recipe.load import COMMAND_LINE, LoadedRecipe, Sources, apply_overrides, load_recipe
-from memtrain.recipe.units import gib
+from memtrain.units import gib
 
 LABELS = {
     "params": "model_params", "gradients": "gradients", "optimizer_states": "optimizer_states",

@@ -36,7 +36,8 @@ ZeRO-3, optimizer on NVMe:
 """
 from __future__ import annotations
 
-from memtrain.plan.model_states import DTYPE_BYTES, SUB_GROUP_ELEMENTS, master_bytes
+from memtrain.dtypes import DTYPE_BYTES
+from memtrain.plan.model_states import SUB_GROUP_ELEMENTS, master_bytes
 from memtrain.plan.params import ParamCounts
 from memtrain.train.pinned import pinned_bytes
 

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from memtrain.dtypes import DTYPES
+
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class LogitsEstimate:
 
 @lru_cache(maxsize=256)
 def _saved_loss_bytes(hidden_size: int, vocab_size: int, compute: str, tokens: int, fp32_loss: bool) -> int:
-    dtype = _DTYPES[compute]
+    dtype = DTYPES[compute]
     saved: dict[int, int] = {}
     with FakeTensorMode():
         hidden = torch.empty(tokens, hidden_size, dtype=dtype, requires_grad=True)
@@ -61,7 +62,7 @@ def estimate_logits(hidden_size: int, vocab_size: int, compute: str, micro_batch
     tokens = micro_batch * seq_len
     if chunked:
         tokens = min(tokens, chunk_tokens)
-    compute_bytes = _DTYPES[compute].itemsize
+    compute_bytes = DTYPES[compute].itemsize
     loss_bytes = 4 if fp32_loss else compute_bytes
     saved = _saved_loss_bytes(hidden_size, vocab_size, compute, tokens, fp32_loss)
     elements = tokens * vocab_size

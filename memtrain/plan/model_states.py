@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memtrain.dtypes import DTYPE_BYTES
 from memtrain.plan.params import ParamCounts
 
 SUB_GROUP_ELEMENTS = 1_000_000_000   # the compiled config's sub_group_size (memtrain.compile.deepspeed)
@@ -35,7 +36,6 @@ def largest_sub_group(numels: tuple[int, ...] | list[int], size: int) -> int:
     return max(largest, current)
 
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)

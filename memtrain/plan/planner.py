@@ -20,7 +20,8 @@ from memtrain.plan.activations import estimate_activations
 from memtrain.plan.calibration import Calibration, calibration
 from memtrain.plan.host import offload_host_bytes
 from memtrain.plan.logits import estimate_logits
-from memtrain.plan.model_states import DTYPE_BYTES, place_model_states
+from memtrain.dtypes import DTYPE_BYTES
+from memtrain.plan.model_states import place_model_states
 from memtrain.plan.params import ParamCounts, count_parameters
 from memtrain.plan.quantized import with_quantized_params
 from memtrain.recipe.load import LoadedRecipe

@@ -16,7 +16,7 @@ from typing import Callable
 from memtrain.configs import gpu_profile, model_preset, model_preset_names
 from memtrain.errors import Problem
 from memtrain.recipe.load import LoadedRecipe
-from memtrain.recipe.units import gib
+from memtrain.units import gib
 
 BUILTIN_PREFIX = "builtin:"
 

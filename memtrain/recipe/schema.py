@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
-from memtrain.recipe.units import parse_bytes
+from memtrain.units import parse_bytes
 
 
 def _byte_size(value: object) -> int:
@@ -109,7 +109,7 @@ class Data(Section):
 
 def _gpu_spec(value: str) -> str:
     from memtrain.configs import gpu_profile_names
-    from memtrain.recipe.units import looks_like_size
+    from memtrain.units import looks_like_size
 
     if value in gpu_profile_names() or looks_like_size(value):
         return value

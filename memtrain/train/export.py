@@ -1,12 +1,11 @@
 """Export the trained model (or LoRA adapter) in Hugging Face format, atomically."""
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import torch
 
+from memtrain.files import atomic_path
 from memtrain.train.distributed import barrier
 
 
@@ -17,16 +16,12 @@ def export_model(engine, model: torch.nn.Module, tokenizer, out_dir: Path, rank:
     """
     state_dict = _without_wrapper_prefix(engine._zero3_consolidated_16bit_state_dict()) if zero3 else None
     if rank == 0:
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        if state_dict is not None:
-            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        else:
-            model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        with atomic_path(out_dir, directory=True) as tmp:
+            if state_dict is not None:
+                model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            else:
+                model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
     barrier()
     return out_dir if rank == 0 else None
 

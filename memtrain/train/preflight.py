@@ -11,7 +11,7 @@ import psutil
 
 from memtrain.errors import UserError
 from memtrain.recipe.load import LoadedRecipe
-from memtrain.recipe.units import gib
+from memtrain.units import gib
 
 
 def host_capacity_bytes(loaded: LoadedRecipe) -> int:
