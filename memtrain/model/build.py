@@ -94,14 +94,3 @@ def add_lora(lm: PreTrainedModel, model: Model) -> torch.nn.Module:
         # checkpointed layers need an input that requires grad when the embeddings are frozen
         peft_model.enable_input_require_grads()
     return peft_model
-
-
-def count_parameters(module: torch.nn.Module) -> tuple[int, int]:
-    """(all, trainable) parameter counts; ZeRO-3 partitions report their full size (ds_numel)."""
-    total = trainable = 0
-    for p in module.parameters():
-        n = getattr(p, "ds_numel", p.numel())
-        total += n
-        if p.requires_grad:
-            trainable += n
-    return total, trainable

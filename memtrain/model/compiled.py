@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from memtrain.model.checkpointing import decoder_layer_names, hf_model
+from memtrain.model.layers import decoder_layer_names, hf_model
 
 
 def compile_layers(model: nn.Module) -> int:

@@ -19,7 +19,8 @@ from torch import nn
 
 from memtrain.dtypes import DTYPES
 from memtrain.errors import Problem, RecipeError
-from memtrain.model.checkpointing import hf_model, name_matches
+from memtrain.model.checkpointing import name_matches
+from memtrain.model.layers import hf_model
 from memtrain.recipe.schema import Precision
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from memtrain.model.checkpointing import hf_model
+from memtrain.model.layers import hf_model
 from memtrain.model.loss import causal_lm_loss
 from memtrain.recipe.schema import Precision
 

@@ -18,6 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memtrain.dtypes import DTYPES
+from memtrain.model.layers import decoder_layers, hf_model
 from memtrain.recipe.schema import Checkpointing, Model
 
 
@@ -76,9 +77,8 @@ class LayerTrace:
 
 def _layer_and_rotary(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The first decoder layer and the model's rotary embedding module (None without one)."""
-    from memtrain.plan.params import decoder_layers
-
-    name, layers = decoder_layers(model)
+    name, layers = decoder_layers(model)  # named within the model under a PEFT wrapper
+    model = hf_model(model)
     base = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
     return layers[0], getattr(base, "rotary_emb", None)
 

@@ -6,6 +6,7 @@ from functools import lru_cache
 
 import torch
 
+from memtrain.model.layers import decoder_layers
 from memtrain.recipe.schema import Model
 
 
@@ -111,11 +112,3 @@ def _quantized(module: torch.nn.Module, model: Model) -> tuple[int, int]:
         size_bytes += quantized_weight_bytes(weight.numel(), weight.shape[0], model.quant_type,
                                              model.quantize.double_quant)
     return elements, size_bytes
-
-
-def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
-    """(dotted name, list) of the model's decoder layers: its longest ModuleList (model.layers, transformer.h)."""
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    if not lists:
-        raise ValueError(f"{type(model).__name__} has no list of decoder layers")
-    return max(lists, key=lambda item: len(item[1]))

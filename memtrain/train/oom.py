@@ -215,7 +215,7 @@ class OomInjector:
         """For `@layerK` points: hook the last child of each layer named so an armed point raises there."""
         if not self.layers:
             return
-        from memtrain.model.checkpointing import decoder_layer_names, hf_model
+        from memtrain.model.layers import decoder_layer_names, hf_model
 
         modules, names = dict(hf_model(model).named_modules()), decoder_layer_names(model)
         self.check_layers(len(names))
