@@ -7,7 +7,7 @@ Nothing here prints.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -15,53 +15,9 @@ from pydantic import TypeAdapter, ValidationError
 
 from memtrain.errors import Problem, RecipeError
 from memtrain.recipe.messages import problems_from_validation
+from memtrain.recipe.rules import check_rules
 from memtrain.recipe.schema import Recipe
-
-KeyPath = tuple[str, ...]
-COMMAND_LINE = "<command line>"
-
-
-@dataclass
-class Sources:
-    """Where each key of the merged recipe came from: key path -> (file, line)."""
-
-    origin: dict[KeyPath, tuple[str, int | None]] = field(default_factory=dict)
-    recipe_file: str = ""
-
-    def where(self, path: KeyPath) -> tuple[str, int | None]:
-        """The file and line of the deepest key on `path` that has a known origin."""
-        for end in range(len(path), 0, -1):
-            if path[:end] in self.origin:
-                return self.origin[path[:end]]
-        return self.recipe_file, None
-
-    def problem(self, path: KeyPath, message: str, hint: str = "") -> Problem:
-        """A Problem located at the key path's file and line."""
-        file, line = self.where(path)
-        return Problem(message=message, key=".".join(path), file=file, line=line, hint=hint)
-
-    def forget_below(self, path: KeyPath) -> None:
-        """Drop the origins of keys under `path` (its value was replaced as a whole)."""
-        for key in [k for k in self.origin if len(k) > len(path) and k[: len(path)] == path]:
-            del self.origin[key]
-
-
-@dataclass
-class LoadedRecipe:
-    recipe: Recipe
-    sources: Sources
-    path: Path | None
-
-    @property
-    def name(self) -> str:
-        if self.recipe.name:
-            return self.recipe.name
-        return self.path.stem if self.path else "recipe"
-
-    @property
-    def output_dir(self) -> Path:
-        return Path(self.recipe.train.output_dir.format(name=self.name))
-
+from memtrain.recipe.sources import COMMAND_LINE, KeyPath, LoadedRecipe, Sources
 
 # ---------------------------------------------------------------- YAML with positions
 
@@ -253,14 +209,20 @@ def validate(data: dict, sources: Sources) -> Recipe:
     return recipe
 
 
-def _finish(data: dict, sources: Sources, problems: list[Problem], path: Path | None, check: bool) -> LoadedRecipe:
-    from memtrain.recipe.checks import check_recipe  # checks read LoadedRecipe from here
+# A further check handed in by a layer above (the files, models and packages a recipe names):
+# (loaded recipe, sections that failed validation) -> problems, reported with the recipe's own.
+MoreChecks = Callable[[LoadedRecipe, set[str]], list[Problem]]
 
+
+def _finish(data: dict, sources: Sources, problems: list[Problem], path: Path | None, check: bool,
+            more_checks: MoreChecks | None) -> LoadedRecipe:
     recipe, field_problems, bad_sections = validate_sections(data, sources)
     problems = problems + field_problems
     loaded = LoadedRecipe(recipe=recipe, sources=sources, path=path)
     if check:
-        problems += check_recipe(loaded, skip_sections=bad_sections)
+        problems += check_rules(loaded, skip_sections=bad_sections)
+    if more_checks is not None:
+        problems += more_checks(loaded, bad_sections)
     if problems:
         raise RecipeError(sorted(problems, key=lambda p: _reading_order(p, sources.recipe_file)))
     return loaded
@@ -272,8 +234,10 @@ def _reading_order(problem: Problem, recipe_file: str) -> tuple:
     return rank, problem.file, problem.line is None, problem.line or 0
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None, check: bool = True) -> LoadedRecipe:
-    """Read, merge (`extends:`), override, validate and cross-check a recipe file.
+def load_recipe(path: str | Path, overrides: list[str] | None = None, check: bool = True,
+                more_checks: MoreChecks | None = None) -> LoadedRecipe:
+    """Read, merge (`extends:`), override, validate and cross-check a recipe file (`check`: the rules
+    between its fields; `more_checks`: what a layer above adds, see memtrain.checks.load_checked).
 
     Raises RecipeError holding every problem found, each with file:line, key path and a hint.
     """
@@ -284,11 +248,11 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, check: boo
         raise RecipeError(Problem(f"'{path}' is a directory, not a recipe file", hint="give a .yaml file"))
     data, sources, problems = _read_with_extends(path)
     data, override_problems = apply_overrides(data, list(overrides or []), sources)
-    return _finish(data, sources, problems + override_problems, path, check)
+    return _finish(data, sources, problems + override_problems, path, check, more_checks)
 
 
 def load_recipe_text(text: str, file: str = "<recipe>", overrides: list[str] | None = None,
-                     check: bool = True) -> LoadedRecipe:
+                     check: bool = True, more_checks: MoreChecks | None = None) -> LoadedRecipe:
     """Validate recipe text held in memory (tests, tools); like load_recipe without `extends:`."""
     data, sources, problems = _parse_yaml(text, file)
     if "extends" in data:
@@ -296,4 +260,4 @@ def load_recipe_text(text: str, file: str = "<recipe>", overrides: list[str] | N
                                         "save the recipe to a file and use load_recipe"))
         del data["extends"]
     data, override_problems = apply_overrides(data, list(overrides or []), sources)
-    return _finish(data, sources, problems + override_problems, None, check)
+    return _finish(data, sources, problems + override_problems, None, check, more_checks)

@@ -10,7 +10,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
-from memtrain.units import parse_bytes
+from memtrain.configs import gpu_profile_names
+from memtrain.units import looks_like_size, parse_bytes
 
 
 def _byte_size(value: object) -> int:
@@ -108,9 +109,6 @@ class Data(Section):
 
 
 def _gpu_spec(value: str) -> str:
-    from memtrain.configs import gpu_profile_names
-    from memtrain.units import looks_like_size
-
     if value in gpu_profile_names() or looks_like_size(value):
         return value
     close = difflib.get_close_matches(value, gpu_profile_names(), n=1)

@@ -1,103 +1,57 @@
-"""Rules that relate several parts of a recipe, all collected into one list of problems.
+"""Rules that relate several fields of a recipe: contradictions found from the recipe alone.
 
-Field-level rules live in the schema; these are the contradictions between fields, and the
-checks against the files and hardware the recipe names. Each check declares the sections it reads,
-so that when one section failed validation the checks of the other sections still run.
+Field-level rules live in the schema. Rules that need the machine, the user's files, a built model
+or an installed package run a layer up (`memtrain.checks`), with what they need handed to them;
+these read only the recipe (and memtrain's own shipped presets and GPU profiles). Each rule declares
+the sections it reads, so that when one section failed validation the rules of the others still run.
 """
 from __future__ import annotations
 
 import difflib
-import importlib.util
-import json
-import os
-from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from memtrain.configs import gpu_profile, model_preset, model_preset_names
+from memtrain.configs import gpu_profile, model_preset_names
 from memtrain.errors import Problem
-from memtrain.recipe.load import LoadedRecipe
-from memtrain.units import gib
-
-BUILTIN_PREFIX = "builtin:"
-
-Check = Callable[[LoadedRecipe], list[Problem]]
-CHECKS: list[tuple[Check, frozenset[str]]] = []
+from memtrain.recipe.checkpoint_rules import rule_problems
+from memtrain.recipe.sources import LoadedRecipe
 
 
-def reads(*sections: str) -> Callable[[Check], Check]:
-    """Register a check with the recipe sections it reads."""
+@dataclass
+class Registry:
+    """Checks with the recipe sections each reads; `run` skips those that read a section that failed validation."""
 
-    def register(check: Check) -> Check:
-        CHECKS.append((check, frozenset(sections)))
-        return check
+    checks: list[tuple[Callable[..., list[Problem]], frozenset[str]]] = field(default_factory=list)
 
-    return register
+    def reads(self, *sections: str):
+        """Register a check with the recipe sections it reads."""
+        def register(check):
+            self.checks.append((check, frozenset(sections)))
+            return check
 
+        return register
 
-def check_recipe(loaded: LoadedRecipe, skip_sections: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
-    """Every cross-field problem of a recipe (empty when consistent).
-
-    Checks that read a section named in `skip_sections` (one that failed validation) are skipped.
-    """
-    problems: list[Problem] = []
-    for check, sections in CHECKS:
-        if not sections & set(skip_sections):
-            problems.extend(check(loaded))
-    return problems
-
-
-def model_config_dict(loaded: LoadedRecipe) -> dict | None:
-    """The model's Hugging Face config as a dict (preset or the local directory's config.json), if readable."""
-    model = loaded.recipe.model
-    config = None
-    if model.preset and model.preset in model_preset_names():
-        config = model_preset(model.preset)
-    elif model.path and not model.preset:
-        path = Path(model.path) / "config.json"
-        try:
-            config = json.loads(path.read_text()) if path.is_file() else None
-        except (OSError, UnicodeDecodeError, ValueError):
-            return None
-    return dict(config) if isinstance(config, dict) else None
+    def run(self, loaded: LoadedRecipe, *args, skip_sections: set[str] | frozenset[str] = frozenset(),
+            leave_out: tuple = ()) -> list[Problem]:
+        problems: list[Problem] = []
+        for check, sections in self.checks:
+            if not sections & set(skip_sections) and check not in leave_out:
+                problems.extend(check(loaded, *args))
+        return problems
 
 
-def approx_param_count(config: dict) -> int | None:
-    """Parameters of a Llama-family decoder from its config (exact for Llama); None if the config lacks a field."""
-    try:
-        hidden = int(config["hidden_size"])
-        layers = int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        inter = int(config["intermediate_size"])
-        vocab = int(config["vocab_size"])
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return None
-    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
-    mlp = 3 * hidden * inter
-    per_layer = attention + mlp + 2 * hidden
-    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
-    return layers * per_layer + embeddings + hidden
+RULES = Registry()
+reads = RULES.reads
 
 
-def _approx_linear_params(config: dict) -> int | None:
-    """Weights of a Llama-family decoder's attention and MLP projections (what quantisation packs)."""
-    try:
-        hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        inter = int(config["intermediate_size"])
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return None
-    return layers * (hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter)
+def check_rules(loaded: LoadedRecipe, skip_sections: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
+    """Every cross-field problem of a recipe (empty when consistent); rules reading a section named in
+    `skip_sections` (one that failed validation) are skipped."""
+    return RULES.run(loaded, skip_sections=skip_sections)
 
 
-def _has_bitsandbytes() -> bool:
-    return importlib.util.find_spec("bitsandbytes") is not None
-
-
-def _profile(loaded: LoadedRecipe):
+def gpu_profile_of(loaded: LoadedRecipe):
+    """The recipe's GPU profile, or None when hardware.gpu names none (the schema reports that)."""
     try:
         return gpu_profile(loaded.recipe.hardware.gpu)
     except (ValueError, KeyError, TypeError, OSError):
@@ -105,9 +59,8 @@ def _profile(loaded: LoadedRecipe):
 
 
 @reads("model")
-def _check_model(loaded: LoadedRecipe) -> list[Problem]:
+def _check_model_choice(loaded: LoadedRecipe) -> list[Problem]:
     model, src = loaded.recipe.model, loaded.sources
-    problems = []
     if bool(model.preset) == bool(model.path):
         if model.preset:
             return [src.problem(("model",), "give exactly one of model.preset or model.path, not both",
@@ -117,57 +70,12 @@ def _check_model(loaded: LoadedRecipe) -> list[Problem]:
     if model.preset and model.preset not in model_preset_names():
         close = difflib.get_close_matches(model.preset, model_preset_names(), n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"presets: {', '.join(model_preset_names())}"
-        problems.append(src.problem(("model", "preset"), f"unknown model preset '{model.preset}'", hint))
-    if model.path:
-        path = Path(model.path)
-        if not path.is_dir():
-            problems.append(src.problem(("model", "path"), f"model directory '{path}' does not exist",
-                                        "give a local Hugging Face model directory, or use model.preset"))
-        elif not (path / "config.json").is_file():
-            problems.append(src.problem(("model", "path"), f"'{path}' has no config.json",
-                                        "point model.path at a directory saved with save_pretrained"))
-    tokenizer = model.tokenizer
-    if tokenizer and not tokenizer.startswith(BUILTIN_PREFIX) and not Path(tokenizer).is_dir():
-        problems.append(src.problem(("model", "tokenizer"), f"tokenizer directory '{tokenizer}' does not exist",
-                                    "give a local directory, or 'builtin:shakespeare'"))
-    return problems
-
-
-@reads("data")
-def _check_data_files(loaded: LoadedRecipe) -> list[Problem]:
-    from memtrain.data.corpus import builtin_corpus_names
-
-    data, src = loaded.recipe.data, loaded.sources
-    problems = []
-    for key in ("train", "validation"):
-        value = getattr(data, key)
-        if value is None:
-            continue
-        if value.startswith(BUILTIN_PREFIX):
-            name = value[len(BUILTIN_PREFIX):]
-            if name not in builtin_corpus_names():
-                problems.append(src.problem(("data", key), f"no builtin corpus '{name}'",
-                                            f"builtin corpora: {', '.join(builtin_corpus_names())}"))
-        elif not Path(value).is_file():
-            problems.append(src.problem(("data", key), f"data file '{value}' does not exist",
-                                        "paths are relative to the directory you run memtrain from"))
-    return problems
-
-
-@reads("data", "model")
-def _check_seq_len(loaded: LoadedRecipe) -> list[Problem]:
-    config = model_config_dict(loaded) or {}
-    max_positions = config.get("max_position_embeddings")
-    seq_len = loaded.recipe.data.seq_len
-    if isinstance(max_positions, int) and seq_len > max_positions:
-        return [loaded.sources.problem(("data", "seq_len"),
-                                       f"{seq_len} tokens is beyond the model's {max_positions} positions",
-                                       f"set data.seq_len to at most {max_positions}")]
+        return [src.problem(("model", "preset"), f"unknown model preset '{model.preset}'", hint)]
     return []
 
 
 @reads("hardware", "offload")
-def _check_nvme(loaded: LoadedRecipe) -> list[Problem]:
+def _check_nvme_path(loaded: LoadedRecipe) -> list[Problem]:
     r, src = loaded.recipe, loaded.sources
     if "nvme" not in (r.offload.optimizer, r.offload.params):
         return []
@@ -177,51 +85,16 @@ def _check_nvme(loaded: LoadedRecipe) -> list[Problem]:
         at = ("hardware", "nvme_path") if ("hardware", "nvme_path") in src.origin else tier
         return [src.problem(at, f"{'.'.join(tier)}=nvme needs hardware.nvme_path",
                             f"set hardware.nvme_path to a directory on a fast local disk, or change {'.'.join(tier)}")]
-    nvme = Path(r.hardware.nvme_path)
-    probe = nvme if nvme.exists() else next((p for p in nvme.parents if p.exists()), None)
-    if probe is None or not probe.is_dir() or not os.access(probe, os.W_OK):
-        return [src.problem(("hardware", "nvme_path"), f"'{nvme}' is not a writable directory",
-                            "choose a directory you can write to on a local disk")]
     return []
 
 
 @reads("hardware", "precision")
 def _check_bf16_support(loaded: LoadedRecipe) -> list[Problem]:
-    profile = _profile(loaded)
+    profile = gpu_profile_of(loaded)
     if profile is not None and loaded.recipe.precision.compute == "bf16" and not profile.bf16:
         return [loaded.sources.problem(("precision", "compute"), f"{profile.name} has no bf16 support",
                                        "use precision.compute=fp16 with precision.loss_scale")]
     return []
-
-
-@reads("hardware", "precision", "offload", "model")
-def _check_weights_fit(loaded: LoadedRecipe) -> list[Problem]:
-    r = loaded.recipe
-    profile, config = _profile(loaded), model_config_dict(loaded)
-    params = approx_param_count(config) if config else None
-    if profile is None or params is None or r.offload.params != "none":
-        return []
-    bytes_per_param = 4 if r.precision.compute == "fp32" else 2
-    weights_bytes = params * bytes_per_param
-    linear = _approx_linear_params(config) if r.model.quant_type else None
-    if linear:
-        from memtrain.plan.quantized import quantized_weight_bytes
-
-        weights_bytes = (params - linear) * bytes_per_param + quantized_weight_bytes(
-            linear, 0, r.model.quant_type, r.model.quantize.double_quant)
-    stored_as = f"{r.model.quant_type} + {r.precision.compute}" if linear else r.precision.compute
-    # ZeRO-3 shards the weights over the GPUs; stages 0-2 keep a whole copy on each
-    weights_per_gpu_bytes = weights_bytes / r.hardware.gpus if r.offload.stage == 3 else weights_bytes
-    if weights_per_gpu_bytes <= profile.memory_bytes:
-        return []
-    return [loaded.sources.problem(
-        ("hardware", "gpu"),
-        f"the model's weights alone ({gib(weights_per_gpu_bytes):.1f} GiB per GPU in {stored_as}) "
-        f"exceed the {profile.name} ({gib(profile.memory_bytes):.0f} GiB)",
-        "offload parameters (offload.params=cpu), LoRA on quantised weights (model.quantize.type=nf4), "
-        "or a larger card; "
-        "`memtrain plan --fit` finds a fit",
-    )]
 
 
 @reads("offload", "precision")
@@ -260,7 +133,7 @@ def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
 def _check_zenflow(loaded: LoadedRecipe) -> list[Problem]:
     # DeepSpeed's ZenFlow at ZeRO-1/2 flattens every weight matrix transposed but hands the model views of the
     # original shape, so after deepspeed.initialize each matrix holds its own transpose, reshaped (0.19.8;
-    # tests/test_policies_deepspeed.py shows it and fails once DeepSpeed lays the weights out right)
+    # tests/train/test_deepspeed_engine.py shows it and fails once DeepSpeed lays the weights out right)
     if not loaded.recipe.offload.zenflow:
         return []
     return [loaded.sources.problem(("offload", "zenflow"), "DeepSpeed's ZenFlow replaces every weight matrix with its "
@@ -373,8 +246,6 @@ def _check_checkpointing(loaded: LoadedRecipe) -> list[Problem]:
         problems.append(src.problem(("checkpointing", "strategy"), f"rules are given but strategy is '{c.strategy}'",
                                     "set checkpointing.strategy=rules, or remove the rules"))
     if c.strategy == "rules":
-        from memtrain.model.checkpointing import rule_problems
-
         for pattern, message in rule_problems(c.rules):
             problems.append(src.problem(("checkpointing", "rules", pattern), message,
                                         "cut at whole blocks: *.self_attn, *.mlp or a whole layer"))
@@ -404,9 +275,6 @@ def _check_quantize(loaded: LoadedRecipe) -> list[Problem]:
         problems.append(src.problem(("precision", "mode"), "autocast stores weights in fp32, but quantised layers "
                                     "already compute in precision.compute from their packed weights",
                                     "set precision.mode=cast with model.quantize"))
-    if not _has_bitsandbytes():
-        problems.append(src.problem(("model", "quantize"), "model.quantize needs bitsandbytes, which is not installed",
-                                    "pip install 'memtrain[qlora]'"))
     return problems
 
 
@@ -423,7 +291,4 @@ def _check_client_optimizer(loaded: LoadedRecipe) -> list[Problem]:
             f"parameters; with offload.optimizer={r.offload.optimizer} DeepSpeed steps its own CPU Adam on the host "
             "and refuses any other optimizer",
             f"set offload.optimizer=none to use {name}, or optimizer.name=adamw to offload"))
-    if not _has_bitsandbytes():
-        problems.append(src.problem(("optimizer", "name"), f"{name} needs bitsandbytes, which is not installed",
-                                    "pip install 'memtrain[qlora]', or optimizer.name=adamw"))
     return problems

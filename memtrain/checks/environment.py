@@ -1,0 +1,171 @@
+"""The second validation phase: checks of a recipe against what lies outside it.
+
+The recipe layer checks a recipe on its own (`memtrain.recipe.rules`). These need more: the user's
+files (model and tokenizer directories, data files, the NVMe directory), the model's own config and
+parameter count, and the installed packages. What they need from the machine arrives as data (an
+`Environment`), so a test can ask "what if bitsandbytes were missing" without uninstalling it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from memtrain.configs import model_preset, model_preset_names
+from memtrain.data.corpus import BUILTIN_PREFIX, builtin_corpus_names
+from memtrain.dtypes import DTYPE_BYTES
+from memtrain.errors import Problem
+from memtrain.plan.params import count_parameters
+from memtrain.recipe.rules import Registry, gpu_profile_of
+from memtrain.recipe.sources import LoadedRecipe
+from memtrain.units import gib
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the checks need to know about this machine."""
+
+    bitsandbytes: bool = True   # whether bitsandbytes can be imported (model.quantize, 8-bit / paged optimizers)
+
+
+def current_environment() -> Environment:
+    """This machine, as the checks see it."""
+    return Environment(bitsandbytes=importlib.util.find_spec("bitsandbytes") is not None)
+
+
+CHECKS = Registry()
+reads = CHECKS.reads
+
+
+def check_environment(loaded: LoadedRecipe, env: Environment,
+                      skip_sections: set[str] | frozenset[str] = frozenset(), weights_fit: bool = True) -> list[Problem]:
+    """Every problem of the recipe against files, models and packages (empty when none).
+
+    weights_fit: False leaves out "the weights alone exceed the card", for `memtrain plan`, whose job
+    is to say what to change when a recipe does not fit.
+    """
+    leave_out = () if weights_fit else (check_weights_fit,)
+    return CHECKS.run(loaded, env, skip_sections=skip_sections, leave_out=leave_out)
+
+
+def model_config_dict(loaded: LoadedRecipe) -> dict | None:
+    """The model's Hugging Face config as a dict (preset or the local directory's config.json), if readable."""
+    model = loaded.recipe.model
+    config = None
+    if model.preset and model.preset in model_preset_names():
+        config = model_preset(model.preset)
+    elif model.path and not model.preset:
+        path = Path(model.path) / "config.json"
+        try:
+            config = json.loads(path.read_text()) if path.is_file() else None
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+    return dict(config) if isinstance(config, dict) else None
+
+
+@reads("model")
+def _check_model_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
+    model, src = loaded.recipe.model, loaded.sources
+    problems = []
+    if model.path and not model.preset:
+        path = Path(model.path)
+        if not path.is_dir():
+            problems.append(src.problem(("model", "path"), f"model directory '{path}' does not exist",
+                                        "give a local Hugging Face model directory, or use model.preset"))
+        elif not (path / "config.json").is_file():
+            problems.append(src.problem(("model", "path"), f"'{path}' has no config.json",
+                                        "point model.path at a directory saved with save_pretrained"))
+    tokenizer = model.tokenizer
+    if tokenizer and not tokenizer.startswith(BUILTIN_PREFIX) and not Path(tokenizer).is_dir():
+        problems.append(src.problem(("model", "tokenizer"), f"tokenizer directory '{tokenizer}' does not exist",
+                                    "give a local directory, or 'builtin:shakespeare'"))
+    return problems
+
+
+@reads("data")
+def _check_data_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
+    data, src = loaded.recipe.data, loaded.sources
+    problems = []
+    for key in ("train", "validation"):
+        value = getattr(data, key)
+        if value is None:
+            continue
+        if value.startswith(BUILTIN_PREFIX):
+            name = value[len(BUILTIN_PREFIX):]
+            if name not in builtin_corpus_names():
+                problems.append(src.problem(("data", key), f"no builtin corpus '{name}'",
+                                            f"builtin corpora: {', '.join(builtin_corpus_names())}"))
+        elif not Path(value).is_file():
+            problems.append(src.problem(("data", key), f"data file '{value}' does not exist",
+                                        "paths are relative to the directory you run memtrain from"))
+    return problems
+
+
+@reads("data", "model")
+def _check_seq_len(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
+    config = model_config_dict(loaded) or {}
+    max_positions = config.get("max_position_embeddings")
+    seq_len = loaded.recipe.data.seq_len
+    if isinstance(max_positions, int) and seq_len > max_positions:
+        return [loaded.sources.problem(("data", "seq_len"),
+                                       f"{seq_len} tokens is beyond the model's {max_positions} positions",
+                                       f"set data.seq_len to at most {max_positions}")]
+    return []
+
+
+@reads("hardware", "offload")
+def _check_nvme_writable(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
+    r, src = loaded.recipe, loaded.sources
+    if "nvme" not in (r.offload.optimizer, r.offload.params) or not r.hardware.nvme_path:
+        return []
+    nvme = Path(r.hardware.nvme_path)
+    probe = nvme if nvme.exists() else next((p for p in nvme.parents if p.exists()), None)
+    if probe is None or not probe.is_dir() or not os.access(probe, os.W_OK):
+        return [src.problem(("hardware", "nvme_path"), f"'{nvme}' is not a writable directory",
+                            "choose a directory you can write to on a local disk")]
+    return []
+
+
+@reads("hardware", "precision", "offload", "model")
+def check_weights_fit(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
+    r = loaded.recipe
+    profile = gpu_profile_of(loaded)
+    if profile is None or r.offload.params != "none":
+        return []
+    try:
+        counts = count_parameters(r.model)
+    except Exception:  # noqa: BLE001 — a model that cannot be built is reported by the model checks
+        return []
+    bytes_per_param = DTYPE_BYTES[r.precision.compute]
+    # the base weights: LoRA adapters are small and come later; quantised layers at their packed size
+    weights_bytes = counts.weight_bytes(bytes_per_param) - (counts.trainable * bytes_per_param if r.model.lora else 0)
+    stored_as = f"{r.model.quant_type} + {r.precision.compute}" if counts.quantized else r.precision.compute
+    # ZeRO-3 shards the weights over the GPUs; stages 0-2 keep a whole copy on each
+    weights_per_gpu_bytes = weights_bytes / r.hardware.gpus if r.offload.stage == 3 else weights_bytes
+    if weights_per_gpu_bytes <= profile.memory_bytes:
+        return []
+    return [loaded.sources.problem(
+        ("hardware", "gpu"),
+        f"the model's weights alone ({gib(weights_per_gpu_bytes):.1f} GiB per GPU in {stored_as}) "
+        f"exceed the {profile.name} ({gib(profile.memory_bytes):.0f} GiB)",
+        "offload parameters (offload.params=cpu), LoRA on quantised weights (model.quantize.type=nf4), "
+        "or a larger card; "
+        "`memtrain plan --fit` finds a fit",
+    )]
+
+
+@reads("model", "optimizer")
+def _check_bitsandbytes(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
+    r, src = loaded.recipe, loaded.sources
+    if env.bitsandbytes:
+        return []
+    problems = []
+    if r.model.quant_type is not None:
+        problems.append(src.problem(("model", "quantize"), "model.quantize needs bitsandbytes, which is not installed",
+                                    "pip install 'memtrain[qlora]'"))
+    if r.optimizer.name != "adamw":
+        problems.append(src.problem(("optimizer", "name"), f"{r.optimizer.name} needs bitsandbytes, which is not "
+                                    "installed", "pip install 'memtrain[qlora]', or optimizer.name=adamw"))
+    return problems
