@@ -1,4 +1,4 @@
-"""Recipe -> DeepSpeed config. A pure function: data in, dict out, no DeepSpeed import.
+"""Recipe -> DeepSpeed config. Pure functions: data in, dict out, no DeepSpeed import, no state changed.
 
 What it decides:
 - ZeRO stage from the offload tiers (parameters off the GPU need stage 3; otherwise stage 2).
@@ -22,27 +22,18 @@ What it decides:
 """
 from __future__ import annotations
 
-import math
-
+from memtrain.model.config import model_config
 from memtrain.plan.model_states import sub_group_elements
+from memtrain.plan.params import count_parameters
+from memtrain.plan.zero import bucket_elements, grad_accum_steps
 from memtrain.recipe.schema import Recipe
 
 NEVER_PRINT = 2**31 - 1
 
 
-def zero_stage(recipe: Recipe) -> int:
-    """The ZeRO stage a recipe runs with."""
-    return recipe.offload.stage
-
-
 def uses_client_optimizer(recipe: Recipe) -> bool:
     """Whether the optimizer is a bitsandbytes one built outside DeepSpeed's config (8-bit / paged AdamW)."""
     return recipe.optimizer.name != "adamw"
-
-
-def grad_accum_steps(global_batch: int, micro_batch: int, gpus: int) -> int:
-    """Micro-batches per optimizer step per GPU (the last one may be smaller when it does not divide)."""
-    return math.ceil(global_batch / (micro_batch * gpus))
 
 
 def _precision(recipe: Recipe) -> dict:
@@ -91,8 +82,8 @@ def _offload_block(tier: str, recipe: Recipe, params: bool, largest_param_numel:
 
 def _zero(recipe: Recipe, hidden_size: int, largest_param_numel: int) -> dict:
     o = recipe.offload
-    stage = zero_stage(recipe)
-    bucket = hidden_size * hidden_size if o.bucket_size == "auto" else o.bucket_size
+    stage = o.stage
+    bucket, prefetch = bucket_elements(recipe, hidden_size)
     zero: dict = {"stage": stage}
     if stage == 0:
         return zero
@@ -107,7 +98,6 @@ def _zero(recipe: Recipe, hidden_size: int, largest_param_numel: int) -> dict:
         zero["offload_optimizer"] = _offload_block(o.optimizer, recipe, params=False,
                                                    largest_param_numel=largest_param_numel)
     if stage == 3:
-        prefetch = int(0.9 * hidden_size * hidden_size) if o.prefetch_bucket_size == "auto" else o.prefetch_bucket_size
         zero.update(
             stage3_prefetch_bucket_size=prefetch,
             stage3_param_persistence_threshold=10 * hidden_size,
@@ -139,15 +129,13 @@ def _aio(recipe: Recipe) -> dict:
     }
 
 
-def compile_deepspeed(recipe: Recipe, hidden_size: int, micro_batch: int, total_steps: int,
-                      largest_param_numel: int = 100_000_000) -> dict:
-    """The DeepSpeed config for a recipe.
+def ds_config_for_shapes(recipe: Recipe, hidden_size: int, micro_batch: int,
+                         largest_param_numel: int = 100_000_000) -> dict:
+    """The DeepSpeed config for a recipe, given the model's shapes.
 
     hidden_size: the model's hidden size (bucket sizes derive from it).
     largest_param_numel: elements of the model's largest parameter (NVMe parameter swap buffers hold it).
     micro_batch: the resolved starting micro-batch (an int even when the recipe says "auto").
-    total_steps: optimizer steps of the whole run (kept in the signature for ZeRO settings that
-        depend on run length; the LR schedule is memtrain's own, `memtrain.train.schedule`).
 
     An optimizer that stays on the device is torch's fused AdamW (`torch_adam`), not DeepSpeed's
     FusedAdam: the same single-kernel update, but nothing to JIT-compile at start-up (FusedAdam's
@@ -180,14 +168,12 @@ def compile_deepspeed(recipe: Recipe, hidden_size: int, micro_batch: int, total_
     return config
 
 
-def compile_recipe(recipe: Recipe, micro_batch: int, total_steps: int) -> dict:
-    """compile_deepspeed with the model's shapes looked up from its config (preset or directory)."""
-    from memtrain.model.config import model_config
-    from memtrain.plan.params import count_parameters
-
+def ds_config(recipe: Recipe, micro_batch: int) -> dict:
+    """The DeepSpeed config of a recipe at a starting micro-batch, with the model's shapes read from its
+    config (preset or directory; no weights, nothing built but a cached meta model for the NVMe tier)."""
     hidden_size = model_config(recipe.model).hidden_size
     if recipe.offload.params != "nvme":
-        return compile_deepspeed(recipe, hidden_size, micro_batch, total_steps)
+        return ds_config_for_shapes(recipe, hidden_size, micro_batch)
     # the same largest tensor the planner prices the swap buffers at (counted on the meta device, cached)
     largest = count_parameters(recipe.model).largest_tensor
-    return compile_deepspeed(recipe, hidden_size, micro_batch, total_steps, largest_param_numel=largest)
+    return ds_config_for_shapes(recipe, hidden_size, micro_batch, largest_param_numel=largest)

@@ -18,9 +18,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memtrain.dtypes import DTYPES
+from memtrain.model.build import add_lora
+from memtrain.model.config import model_config
 from memtrain.model.layers import decoder_layers, hf_model
 from memtrain.recipe.schema import Checkpointing, Model
-
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,6 @@ def one_layer_model(model: Model, dtype: torch.dtype) -> torch.nn.Module:
     """The recipe's model class with a single decoder layer, on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    from memtrain.model.config import model_config
-
     config = model_config(model)
     config.num_hidden_layers = 1
     if getattr(config, "layer_types", None):
@@ -110,7 +109,6 @@ def _with_lora(module: torch.nn.Module, model: Model, dtype: torch.dtype) -> tor
     Quantised bases are traced as plain frozen weights."""
     if model.lora is None:
         return module
-    from memtrain.model.build import add_lora
 
     return add_lora(module, model).to(dtype)
 

@@ -14,12 +14,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from memtrain.errors import RecipeError
+from memtrain.errors import Problem, RecipeError
 from memtrain.plan.planner import Plan, micro_batch_candidates, plan_recipe
-from memtrain.recipe.load import LoadedRecipe, apply_overrides, validate
+from memtrain.recipe.load import apply_overrides, validate
+from memtrain.recipe.rules import check_rules
 from memtrain.recipe.schema import Recipe
+from memtrain.recipe.sources import LoadedRecipe
 
 
 @dataclass(frozen=True)
@@ -81,12 +84,12 @@ def _precision_options(r: Recipe) -> list[Option]:
     return options
 
 
-def _micro_batch_options(loaded: LoadedRecipe, current: int) -> list[Option]:
+def _micro_batch_options(r: Recipe, current: int) -> list[Option]:
     options = [KEEP]
     # With parameters offloaded every micro-batch gathers every parameter from the host again: the 3B
     # ZeRO-3 recipe ran at 3,458 tokens/s at micro-batch 4 against 5,279 at 8 (docs/BENCHMARKS.md)
-    per_halving = 0.5 if loaded.recipe.offload.params != "none" else 0.05
-    for size in reversed([m for m in micro_batch_candidates(loaded) if m < current]):
+    per_halving = 0.5 if r.offload.params != "none" else 0.05
+    for size in reversed([m for m in micro_batch_candidates(r) if m < current]):
         halvings = (current // size).bit_length() - 1
         options.append(Option((f"batch.micro_batch={size}",), per_halving * max(halvings, 1),
                               f"micro-batch {size} with more gradient accumulation (same global batch)"))
@@ -158,24 +161,30 @@ def with_overrides(loaded: LoadedRecipe, overrides: list[str]) -> LoadedRecipe:
     return dataclasses.replace(loaded, recipe=validate(data, sources), sources=sources)
 
 
-def _problem_keys(loaded: LoadedRecipe) -> set[tuple[str, str]]:
-    from memtrain.recipe.checks import check_recipe
-
-    return {(p.key, p.message) for p in check_recipe(loaded)}
-
-
-def _adds_problems(candidate: LoadedRecipe, before: set[tuple[str, str]]) -> bool:
-    """Whether the recipe checks refuse a combination that the original recipe did not (e.g. nf4 with ZeRO-3)."""
-    return bool(_problem_keys(candidate) - before)
+# The checks a combination must pass: (loaded recipe) -> problems. The recipe's own rules by default; the
+# command hands in those of the environment too (a quantised base without bitsandbytes installed, say).
+Checks = Callable[[LoadedRecipe], list[Problem]]
 
 
-def advise(loaded: LoadedRecipe, gpu: str | None = None, limit: int = 3) -> list[Advice]:
-    """Changes that make the recipe fit, cheapest first ([] when it already fits or nothing does)."""
+def _problem_keys(loaded: LoadedRecipe, checks: Checks) -> set[tuple[str, str]]:
+    return {(p.key, p.message) for p in checks(loaded)}
+
+
+def advise(loaded: LoadedRecipe, gpu: str | None = None, limit: int = 3, exact_pinned: bool = True,
+           checks: Checks = check_rules) -> list[Advice]:
+    """Changes that make the recipe fit, cheapest first ([] when it already fits or nothing does).
+
+    A combination the checks refuse and the recipe as given did not (e.g. nf4 with ZeRO-3) is skipped.
+    """
     r = loaded.recipe
-    current = plan_recipe(loaded, gpu)
+
+    def plan_of(candidate: LoadedRecipe) -> Plan:
+        return plan_recipe(candidate.recipe, gpu, exact_pinned=exact_pinned, name=candidate.name)
+
+    current = plan_of(loaded)
     if current.fits:
         return []
-    micro_options = [KEEP] if r.batch.micro_batch == "auto" else _micro_batch_options(loaded, current.micro_batch)
+    micro_options = [KEEP] if r.batch.micro_batch == "auto" else _micro_batch_options(r, current.micro_batch)
     levers = [_checkpointing_options(r), _lora_dropout_options(r), _precision_options(r), micro_options,
               _offload_options(r), _live_parameters_options(r), _lora_options(r), _quantize_options(r)]
     candidates = []
@@ -185,7 +194,7 @@ def advise(loaded: LoadedRecipe, gpu: str | None = None, limit: int = 3) -> list
             candidates.append((cost, order, overrides, reason))
     # Cheapest first, so the search stops at the first `limit` fits.
     candidates.sort(key=lambda item: (item[0], item[1]))
-    before = _problem_keys(loaded)
+    before = _problem_keys(loaded, checks)
     fitting: list[Advice] = []
     seen: set[tuple[str, ...]] = set()
     for cost, _, overrides, reason in candidates:
@@ -194,9 +203,9 @@ def advise(loaded: LoadedRecipe, gpu: str | None = None, limit: int = 3) -> list
             continue
         seen.add(tuple(sorted(overrides)))
         candidate = with_overrides(loaded, overrides)
-        if _adds_problems(candidate, before):
+        if _problem_keys(candidate, checks) - before:
             continue
-        plan = plan_recipe(candidate, gpu)
+        plan = plan_of(candidate)
         if plan.fits:
             fitting.append(Advice(overrides, plan, round(cost, 2), reason))
             if len(fitting) >= limit:

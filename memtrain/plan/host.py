@@ -3,7 +3,7 @@
 The logical model states (`model_states.py`: master weights, gradients, Adam moments) are not what
 the host holds. DeepSpeed adds staging copies and accumulation buffers, and every buffer it pins
 goes through PyTorch's caching host allocator, which rounds the size up to a power of two unless
-the rounding threshold is set (`memtrain.train.pinned`; PyTorch 2.13 has it, 2.11 not). What is priced here:
+the rounding threshold is set (`memtrain.plan.pinned`; PyTorch 2.13 has it, 2.11 not). What is priced here:
 
 ZeRO-1/2, optimizer on the CPU (per rank, its partition of n trainable elements):
   master weights   pinned, n × master bytes (4, or 2 with bf16 master weights)
@@ -39,7 +39,7 @@ from __future__ import annotations
 from memtrain.dtypes import DTYPE_BYTES
 from memtrain.plan.model_states import SUB_GROUP_ELEMENTS, master_bytes
 from memtrain.plan.params import ParamCounts
-from memtrain.train.pinned import pinned_bytes
+from memtrain.plan.pinned import pinned_bytes
 
 
 def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str, master: str,

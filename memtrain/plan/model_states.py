@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from memtrain.dtypes import DTYPE_BYTES
 from memtrain.plan.params import ParamCounts
 
-SUB_GROUP_ELEMENTS = 1_000_000_000   # the compiled config's sub_group_size (memtrain.compile.deepspeed)
+SUB_GROUP_ELEMENTS = 1_000_000_000   # the compiled config's sub_group_size (memtrain.ds_config.compiler)
 # With optimizer states on NVMe every swap buffer holds a whole sub-group in the master dtype: at 1e9
 # elements five of them pinned 19 GiB of host memory for a 1.1B model (measured on the H200, 34.9 GiB
 # in all), which is what the NVMe tier exists to avoid.

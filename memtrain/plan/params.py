@@ -6,7 +6,10 @@ from functools import lru_cache
 
 import torch
 
+from memtrain.model.config import meta_model
 from memtrain.model.layers import decoder_layers
+from memtrain.model.quantize import quantized_linear_names
+from memtrain.plan.quantized import quantized_weight_bytes
 from memtrain.recipe.schema import Model
 
 
@@ -53,8 +56,6 @@ def count_parameters(model: Model) -> ParamCounts:
 
 @lru_cache(maxsize=32)
 def _count(model_json: str) -> ParamCounts:
-    from memtrain.model.config import meta_model
-
     model = Model.model_validate_json(model_json)
     module = meta_model(model)
     config = module.config
@@ -101,8 +102,6 @@ def _quantized(module: torch.nn.Module, model: Model) -> tuple[int, int]:
     """(elements, bytes) of the weights stored quantised; (0, 0) without model.quantize."""
     if not model.quant_type:
         return 0, 0
-    from memtrain.model.quantize import quantized_linear_names
-    from memtrain.plan.quantized import quantized_weight_bytes
 
     modules = dict(module.named_modules())
     elements = size_bytes = 0

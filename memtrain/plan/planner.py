@@ -11,11 +11,9 @@ The peak is the largest of four phases, not a sum of maxima:
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import asdict, dataclass, field
 
-from memtrain.compile.deepspeed import grad_accum_steps
-from memtrain.errors import RecipeError
+from memtrain.errors import Problem, RecipeError
 from memtrain.plan.activations import estimate_activations
 from memtrain.plan.calibration import Calibration, calibration
 from memtrain.plan.host import offload_host_bytes
@@ -24,7 +22,7 @@ from memtrain.dtypes import DTYPE_BYTES
 from memtrain.plan.model_states import place_model_states
 from memtrain.plan.params import ParamCounts, count_parameters
 from memtrain.plan.quantized import with_quantized_params
-from memtrain.recipe.load import LoadedRecipe
+from memtrain.plan.zero import bucket_elements, grad_accum_steps
 from memtrain.recipe.schema import Checkpointing, Recipe
 
 TERMS = ("params", "gradients", "optimizer_states", "activations", "logits_loss", "deepspeed_buffers",
@@ -102,21 +100,6 @@ class Plan:
         return data
 
 
-def bucket_elements(recipe: Recipe, hidden_size: int) -> tuple[int, int]:
-    """(reduce bucket, ZeRO-3 prefetch bucket) in elements, as the compiled DeepSpeed config sets them."""
-    try:
-        from memtrain.compile.deepspeed import compile_recipe
-
-        zero = compile_recipe(recipe, micro_batch=1, total_steps=1).get("zero_optimization", {})
-        reduce = int(zero.get("reduce_bucket_size", hidden_size * hidden_size))
-        return reduce, int(zero.get("stage3_prefetch_bucket_size", 0.9 * hidden_size * hidden_size))
-    except (ImportError, TypeError, AttributeError, KeyError, ValueError):
-        o = recipe.offload
-        reduce = hidden_size * hidden_size if o.bucket_size == "auto" else o.bucket_size
-        prefetch = int(0.9 * hidden_size * hidden_size) if o.prefetch_bucket_size == "auto" else o.prefetch_bucket_size
-        return reduce, prefetch
-
-
 def _head_bytes(counts: ParamCounts, compute_bytes: int, tokens: int) -> int:
     """Outside the layers: token ids kept by the embedding (int64) and the final norm (fp32 input copy,
     normalised and output in the compute dtype; the output is the lm_head / loss-chunk input)."""
@@ -185,32 +168,31 @@ def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) 
                        large_gradient_bytes=large_gradient_bytes(recipe, counts, reduce))
 
 
-def plan_recipe(loaded: LoadedRecipe, gpu: str | None = None, micro_batch: int | None = None,
-                exact_pinned: bool | None = None) -> Plan:
-    """Predict the memory of a loaded recipe on `gpu` (default: hardware.gpu) at `micro_batch`
-    (default: the recipe's, with 'auto' resolved to the largest that fits).
+def plan_recipe(recipe: Recipe, gpu: str | None = None, micro_batch: int | None = None,
+                exact_pinned: bool = True, name: str = "recipe") -> Plan:
+    """Predict the memory of a recipe on `gpu` (default: hardware.gpu) at `micro_batch`
+    (default: the recipe's, with 'auto' resolved to the largest that fits). Pure: reads the recipe,
+    memtrain's shipped profiles and the model's shapes (on the meta device), changes nothing.
 
-    exact_pinned: whether pinned host buffers take their real size (default: whether this PyTorch
-    honours memtrain's rounding threshold, `memtrain.train.pinned`); False prices PyTorch's
-    power-of-two rounding, as older versions do.
+    exact_pinned: whether pinned host buffers take their real size, as PyTorch >= 2.13 allocates them
+    under the rounding threshold a run sets (memtrain.train.allocator); False prices PyTorch's
+    power-of-two rounding, as older versions do. The run and `memtrain plan` pass what this PyTorch does.
+    name: the recipe's name, for the plan's title.
+    Raises RecipeError naming the key (not the file: the caller's Sources.locate adds file:line).
     """
-    if exact_pinned is None:
-        from memtrain.train.pinned import exact_pinned_supported
-
-        exact_pinned = exact_pinned_supported()
-    recipe = loaded.recipe
     gpu = gpu or recipe.hardware.gpu
     try:
         cal = calibration(gpu)
     except ValueError:
-        raise RecipeError(loaded.sources.problem(("hardware", "gpu"), f"'{gpu}' is neither a GPU profile nor a size",
-                                                 "give a profile in configs/gpus or a size such as '24GiB'")) from None
+        raise RecipeError(Problem(f"'{gpu}' is neither a GPU profile nor a size", key="hardware.gpu",
+                                  hint="give a profile in configs/gpus or a size such as '24GiB'")) from None
     if micro_batch is None:
-        micro_batch = recipe.batch.micro_batch if recipe.batch.micro_batch != "auto" else resolve_micro_batch(loaded, gpu)
-    counts = _counts(loaded)
+        micro_batch = recipe.batch.micro_batch if recipe.batch.micro_batch != "auto" else \
+            resolve_micro_batch(recipe, gpu, exact_pinned)
+    counts = _counts(recipe)
     if recipe.checkpointing.strategy != "auto":
-        return _plan(loaded, recipe, counts, cal, micro_batch, exact_pinned)
-    return _fewest_recomputed_layers(loaded, recipe, counts, cal, micro_batch, exact_pinned)
+        return _plan(name, recipe, counts, cal, micro_batch, exact_pinned)
+    return _fewest_recomputed_layers(name, recipe, counts, cal, micro_batch, exact_pinned)
 
 
 def _with_first_n_layers(recipe: Recipe, layers: int) -> Recipe:
@@ -218,7 +200,7 @@ def _with_first_n_layers(recipe: Recipe, layers: int) -> Recipe:
     return recipe.model_copy(update={"checkpointing": checkpointing})
 
 
-def _fewest_recomputed_layers(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibration,
+def _fewest_recomputed_layers(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration,
                               micro_batch: int, exact_pinned: bool) -> Plan:
     """The plan of checkpointing 'auto': recompute the fewest decoder layers, from the first, whose plan
     fits without being tight. Memory falls as layers are added up to all but the last, so the search
@@ -227,7 +209,7 @@ def _fewest_recomputed_layers(loaded: LoadedRecipe, recipe: Recipe, counts: Para
     unchunked loss), so every layer is the answer only when it plans lower than all but the last,
     which does not fit comfortably."""
     def plan_at(layers: int) -> Plan:
-        return _plan(loaded, _with_first_n_layers(recipe, layers), counts, cal, micro_batch, exact_pinned)
+        return _plan(name, _with_first_n_layers(recipe, layers), counts, cal, micro_batch, exact_pinned)
 
     low, high = 0, max(counts.num_layers - 1, 0)  # the answer lies in [low, high]
     while low < high:
@@ -245,24 +227,24 @@ def _fewest_recomputed_layers(loaded: LoadedRecipe, recipe: Recipe, counts: Para
     return best
 
 
-def with_resolved_checkpointing(loaded: LoadedRecipe, micro_batch: int, gpu: str | None = None) -> LoadedRecipe:
-    """The loaded recipe with checkpointing 'auto' made concrete (first_n_layers) at this micro-batch."""
-    recipe = loaded.recipe
+def resolve_checkpointing(recipe: Recipe, micro_batch: int, gpu: str | None = None,
+                          exact_pinned: bool = True) -> Recipe:
+    """The recipe with checkpointing 'auto' made concrete (first_n_layers) at this micro-batch."""
     if recipe.checkpointing.strategy != "auto":
-        return loaded
-    layers = plan_recipe(loaded, gpu, micro_batch=micro_batch).recomputed_layers
-    return dataclasses.replace(loaded, recipe=_with_first_n_layers(recipe, layers))
+        return recipe
+    layers = plan_recipe(recipe, gpu, micro_batch=micro_batch, exact_pinned=exact_pinned).recomputed_layers
+    return _with_first_n_layers(recipe, layers)
 
 
-def _counts(loaded: LoadedRecipe) -> ParamCounts:
+def _counts(recipe: Recipe) -> ParamCounts:
     try:
-        return count_parameters(loaded.recipe.model)
+        return count_parameters(recipe.model)
     except (OSError, ValueError, KeyError) as error:
-        raise RecipeError(loaded.sources.problem(("model",), f"cannot build the model from the recipe: {error}",
-                                                 "check model.preset or model.path")) from None
+        raise RecipeError(Problem(f"cannot build the model from the recipe: {error}", key="model",
+                                  hint="check model.preset or model.path")) from None
 
 
-def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibration, micro_batch: int,
+def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micro_batch: int,
           exact_pinned: bool) -> Plan:
     p, o, hw = recipe.precision, recipe.offload, recipe.hardware
     seq_len = recipe.data.seq_len
@@ -359,7 +341,7 @@ def _plan(loaded: LoadedRecipe, recipe: Recipe, counts: ParamCounts, cal: Calibr
     }
     nvme_breakdown = {"params": states.nvme_params, "optimizer_states": states.nvme_optimizer_states}
     return Plan(
-        recipe_name=loaded.name, gpu_name=cal.name, gpus=hw.gpus, zero_stage=stage, micro_batch=micro_batch,
+        recipe_name=name, gpu_name=cal.name, gpus=hw.gpus, zero_stage=stage, micro_batch=micro_batch,
         seq_len=seq_len, params_total=counts.total, params_trainable=counts.trainable, terms=terms,
         phases=phases, peak_phase=peak_phase, peak_allocated_bytes=peak_allocated,
         peak_reserved_bytes=peak_reserved, gpu_capacity_bytes=cal.capacity_bytes,
@@ -430,22 +412,22 @@ def allocation_pattern(recipe: Recipe, stage: int) -> str:
     return "full"
 
 
-def micro_batch_candidates(loaded: LoadedRecipe) -> list[int]:
+def micro_batch_candidates(recipe: Recipe) -> list[int]:
     """Micro-batches that divide the per-GPU share of the global batch, smallest first."""
-    b, gpus = loaded.recipe.batch, loaded.recipe.hardware.gpus
+    b, gpus = recipe.batch, recipe.hardware.gpus
     per_gpu = b.global_batch // gpus
     return [m for m in range(1, per_gpu + 1) if per_gpu % m == 0]
 
 
-def resolve_micro_batch(loaded: LoadedRecipe, gpu: str | None = None) -> int:
+def resolve_micro_batch(recipe: Recipe, gpu: str | None = None, exact_pinned: bool = True) -> int:
     """The largest micro-batch dividing global_batch // gpus that fits the card (1 when none does),
     at the largest allocator slack measured for such runs (a tight fit is not taken).
 
     Memory grows with the micro-batch, so the search stops at the first size that misses.
     """
     best = 1
-    for candidate in micro_batch_candidates(loaded):
-        plan = plan_recipe(loaded, gpu, micro_batch=candidate)
+    for candidate in micro_batch_candidates(recipe):
+        plan = plan_recipe(recipe, gpu, micro_batch=candidate, exact_pinned=exact_pinned)
         if not plan.fits or plan.tight:
             break
         best = candidate

@@ -8,7 +8,7 @@
   code               the 16-entry fp32 code table of the 4-bit type, one per tensor
 int8 (LLM.int8): one int8 per weight and one fp32 scale per output row.
 
-Pure arithmetic, checked against the real tensors of a quantised model in tests/test_qlora.py.
+Pure arithmetic, checked against the real tensors of a quantised model in tests/model/test_qlora.py.
 """
 from __future__ import annotations
 
