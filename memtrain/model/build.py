@@ -15,8 +15,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from memtrain.dtypes import DTYPES
 from memtrain.errors import Problem, UserError
 from memtrain.model.config import model_config
+from memtrain.model.lora_dropout import use_lean_dropout
+from memtrain.model.quantize import bnb_config, keep_training_layout, quantized_preset, require_bitsandbytes
 from memtrain.recipe.schema import Model
-
 
 
 def build_model(model: Model, compute: str, device: torch.device, ds_config: dict | None = None,
@@ -36,12 +37,10 @@ def build_model(model: Model, compute: str, device: torch.device, ds_config: dic
     config = model_config(model)
     quantization = {}
     if model.quant_type:
-        from memtrain.model.quantize import bnb_config, require_bitsandbytes
 
         require_bitsandbytes()
         quantization = {"quantization_config": bnb_config(model.quantize, dtype)}
     if model.preset and model.quant_type:
-        from memtrain.model.quantize import quantized_preset
 
         lm = quantized_preset(config, model.quantize, dtype, device)
     elif model.preset:
@@ -59,7 +58,6 @@ def build_model(model: Model, compute: str, device: torch.device, ds_config: dic
                                     hint="give a directory written by save_pretrained (config.json + weights)")) from None
     lm.config.use_cache = False
     if model.quant_type:
-        from memtrain.model.quantize import keep_training_layout
 
         keep_training_layout(lm)
     if model.lora is not None:
@@ -87,7 +85,6 @@ def add_lora(lm: PreTrainedModel, model: Model) -> torch.nn.Module:
     # checkpointing is memtrain's own; what it does that matters here is the input-grad hook below.
     peft_model = get_peft_model(lm, config)
     if lora.lean_dropout and lora.dropout > 0:
-        from memtrain.model.lora_dropout import use_lean_dropout
 
         use_lean_dropout(peft_model)
     if hasattr(peft_model, "enable_input_require_grads"):

@@ -10,13 +10,18 @@ run out of memory with gigabytes reserved but unused.
 from __future__ import annotations
 
 import os
+from functools import lru_cache
+
+import torch
+
+from memtrain.plan.pinned import ROUND_THRESHOLD_BYTES
+from memtrain.units import MiB
 
 USER_SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+PINNED_SETTING_KEY = "pinned_max_round_threshold_mb"
 
 
 def _current() -> str:
-    import torch
-
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     current = getter() if getter is not None else ""
     return ",".join([current or ""] + [os.environ.get(name, "") for name in USER_SETTINGS])
@@ -25,8 +30,6 @@ def _current() -> str:
 def set_allocator_setting(key: str, value: str) -> bool:
     """Add `key:value` to PyTorch's allocator settings unless the user already chose `key` (in
     PYTORCH_CUDA_ALLOC_CONF, say). Returns whether `key:value` is in force afterwards."""
-    import torch
-
     current = _current().replace(" ", "")
     if f"{key}:" in current:
         return f"{key}:{value}".lower() in current.lower()
@@ -46,3 +49,11 @@ def use_expandable_segments(enabled: bool) -> bool:
     allocation. Returns whether they are on (the user's PYTORCH_CUDA_ALLOC_CONF wins)."""
     in_force = set_allocator_setting("expandable_segments", "True" if enabled else "False")
     return in_force if enabled else not in_force
+
+
+@lru_cache(maxsize=1)
+def exact_pinned_supported() -> bool:
+    """Set PyTorch's pinned-memory rounding threshold for this process (before DeepSpeed pins anything)
+    and say whether this PyTorch has it (2.13 does, 2.11 not): whether pinned buffers take their real
+    size (memtrain.plan.pinned prices them the same way). Harmless before any pinning."""
+    return set_allocator_setting(PINNED_SETTING_KEY, str(ROUND_THRESHOLD_BYTES // MiB))

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from memtrain.configs import gpu_profile
-from memtrain.train.allocator import use_expandable_segments
-from memtrain.train.pinned import use_exact_pinned_sizes
+from memtrain.train.allocator import exact_pinned_supported, use_expandable_segments
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ def setup_process(gpu: str, cap_memory: bool, expandable_segments: bool = True) 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
-        use_exact_pinned_sizes()  # before DeepSpeed pins its offload buffers
+        exact_pinned_supported()  # sets the threshold, before DeepSpeed pins its offload buffers
         use_expandable_segments(expandable_segments)  # before the first CUDA allocation
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

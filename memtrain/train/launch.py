@@ -1,21 +1,89 @@
 """Launch a run on 1..N processes.
 
-The recipe and its data are checked in this process first, so bad input fails fast with exit code
-2 and no workers start. One process runs in-process; several are started with torchrun (one per
-GPU, or per CPU rank with gloo when there is no GPU), each running `memtrain.train.worker`.
+`prepare` checks everything that can be checked before any work, in this process, so bad input fails
+fast with exit code 2, no workers and no run directory: the fp16 support of the CPU, the test hooks
+against the model, the data, and the host memory the plan predicts. It then resolves the run once
+(`run.py`). `launch` trains it: in this process for one GPU (or the CPU), or with torchrun for
+several, each worker reading the resolved run from the run directory (`memtrain.train.worker`).
 """
 from __future__ import annotations
 
+import dataclasses
+import gc
 import os
 import subprocess
 import sys
-from pathlib import Path
+from collections.abc import Callable
+from contextlib import ExitStack
 
-from memtrain.recipe.load import load_recipe
+import torch
 
-EXIT_INTERRUPTED = 130
-WORKER_ENV = "MEMTRAIN_WORKER"
-EXIT_RESTART = 75  # a worker saved after an OOM it could not recover in place; start again from there
+from memtrain.errors import Problem, UserError
+from memtrain.plan.params import count_parameters
+from memtrain.recipe.sources import LoadedRecipe
+from memtrain.train.allocator import exact_pinned_supported
+from memtrain.train.distributed import free_port
+from memtrain.train.hooks import Hooks
+from memtrain.train.loop import train
+from memtrain.train.preflight import check_dtype, check_memory
+from memtrain.train.result import EXIT_RESTART, RunResult
+from memtrain.train.run import RUN_FILE, ResolvedRun, RunOptions, resolve_run
+from memtrain.train.setup import RunData, build_data, setup
+
+Report = Callable[[RunResult], None]
+
+
+@dataclasses.dataclass
+class Prepared:
+    run: ResolvedRun
+    data: RunData            # this process's tokenizer and datasets (workers build their own from the cache)
+    warnings: list[str]      # for people: e.g. the plan exceeds the card (the batch policy will adapt)
+
+
+def prepare(loaded: LoadedRecipe, hooks: Hooks) -> Prepared:
+    """Check what can be checked before anything is built or written, then resolve the run."""
+    r = loaded.recipe
+    check_dtype(loaded)
+    if hooks.oom.layers:  # @layerK points must name layers the model has, before a run directory exists
+        hooks.oom.check_layers(count_parameters(r.model).num_layers)
+    try:
+        data = build_data(r)
+    except UserError as error:
+        raise loaded.sources.locate(error) from None
+    exact_pinned = exact_pinned_supported()
+    warnings = check_memory(loaded, exact_pinned)
+    try:
+        run = resolve_run(r, loaded.name, loaded.output_dir, len(data.train_set), exact_pinned)
+    except UserError as error:
+        raise loaded.sources.locate(error) from None
+    return Prepared(run, data, warnings)
+
+
+def train_here(run: ResolvedRun, options: RunOptions, hooks: Hooks, data: RunData | None = None) -> RunResult:
+    """Set up and train in this process; every resource setup took is released when it returns or raises."""
+    with ExitStack() as stack:
+        return train(setup(run, options, hooks, stack, data))
+
+
+def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report) -> int:
+    """Train a prepared run; returns the process exit code (0 done or stopped, 130 interrupted)."""
+    run = prepared.run
+    gpus = run.recipe.hardware.gpus
+    if gpus == 1:
+        result = train_here(run, options, hooks, prepared.data)
+        while result.status == "restart":  # an OOM in ZeRO-1/2 backward: saved; resume smaller
+            _release()
+            result = train_here(run, dataclasses.replace(options, resume=True), hooks, prepared.data)
+        report(result)
+        return result.exit_code
+    _check_devices(gpus)
+    run_file = run.save()
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // gpus))))
+    while True:
+        completed = subprocess.run(torchrun_command(gpus, free_port(), [str(run_file), *worker_flags(options)]), env=env)
+        if completed.returncode != EXIT_RESTART:
+            return completed.returncode
+        options = dataclasses.replace(options, resume=True)
 
 
 def torchrun_command(nproc: int, port: int, worker_args: list[str]) -> list[str]:
@@ -25,107 +93,30 @@ def torchrun_command(nproc: int, port: int, worker_args: list[str]) -> list[str]
             "-m", "memtrain.train.worker", *worker_args]
 
 
-def launch(recipe: Path, overrides: list[str], resume: bool = True, max_steps: int | None = None,
-           profile_steps: int = 0, save: bool = True) -> int:
-    """Run a recipe; returns the process exit code (0 done, 130 interrupted)."""
-    loaded = load_recipe(recipe, overrides)
-    gpus = loaded.recipe.hardware.gpus
-    already_launched = os.environ.get(WORKER_ENV) == "1"  # a worker torchrun started for this launcher
-    if gpus == 1 or already_launched:
-        from memtrain.train.loop import train
-
-        # workers started by torchrun were checked by their launcher
-        data = None if already_launched else _preflight(loaded)
-        result = train(loaded, resume=resume, max_steps=max_steps, profile_steps=profile_steps, save=save, data=data)
-        while result.status == "restart" and gpus == 1:  # an OOM in ZeRO-1/2 backward: resume smaller
-            _release(result)
-            result = train(loaded, resume=True, max_steps=max_steps, profile_steps=profile_steps, save=save,
-                           data=data)
-        _print_result(result)
-        if result.status == "restart":
-            return EXIT_RESTART
-        return EXIT_INTERRUPTED if result.status == "interrupted" else 0
-    _check_devices(gpus)
-    from memtrain.train.distributed import free_port
-
-    _preflight(loaded)  # data and memory problems surface here, once, before any worker starts
-    args = [str(recipe), *overrides, "--resume" if resume else "--no-resume"]
-    if max_steps is not None:
-        args += ["--max-steps", str(max_steps)]
-    if profile_steps:
-        args += ["--profile", str(profile_steps)]
-    if not save:
-        args.append("--no-save")
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // gpus))),
-               **{WORKER_ENV: "1"})
-    while True:
-        completed = subprocess.run(torchrun_command(gpus, free_port(), args), env=env)
-        if completed.returncode != EXIT_RESTART:
-            return completed.returncode
-        args = [a for a in args if a != "--no-resume"] + ["--resume"]
+def worker_flags(options: RunOptions) -> list[str]:
+    """The command-line flags that hand `options` to a worker (memtrain.train.worker parses them)."""
+    flags = ["--resume" if options.resume else "--no-resume"]
+    if options.max_steps is not None:
+        flags += ["--max-steps", str(options.max_steps)]
+    if options.profile_steps:
+        flags += ["--profile", str(options.profile_steps)]
+    if not options.save:
+        flags.append("--no-save")
+    return flags
 
 
-def _preflight(loaded):
-    """Data and host memory are checked before anything is built; GPU fit is a warning.
-    Returns the prepared data (tokenizer, train and validation sets) for this process to train on."""
-    from rich.console import Console
-
-    from memtrain.train.loop import prepare_data
-    from memtrain.train.preflight import check_dtype, check_memory
-
-    check_dtype(loaded)
-    _check_test_hooks(loaded)
-    data = prepare_data(loaded)
-    for warning in check_memory(loaded):
-        Console(stderr=True).print(f"[yellow]![/] {warning}", highlight=False)
-    return data
-
-
-def _check_test_hooks(loaded) -> None:
-    """MEMTRAIN_INJECT_OOM's layer points must name layers the model has, before a run dir exists."""
-    from memtrain.train.oom import injectors_from_env
-
-    injector = injectors_from_env()[0]
-    if injector.layers:
-        from memtrain.plan.params import count_parameters
-
-        injector.check_layers(count_parameters(loaded.recipe.model).num_layers)
-
-
-def _release(result) -> None:
+def _release() -> None:
     """Free the previous attempt's engine before building a new one."""
-    import gc
-
-    import torch
-
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def _check_devices(gpus: int) -> None:
-    import torch
-
-    from memtrain.errors import Problem, UserError
-
     available = torch.cuda.device_count()
     if available and available < gpus:
         raise UserError(Problem(f"the recipe asks for {gpus} GPUs but this machine has {available}",
                                 key="hardware.gpus", hint=f"set hardware.gpus={available}"))
 
 
-def _print_result(result) -> None:
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    if result.status == "done":
-        where = f"model in {result.exported}" if result.exported else f"metrics in {result.run_dir} (--no-save)"
-        console.print(f"[green]✓[/] trained {result.step} steps; {where}")
-    elif result.status == "restart":
-        console.print(f"[yellow]■[/] out of memory in backward at step {result.step + 1}; saved, restarting smaller")
-    elif result.status == "stopped":
-        console.print(f"[yellow]■[/] stopped at step {result.step} as asked (--max-steps); checkpoint in "
-                      f"{result.run_dir / 'checkpoints'} — run without --max-steps to continue")
-    else:
-        console.print(f"[yellow]■[/] interrupted at step {result.step}; checkpoint in "
-                      f"{result.run_dir / 'checkpoints'} — run the same command again to resume")
+__all__ = ["Prepared", "RUN_FILE", "launch", "prepare", "train_here", "torchrun_command"]

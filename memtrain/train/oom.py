@@ -1,10 +1,8 @@
 """Out-of-memory helpers: recognise an OOM, free what it left, keep forensics, inject OOMs in tests."""
 from __future__ import annotations
 
-import functools
 import gc
 import logging
-import os
 import re
 import traceback
 from dataclasses import dataclass
@@ -13,6 +11,7 @@ from pathlib import Path
 import torch
 
 from memtrain.errors import Problem, UserError
+from memtrain.model.layers import decoder_layer_names, hf_model
 
 log = logging.getLogger(__name__)
 
@@ -141,12 +140,6 @@ class InjectionPoint:
         return self.op is None or _COMPARE[self.op](micro_batch, self.size)
 
 
-def _this_rank_injects() -> bool:
-    """MEMTRAIN_INJECT_RANK=N limits injection to one rank (to test that ranks recover together)."""
-    only = os.environ.get("MEMTRAIN_INJECT_RANK")
-    return only is None or only == os.environ.get("RANK", "0")
-
-
 class OomInjector:
     """Test hook: raises torch.OutOfMemoryError at chosen points; each point fires `times` times (default once).
 
@@ -186,20 +179,10 @@ class OomInjector:
             points.append(InjectionPoint(int(match["step"]), int(match["micro"]), times, match["op"], size, layer))
         return cls(points)
 
-    @classmethod
-    def from_env(cls, name: str = INJECT_ENV) -> "OomInjector":
-        """Read MEMTRAIN_INJECT_OOM (forward) or MEMTRAIN_INJECT_OOM_BACKWARD; unset or empty never fires."""
-        return cls.parse(os.environ.get(name, ""), source=name)
-
     def __bool__(self) -> bool:
         return bool(self.points)
 
     def maybe_raise(self, step: int, micro_index: int, micro_batch: int) -> None:
-        if not _this_rank_injects():
-            return
-        self._maybe_raise(step, micro_index, micro_batch)
-
-    def _maybe_raise(self, step: int, micro_index: int, micro_batch: int) -> None:
         """Raise torch.OutOfMemoryError if a point with firings left matches; call before each micro-batch."""
         for index, point in enumerate(self.points):
             if self.fired[index] < point.times and point.matches(step, micro_index, micro_batch):
@@ -215,7 +198,6 @@ class OomInjector:
         """For `@layerK` points: hook the last child of each layer named so an armed point raises there."""
         if not self.layers:
             return
-        from memtrain.model.layers import decoder_layer_names, hf_model
 
         modules, names = dict(hf_model(model).named_modules()), decoder_layer_names(model)
         self.check_layers(len(names))
@@ -233,10 +215,3 @@ class OomInjector:
         if self.armed is not None and self.armed[0] == layer:
             message, self.armed = self.armed[1], None
             raise torch.OutOfMemoryError(message)
-
-
-@functools.lru_cache(maxsize=None)
-def injectors_from_env() -> tuple[OomInjector, OomInjector]:
-    """The forward and backward test hooks, read once per process so a point that fired stays fired
-    across a restart of the step."""
-    return OomInjector.from_env(), OomInjector.from_env("MEMTRAIN_INJECT_OOM_BACKWARD")

@@ -8,9 +8,11 @@ policy and OOM recovery handle it, and a plan above the card names the change th
 from __future__ import annotations
 
 import psutil
+import torch
 
 from memtrain.errors import UserError
-from memtrain.recipe.load import LoadedRecipe
+from memtrain.plan.planner import plan_recipe
+from memtrain.recipe.sources import LoadedRecipe
 from memtrain.units import gib
 
 
@@ -19,14 +21,12 @@ def host_capacity_bytes(loaded: LoadedRecipe) -> int:
     return loaded.recipe.hardware.host_memory or psutil.virtual_memory().total
 
 
-def check_memory(loaded: LoadedRecipe) -> list[str]:
+def check_memory(loaded: LoadedRecipe, exact_pinned: bool) -> list[str]:
     """Raise UserError when the predicted host memory exceeds the host; return warnings for people."""
-    from memtrain.plan.planner import plan_recipe
-
     try:
-        plan = plan_recipe(loaded)
-    except UserError:
-        raise
+        plan = plan_recipe(loaded.recipe, exact_pinned=exact_pinned, name=loaded.name)
+    except UserError as error:
+        raise loaded.sources.locate(error) from None
     except Exception as error:  # noqa: BLE001 — the plan advises; a model it cannot trace still trains
         return [f"memtrain plan could not model this recipe ({type(error).__name__}: {error}); no memory check"]
     capacity = host_capacity_bytes(loaded)
@@ -49,8 +49,6 @@ def check_memory(loaded: LoadedRecipe) -> list[str]:
 
 def cpu_fp16_supported() -> bool:
     """Whether DeepSpeed's CPU accelerator takes fp16 here (it needs oneDNN fp16: AVX512-FP16 / AMX)."""
-    import torch
-
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     except (AttributeError, RuntimeError):
@@ -59,8 +57,6 @@ def cpu_fp16_supported() -> bool:
 
 def check_dtype(loaded: LoadedRecipe) -> None:
     """Raise UserError for fp16 on a CPU whose DeepSpeed accelerator refuses it (before any work)."""
-    import torch
-
     if loaded.recipe.precision.compute != "fp16" or torch.cuda.is_available() or cpu_fp16_supported():
         return
     raise UserError(loaded.sources.problem(

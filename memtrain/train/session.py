@@ -6,28 +6,26 @@ memory pressure without losing or repeating a sample.
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from typing import TYPE_CHECKING
-
+from memtrain.data.loader import BatchLoader
 from memtrain.errors import Problem, UserError
+from memtrain.monitor.forecast import PeakForecast
+from memtrain.monitor.metrics import MetricsLog
 from memtrain.recipe.schema import Recipe
+from memtrain.train.batch_policy import BatchPolicy, GiveUp
 from memtrain.train.checkpoint import LoopState, save_checkpoint
 from memtrain.train.distributed import Place, any_rank, max_over_ranks
+from memtrain.train.hooks import Hooks
+from memtrain.train.oom import dump_memory_snapshot, release_memory
 from memtrain.train.step import OomDuringStep, run_micro_batches, split
 
-if TYPE_CHECKING:  # heavy imports, for the reader only
+if TYPE_CHECKING:  # for the reader only: importing DeepSpeed is slow and sets up its accelerator
     import deepspeed
-
-    from memtrain.data.loader import BatchLoader
-    from memtrain.monitor.forecast import PeakForecast
-    from memtrain.monitor.metrics import MetricsLog
-    from memtrain.train.batch_policy import BatchPolicy
 
 
 @dataclass
@@ -37,11 +35,11 @@ class Session:
     r: Recipe
     place: Place
     engine: "deepspeed.DeepSpeedEngine"
-    policy: "BatchPolicy"
-    metrics: "MetricsLog"
-    forecast: "PeakForecast"
-    loader: "BatchLoader"
-    sample_trace: "SampleTrace"
+    policy: BatchPolicy
+    metrics: MetricsLog
+    forecast: PeakForecast
+    loader: BatchLoader
+    hooks: Hooks
     run_dir: Path
     zero3: bool
     save: bool
@@ -60,12 +58,10 @@ class Session:
         Returns (summed token loss, micro-batches run, OOMs survived); None when an OOM in ZeRO-1/2
         backward left gradients that cannot be dropped, after saving the last completed step.
         """
-        from memtrain.train.oom import dump_memory_snapshot, injectors_from_env
-
         step, device = self.state.step, self.place.device
         if self.place.on_cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        injector, backward_injector = injectors_from_env()
+        injector, backward_injector = self.hooks.oom, self.hooks.oom_backward
         loss_sum = torch.zeros((), device=device)
         remaining, micro_batches, ooms = mine, 0, 0
         while remaining:
@@ -74,7 +70,7 @@ class Session:
                 micro_batches += run_micro_batches(
                     self.engine, self.loader, batches, self.place.world_size / targets, loss_sum,
                     before=lambda i, size: injector.maybe_raise(step, micro_batches + i, size),
-                    after=self.sample_trace.add,
+                    after=self.hooks.sample_trace.add,
                     in_backward=(lambda i, size: backward_injector.maybe_raise(step, micro_batches + i, size))
                     if backward_injector else None,
                     any_rank=(lambda flag: any_rank(flag, device)) if self.place.world_size > 1 else None)
@@ -94,7 +90,7 @@ class Session:
                     return None
                 if oom.in_backward:  # ZeRO-3: zeroing drops the partial gradients; run every sample again
                     self.engine.optimizer.zero_grad(set_to_none=True)
-                    self.sample_trace.discard()
+                    self.hooks.sample_trace.discard()
                     loss_sum.zero_()
                     remaining, micro_batches = mine, 0
                 else:  # forward: the finished micro-batches' gradients stand
@@ -103,9 +99,6 @@ class Session:
         return loss_sum, micro_batches, ooms
 
     def _shrink_after_oom(self, oom: OomDuringStep, snapshot: Path | None) -> None:
-        from memtrain.train.batch_policy import GiveUp
-        from memtrain.train.oom import release_memory
-
         step = self.state.step
         release_memory(self.place.device)
         if self.place.on_cuda:  # the failed attempt's peak must not count as this step's
@@ -142,34 +135,6 @@ class Session:
         if decision is not None:
             self.metrics.event("batch", self.state.step, old_micro_batch=decision.old_micro_batch,
                                new_micro_batch=decision.new_micro_batch, reason=decision.reason)
-
-
-class SampleTrace:
-    """Test hook: with MEMTRAIN_TRACE_SAMPLES=path, the sample ids whose gradients went into each
-    applied optimizer step are appended there (buffered until the step is applied, dropped when an
-    OOM discards the step's gradients)."""
-
-    def __init__(self, path: str | None):
-        self.path = Path(path) if path else None
-        self.pending: list[list[int]] = []
-
-    @classmethod
-    def from_env(cls) -> "SampleTrace":
-        return cls(os.environ.get("MEMTRAIN_TRACE_SAMPLES"))
-
-    def add(self, indices: list[int]) -> None:
-        if self.path is not None:
-            self.pending.append(list(indices))
-
-    def discard(self) -> None:
-        self.pending = []
-
-    def commit(self, step: int, rank: int) -> None:
-        if self.path is not None:
-            with open(self.path, "a") as handle:
-                for indices in self.pending:
-                    handle.write(json.dumps({"step": step, "rank": rank, "indices": indices}) + "\n")
-        self.pending = []
 
 
 def _str(path) -> str | None:

@@ -26,6 +26,7 @@ import torch
 
 from memtrain.monitor.profiler import phase
 from memtrain.train.distributed import all_reduce_sum
+from memtrain.train.oom import abandon_failed_frames, is_oom
 
 
 @dataclass
@@ -96,8 +97,6 @@ def run_micro_batches(engine, loader, batches: list[list[int]], normaliser: floa
 
 
 def _as_oom(error: BaseException, in_backward: bool, done: int) -> BaseException:
-    from memtrain.train.oom import abandon_failed_frames, is_oom
-
     if not is_oom(error):
         return error
     abandon_failed_frames(error)

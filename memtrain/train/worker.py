@@ -1,9 +1,43 @@
-"""Entry point of each process that torchrun starts: `python -m memtrain.train.worker RECIPE ...`."""
+"""Entry point of each process that torchrun starts: `python -m memtrain.train.worker RUN_FILE [flags]`.
+
+RUN_FILE is the run the launcher resolved (run.json in the run directory); the flags are the
+launcher's RunOptions (launch.worker_flags). Test hooks are read from this process's environment.
+"""
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
 
-from memtrain.cli import app
+from memtrain.errors import UserError
+from memtrain.train.hooks import Hooks
+from memtrain.train.launch import train_here
+from memtrain.train.run import ResolvedRun, RunOptions
+
+
+def parse_options(argv: list[str]) -> tuple[Path, RunOptions]:
+    parser = argparse.ArgumentParser(prog="memtrain.train.worker")
+    parser.add_argument("run_file", type=Path)
+    parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--profile", type=int, default=0)
+    parser.add_argument("--no-save", dest="save", action="store_false")
+    args = parser.parse_args(argv)
+    return args.run_file, RunOptions(resume=args.resume, max_steps=args.max_steps, profile_steps=args.profile,
+                                     save=args.save)
+
+
+def main(argv: list[str]) -> int:
+    run_file, options = parse_options(argv)
+    try:
+        result = train_here(ResolvedRun.from_json(run_file.read_text()), options, Hooks.from_env())
+    except UserError as error:
+        for problem in error.problems:
+            print(f"✗ {problem.format()}", file=sys.stderr)
+        return error.exit_code
+    print(f"{'✓' if result.finished else '■'} {result.summary()}", file=sys.stderr)
+    return result.exit_code
+
 
 if __name__ == "__main__":
-    sys.exit(app(["run", *sys.argv[1:]]))
+    sys.exit(main(sys.argv[1:]))

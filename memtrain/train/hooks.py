@@ -1,0 +1,69 @@
+"""Test hooks, read from the environment once, at the edge, and handed down to the loop.
+
+The default `Hooks()` does nothing. The environment variables (set by tests and by scripts that
+study recovery) are:
+  MEMTRAIN_INJECT_OOM            OOMs before chosen micro-batches' forward (or inside a decoder layer)
+  MEMTRAIN_INJECT_OOM_BACKWARD   OOMs from inside chosen micro-batches' backward
+  MEMTRAIN_INJECT_RANK           only this rank injects (default: every rank)
+  MEMTRAIN_TRACE_SAMPLES         a file that receives the sample ids of every applied optimizer step
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memtrain.train.oom import INJECT_ENV, OomInjector
+
+INJECT_BACKWARD_ENV = "MEMTRAIN_INJECT_OOM_BACKWARD"
+INJECT_RANK_ENV = "MEMTRAIN_INJECT_RANK"
+TRACE_ENV = "MEMTRAIN_TRACE_SAMPLES"
+
+
+class SampleTrace:
+    """The sample ids whose gradients went into each applied optimizer step, appended to a file
+    (buffered until the step is applied, dropped when an OOM discards the step's gradients)."""
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path else None
+        self.pending: list[list[int]] = []
+
+    def add(self, indices: list[int]) -> None:
+        if self.path is not None:
+            self.pending.append(list(indices))
+
+    def discard(self) -> None:
+        self.pending = []
+
+    def commit(self, step: int, rank: int) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as handle:
+                for indices in self.pending:
+                    handle.write(json.dumps({"step": step, "rank": rank, "indices": indices}) + "\n")
+        self.pending = []
+
+
+@dataclass
+class Hooks:
+    """What tests can make the loop do: injected OOMs and a trace of the samples trained on.
+
+    One object per launch: a point that fired stays fired across a restart of the step.
+    """
+
+    oom: OomInjector = field(default_factory=OomInjector)
+    oom_backward: OomInjector = field(default_factory=OomInjector)
+    sample_trace: SampleTrace = field(default_factory=SampleTrace)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Hooks":
+        """Parse the environment once; a malformed injection spec is a UserError naming the variable."""
+        only = environ.get(INJECT_RANK_ENV)
+        injects = only is None or only == environ.get("RANK", "0")
+
+        def injector(name: str) -> OomInjector:
+            return OomInjector.parse(environ.get(name, ""), source=name) if injects else OomInjector()
+
+        return cls(oom=injector(INJECT_ENV), oom_backward=injector(INJECT_BACKWARD_ENV),
+                   sample_trace=SampleTrace(environ.get(TRACE_ENV)))

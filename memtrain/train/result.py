@@ -1,0 +1,40 @@
+"""How a run ended, and the one line that tells a person."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+EXIT_INTERRUPTED = 130
+EXIT_RESTART = 75  # a worker saved after an OOM it could not recover in place; start again from there
+
+
+@dataclass
+class RunResult:
+    status: str              # "done" | "stopped" (--max-steps) | "interrupted" | "restart" (OOM in ZeRO-1/2 backward)
+    step: int
+    run_dir: Path
+    final_eval_loss: float | None = None
+    exported: Path | None = None   # the Hugging Face export, when one was written
+
+    @property
+    def exit_code(self) -> int:
+        return {"restart": EXIT_RESTART, "interrupted": EXIT_INTERRUPTED}.get(self.status, 0)
+
+    @property
+    def finished(self) -> bool:
+        """Trained to the end (a ✓ for people; anything else is a ■ with what to do next)."""
+        return self.status == "done"
+
+    def summary(self) -> str:
+        """One line saying how the run ended and what to do next."""
+        if self.status == "done":
+            where = f"model in {self.exported}" if self.exported else f"metrics in {self.run_dir} (--no-save)"
+            return f"trained {self.step} steps; {where}"
+        if self.status == "restart":
+            return f"out of memory in backward at step {self.step + 1}; saved, restarting smaller"
+        checkpoints = self.run_dir / "checkpoints"
+        if self.status == "stopped":
+            return (f"stopped at step {self.step} as asked (--max-steps); checkpoint in {checkpoints} — "
+                    "run without --max-steps to continue")
+        return (f"interrupted at step {self.step}; checkpoint in {checkpoints} — "
+                "run the same command again to resume")

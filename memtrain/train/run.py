@@ -1,0 +1,115 @@
+"""A run resolved once: every 'auto' of the recipe made concrete for this machine, before anything is built.
+
+The launcher resolves the run (asking the planner for the micro-batch and the recomputed layers,
+counting the steps from the data), saves it as `run.json` in the run directory, and hands it to the
+DeepSpeed config compiler and the loop; workers that torchrun starts read the same file. Nothing
+downstream asks the planner again.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from memtrain.files import write_atomically
+from memtrain.plan.planner import plan_recipe, resolve_checkpointing, resolve_micro_batch
+from memtrain.recipe.schema import Recipe
+
+RUN_FILE = "run.json"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How this invocation runs the recipe (the command line's flags), apart from what it runs."""
+
+    resume: bool = True               # continue from the newest complete checkpoint in the run directory
+    max_steps: int | None = None      # stop after this many optimizer steps (the schedule follows the recipe)
+    profile_steps: int = 0            # record a torch.profiler trace of this many steps
+    save: bool = True                 # False: no checkpoints and no final model (benchmarks, smoke tests)
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """The recipe as it will run on this machine."""
+
+    name: str
+    recipe: Recipe                    # checkpointing 'auto' made concrete (first_n_layers); the rest as written
+    run_dir: Path
+    recipe_micro_batch: int           # batch.micro_batch with 'auto' resolved by the planner
+    micro_batch: int                  # the starting micro-batch: at most this rank's share of the global batch
+    total_steps: int
+    exact_pinned: bool                # whether PyTorch pins host buffers at their size (the planner's pricing)
+    plan_peak_reserved_bytes: int | None  # the plan's peak, a reference line in reports (None: not plannable)
+    planner_prior: tuple[float, float] | None  # the planned peak as a + b · micro_batch, the batch policy's start
+
+    @property
+    def per_rank_batch(self) -> int:
+        return self.recipe.batch.global_batch // self.recipe.hardware.gpus
+
+    @property
+    def eval_samples(self) -> int:
+        """Validation samples per evaluation: independent of the GPU count and of the current micro-batch."""
+        return self.recipe.train.eval_batches * self.recipe_micro_batch
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data.update(recipe=self.recipe.model_dump(mode="json"), run_dir=str(self.run_dir))
+        return json.dumps(data, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ResolvedRun":
+        data = json.loads(text)
+        prior = data["planner_prior"]
+        return cls(**{**data, "recipe": Recipe.model_validate(data["recipe"]), "run_dir": Path(data["run_dir"]),
+                      "planner_prior": tuple(prior) if prior is not None else None})
+
+    def save(self) -> Path:
+        path = self.run_dir / RUN_FILE
+        write_atomically(path, self.to_json())
+        return path
+
+
+def total_steps(recipe: Recipe, n_train_samples: int) -> int:
+    """train.steps, or the optimizer steps of train.epochs over the training samples."""
+    if recipe.train.steps is not None:
+        return recipe.train.steps
+    return max(1, math.ceil(recipe.train.epochs * n_train_samples / recipe.batch.global_batch))
+
+
+def resolve_micro_batch_of(recipe: Recipe, exact_pinned: bool) -> int:
+    """batch.micro_batch, or for 'auto' the planner's largest fit on the recipe's card."""
+    if recipe.batch.micro_batch != "auto":
+        return recipe.batch.micro_batch
+    return resolve_micro_batch(recipe, exact_pinned=exact_pinned)
+
+
+def resolve_run(recipe: Recipe, name: str, run_dir: Path, n_train_samples: int, exact_pinned: bool) -> ResolvedRun:
+    """Resolve a validated recipe for this machine: micro-batch, recomputed layers, steps, the plan's figures."""
+    recipe_micro_batch = resolve_micro_batch_of(recipe, exact_pinned)
+    per_rank_batch = recipe.batch.global_batch // recipe.hardware.gpus
+    micro_batch = min(recipe_micro_batch, per_rank_batch)
+    resolved = resolve_checkpointing(recipe, micro_batch, exact_pinned=exact_pinned)
+    return ResolvedRun(name=name, recipe=resolved, run_dir=run_dir, recipe_micro_batch=recipe_micro_batch,
+                       micro_batch=micro_batch, total_steps=total_steps(recipe, n_train_samples),
+                       exact_pinned=exact_pinned, plan_peak_reserved_bytes=_planned_peak(resolved, exact_pinned),
+                       planner_prior=_planner_prior(resolved, exact_pinned))
+
+
+def _planned_peak(recipe: Recipe, exact_pinned: bool) -> int | None:
+    try:
+        return int(plan_recipe(recipe, exact_pinned=exact_pinned).peak_reserved_bytes)
+    except Exception:  # noqa: BLE001 — the plan is a reference line in reports, never a reason to stop training
+        return None
+
+
+def _planner_prior(recipe: Recipe, exact_pinned: bool) -> tuple[float, float] | None:
+    """The planner's peak as a + b · micro_batch (from plans at micro-batch 1 and 2): the batch
+    policy's starting line before it has observed any step."""
+    try:
+        one = plan_recipe(recipe, micro_batch=1, exact_pinned=exact_pinned).peak_reserved_bytes
+        two = plan_recipe(recipe, micro_batch=2, exact_pinned=exact_pinned).peak_reserved_bytes
+    except Exception:  # noqa: BLE001 — without a prior the policy learns from observed peaks
+        return None
+    slope = max(two - one, 1)
+    return float(one - slope), float(slope)

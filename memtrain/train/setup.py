@@ -1,0 +1,170 @@
+"""Everything a run needs before its first step, built by public builders into one `Training` object.
+
+    data     = build_data(recipe)                       tokenizer, train and validation sets
+    model    = build_policy_model(recipe, place, cfg)   the model with its memory policies applied
+    engine   = build_engine(recipe, model, cfg, steps)  DeepSpeed's engine, optimizer and LR schedule
+    training = setup(run, options, hooks, stack)        all of it, resumed, with the loop's helpers
+
+`setup` registers every clean-up (prefetch threads, the metrics log) on the caller's ExitStack, so
+an exception anywhere in setup or training releases them. Scripts and tests use the same builders.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from memtrain.data.dataset import build_datasets
+from memtrain.data.loader import BatchLoader, SampleOrder
+from memtrain.data.tokenizer import load_tokenizer
+from memtrain.ds_config.compiler import ds_config as compile_ds_config
+from memtrain.ds_config.compiler import uses_client_optimizer
+from memtrain.errors import DataError, Problem
+from memtrain.files import write_atomically
+from memtrain.model.build import build_model
+from memtrain.model.checkpointing import apply_checkpointing
+from memtrain.model.compiled import compile_layers
+from memtrain.model.config import model_config
+from memtrain.model.precision import apply_precision
+from memtrain.model.quantize import require_bitsandbytes
+from memtrain.model.wrapper import TrainableLM
+from memtrain.monitor.forecast import PeakForecast
+from memtrain.monitor.metrics import MetricsLog
+from memtrain.monitor.profiler import StepProfiler
+from memtrain.recipe.schema import Recipe
+from memtrain.train.batch_policy import BatchPolicy
+from memtrain.train.checkpoint import LoopState, latest_checkpoint, load_checkpoint
+from memtrain.train.distributed import Place, setup_process
+from memtrain.train.hooks import Hooks
+from memtrain.train.oom import start_memory_history
+from memtrain.train.run import ResolvedRun, RunOptions
+from memtrain.train.schedule import lr_scheduler_factory
+from memtrain.train.session import Session
+
+
+@dataclass
+class RunData:
+    tokenizer: object
+    train_set: torch.utils.data.Dataset
+    val_set: torch.utils.data.Dataset
+
+
+def build_data(recipe: Recipe) -> RunData:
+    """Tokenizer and datasets, checked against the model and the global batch. Problems name their
+    recipe key (a caller holding the recipe's Sources adds file:line)."""
+    tokenizer = load_tokenizer(recipe.model)
+    vocab_size = model_config(recipe.model).vocab_size
+    if len(tokenizer) > vocab_size:
+        raise DataError(Problem(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab_size}",
+            key="model.tokenizer",
+            hint="use the model's own tokenizer, or a preset whose vocab_size is at least the tokenizer's"))
+    train_set, val_set = build_datasets(recipe.data, tokenizer, recipe.train.seed)
+    if len(train_set) < recipe.batch.global_batch:
+        raise DataError(Problem(
+            f"the training data gives {len(train_set)} samples of {recipe.data.seq_len} tokens, "
+            f"fewer than one global batch of {recipe.batch.global_batch}", key="batch.global_batch",
+            hint="add data, lower data.seq_len, or lower batch.global_batch"))
+    return RunData(tokenizer, train_set, val_set)
+
+
+def build_policy_model(recipe: Recipe, place: Place, ds_config: dict) -> torch.nn.Module:
+    """The causal LM on its device with the recipe's checkpointing, precision map and compiled layers."""
+    model = build_model(recipe.model, recipe.precision.storage, place.device, ds_config, seed=recipe.train.seed)
+    apply_checkpointing(model, recipe.checkpointing)
+    apply_precision(model, recipe.precision)
+    if recipe.train.compile:
+        compile_layers(model)
+    return model
+
+
+def build_engine(recipe: Recipe, model: torch.nn.Module, ds_config: dict, total_steps: int):
+    """(DeepSpeed engine, LR scheduler) around the model with memtrain's loss."""
+    import deepspeed  # noqa: PLC0415 — heavy (and it sets up its accelerator on import): only where an engine is built
+
+    lm = TrainableLM(model, recipe.precision)
+    trainable = [p for p in lm.parameters() if p.requires_grad]
+    engine, _, _, scheduler = deepspeed.initialize(model=lm, model_parameters=trainable, config=ds_config,
+                                                   optimizer=client_optimizer(recipe, trainable),
+                                                   lr_scheduler=lr_scheduler_factory(recipe.schedule, total_steps))
+    return engine, scheduler
+
+
+def client_optimizer(recipe: Recipe, trainable: list[torch.nn.Parameter]):
+    """A bitsandbytes AdamW (8-bit and/or paged states) for DeepSpeed to wrap, or None for the config's AdamW."""
+    if not uses_client_optimizer(recipe):
+        return None
+    require_bitsandbytes()
+    import bitsandbytes as bnb  # noqa: PLC0415 — optional dependency (memtrain[qlora])
+
+    kinds = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw": bnb.optim.PagedAdamW,
+             "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}
+    o = recipe.optimizer
+    return kinds[o.name](trainable, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+
+
+@dataclass
+class Training:
+    """One run, set up: what the loop reads and drives."""
+
+    run: ResolvedRun
+    options: RunOptions
+    hooks: Hooks
+    place: Place
+    cap_bytes: int
+    data: RunData
+    model: torch.nn.Module
+    engine: object
+    scheduler: object
+    state: LoopState
+    resumed_from: Path | None
+    order: SampleOrder
+    loader: BatchLoader
+    val_loader: BatchLoader
+    metrics: MetricsLog
+    profiler: StepProfiler
+    session: Session
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.run.recipe
+
+
+def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack, data: RunData | None = None) -> Training:
+    """Process group and device, data, model, engine, resume, loaders and logs, for this process's rank."""
+    r = run.recipe
+    place, cap_bytes = setup_process(r.hardware.gpu, r.hardware.cap_memory, r.hardware.expandable_segments)
+    data = data or build_data(r)
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    ds_config = compile_ds_config(r, run.micro_batch)
+    model = build_policy_model(r, place, ds_config)
+    engine, scheduler = build_engine(r, model, ds_config, run.total_steps)
+
+    state, checkpoint = LoopState(), latest_checkpoint(run.run_dir) if options.resume else None
+    if checkpoint is not None:
+        state = load_checkpoint(engine, checkpoint, place.rank)
+    policy = BatchPolicy(r.batch, run.per_rank_batch, run.micro_batch, cap_bytes or 1,
+                         prior=run.planner_prior if place.on_cuda else None)
+    if state.batch_policy:
+        policy.load_state_dict(state.batch_policy)
+    if place.is_main:
+        write_atomically(run.run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
+        write_atomically(run.run_dir / "recipe.json", r.model_dump_json(indent=2))
+
+    metrics = MetricsLog(run.run_dir / "metrics.jsonl", flush_every=r.train.log_every, enabled=place.is_main,
+                         tensorboard_dir=run.run_dir / "tensorboard")
+    stack.callback(metrics.close)
+    loader = stack.enter_context(BatchLoader(data.train_set, place.device))
+    val_loader = stack.enter_context(BatchLoader(data.val_set, place.device))
+    start_memory_history(place.device)
+    hooks.oom.attach(model)  # OOMs from inside a decoder layer (MEMTRAIN_INJECT_OOM=…@layerK)
+    session = Session(r, place, engine, policy, metrics, PeakForecast(), loader, hooks, run.run_dir,
+                      r.offload.stage == 3, options.save, state, cap_bytes)
+    return Training(run=run, options=options, hooks=hooks, place=place, cap_bytes=cap_bytes, data=data, model=model,
+                    engine=engine, scheduler=scheduler, state=state, resumed_from=checkpoint,
+                    order=SampleOrder(len(data.train_set), r.train.seed), loader=loader, val_loader=val_loader,
+                    metrics=metrics, profiler=StepProfiler(run.run_dir, options.profile_steps, place.device),
+                    session=session)
