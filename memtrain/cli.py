@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +14,14 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from memtrain.checks.load import load_checked
+from memtrain.commands.compile import compile_command
+from memtrain.commands.plan import plan_command
+from memtrain.commands.report import report_command
+from memtrain.commands.run import run_command
 from memtrain.errors import UserError
+from memtrain.recipe.schema import Recipe
+from memtrain.train.run import RunOptions
 
 app = typer.Typer(
     name="memtrain",
@@ -62,9 +68,7 @@ def validate(
 
     Example: [bold]memtrain validate recipes/llama2-7b-lora-24gb.yaml batch.micro_batch=2[/]
     """
-    from memtrain.recipe.load import load_recipe
-
-    loaded = load_recipe(recipe, overrides)
+    loaded = load_checked(recipe, overrides)
     if as_json:
         print(loaded.recipe.model_dump_json(indent=2))
     else:
@@ -77,8 +81,6 @@ def schema():
 
     Example: [bold]memtrain schema > memtrain.schema.json[/]
     """
-    from memtrain.recipe.schema import Recipe
-
     print(json.dumps(Recipe.model_json_schema(), indent=2))
 
 
@@ -93,22 +95,7 @@ def compile_(
 
     Example: [bold]memtrain compile recipes/llama2-7b-full-offload-2x24gb.yaml -o ds_config.json[/]
     """
-    from memtrain.compile.deepspeed import compile_recipe
-    from memtrain.recipe.load import load_recipe
-
-    from memtrain.train.loop import prepare_data, resolve_micro_batch, total_steps
-
-    loaded = load_recipe(recipe, overrides)
-    steps = loaded.recipe.train.steps or total_steps(loaded, len(prepare_data(loaded)[1]))
-    config = compile_recipe(loaded.recipe, micro_batch=resolve_micro_batch(loaded), total_steps=steps)
-    text = json.dumps(config, indent=2) + "\n"
-    if output is None:
-        sys.stdout.write(text)
-        return
-    from memtrain.files import write_atomically
-
-    write_atomically(output, text)
-    console.print(f"[green]✓[/] wrote {output}")
+    raise typer.Exit(code=compile_command(recipe, list(overrides or []), output, console))
 
 
 @app.command()
@@ -125,8 +112,6 @@ def plan(
 
     Example: [bold]memtrain plan recipes/llama2-7b-lora-24gb.yaml --gpu rtx4090[/]
     """
-    from memtrain.plan.command import plan_command
-
     code = plan_command(recipe, list(overrides or []), gpu=gpu, fit=fit, output=output, as_json=as_json, console=console)
     raise typer.Exit(code=code)
 
@@ -145,10 +130,8 @@ def run(
 
     Example: [bold]memtrain run recipes/quickstart.yaml[/]
     """
-    from memtrain.compile.launch import launch
-
-    code = launch(recipe, list(overrides or []), resume=resume, max_steps=max_steps, profile_steps=profile, save=save)
-    raise typer.Exit(code=code)
+    options = RunOptions(resume=resume, max_steps=max_steps, profile_steps=profile, save=save)
+    raise typer.Exit(code=run_command(recipe, list(overrides or []), options))
 
 
 @app.command()
@@ -161,8 +144,6 @@ def report(
 
     Example: [bold]memtrain report runs/quickstart[/]
     """
-    from memtrain.monitor.report import report_command
-
     raise typer.Exit(code=report_command(run_dir, as_json=as_json, console=console))
 
 

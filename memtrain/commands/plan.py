@@ -9,11 +9,16 @@ from pathlib import Path
 import yaml
 from rich.table import Table
 
-from memtrain.errors import Problem, RecipeError
+from memtrain.checks.environment import Environment, check_environment, current_environment
+from memtrain.checks.load import load_checked
+from memtrain.errors import Problem, RecipeError, UserError
 from memtrain.files import write_atomically
 from memtrain.plan.advice import Advice, advise
 from memtrain.plan.planner import TERMS, Plan, plan_recipe, resolve_micro_batch
-from memtrain.recipe.load import COMMAND_LINE, LoadedRecipe, Sources, apply_overrides, load_recipe
+from memtrain.recipe.load import apply_overrides
+from memtrain.recipe.rules import check_rules, compile_unsupported
+from memtrain.recipe.sources import COMMAND_LINE, LoadedRecipe, Sources
+from memtrain.train.allocator import exact_pinned_supported
 from memtrain.units import gib
 
 LABELS = {
@@ -23,17 +28,25 @@ LABELS = {
 }
 
 
-def load_for_plan(recipe: Path, overrides: list[str]) -> LoadedRecipe:
-    """Load and cross-check a recipe, except the quick 'weights exceed the card' check: planning
-    a recipe that does not fit is this command's job (its advice says what to change)."""
-    from memtrain.recipe.checks import _check_weights_fit, check_recipe
+def load_for_plan(recipe: Path, overrides: list[str], env: Environment) -> LoadedRecipe:
+    """Load and check a recipe, except the quick 'weights exceed the card' check: planning a recipe
+    that does not fit is this command's job (its advice says what to change)."""
+    return load_checked(recipe, overrides, env, weights_fit=False)
 
-    loaded = load_recipe(recipe, overrides, check=False)
-    capacity = set(_check_weights_fit(loaded))
-    problems = [p for p in check_recipe(loaded) if p not in capacity]
-    if problems:
-        raise RecipeError(problems)
-    return loaded
+
+class Planner:
+    """The planner as this command asks it: the recipe's name on the plan, pinned host buffers priced as
+    this PyTorch allocates them, and key-path errors placed at the recipe's file:line."""
+
+    def __init__(self, gpu: str | None, exact_pinned: bool):
+        self.gpu, self.exact_pinned = gpu, exact_pinned
+
+    def plan(self, loaded: LoadedRecipe, micro_batch: int | None = None) -> Plan:
+        try:
+            return plan_recipe(loaded.recipe, self.gpu, micro_batch=micro_batch, exact_pinned=self.exact_pinned,
+                               name=loaded.name)
+        except UserError as error:
+            raise loaded.sources.locate(error) from None
 
 
 def verdict(plan: Plan) -> str:
@@ -111,7 +124,7 @@ def _advice_table(advice: list[Advice]) -> Table:
     return table
 
 
-def larger_micro_batch(loaded: LoadedRecipe, gpu: str | None, plan: Plan) -> Plan | None:
+def larger_micro_batch(loaded: LoadedRecipe, planner: Planner, plan: Plan) -> Plan | None:
     """The plan at the largest micro-batch that also fits (not tight), when it is larger than the recipe's.
 
     Spare memory spent on a larger micro-batch means fewer micro-batches per step at the same global
@@ -120,11 +133,11 @@ def larger_micro_batch(loaded: LoadedRecipe, gpu: str | None, plan: Plan) -> Pla
     """
     if not plan.fits or plan.tight or loaded.recipe.batch.micro_batch == "auto":
         return None
-    best = resolve_micro_batch(loaded, gpu)
-    return plan_recipe(loaded, gpu, micro_batch=best) if best > plan.micro_batch else None
+    best = resolve_micro_batch(loaded.recipe, planner.gpu, planner.exact_pinned)
+    return planner.plan(loaded, micro_batch=best) if best > plan.micro_batch else None
 
 
-def fewer_recomputed_layers(loaded: LoadedRecipe, gpu: str | None, plan: Plan) -> Plan | None:
+def fewer_recomputed_layers(loaded: LoadedRecipe, planner: Planner, plan: Plan) -> Plan | None:
     """The plan of checkpointing.strategy=auto at this micro-batch, when it recomputes fewer decoder
     layers than the recipe's whole-layer strategy and still fits (docs/BENCHMARKS.md: 7B LoRA 25 of 32
     layers instead of 32: 1.12x HF + DeepSpeed, where every layer gave 0.98x in an earlier invocation)."""
@@ -132,7 +145,7 @@ def fewer_recomputed_layers(loaded: LoadedRecipe, gpu: str | None, plan: Plan) -
         return None
     checkpointing = loaded.recipe.checkpointing.model_copy(update={"strategy": "auto"})
     auto = dataclasses.replace(loaded, recipe=loaded.recipe.model_copy(update={"checkpointing": checkpointing}))
-    fewer = plan_recipe(auto, gpu, micro_batch=plan.micro_batch)
+    fewer = planner.plan(auto, micro_batch=plan.micro_batch)
     return fewer if fewer.fits and fewer.recomputed_layers < plan.recomputed_layers else None
 
 
@@ -140,8 +153,6 @@ def compile_offered(loaded: LoadedRecipe) -> bool:
     """Whether `train.compile=true` is worth offering: off, and allowed for this recipe (ZeRO 0-2, no
     activation offload rules). docs/BENCHMARKS.md: 7B LoRA on 24 GB, 1.57x HF + DeepSpeed compiled against
     1.14x eager; the first step waits for the compiler."""
-    from memtrain.recipe.checks import compile_unsupported
-
     return not loaded.recipe.train.compile and compile_unsupported(loaded.recipe) is None
 
 
@@ -151,21 +162,27 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
     if output is not None and not fit:
         raise RecipeError(Problem("-o/--output writes the fitted recipe, so it needs --fit", file=COMMAND_LINE,
                                   hint="add --fit, or drop -o"))
-    loaded = load_for_plan(recipe, overrides)
-    plan = plan_recipe(loaded, gpu)
-    advice = [] if plan.fits else advise(loaded, gpu)
+    env = current_environment()
+    planner = Planner(gpu, exact_pinned=exact_pinned_supported())
+    loaded = load_for_plan(recipe, overrides, env)
+    plan = planner.plan(loaded)
+
+    def checks(candidate: LoadedRecipe) -> list[Problem]:
+        return check_rules(candidate) + check_environment(candidate, env)
+
+    advice = [] if plan.fits else advise(loaded, gpu, exact_pinned=planner.exact_pinned, checks=checks)
     written = None
     if fit and not plan.fits and advice and output is not None:
         # Later overrides of the same key win; keep one of each, in order.
         chosen = list({item.partition("=")[0]: item for item in list(overrides) + advice[0].overrides}.values())
         write_atomically(output, fitted_yaml(recipe, chosen, output))
-        fitted = plan_recipe(load_for_plan(output, []), gpu)
+        fitted = planner.plan(load_for_plan(output, [], env))
         if not fitted.fits:  # the advice was planned on the same recipe; a mismatch is a bug, say so
             raise RuntimeError(f"fitted recipe {output} does not fit: {verdict(fitted)}")
         written = output
     code = 0 if plan.fits or written is not None else 1
-    faster = larger_micro_batch(loaded, gpu, plan)
-    recompute_less = fewer_recomputed_layers(loaded, gpu, plan)
+    faster = larger_micro_batch(loaded, planner, plan)
+    recompute_less = fewer_recomputed_layers(loaded, planner, plan)
     offer_compile = plan.fits and compile_offered(loaded)
     if as_json:
         console.print_json(json.dumps({"plan": plan.to_json(), "verdict": verdict(plan),
@@ -186,8 +203,8 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
                       f"instead of {plan.recomputed_layers} ({gib(recompute_less.peak_reserved_bytes):.2f} GiB reserved "
                       "at this micro-batch)")
     if offer_compile:
-        console.print("faster: train.compile=true fuses each decoder layer's element-wise work (7B LoRA on 24 GB: 1.57× "
-                      "HF + DeepSpeed, 1.14× without; the first step waits for the compiler)")
+        console.print("faster: train.compile=true fuses each decoder layer's element-wise work (measured speed-ups in "
+                      "docs/BENCHMARKS.md; the first step waits for the compiler)")
     if advice:
         console.print(_advice_table(advice))
         if written is not None:

@@ -1,0 +1,84 @@
+"""`memtrain report RUN_DIR`: the plots beside the run's metrics and a summary for people (a table) or
+machines (--json). The numbers come from memtrain.monitor.report."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from memtrain.monitor.plots import GIB, render_plots
+from memtrain.monitor.report import MEMORY_VIEWER_URL, load_run, summarize_records
+
+
+def report_command(run_dir: Path, as_json: bool, console: Console) -> int:
+    """Render the plots into `run_dir`, print the summary (a table, or JSON with `as_json`); return the exit code."""
+    run_dir, records, unreadable_lines = load_run(Path(run_dir))
+    summary = summarize_records(records, run_dir, unreadable_lines)
+    summary["plots"] = [str(path) for path in render_plots(records, run_dir)]
+    if as_json:
+        console.out(json.dumps(summary, indent=2), highlight=False)
+    else:
+        _print_summary(summary, console)
+    return 0
+
+
+def _print_summary(summary: dict[str, Any], console: Console) -> None:
+    title = f"Run {summary['name']}" if summary["name"] else "Run"
+    table = Table(title=f"{title} — {summary['run_dir']}", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    table.add_row("status", summary["status"] + (f" (started {summary['starts']} times)" if summary["starts"] > 1 else ""))
+    table.add_row("device", str(summary["device"] or "?"))
+    table.add_row("steps", f"{summary['steps']:,}")
+    table.add_row("tokens", f"{summary['tokens']:,}" if summary["tokens"] is not None else "-")
+    table.add_row("wall time", _duration(summary["wall_time_s"]))
+    table.add_row("speed (median)", f"{summary['median_tokens_per_s']:,.0f} tokens/s" if summary["median_tokens_per_s"] else "-")
+    table.add_row("final train loss", _number(summary["final_loss"], "{:.4f}", f" (step {summary['final_loss_step']})"))
+    table.add_row("best validation perplexity",
+                  _number(summary["best_eval_perplexity"], "{:.3f}", f" (step {summary['best_eval_step']})"))
+    table.add_row("peak GPU reserved", _peak_vs_plan(summary))
+    table.add_row("peak host RSS", _gib(summary["peak_host_rss_bytes"]))
+    table.add_row("micro-batch", f"{summary['final_micro_batch']} ({summary['batch_changes']} changes)"
+                  if summary["final_micro_batch"] is not None else "-")
+    if summary["skipped_steps"] is not None:
+        table.add_row("fp16 skipped steps", f"{summary['skipped_steps']} (loss scale {summary['final_loss_scale']})")
+    table.add_row("out-of-memory events", f"[red]{summary['oom_count']}[/]" if summary["oom_count"] else "0")
+    console.print(table)
+    for oom in summary["ooms"]:
+        where = f"snapshot {oom['snapshot']} (open it at {MEMORY_VIEWER_URL})" if oom["snapshot"] else "no snapshot"
+        console.print(f"[red]OOM[/] at step {oom['step']} with micro-batch {oom['micro_batch']}: {where}",
+                      highlight=False, soft_wrap=True)
+    if summary["unreadable_lines"]:
+        console.print(f"[yellow]skipped {summary['unreadable_lines']} unreadable line(s) (a killed run's last write)[/]")
+    if summary.get("plots"):
+        console.print("plots: " + ", ".join(summary["plots"]), highlight=False, soft_wrap=True)
+
+
+def _peak_vs_plan(summary: dict[str, Any]) -> str:
+    if summary["peak_gpu_reserved_bytes"] is None:
+        return "- (no GPU memory recorded)"
+    text = _gib(summary["peak_gpu_reserved_bytes"])
+    if summary["plan_peak_reserved_bytes"]:
+        text += f" vs {_gib(summary['plan_peak_reserved_bytes'])} planned ({summary['peak_reserved_over_plan']:.0%})"
+    if summary["gpu_cap_bytes"]:
+        text += f", cap {_gib(summary['gpu_cap_bytes'])}"
+    return text
+
+
+def _gib(value: float | None) -> str:
+    return f"{value / GIB:.2f} GiB" if value else "-"
+
+
+def _number(value: float | None, pattern: str, suffix: str) -> str:
+    return pattern.format(value) + suffix if value is not None else "-"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

@@ -1,0 +1,30 @@
+"""`memtrain run`: check the recipe and its inputs, resolve the run, train it, say how it ended."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from memtrain.checks.load import load_checked
+from memtrain.train.hooks import Hooks
+from memtrain.train.launch import launch, prepare
+from memtrain.train.result import RunResult
+from memtrain.train.run import RunOptions
+
+
+def run_command(recipe: Path, overrides: list[str], options: RunOptions = RunOptions(),
+                console: Console | None = None) -> int:
+    """Train a recipe file; returns the exit code (0 done or stopped, 130 interrupted). UserErrors
+    (bad recipe, data, memory) are raised before any work starts."""
+    console = console or Console(stderr=True)
+    loaded = load_checked(recipe, overrides)
+    hooks = Hooks.from_env()  # test hooks: the environment is read here, once
+    prepared = prepare(loaded, hooks)
+    for warning in prepared.warnings:
+        console.print(f"[yellow]![/] {warning}", highlight=False)
+
+    def report(result: RunResult) -> None:
+        mark = "[green]✓[/]" if result.finished else "[yellow]■[/]"
+        console.print(f"{mark} {result.summary()}")
+
+    return launch(prepared, options, hooks, report)
