@@ -91,11 +91,9 @@ def build(args, strategy: Checkpointing, precision: Precision, device: torch.dev
     with device:  # random init straight on the GPU: a 7B model on the CPU takes minutes
         model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype(precision))
     if args.lora:
-        from peft import LoraConfig, get_peft_model
+        from memtrain.model.build import add_lora
 
-        lora = model_section.lora
-        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                 target_modules=lora.target_modules))
+        model = add_lora(model, model_section)  # memtrain's own LoRA wrapping, as a run builds it
     model.train()
     apply_checkpointing(model, strategy)
     apply_precision(model, precision)

@@ -63,7 +63,7 @@ sweep)
     --steps 4 --out "$OUT/checkpoint_sweep.csv"
   ;;
 speed)
-  python3 -c "import torch; from memtrain.train.pinned import exact_pinned_supported as e; print('torch', torch.__version__, 'exact pinned sizes:', e())"
+  python3 -c "import torch; from memtrain.train.allocator import exact_pinned_supported as e; print('torch', torch.__version__, 'exact pinned sizes:', e())"
   step vs-hf 560 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 12 --warmup 3 --timeout 240 \
     --case "7b-lora-mb4x1024=recipes/llama2-7b-lora-24gb.yaml" \
     --case "1.1b-full-opt-offload-mb4x1024=recipes/tinyllama-1.1b-full-offload-24gb.yaml"
@@ -145,7 +145,7 @@ equal3b)  # the offload goal asks for equal or lower peak memory than HF's measu
     --case "3b-zero3-opt-param-offload-mb4x1024 (memtrain mb8, every layer: plans 6.75 GiB)=$three :: batch.micro_batch=8"
   ;;
 torch211)  # torch < 2.13 left a failed checkpointed region's hooks installed (the 7B LoRA every-2 CheckpointError)
-  tests="tests/test_oom.py tests/test_run.py" only="checkpointed_layer or saved_tensor_hooks or layer_point"
+  tests="tests/train/test_oom.py tests/train/test_run.py" only="checkpointed_layer or saved_tensor_hooks or layer_point"
   step "tests-with-fix" 90 env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -p no:cacheprovider $tests -k "$only"
   sed -i 's/^    abandon_failed_frames(error)$/    pass/' memtrain/train/step.py
   step "tests-without-fix (expected to fail)" 90 env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -p no:cacheprovider $tests -k "$only"

@@ -43,7 +43,8 @@ def main() -> int:
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from memtrain.compile.deepspeed import compile_recipe, grad_accum_steps
+    from memtrain.ds_config.compiler import ds_config
+from memtrain.plan.zero import grad_accum_steps
     from memtrain.configs import gpu_profile
     from memtrain.data.dataset import build_datasets
     from memtrain.data.tokenizer import load_tokenizer
@@ -63,7 +64,7 @@ def main() -> int:
         torch.cuda.set_per_process_memory_fraction(cap / total, 0)
     micro = recipe.batch.micro_batch if recipe.batch.micro_batch != "auto" else 1
     accum = grad_accum_steps(recipe.batch.global_batch, micro, recipe.hardware.gpus)
-    ds_config = hf_deepspeed_config(compile_recipe(recipe, micro, args.steps))
+    config = hf_deepspeed_config(ds_config(recipe, micro))
     tokenizer = load_tokenizer(recipe.model)
     train_set, _ = build_datasets(recipe.data, tokenizer, recipe.train.seed)
 

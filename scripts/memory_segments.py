@@ -121,15 +121,16 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("memory_segments.py reads CUDA allocator segments; this machine has no GPU", file=sys.stderr)
         return 2
-    from memtrain.compile.launch import launch
-    import memtrain.train.oom as oom
+    import memtrain.train.setup as setup
+    from memtrain.commands.run import run_command
+    from memtrain.train.run import RunOptions
 
     # record from before the model is built (the run itself starts recording only for its training
     # steps); where it would start, note how many events came before, so initialisation can be told apart
     torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, context="alloc", stacks="python")
     train_from = []
-    oom.start_memory_history = lambda device: train_from.append(len(torch.cuda.memory._snapshot()["device_traces"][0]))
-    code = launch(args.recipe, args.overrides, resume=False, save=False)
+    setup.start_memory_history = lambda device: train_from.append(len(torch.cuda.memory._snapshot()["device_traces"][0]))
+    code = run_command(args.recipe, args.overrides, RunOptions(resume=False, save=False))
     stats = torch.cuda.memory_stats()
     summary = {"exit_code": code,
                "peak_reserved_gib": stats["reserved_bytes.all.peak"] / GiB,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -57,13 +56,9 @@ def main() -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port)).items():
-        os.environ.setdefault(key, value)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    from memtrain.train.distributed import setup_process
+
+    setup_process("rtx3090", cap_memory=False)  # the process group as a run sets it up (gloo on the CPU)
     torch.set_num_threads(1)
     ids = torch.randint(0, 512, (1, 16))
     print("checkpointing  engine        ms per micro-batch (forward + backward)")

@@ -328,7 +328,7 @@ def main() -> int:
     jobs = []
     for case in [c for c in CASES if any(part in c.name for part in wanted)]:
         overrides = case_overrides(case, args.gpu, args.runs, args.nvme_path, expandable)
-        plan = plan_recipe(load_recipe(ROOT / case.recipe, overrides, check=False), args.gpu,
+        plan = plan_recipe(load_recipe(ROOT / case.recipe, overrides, check=False).recipe, args.gpu,
                            exact_pinned=exact_pinned)
         if args.plan_only:
             print(f"{case.name:40s} plan {plan.peak_reserved_bytes / GiB:7.2f} GiB reserved "

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Install memtrain with its test dependencies into .venv and run the whole test suite
-# (DeepSpeed really runs, on its CPU accelerator when there is no GPU).
-#   bash scripts/test.sh            # everything, as CI does (~15 min on 2 cores)
-#   bash scripts/test.sh -m "not slow"   # skip the end-to-end training runs
+# Install memtrain with its test dependencies into .venv, check the import layers, and run the whole
+# test suite (DeepSpeed really runs, on its CPU accelerator when there is no GPU).
+#   bash scripts/test.sh                 # everything, as CI does (~15 min on 2 cores)
+#   bash scripts/test.sh -m "not slow"   # the unit tests only (what plain `pytest` runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
 "$VENV/bin/pip" install -q -e ".[dev]"
-exec "$VENV/bin/python" -m pytest "$@"
+"$VENV/bin/lint-imports" --no-cache   # the layers in pyproject.toml: a back-edge fails the build
+exec "$VENV/bin/python" -m pytest -m "slow or not slow" "$@"

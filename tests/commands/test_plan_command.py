@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from memtrain.cli import app
 from memtrain.errors import RecipeError
 from memtrain.plan.advice import advise
-from memtrain.plan.command import plan_command
+from memtrain.commands.plan import plan_command
 from memtrain.plan.planner import TERMS, plan_recipe
 from memtrain.recipe.load import load_recipe
 
@@ -71,7 +71,7 @@ def test_recipe_that_misses_exits_1_and_names_the_cheapest_change(tmp_path):
     costs = [a.speed_cost for a in advice]
     assert costs == sorted(costs)
     # the cheapest advice, applied as overrides, gives the plan it promised
-    applied = plan_recipe(load_recipe(path, advice[0].overrides))
+    applied = plan_recipe(load_recipe(path, advice[0].overrides).recipe)
     assert applied.fits and applied.peak_reserved_bytes == advice[0].peak_reserved_bytes
 
 
@@ -105,7 +105,7 @@ def test_fit_writes_a_recipe_that_validates_and_is_predicted_to_fit(tmp_path):
     assert code == 0 and output.is_file()
     fitted = load_recipe(output)
     assert fitted.recipe.hardware.gpu == "1GiB"
-    assert plan_recipe(fitted).fits
+    assert plan_recipe(fitted.recipe).fits
     assert "# a tiny model" not in output.read_text()  # the header says where it came from instead
     assert output.read_text().startswith("# Fitted by `memtrain plan --fit`")
     assert not list(output.parent.glob("*.tmp"))
@@ -120,7 +120,7 @@ def test_fit_keeps_command_line_overrides_and_extends(tmp_path):
     assert code == 0
     fitted = load_recipe(output)
     assert fitted.recipe.train.steps == 7 and fitted.recipe.batch.global_batch == 8
-    assert plan_recipe(fitted).fits
+    assert plan_recipe(fitted.recipe).fits
     assert Path(base).exists()
 
 
@@ -146,7 +146,7 @@ def test_cli_exit_codes(tmp_path):
 
 
 def test_spare_memory_is_offered_as_a_larger_micro_batch(tmp_path, capsys):
-    from memtrain.plan.command import larger_micro_batch
+    from memtrain.commands.plan import Planner, larger_micro_batch
     from memtrain.plan.planner import plan_recipe as plan_of
     from memtrain.recipe.load import load_recipe_text as load_text
 
@@ -156,8 +156,8 @@ data: {train: "builtin:shakespeare", seq_len: 64}
 batch: {global_batch: 16, micro_batch: 2}
 train: {steps: 10}
 """)
-    plan = plan_of(loaded)
-    faster = larger_micro_batch(loaded, None, plan)
+    plan = plan_of(loaded.recipe)
+    faster = larger_micro_batch(loaded, Planner(None, exact_pinned=True), plan)
     assert faster is not None and faster.micro_batch == 16 and faster.fits and not faster.tight
     assert faster.peak_reserved_bytes > plan.peak_reserved_bytes
     auto = load_text("""
@@ -166,11 +166,11 @@ data: {train: "builtin:shakespeare", seq_len: 64}
 batch: {global_batch: 16, micro_batch: auto}
 train: {steps: 10}
 """)
-    assert larger_micro_batch(auto, None, plan_of(auto)) is None  # auto already takes the largest
+    assert larger_micro_batch(auto, Planner(None, exact_pinned=True), plan_of(auto.recipe)) is None  # auto already takes the largest
 
 
 def test_spare_memory_is_offered_as_fewer_recomputed_layers():
-    from memtrain.plan.command import fewer_recomputed_layers
+    from memtrain.commands.plan import Planner, fewer_recomputed_layers
     from memtrain.plan.planner import plan_recipe as plan_of
     from memtrain.recipe.load import load_recipe_text as load_text
 
@@ -183,14 +183,14 @@ batch: {global_batch: 16, micro_batch: 8}
 train: {steps: 10}
 """
     every = load_text(text % ("1.0GiB", "every_layer"))  # between the plans with 1 and 2 layers recomputed
-    plan = plan_of(every)
+    plan = plan_of(every.recipe)
     assert plan.recomputed_layers == 4 and plan.fits
-    fewer = fewer_recomputed_layers(every, None, plan)
+    fewer = fewer_recomputed_layers(every, Planner(None, exact_pinned=True), plan)
     assert fewer is not None and fewer.recomputed_layers == 2 and fewer.fits and not fewer.tight
     assert fewer.micro_batch == plan.micro_batch and fewer.peak_reserved_bytes > plan.peak_reserved_bytes
     roomy = load_text(text % ("24GiB", "every_n_layers"))
-    assert fewer_recomputed_layers(roomy, None, plan_of(roomy)).recomputed_layers == 0
-    assert fewer_recomputed_layers(load_text(text % ("24GiB", "none")), None, plan_of(load_text(text % ("24GiB", "none")))) is None
+    assert fewer_recomputed_layers(roomy, Planner(None, exact_pinned=True), plan_of(roomy.recipe)).recomputed_layers == 0
+    assert fewer_recomputed_layers(load_text(text % ("24GiB", "none")), Planner(None, exact_pinned=True), plan_of(load_text(text % ("24GiB", "none")).recipe)) is None
 
 
 def test_the_plan_says_what_checkpointing_auto_resolved_to(tmp_path):
@@ -209,14 +209,14 @@ def test_the_plan_says_what_checkpointing_auto_resolved_to(tmp_path):
 
 def test_lora_recipe_that_lean_dropout_makes_fit_is_advised_it_first():
     """A card between the recipe's peak with PEFT's dropout and with lean dropout: the cheapest change is lean."""
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "llama2-7b-lora-24gb.yaml"
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "llama2-7b-lora-24gb.yaml"
     base = ["checkpointing.strategy=none", "batch.micro_batch=1", "data.seq_len=512"]
-    peft = plan_recipe(load_recipe(recipe, base + ["model.lora.lean_dropout=false"]))
-    lean = plan_recipe(load_recipe(recipe, base + ["model.lora.lean_dropout=true"]))
+    peft = plan_recipe(load_recipe(recipe, base + ["model.lora.lean_dropout=false"]).recipe)
+    lean = plan_recipe(load_recipe(recipe, base + ["model.lora.lean_dropout=true"]).recipe)
     assert lean.peak_reserved_bytes < peft.peak_reserved_bytes
     card_gib = (lean.peak_reserved_bytes + peft.peak_reserved_bytes) / 2 / GiB + 0.6  # + the CUDA context
     loaded = load_recipe(recipe, base + [f"hardware.gpu={card_gib:.2f}GiB"])
-    assert not plan_recipe(loaded).fits
+    assert not plan_recipe(loaded.recipe).fits
     advice = advise(loaded)
     assert advice[0].overrides == ["model.lora.lean_dropout=true"] and advice[0].plan.fits
 
@@ -224,11 +224,11 @@ def test_lora_recipe_that_lean_dropout_makes_fit_is_advised_it_first():
 def test_zero3_recipe_just_over_the_card_is_advised_fewer_live_parameters_not_a_smaller_micro_batch():
     """3B ZeRO-3 with parameters on the CPU at micro-batch 8 on a card 0.3 GiB too small: keeping fewer
     gathered parameters costs ~4 %; halving the micro-batch re-gathers every parameter twice as often."""
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "openllama-3b-full-offload-24gb.yaml"
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "openllama-3b-full-offload-24gb.yaml"
     base = ["batch.micro_batch=8"]
-    needs = plan_recipe(load_recipe(recipe, base)).gpu_required_bytes
+    needs = plan_recipe(load_recipe(recipe, base).recipe).gpu_required_bytes
     loaded = load_recipe(recipe, base + [f"hardware.gpu={(needs - 0.3 * GiB) / GiB:.2f}GiB"])
-    assert not plan_recipe(loaded).fits
+    assert not plan_recipe(loaded.recipe).fits
     advice = advise(loaded)
     assert advice[0].overrides == ["offload.max_live_parameters=300000000"] and advice[0].plan.fits
     halved = next(a for a in advice if a.overrides == ["batch.micro_batch=4"])

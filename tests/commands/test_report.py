@@ -23,9 +23,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from memtrain.errors import UserError
 from memtrain.monitor.metrics import MetricsLog, read_metrics
 from memtrain.monitor.plots import FIGURE_SIZE_INCHES, DPI, PLOT_FILES, series, throughput
-from memtrain.monitor.report import report_command, summarize
+from memtrain.commands.report import report_command
+from memtrain.monitor.report import summarize
 
-ASSETS = Path(__file__).resolve().parents[1] / "memtrain" / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "memtrain" / "assets"
 SEQ_LEN = 32
 STEPS = 8
 EVAL_EVERY = 4

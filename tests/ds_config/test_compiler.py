@@ -8,17 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from memtrain.compile.deepspeed import compile_deepspeed, compile_recipe, grad_accum_steps, zero_stage
+from memtrain.ds_config.compiler import ds_config, ds_config_for_shapes
+from memtrain.plan.zero import grad_accum_steps
 from memtrain.recipe.load import load_recipe, load_recipe_text
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 GOLDEN = Path(__file__).parent / "golden"
 
 
 def compiled(path: Path) -> dict:
     recipe = load_recipe(path).recipe
-    return compile_recipe(recipe, micro_batch=recipe.batch.micro_batch, total_steps=recipe.train.steps)
+    return ds_config(recipe, micro_batch=recipe.batch.micro_batch)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
@@ -62,26 +63,26 @@ def recipe_with(extra: str = "", overrides: list[str] | None = None):
 
 
 def test_stage_follows_offload_tiers():
-    assert zero_stage(recipe_with()) == 2
-    assert zero_stage(recipe_with(overrides=["offload.optimizer=cpu"])) == 2
-    assert zero_stage(recipe_with(overrides=["offload.optimizer=cpu", "offload.params=cpu"])) == 3
-    assert zero_stage(recipe_with(overrides=["offload.zero_stage=1"])) == 1
+    assert recipe_with().offload.stage == 2
+    assert recipe_with(overrides=["offload.optimizer=cpu"]).offload.stage == 2
+    assert recipe_with(overrides=["offload.optimizer=cpu", "offload.params=cpu"]).offload.stage == 3
+    assert recipe_with(overrides=["offload.zero_stage=1"]).offload.stage == 1
 
 
 def test_offload_blocks_and_nvme_paths(tmp_path):
     recipe = recipe_with(overrides=["offload.optimizer=nvme", "offload.params=nvme", f"hardware.nvme_path={tmp_path}"])
-    config = compile_deepspeed(recipe, hidden_size=256, micro_batch=4, total_steps=10)
+    config = ds_config_for_shapes(recipe, hidden_size=256, micro_batch=4)
     zero = config["zero_optimization"]
     assert zero["stage"] == 3
     assert zero["offload_optimizer"]["device"] == "nvme" and zero["offload_optimizer"]["nvme_path"] == str(tmp_path)
     assert zero["offload_param"]["device"] == "nvme" and zero["offload_param"]["nvme_path"] == str(tmp_path)
     assert config["aio"]["queue_depth"] == recipe.offload.aio.queue_depth
-    assert "aio" not in compile_deepspeed(recipe_with(), 256, 4, 10)
+    assert "aio" not in ds_config_for_shapes(recipe_with(), 256, 4)
 
 
 def test_bucket_sizes_derive_from_hidden_size():
     recipe = recipe_with(overrides=["offload.optimizer=cpu", "offload.params=cpu"])
-    zero = compile_deepspeed(recipe, hidden_size=4096, micro_batch=4, total_steps=10)["zero_optimization"]
+    zero = ds_config_for_shapes(recipe, hidden_size=4096, micro_batch=4)["zero_optimization"]
     assert zero["reduce_bucket_size"] == 4096 * 4096
     assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 4096 * 4096)
     assert zero["stage3_param_persistence_threshold"] == 40960
@@ -93,22 +94,22 @@ def test_batch_split(global_batch, micro, gpus, accum):
 
 
 def test_precision_blocks():
-    bf16 = compile_deepspeed(recipe_with(overrides=["precision.master=bf16"]), 256, 4, 10)
+    bf16 = ds_config_for_shapes(recipe_with(overrides=["precision.master=bf16"]), 256, 4)
     assert bf16["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
-    fp16 = compile_deepspeed(
+    fp16 = ds_config_for_shapes(
         recipe_with(overrides=["precision.compute=fp16", "precision.loss_scale.initial_scale_power=12",
-                               "precision.loss_scale.hysteresis=3"]), 256, 4, 10)
+                               "precision.loss_scale.hysteresis=3"]), 256, 4)
     assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0
     assert fp16["fp16"]["initial_scale_power"] == 12 and fp16["fp16"]["hysteresis"] == 3
     assert "bf16" not in fp16
-    fp32 = compile_deepspeed(recipe_with(overrides=["precision.compute=fp32"]), 256, 4, 10)
+    fp32 = ds_config_for_shapes(recipe_with(overrides=["precision.compute=fp32"]), 256, 4)
     assert "bf16" not in fp32 and "fp16" not in fp32
 
 
 def test_compiler_is_pure():
     recipe = recipe_with()
     before = recipe.model_dump()
-    assert compile_deepspeed(recipe, 256, 4, 10) == compile_deepspeed(recipe, 256, 4, 10)
+    assert ds_config_for_shapes(recipe, 256, 4) == ds_config_for_shapes(recipe, 256, 4)
     assert recipe.model_dump() == before
 
 
@@ -150,11 +151,11 @@ def test_an_optimizer_on_the_device_is_torch_fused_adamw():
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    config = compile_deepspeed(recipe_with(overrides=["precision.compute=fp32"]), 256, 4, 10)
+    config = ds_config_for_shapes(recipe_with(overrides=["precision.compute=fp32"]), 256, 4)
     assert config["optimizer"]["params"]["fused"] is True
     model = torch.nn.Linear(8, 8)
     engine, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     inner = getattr(optimizer, "optimizer", optimizer)
     assert type(inner) is torch.optim.AdamW and inner.defaults["fused"] is True
-    offloaded = compile_deepspeed(recipe_with(overrides=["offload.optimizer=cpu"]), 256, 4, 10)
+    offloaded = ds_config_for_shapes(recipe_with(overrides=["offload.optimizer=cpu"]), 256, 4)
     assert "torch_adam" not in offloaded["optimizer"]["params"]  # DeepSpeed's CPU Adam

@@ -6,10 +6,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from memtrain.errors import RecipeError
-from memtrain.model.checkpointing import apply_checkpointing, checkpoint_plan, rule_problems
+from memtrain.model.checkpointing import apply_checkpointing, checkpoint_plan
+from memtrain.recipe.checkpoint_rules import rule_problems
 from memtrain.model.wrapper import TrainableLM
 from memtrain.recipe.schema import Checkpointing, Precision
-from tests.test_policies_support import one_torch_thread, shakespeare_batches, tiny_llama  # noqa: F401 (autouse fixture)
+from tests.model.test_support import one_torch_thread, shakespeare_batches, tiny_llama  # noqa: F401 (autouse fixture)
 
 STEPS = 30
 FP32 = Precision(compute="fp32", chunked_loss=True, loss_chunk_tokens=16)

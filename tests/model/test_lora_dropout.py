@@ -11,7 +11,7 @@ from memtrain.model.checkpointing import apply_checkpointing
 from memtrain.model.lora_dropout import DropoutLinear, LeanDropoutLinear, dropout_mask
 from memtrain.recipe.schema import Checkpointing, Lora, Model
 from tests.conftest import lora_layer_saved_bytes, saved_for_backward_bytes
-from tests.test_policies_support import one_torch_thread  # noqa: F401 (autouse fixture)
+from tests.model.test_support import one_torch_thread  # noqa: F401 (autouse fixture)
 
 CPU = torch.device("cpu")
 MICRO = {"hidden": 64, "intermediate": 172, "layers": 2}   # configs/models/micro.yaml

@@ -9,7 +9,7 @@ from memtrain.model.loss import causal_lm_loss
 from memtrain.model.precision import apply_precision
 from memtrain.model.wrapper import TrainableLM
 from memtrain.recipe.schema import Precision
-from tests.test_policies_support import one_torch_thread, shakespeare_batches, tiny_llama  # noqa: F401
+from tests.model.test_support import one_torch_thread, shakespeare_batches, tiny_llama  # noqa: F401
 
 ISLANDS = ["*norm*", "lm_head"]
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from memtrain.compile.deepspeed import compile_recipe
+from memtrain.ds_config.compiler import ds_config
 from memtrain.errors import RecipeError
 from memtrain.model.build import build_model
 from memtrain.model.precision import apply_precision
@@ -32,7 +32,7 @@ def _engine(recipe_text: str, overrides: list[str]):
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     recipe = load_recipe_text(recipe_text, overrides=overrides).recipe
-    config = compile_recipe(recipe, micro_batch=4, total_steps=10)
+    config = ds_config(recipe, micro_batch=4)
     model = build_model(recipe.model, recipe.precision.storage, torch.device("cpu"), config, seed=0)
     apply_precision(model, recipe.precision)
     lm = TrainableLM(model, recipe.precision)
@@ -74,7 +74,7 @@ def test_autocast_keeps_fp32_weights_runs_linear_in_bf16_and_matches_fp32():
 
 def test_autocast_compiles_to_deepspeed_torch_autocast_without_a_bf16_block():
     recipe = load_recipe_text(RECIPE).recipe
-    config = compile_recipe(recipe, micro_batch=4, total_steps=10)
+    config = ds_config(recipe, micro_batch=4)
     assert config["torch_autocast"] == {"enabled": True, "dtype": "bfloat16",
                                         "lower_precision_safe_modules": ["torch.nn.Linear"]}
     assert "bf16" not in config and "fp16" not in config
@@ -83,8 +83,8 @@ def test_autocast_compiles_to_deepspeed_torch_autocast_without_a_bf16_block():
 def test_autocast_plans_fp32_weights_and_gradients():
     from memtrain.plan.planner import plan_recipe
 
-    autocast = plan_recipe(load_recipe_text(RECIPE))
-    cast = plan_recipe(load_recipe_text(RECIPE, overrides=["precision.mode=cast"]))
+    autocast = plan_recipe(load_recipe_text(RECIPE).recipe)
+    cast = plan_recipe(load_recipe_text(RECIPE, overrides=["precision.mode=cast"]).recipe)
     assert autocast.terms["params"] == 2 * cast.terms["params"]
     assert autocast.terms["gradients"] == 2 * cast.terms["gradients"]
 

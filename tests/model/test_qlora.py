@@ -16,7 +16,7 @@ import torch
 from typer.testing import CliRunner
 
 from memtrain.cli import app
-from memtrain.compile.deepspeed import compile_recipe
+from memtrain.ds_config.compiler import ds_config
 from memtrain.model.build import build_model
 from memtrain.model.quantize import quantized_bytes, quantized_linear_names
 from memtrain.plan.params import count_parameters
@@ -27,7 +27,7 @@ from tests.conftest import train_losses
 
 bnb = pytest.importorskip("bitsandbytes", reason="QLoRA tests need bitsandbytes (pip install -e .[dev])")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 QLORA = {"model": {"quantize": {"type": "nf4"}, "lora": {"r": 8, "alpha": 16, "dropout": 0.0}},
          "checkpointing": {"strategy": "every_layer"},
@@ -134,7 +134,7 @@ def test_the_plan_counts_quantised_weights_for_the_13b_recipe():
     from memtrain.plan.planner import plan_recipe
 
     loaded = load_recipe(ROOT / "recipes" / "llama2-13b-qlora-24gb.yaml")
-    plan = plan_recipe(loaded)
+    plan = plan_recipe(loaded.recipe)
     counts = count_parameters(loaded.recipe.model)
     assert plan.params == counts.weight_bytes(2)
     assert 6.5 * 2**30 < plan.params < 7.2 * 2**30       # 12.7 B weights at ~0.52 B + embeddings/head in bf16
@@ -147,11 +147,11 @@ def test_advice_proposes_nf4_when_lora_alone_does_not_fit():
     from memtrain.plan.planner import plan_recipe
 
     loaded = load_recipe(ROOT / "recipes" / "llama2-7b-lora-24gb.yaml", ["model.preset=llama2-13b"], check=False)
-    assert not plan_recipe(loaded).fits
+    assert not plan_recipe(loaded.recipe).fits
     advice = advise(loaded)
     nf4 = [a for a in advice if "model.quantize.type=nf4" in a.overrides]
     assert nf4, [a.overrides for a in advice]
-    assert plan_recipe(with_overrides(loaded, nf4[0].overrides)).fits
+    assert plan_recipe(with_overrides(loaded, nf4[0].overrides).recipe).fits
     # quantised weights never come with ZeRO-3 parameter offload, which the checks refuse
     assert not any("offload.params=cpu" in a.overrides for a in nf4)
 
@@ -181,12 +181,12 @@ def test_bnb_optimizers_are_client_optimizers_without_a_config_block(name, monke
     from deepspeed.runtime.config import DeepSpeedConfig
 
     recipe = load_recipe_text(BASE, overrides=[f"optimizer.name={name}"]).recipe
-    config = compile_recipe(recipe, micro_batch=4, total_steps=10)
+    config = ds_config(recipe, micro_batch=4)
     assert "optimizer" not in config and config["zero_allow_untested_optimizer"] is True
     monkeypatch.setattr(ds_comm, "get_rank", lambda *a, **k: 0)
     monkeypatch.setattr(ds_comm, "get_world_size", lambda *a, **k: 1)
     DeepSpeedConfig(config)
-    adamw = compile_recipe(load_recipe_text(BASE).recipe, micro_batch=4, total_steps=10)
+    adamw = ds_config(load_recipe_text(BASE).recipe, micro_batch=4)
     assert adamw["optimizer"]["params"]["torch_adam"] is True and adamw["optimizer"]["params"]["fused"] is True
 
 
@@ -210,7 +210,7 @@ def test_shipped_qlora_recipes_fit_their_cards():
     from memtrain.plan.planner import plan_recipe
 
     for name, gpu_gib in (("llama2-13b-qlora-24gb", 24), ("llama2-7b-qlora-16gb", 16)):
-        plan = plan_recipe(load_recipe(ROOT / "recipes" / f"{name}.yaml"))
+        plan = plan_recipe(load_recipe(ROOT / "recipes" / f"{name}.yaml").recipe)
         assert plan.fits and plan.gpu_capacity_bytes == gpu_gib * 2**30, name
 
 
@@ -234,13 +234,16 @@ def process_group():
 @pytest.mark.parametrize("kind,optimizer", [("nf4", "adamw_8bit"), ("int8", "adamw")])
 def test_deepspeed_bf16_engine_trains_only_adapters_and_keeps_the_packed_weights(
         process_group, write_recipe, kind, optimizer):
-    from memtrain.train.loop import _build_engine
-    from tests.test_policies_support import shakespeare_batches
+    from memtrain.ds_config.compiler import ds_config
+    from memtrain.train.setup import build_engine, build_policy_model
+    from tests.model.test_support import shakespeare_batches
 
     path = write_recipe("engine", {**QLORA, "model": {**QLORA["model"], "quantize": {"type": kind}},
                                    "optimizer": {"name": optimizer, "lr": 3.0e-2}})
     loaded = load_recipe(path)
-    engine, _, model, _ = _build_engine(loaded, process_group, micro_batch=2, steps_total=10)
+    config = ds_config(loaded.recipe, micro_batch=2)
+    model = build_policy_model(loaded.recipe, process_group, config)
+    engine, _ = build_engine(loaded.recipe, model, config, total_steps=10)
     fresh = build_model(loaded.recipe.model, "bf16", CPU, seed=loaded.recipe.train.seed)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     # deepspeed.initialize cast the module with .bfloat16(): packed weights and their constants are untouched
@@ -276,9 +279,10 @@ def test_deepspeed_bf16_engine_trains_only_adapters_and_keeps_the_packed_weights
 # --- end to end -------------------------------------------------------------------------------------
 
 def _run(path: Path, save: bool = True) -> int:
-    from memtrain.compile.launch import launch
+    from memtrain.commands.run import run_command
+    from memtrain.train.run import RunOptions
 
-    return launch(path, [], save=save)
+    return run_command(path, [], RunOptions(save=save))
 
 
 def _mean(losses: dict[int, float], steps) -> float:

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from memtrain.data.corpus import read_documents
 
-TOKENIZER = Path(__file__).resolve().parents[1] / "memtrain/assets/tokenizer/shakespeare/tokenizer.json"
+TOKENIZER = Path(__file__).resolve().parents[2] / "memtrain/assets/tokenizer/shakespeare/tokenizer.json"
 SEQ_LEN = 32
 MICRO_BATCH = 2
 

@@ -15,7 +15,7 @@ from memtrain.monitor import metrics as metrics_module
 from memtrain.monitor.metrics import MetricsLog, read_metrics, read_metrics_counted
 from memtrain.monitor.tensorboard import tensorboard_available
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

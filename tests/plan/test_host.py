@@ -11,10 +11,10 @@ from memtrain.plan.host import offload_host_bytes
 from memtrain.plan.params import count_parameters
 from memtrain.plan.planner import allocation_pattern, plan_recipe
 from memtrain.recipe.schema import Model
-from memtrain.train.pinned import ROUND_THRESHOLD_BYTES, pinned_bytes
+from memtrain.plan.pinned import ROUND_THRESHOLD_BYTES, pinned_bytes
 
-from .conftest import lora_layer_saved_bytes
-from .test_plan import TINY_TOTAL, tiny
+from tests.conftest import lora_layer_saved_bytes
+from tests.plan.test_planner import TINY_TOTAL, tiny
 
 GiB = 1024**3
 
@@ -69,12 +69,12 @@ def test_zero3_cpu_offload_buffers_by_hand():
 
 
 def test_plan_host_total_is_baseline_plus_buffers():
-    plan = plan_recipe(tiny(overrides=["offload.optimizer=cpu"]), exact_pinned=False)
+    plan = plan_recipe(tiny(overrides=["offload.optimizer=cpu"]).recipe, exact_pinned=False)
     cal = calibration("24GiB")
     assert plan.host_breakdown["baseline"] == cal.host_baseline_bytes
     assert plan.host_bytes == sum(plan.host_breakdown.values())
     assert plan.host_breakdown["master_weights"] == pow2(4 * TINY_TOTAL)
-    exact = plan_recipe(tiny(overrides=["offload.optimizer=cpu"]), exact_pinned=True)
+    exact = plan_recipe(tiny(overrides=["offload.optimizer=cpu"]).recipe, exact_pinned=True)
     assert exact.host_bytes < plan.host_bytes   # the rounding threshold saves host memory, never costs it
 
 
@@ -87,7 +87,7 @@ def test_allocation_pattern_and_slack_ratios_from_a_profile():
     assert dict(_slack_ratios({"zero3": 0.9}, defaults))["zero3"] == 0.9
     assert dict(_slack_ratios({"zero3": 0.9}, defaults))["full"] == dict(defaults)["full"]
     for expandable in (True, False):
-        lora = plan_recipe(tiny(overrides=["model.lora.r=8", f"hardware.expandable_segments={expandable}"]))
+        lora = plan_recipe(tiny(overrides=["model.lora.r=8", f"hardware.expandable_segments={expandable}"]).recipe)
         ratio = calibration("24GiB").slack_ratio("frozen", expandable)
         if lora.peak_phase != "init":
             assert lora.peak_reserved_bytes == int(lora.peak_allocated_bytes * (1 + ratio))
@@ -100,11 +100,11 @@ def test_allocation_pattern_and_slack_ratios_from_a_profile():
 def test_zero3_init_builds_one_tensor_at_a_time():
     """Under zero.Init each tensor is partitioned (or offloaded) as it is made: the init phase holds
     the GPU's share of the parameters and one whole tensor, never the whole module."""
-    offloaded = plan_recipe(tiny(overrides=["offload.optimizer=cpu", "offload.params=cpu"]))
+    offloaded = plan_recipe(tiny(overrides=["offload.optimizer=cpu", "offload.params=cpu"]).recipe)
     counts = count_parameters(Model(preset="tiny"))
     assert offloaded.zero_stage == 3 and offloaded.params == 0
     assert offloaded.phases["init"] == counts.largest_tensor * 2
-    zero2 = plan_recipe(tiny(overrides=["offload.optimizer=cpu"]))
+    zero2 = plan_recipe(tiny(overrides=["offload.optimizer=cpu"]).recipe)
     assert zero2.phases["init"] > TINY_TOTAL * 2   # the module plus DeepSpeed's flat copies
 
 
@@ -129,31 +129,31 @@ def test_eight_bit_adamw_states_are_a_byte_per_moment():
     assert optimizer_bytes_per_param("bf16", "fp32") == 12
     assert optimizer_bytes_per_param("bf16", "fp32", eight_bit=True) == 4 + 2 * (1 + 4 / 256)
     lora = ["model.lora.r=8"]
-    full = plan_recipe(tiny(overrides=lora))
-    eight = plan_recipe(tiny(overrides=[*lora, "optimizer.name=adamw_8bit"]))
+    full = plan_recipe(tiny(overrides=lora).recipe)
+    eight = plan_recipe(tiny(overrides=[*lora, "optimizer.name=adamw_8bit"]).recipe)
     assert eight.optimizer_states == int(full.params_trainable * (4 + 2 * (1 + 4 / 256)))
     assert eight.optimizer_states < full.optimizer_states == full.params_trainable * 12
 
 
 def test_a_fit_below_the_largest_measured_slack_is_tight_and_auto_does_not_take_it():
-    from memtrain.plan.command import verdict
+    from memtrain.commands.plan import verdict
     from memtrain.plan.planner import resolve_micro_batch
 
     loaded = tiny()
-    plan = plan_recipe(loaded)
+    plan = plan_recipe(loaded.recipe)
     cal = calibration("24GiB")
     assert plan.peak_reserved_high_bytes >= plan.peak_reserved_bytes
     if plan.peak_phase != "init":
         assert plan.peak_reserved_high_bytes >= int(plan.peak_allocated_bytes * (1 + cal.slack_ratio_high("full", True)))
     assert not plan.tight and "tight" not in verdict(plan)  # 24 GiB is far above both estimates
     # a card between the expected and the high estimate: fits, but tight
-    squeezed = plan_recipe(loaded)
+    squeezed = plan_recipe(loaded.recipe)
     squeezed.gpu_capacity_bytes = (plan.peak_reserved_bytes + plan.peak_reserved_high_bytes) // 2 + plan.cuda_context
     assert squeezed.fits and squeezed.tight and "tight" in verdict(squeezed)
     # micro_batch: auto only takes sizes that fit at the high slack
     auto = tiny(overrides=["batch.micro_batch=auto", "batch.global_batch=64"])
-    chosen = resolve_micro_batch(auto, "24GiB")
-    assert not plan_recipe(auto, "24GiB", micro_batch=chosen).tight
+    chosen = resolve_micro_batch(auto.recipe, "24GiB")
+    assert not plan_recipe(auto.recipe, "24GiB", micro_batch=chosen).tight
 
 
 def test_largest_sub_group_follows_deepspeeds_grouping():
@@ -171,24 +171,24 @@ def test_nvme_tiers_host_buffers_by_hand(tmp_path):
     memory; four or more page-locked buffers of the largest sub-group in fp32 carry the optimizer's
     tensors; the parameters' writes go through one compute-dtype copy of that sub-group and
     `buffer_count` buffers of the largest tensor. The compiled config uses the same sub-group size."""
-    from memtrain.compile.deepspeed import compile_recipe
+    from memtrain.ds_config.compiler import ds_config
     from memtrain.plan.model_states import largest_sub_group
 
     loaded = tiny(overrides=["offload.optimizer=nvme", "offload.params=nvme", f"hardware.nvme_path={tmp_path}",
                              "offload.buffer_count=3"])
     counts = count_parameters(loaded.recipe.model)
-    sub_group_size = compile_recipe(loaded.recipe, 1, 10)["zero_optimization"]["sub_group_size"]
+    sub_group_size = ds_config(loaded.recipe, 1)["zero_optimization"]["sub_group_size"]
     assert sub_group_size == 100_000_000
     sub_group = largest_sub_group(counts.trainable_numels, sub_group_size)
     assert sub_group == TINY_TOTAL   # the tiny preset is one sub-group
-    host = plan_recipe(loaded, exact_pinned=False).host_breakdown
+    host = plan_recipe(loaded.recipe, exact_pinned=False).host_breakdown
     assert host["gradients"] == pow2(2 * TINY_TOTAL)
     assert host["swap_buffers"] == 4 * sub_group * 4 + (sub_group + 3 * counts.largest_tensor) * 2
     assert host["master_weights"] == host["optimizer_states"] == 0   # on disk, not in host memory
     # initialisation pins the gradient partition from a plain zeroed buffer: both alive for a moment
     assert host["pinning_copy"] == 2 * TINY_TOTAL
     unpinned = plan_recipe(tiny(overrides=["offload.optimizer=nvme", "offload.params=nvme", "offload.pin_memory=false",
-                                           f"hardware.nvme_path={tmp_path}"])).host_breakdown
+                                           f"hardware.nvme_path={tmp_path}"]).recipe).host_breakdown
     assert unpinned["pinning_copy"] == 0 and unpinned["gradients"] == 2 * TINY_TOTAL
 
 
@@ -196,19 +196,19 @@ def test_nvme_parameters_keep_two_layers_and_the_largest_tensor_on_the_gpu(tmp_p
     """With parameters on NVMe the compiler releases each one right after use (reuse distance 0), so the
     GPU holds the layer in use, the next one and the largest tensor (gathered whole), not
     max_live_parameters' worth (the CPU tier)."""
-    from memtrain.compile.deepspeed import compile_recipe
+    from memtrain.ds_config.compiler import ds_config
     from memtrain.plan.calibration import calibration as cal_of
     from memtrain.plan.planner import bucket_elements
 
     nvme = tiny(overrides=["offload.optimizer=nvme", "offload.params=nvme", f"hardware.nvme_path={tmp_path}"])
     cpu = tiny(overrides=["offload.optimizer=cpu", "offload.params=cpu"])
-    assert compile_recipe(nvme.recipe, 1, 10)["zero_optimization"]["stage3_max_reuse_distance"] == 0
+    assert ds_config(nvme.recipe, 1)["zero_optimization"]["stage3_max_reuse_distance"] == 0
     counts = count_parameters(nvme.recipe.model)
     reduce, _ = bucket_elements(nvme.recipe, counts.hidden_size)
     cal = cal_of(nvme.recipe.hardware.gpu)
     live = 2 * counts.largest_layer + counts.largest_tensor
-    assert plan_recipe(nvme).deepspeed_buffers == int(reduce * 2 * cal.zero_bucket_factor) + live * 2
-    assert plan_recipe(cpu).deepspeed_buffers == int(reduce * 2 * cal.zero_bucket_factor) + TINY_TOTAL * 2
+    assert plan_recipe(nvme.recipe).deepspeed_buffers == int(reduce * 2 * cal.zero_bucket_factor) + live * 2
+    assert plan_recipe(cpu.recipe).deepspeed_buffers == int(reduce * 2 * cal.zero_bucket_factor) + TINY_TOTAL * 2
 
 
 def test_zero3_reserved_is_the_sum_of_each_streams_peak_by_hand():
@@ -218,7 +218,7 @@ def test_zero3_reserved_is_the_sum_of_each_streams_peak_by_hand():
     from memtrain.plan.planner import LARGE_GRADIENT_BYTES_PER_ELEMENT, bucket_elements
 
     loaded = tiny(overrides=["offload.optimizer=cpu", "offload.params=cpu", "offload.max_live_parameters=300000"])
-    plan = plan_recipe(loaded)
+    plan = plan_recipe(loaded.recipe)
     counts = count_parameters(loaded.recipe.model)
     cal = calibration("24GiB")
     reduce, _ = bucket_elements(loaded.recipe, counts.hidden_size)
@@ -255,11 +255,11 @@ def test_zero3_backward_peak_is_the_loss_moment_or_a_layer_moment_by_hand(micro_
     logits = estimate_logits(counts.hidden_size, counts.vocab_size, "bf16", micro_batch, seq_len, chunked, 64, True)
     loss_moment = logits.backward_bytes + 2 * counts.largest_tensor * 2
     layer_moment = acts.backward_extra_bytes + counts.largest_layer * 2
-    plan = plan_recipe(expandable)
+    plan = plan_recipe(expandable.recipe)
     assert plan.phases["backward_start"] - plan.phases["forward_end"] == \
         max(loss_moment, layer_moment) - logits.forward_bytes
     caching = plan_recipe(tiny(overrides=offload + ["hardware.expandable_segments=false"], micro_batch=micro_batch,
-                               seq_len=seq_len))
+                               seq_len=seq_len).recipe)
     assert caching.phases["backward_start"] - caching.phases["forward_end"] == \
         acts.backward_extra_bytes + logits.backward_bytes - logits.forward_bytes
     # unchunked at 1 × 64 tokens the loss and the embedding's gradients win; chunked at 16 × 256 a layer's
@@ -272,7 +272,7 @@ def test_zero3_side_streams_only_with_expandable_segments_and_an_offloaded_optim
     from memtrain.plan.planner import _buffers
 
     offload = ["offload.optimizer=cpu", "offload.params=cpu"]
-    caching = plan_recipe(tiny(overrides=offload + ["hardware.expandable_segments=false"]))
+    caching = plan_recipe(tiny(overrides=offload + ["hardware.expandable_segments=false"]).recipe)
     cal = calibration("24GiB")
     assert caching.peak_reserved_bytes == int(caching.peak_allocated_bytes * (1 + cal.slack_ratio("zero3")))
     loaded = tiny(overrides=offload)
@@ -284,7 +284,7 @@ def test_zero3_side_streams_only_with_expandable_segments_and_an_offloaded_optim
 
 def test_fewer_live_parameters_reserve_less_by_what_they_hold():
     plans = [plan_recipe(tiny(overrides=["offload.optimizer=cpu", "offload.params=cpu",
-                                         f"offload.max_live_parameters={live}"])) for live in (300_000, 1_200_000)]
+                                         f"offload.max_live_parameters={live}"]).recipe) for live in (300_000, 1_200_000)]
     held = (1_200_000 - 300_000) * 2
     growth = plans[1].peak_reserved_bytes - plans[0].peak_reserved_bytes
     assert held <= growth <= held * (1 + calibration("24GiB").expandable_side_stream_slack_ratio) + 1

@@ -11,7 +11,8 @@ from memtrain.model.config import model_config
 from memtrain.plan.calibration import calibration
 from memtrain.plan.model_states import place_model_states
 from memtrain.plan.params import count_parameters
-from memtrain.plan.planner import bucket_elements, plan_recipe, resolve_micro_batch
+from memtrain.plan.planner import plan_recipe, resolve_micro_batch
+from memtrain.plan.zero import bucket_elements
 from memtrain.recipe.load import load_recipe_text
 from memtrain.recipe.schema import Lora, Model
 from tests.conftest import saved_for_backward_bytes
@@ -100,10 +101,10 @@ def test_offload_tiers_move_bytes_off_the_gpu_without_losing_any(gpus):
 
 
 def test_plan_moves_offloaded_states_to_host_and_nvme(tmp_path):
-    base = plan_recipe(tiny())
-    offload = plan_recipe(tiny(overrides=["offload.optimizer=cpu"]))
+    base = plan_recipe(tiny().recipe)
+    offload = plan_recipe(tiny(overrides=["offload.optimizer=cpu"]).recipe)
     nvme = plan_recipe(tiny(overrides=["offload.optimizer=nvme", "offload.params=nvme",
-                                       f"hardware.nvme_path={tmp_path}"]))
+                                       f"hardware.nvme_path={tmp_path}"]).recipe)
     assert base.optimizer_states == TINY_TOTAL * 12 and offload.optimizer_states == 0
     # on the host: fp32 master weights and gradients, Adam's moments, a bf16 staging copy (memtrain.plan.host)
     moved = offload.host_breakdown
@@ -114,7 +115,7 @@ def test_plan_moves_offloaded_states_to_host_and_nvme(tmp_path):
 
 
 def test_lora_counts_only_trainable_parameters_for_gradients_and_optimizer():
-    plan = plan_recipe(tiny(overrides=["model.lora.r=8", "model.lora.target_modules=[q_proj, v_proj]"]))
+    plan = plan_recipe(tiny(overrides=["model.lora.r=8", "model.lora.target_modules=[q_proj, v_proj]"]).recipe)
     assert plan.params_trainable == 32_768
     assert plan.params == (TINY_TOTAL + 32_768) * 2          # frozen base and adapters, bf16
     assert plan.gradients == 32_768 * 2
@@ -124,38 +125,38 @@ def test_lora_counts_only_trainable_parameters_for_gradients_and_optimizer():
 def test_deepspeed_buffers_are_overlapping_reduce_buckets():
     recipe = tiny().recipe
     reduce, _ = bucket_elements(recipe, 256)
-    plan = plan_recipe(tiny())
+    plan = plan_recipe(tiny().recipe)
     factor = calibration("24GiB").zero_bucket_factor
     assert plan.deepspeed_buffers == int(reduce * 2 * factor)
-    assert plan_recipe(tiny(overrides=["offload.overlap_comm=false"])).deepspeed_buffers == reduce * 2
+    assert plan_recipe(tiny(overrides=["offload.overlap_comm=false"]).recipe).deepspeed_buffers == reduce * 2
 
 
 def test_logits_term_by_hand_and_chunking_removes_most_of_it():
-    plan = plan_recipe(tiny())
+    plan = plan_recipe(tiny().recipe)
     tokens, vocab = 2 * 64, 4096
     # backward: saved fp32 log-softmax + two fp32 gradients (nll_loss also keeps a scalar: 4 bytes)
     assert plan.logits_loss == pytest.approx(tokens * vocab * 4 * 3, abs=16)
     assert plan.saved_for_backward["loss"] == pytest.approx(tokens * vocab * 4, abs=16)
-    chunked = plan_recipe(tiny(overrides=["precision.chunked_loss=true", "precision.loss_chunk_tokens=32"]))
+    chunked = plan_recipe(tiny(overrides=["precision.chunked_loss=true", "precision.loss_chunk_tokens=32"]).recipe)
     assert chunked.logits_loss == pytest.approx(32 * vocab * 4 * 3, abs=16)
 
 
 def test_checkpoint_strategies_order_and_every_layer_keeps_one_input_per_layer():
     def saved(strategy: str) -> int:
-        return plan_recipe(tiny(overrides=[f"checkpointing.strategy={strategy}"])).saved_for_backward["layers"]
+        return plan_recipe(tiny(overrides=[f"checkpointing.strategy={strategy}"]).recipe).saved_for_backward["layers"]
 
     rope = 2 * 2 * 64 * 64 * 2           # cos and sin, (micro, seq, head_dim) bf16, shared by all layers
     assert saved("every_layer") == 4 * (2 * 64 * 256 * 2) + rope
-    every_2 = plan_recipe(tiny(overrides=["checkpointing.strategy=every_n_layers", "checkpointing.every_n_layers=2"]))
+    every_2 = plan_recipe(tiny(overrides=["checkpointing.strategy=every_n_layers", "checkpointing.every_n_layers=2"]).recipe)
     assert saved("every_layer") < every_2.saved_for_backward["layers"] < saved("none")
     assert saved("every_layer") < saved("selective") < saved("none")
     rules = tiny(overrides=["checkpointing.strategy=rules", "checkpointing.rules={'model.layers.*': recompute}"])
-    assert plan_recipe(rules).saved_for_backward["layers"] == saved("every_layer")
+    assert plan_recipe(rules.recipe).saved_for_backward["layers"] == saved("every_layer")
 
 
 def test_activation_term_matches_bytes_a_real_forward_saves_for_backward():
     """Trace-based prediction vs a real bf16 forward of the whole tiny model on the CPU."""
-    plan = plan_recipe(tiny(overrides=["checkpointing.strategy=none"]))
+    plan = plan_recipe(tiny(overrides=["checkpointing.strategy=none"]).recipe)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config(Model(preset="tiny")), dtype=torch.bfloat16)
     ids = torch.randint(0, 4096, (2, 64))
@@ -168,8 +169,8 @@ def test_activation_term_matches_bytes_a_real_forward_saves_for_backward():
 
 
 def test_peak_grows_with_micro_batch_and_sequence_length():
-    by_micro = [plan_recipe(tiny(micro_batch=m)) for m in (1, 4, 8, 16)]
-    by_seq = [plan_recipe(tiny(seq_len=s, micro_batch=8)) for s in (32, 64, 128, 256)]
+    by_micro = [plan_recipe(tiny(micro_batch=m).recipe) for m in (1, 4, 8, 16)]
+    by_seq = [plan_recipe(tiny(seq_len=s, micro_batch=8).recipe) for s in (32, 64, 128, 256)]
     for plans in (by_micro, by_seq):
         peaks = [p.peak_reserved_bytes for p in plans]
         assert peaks == sorted(peaks) and peaks[-1] > peaks[0]
@@ -180,7 +181,7 @@ def test_peak_grows_with_micro_batch_and_sequence_length():
 
 @pytest.mark.parametrize("expandable", [True, False])
 def test_peak_is_the_largest_phase_plus_allocator_slack(expandable):
-    plan = plan_recipe(tiny(overrides=[f"hardware.expandable_segments={str(expandable).lower()}"]))
+    plan = plan_recipe(tiny(overrides=[f"hardware.expandable_segments={str(expandable).lower()}"]).recipe)
     assert plan.peak_allocated_bytes == plan.phases[plan.peak_phase]
     cal = calibration("24GiB")
     init_slack = cal.expandable_init_slack_ratio if expandable else cal.init_slack_ratio
@@ -205,8 +206,8 @@ offload: {optimizer: cpu, params: %s}
 batch: {global_batch: 16, micro_batch: 2}
 train: {steps: 10}
 """
-    zero2 = plan_recipe(load_recipe_text(text % "none", check=False))
-    zero3 = plan_recipe(load_recipe_text(text % "cpu", check=False))
+    zero2 = plan_recipe(load_recipe_text(text % "none", check=False).recipe)
+    zero3 = plan_recipe(load_recipe_text(text % "cpu", check=False).recipe)
     assert zero2.zero_stage == 2 and zero2.peak_phase == "init" and not zero2.fits
     assert zero2.phases["init"] >= 2 * 6.7e9 * 2
     assert zero3.zero_stage == 3 and zero3.fits
@@ -215,11 +216,11 @@ train: {steps: 10}
 def test_auto_micro_batch_is_the_largest_that_fits():
     loaded = tiny(overrides=["batch.micro_batch=auto", "hardware.gpu=2GiB", "checkpointing.strategy=none",
                              "data.seq_len=1024"])
-    chosen = resolve_micro_batch(loaded)
-    assert plan_recipe(loaded, micro_batch=chosen).fits
+    chosen = resolve_micro_batch(loaded.recipe)
+    assert plan_recipe(loaded.recipe, micro_batch=chosen).fits
     larger = [m for m in (1, 2, 4, 8, 16) if m > chosen]
-    assert larger and not plan_recipe(loaded, micro_batch=larger[0]).fits
-    assert plan_recipe(loaded).micro_batch == chosen
+    assert larger and not plan_recipe(loaded.recipe, micro_batch=larger[0]).fits
+    assert plan_recipe(loaded.recipe).micro_batch == chosen
 
 
 def _first_n(n: int, *extra: str):
@@ -229,7 +230,7 @@ def _first_n(n: int, *extra: str):
 
 def test_first_n_layers_spans_no_checkpointing_to_every_layer():
     def saved(loaded) -> int:
-        return plan_recipe(loaded).saved_for_backward["layers"]
+        return plan_recipe(loaded.recipe).saved_for_backward["layers"]
 
     layer_input = 8 * 1024 * 256 * 2
     none = saved(tiny(overrides=["checkpointing.strategy=none", "data.seq_len=1024", "batch.micro_batch=8"]))
@@ -238,8 +239,8 @@ def test_first_n_layers_spans_no_checkpointing_to_every_layer():
     assert by_n[0] == none and by_n[4] == every
     steps = [a - b for a, b in zip(by_n, by_n[1:])]
     assert len(set(steps)) == 1 and steps[0] > 10 * layer_input  # each layer frees the same bytes
-    assert plan_recipe(_first_n(9)).recomputed_layers == 4  # more than the model has: all of them
-    peaks = [plan_recipe(_first_n(n)).peak_allocated_bytes for n in range(5)]
+    assert plan_recipe(_first_n(9).recipe).recomputed_layers == 4  # more than the model has: all of them
+    peaks = [plan_recipe(_first_n(n).recipe).peak_allocated_bytes for n in range(5)]
     assert peaks == sorted(peaks, reverse=True)
     # Recomputing the last layer too saves memory when the loss's backward, which comes first, outweighs
     # the layer's own backward (this model's unchunked 4k-vocabulary loss against a 256-wide layer); then it
@@ -250,28 +251,28 @@ def test_first_n_layers_spans_no_checkpointing_to_every_layer():
 @pytest.mark.parametrize("gpu, layers", [("1.25GiB", 3), ("1.35GiB", 2), ("1.45GiB", 1), ("1.55GiB", 0),
                                          ("1.15GiB", 4), ("1.0GiB", 4)])
 def test_auto_checkpointing_recomputes_the_fewest_layers_that_fit(gpu, layers):
-    from memtrain.plan.planner import with_resolved_checkpointing
+    from memtrain.plan.planner import resolve_checkpointing
 
     loaded = _first_n(0, "checkpointing.strategy=auto", f"hardware.gpu={gpu}")
-    plan = plan_recipe(loaded)
+    plan = plan_recipe(loaded.recipe)
     assert (plan.checkpointing, plan.recomputed_layers) == (f"first_n_layers={layers}", layers)
-    chosen = plan_recipe(_first_n(layers, f"hardware.gpu={gpu}"))
+    chosen = plan_recipe(_first_n(layers, f"hardware.gpu={gpu}").recipe)
     assert chosen.peak_reserved_bytes == plan.peak_reserved_bytes
     if chosen.fits:
         assert not chosen.tight
     else:  # 1 GiB: nothing fits; the smallest peak is every layer (the unchunked loss outweighs a layer)
         assert layers == 4
     if layers == 4:  # only when all but the last does not fit comfortably, and every layer plans lower
-        all_but_last = plan_recipe(_first_n(3, f"hardware.gpu={gpu}"))
+        all_but_last = plan_recipe(_first_n(3, f"hardware.gpu={gpu}").recipe)
         assert not (all_but_last.fits and not all_but_last.tight)
         assert chosen.peak_reserved_bytes < all_but_last.peak_reserved_bytes
     if layers:
-        fewer = plan_recipe(_first_n(layers - 1, f"hardware.gpu={gpu}"))
+        fewer = plan_recipe(_first_n(layers - 1, f"hardware.gpu={gpu}").recipe)
         assert not fewer.fits or fewer.tight
-    resolved = with_resolved_checkpointing(loaded, micro_batch=8).recipe.checkpointing
+    resolved = resolve_checkpointing(loaded.recipe, micro_batch=8).checkpointing
     assert (resolved.strategy, resolved.first_n_layers) == ("first_n_layers", layers)
 
 
 def test_unknown_card_is_a_recipe_error():
     with pytest.raises(RecipeError, match="neither a GPU profile nor a size"):
-        plan_recipe(tiny(), gpu="potato")
+        plan_recipe(tiny().recipe, gpu="potato")

@@ -1,4 +1,4 @@
-"""Every hand-made bad recipe in tests/bad_recipes gives exit code 2 and exactly the problems it declares.
+"""Every hand-made bad recipe in tests/recipe/bad_recipes gives exit code 2 and exactly the problems it declares.
 
 Each file states its expected problems in leading comments:
     # expect: 7: batch.micro_batch                  this file, line 7, key batch.micro_batch

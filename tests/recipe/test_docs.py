@@ -9,7 +9,7 @@ from pydantic import BaseModel
 from memtrain.recipe.messages import _section_class
 from memtrain.recipe.schema import Recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _generator():

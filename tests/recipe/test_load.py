@@ -13,9 +13,10 @@ from typer.testing import CliRunner
 
 from memtrain.cli import app
 from memtrain.errors import RecipeError
-from memtrain.recipe.load import COMMAND_LINE, load_recipe, load_recipe_text
+from memtrain.recipe.load import load_recipe, load_recipe_text
+from memtrain.recipe.sources import COMMAND_LINE
 
-RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 
 BASE = """\
 model:

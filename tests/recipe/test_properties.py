@@ -17,7 +17,7 @@ from memtrain.recipe.load import load_recipe_text
 from memtrain.recipe.messages import _section_class
 from memtrain.recipe.schema import Recipe
 
-QUICKSTART = (Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml").read_text()
+QUICKSTART = (Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml").read_text()
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 scalars = st.one_of(

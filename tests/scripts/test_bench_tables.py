@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _harness():
@@ -40,7 +40,7 @@ def test_accuracy_table_predictions_are_the_current_planners(expandable, table, 
             continue
         overrides = harness.case_overrides(case, "rtx3090", Path("/tmp/runs"), Path("/tmp/nvme"), expandable)
         loaded = harness.load_recipe(ROOT / case.recipe, overrides, check=False)
-        plan = harness.plan_recipe(loaded, "rtx3090", exact_pinned=False)  # the GPU machine's PyTorch 2.11
+        plan = harness.plan_recipe(loaded.recipe, "rtx3090", exact_pinned=False)  # the GPU machine's PyTorch 2.11
         predicted = harness.predicted_columns(plan)
         assert row["predicted_reserved_gib"] == predicted["predicted_reserved_gib"], row["recipe"]
         assert row["predicted_allocated_gib"] == predicted["predicted_allocated_gib"], row["recipe"]

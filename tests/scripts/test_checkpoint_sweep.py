@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_policies_support import one_torch_thread  # noqa: F401
+from tests.model.test_support import one_torch_thread  # noqa: F401
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts/checkpoint_sweep.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts/checkpoint_sweep.py"
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from memtrain.compile.launch import launch
+from memtrain.commands.run import run_command
 from memtrain.model.compiled import compile_layers
 from tests.conftest import train_losses
 
@@ -39,9 +39,9 @@ def test_compiled_layers_train_like_eager_ones(write_recipe, extra):
     eager, compiled = write_recipe("eager", base), write_recipe("compiled", {**base, "train": {**base["train"], "compile": True}})
     from torch._dynamo.utils import counters
 
-    assert launch(eager, []) == 0
+    assert run_command(eager, []) == 0
     counters.clear()
-    assert launch(compiled, []) == 0
+    assert run_command(compiled, []) == 0
     assert counters["stats"]["unique_graphs"] >= 1  # the layers really went through the compiler
     from pathlib import Path
 

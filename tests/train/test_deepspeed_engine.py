@@ -12,7 +12,7 @@ from memtrain.model.precision import apply_precision
 from memtrain.model.wrapper import TrainableLM
 from memtrain.recipe.schema import Checkpointing, Precision
 from memtrain.train.preflight import cpu_fp16_supported
-from tests.test_policies_support import one_torch_thread, shakespeare_batches, tiny_llama  # noqa: F401
+from tests.model.test_support import one_torch_thread, shakespeare_batches, tiny_llama  # noqa: F401
 
 deepspeed = pytest.importorskip("deepspeed")
 

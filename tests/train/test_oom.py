@@ -152,13 +152,23 @@ def test_micro_batch_condition_waits_for_a_matching_size():
     assert drive(injector, attempts) == [(5, 0, 4), (6, 1, 1)]
 
 
-def test_from_env(monkeypatch):
-    monkeypatch.setenv(INJECT_ENV, "1:2*2:mb==8")
-    injector = OomInjector.from_env()
+def test_hooks_read_the_environment_once_and_default_to_nothing():
+    from memtrain.train.hooks import Hooks
+
+    injector = Hooks.from_env({INJECT_ENV: "1:2*2:mb==8"}).oom
     assert injector and drive(injector, [(1, 2, 4), (1, 2, 8), (1, 2, 8), (1, 2, 8)]) == [(1, 2, 8)] * 2
-    monkeypatch.delenv(INJECT_ENV)
-    quiet = OomInjector.from_env()
-    assert not quiet and drive(quiet, [(s, 0, 1) for s in range(20)]) == []
+    for quiet in (Hooks().oom, Hooks.from_env({}).oom, Hooks.from_env({}).oom_backward):
+        assert not quiet and drive(quiet, [(s, 0, 1) for s in range(20)]) == []
+    backward = Hooks.from_env({"MEMTRAIN_INJECT_OOM_BACKWARD": "3:0"}).oom_backward
+    assert drive(backward, [(3, 0, 1), (3, 0, 1)]) == [(3, 0, 1)]
+
+
+def test_only_the_named_rank_injects():
+    from memtrain.train.hooks import Hooks
+
+    spec = {INJECT_ENV: "0:0", "MEMTRAIN_INJECT_RANK": "1"}
+    assert not Hooks.from_env({**spec, "RANK": "0"}).oom
+    assert Hooks.from_env({**spec, "RANK": "1"}).oom
 
 
 @pytest.mark.parametrize("spec", ["3", "3:x", "a:0", "3:0:mb=>4", "3:0*0", "-1:0", "3:0:batch>=2"])

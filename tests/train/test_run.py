@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from memtrain.compile.launch import launch
+from memtrain.commands.run import run_command
+from memtrain.train.run import RunOptions
 from memtrain.train.preflight import cpu_fp16_supported
 from tests.conftest import read_records, train_losses
 
@@ -28,11 +29,9 @@ def clean_env(**extra: str) -> dict:
     return env
 
 
-def run(path: Path, *overrides: str, **kwargs) -> int:
-    from memtrain.train.oom import injectors_from_env
-
-    injectors_from_env.cache_clear()  # read MEMTRAIN_INJECT_OOM* afresh for this run
-    return launch(path, list(overrides), **kwargs)
+def run(path: Path, *overrides: str, **options) -> int:
+    """`memtrain run` in this process (it reads MEMTRAIN_INJECT_OOM* afresh each time)."""
+    return run_command(path, list(overrides), RunOptions(**options))
 
 
 def run_dir_of(path: Path) -> Path:
@@ -43,7 +42,7 @@ def run_dir_of(path: Path) -> Path:
 
 def test_quickstart_recipe_validation_perplexity_falls(tmp_path):
     """The shipped quickstart itself (shortened): real Shakespeare, the builtin tokenizer, the tiny preset."""
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
     run_dir = tmp_path / "quickstart"
     assert run(recipe, "train.steps=60", "train.eval_every=20", "schedule.warmup_steps=10",
                f"train.output_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}", save=False) == 0
@@ -335,9 +334,6 @@ def test_repeated_ooms_at_the_smallest_size_stop_with_a_checkpoint_and_advice(wr
 
     from memtrain.cli import app
     from memtrain.train.checkpoint import latest_checkpoint
-    from memtrain.train.oom import injectors_from_env
-
-    injectors_from_env.cache_clear()
     result = CliRunner().invoke(app, ["run", str(recipe)])
     assert result.exit_code == 2, result.output
     assert "memtrain plan" in result.output and "Traceback" not in result.output
@@ -355,11 +351,7 @@ def test_a_layer_injection_point_beyond_the_model_is_refused_before_the_run_dir_
     from typer.testing import CliRunner
 
     from memtrain.cli import app
-    from memtrain.train.oom import injectors_from_env
-
-    injectors_from_env.cache_clear()
     result = CliRunner().invoke(app, ["run", str(recipe)])
-    injectors_from_env.cache_clear()
     assert result.exit_code == 2, result.output
     assert "@layer0 to @layer1" in result.output and "Traceback" not in result.output
     assert not run_dir_of(recipe).exists()
@@ -386,7 +378,7 @@ def test_checkpointing_auto_trains_with_the_layers_the_planner_chose(write_recip
 
     def required_high(layers: int) -> int:
         path = write_recipe(f"n{layers}", {"checkpointing": {"strategy": "first_n_layers", "first_n_layers": layers}})
-        plan = plan_recipe(load_recipe(path))
+        plan = plan_recipe(load_recipe(path).recipe)
         return plan.peak_reserved_high_bytes + plan.cuda_context
 
     card_bytes = (required_high(0) + required_high(1)) // 2
