@@ -11,13 +11,15 @@ import fnmatch
 import functools
 import inspect
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memtrain.errors import Problem, RecipeError
+from memtrain.errors import Problem, RecipeError, UserError
+from memtrain.model import layers
+from memtrain.model.layers import hf_model  # also imported from here by wrapper, compiled and train.oom
 from memtrain.recipe.schema import Checkpointing
 
 # Children of a decoder layer whose output is added to the residual stream as a whole.
@@ -116,23 +118,12 @@ class CheckpointPlan:
         return [n for n, a in self.actions.items() if a == action and n.rsplit(".", 1)[0] in layers]
 
 
-def hf_model(model: nn.Module) -> nn.Module:
-    """The Hugging Face model under a PEFT wrapper (or the model itself)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
 def decoder_layer_names(model: nn.Module) -> list[str]:
-    """Names of the decoder layers: the longest nn.ModuleList of the model (model.layers for Llama)."""
-    best: tuple[str, nn.ModuleList] | None = None
-    for name, module in hf_model(model).named_modules():
-        if isinstance(module, nn.ModuleList) and (best is None or len(module) > len(best[1])):
-            best = (name, module)
-    if best is None:
-        raise RecipeError(Problem(f"cannot find the decoder layers of {type(model).__name__}",
-                                  key="checkpointing.strategy",
-                                  hint="use strategy 'none' or 'rules' naming its blocks"))
-    return [f"{best[0]}.{i}" for i in range(len(best[1]))]
+    """Names of the decoder layers (memtrain.model.layers finds them), as a checkpointing problem when absent."""
+    try:
+        return layers.decoder_layer_names(model)
+    except UserError as error:
+        raise RecipeError([replace(p, key="checkpointing.strategy") for p in error.problems]) from None
 
 
 def checkpoint_plan(model: nn.Module, config: Checkpointing) -> CheckpointPlan:
