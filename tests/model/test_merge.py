@@ -173,3 +173,26 @@ def test_export_run_says_what_is_missing(tmp_path):
     with pytest.raises(UserError, match="random and were never saved") as caught:
         export_run(run_dir, merge=True)
     assert caught.value.problems[0].key == "model.preset"
+
+
+def test_a_qlora_adapter_merges_onto_the_dequantised_base_it_was_trained_on(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from memtrain.model.quantize import bnb_config
+    from memtrain.recipe.schema import Quantize
+
+    base_dir = _base_dir(tmp_path, "llama")
+    adapter_dir = _adapter_dir(tmp_path, base_dir)
+    nf4 = Quantize(type="nf4")
+    quantized = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16, device_map={"": "cpu"},
+                                                     quantization_config=bnb_config(nf4, torch.bfloat16))
+    trained = _logits(PeftModel.from_pretrained(quantized, adapter_dir), INPUT_IDS)  # what training computed
+
+    merged = AutoModelForCausalLM.from_pretrained(merge_adapter(adapter_dir, base_dir, tmp_path / "dq", torch.bfloat16,
+                                                                quantize=nf4))
+    assert getattr(merged.config, "quantization_config", None) is None  # loads without bitsandbytes
+    onto_original = AutoModelForCausalLM.from_pretrained(merge_adapter(adapter_dir, base_dir, tmp_path / "orig",
+                                                                       torch.bfloat16))
+    error = (_logits(merged, INPUT_IDS) - trained).abs()
+    original_error = (_logits(onto_original, INPUT_IDS) - trained).abs()
+    # measured: 0.0017 mean / 0.020 max against 0.0147 / 0.37 when merged onto the original bf16 weights
+    assert error.mean() < original_error.mean() / 4 and error.max() < 0.05 * trained.abs().max()
