@@ -6,7 +6,8 @@ differently (`model.layers` in Llama, Qwen, Mistral, Gemma and Phi-3; `transform
 `gpt_neox.layers`), so the list is recognised by what it holds: instances of the classes the model
 declares as its unsplittable blocks (`_no_split_modules`, which transformers keeps for device maps
 and which names exactly the decoder layer class). "The longest ModuleList" is only the fallback: in a
-mixture-of-experts model the experts of one layer (60 in Qwen2-MoE) outnumber its 24 layers.
+mixture-of-experts model under transformers 4.x the experts of one layer sit in a ModuleList (60 in
+Qwen2-MoE) that outnumbers its 24 layers.
 """
 from __future__ import annotations
 
