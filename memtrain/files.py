@@ -52,3 +52,14 @@ def write_atomically(path: Path, content: str | bytes) -> None:
             tmp.write_bytes(content)
         else:
             tmp.write_text(content)
+
+
+@contextmanager
+def directory_atomically(path: Path) -> Iterator[Path]:
+    """atomic_path for a directory that must not hold anything yet (an output a user names): refuses a
+    non-empty `path` with FileExistsError, so nothing a user made is ever replaced."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(path)
+    with atomic_path(path, directory=True) as tmp:
+        yield tmp

@@ -15,9 +15,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from memtrain.dtypes import DTYPES
 from memtrain.errors import Problem, UserError
 from memtrain.model.config import model_config
+from memtrain.model.layers import decoder_layers
 from memtrain.model.lora_dropout import use_lean_dropout
 from memtrain.model.quantize import bnb_config, keep_training_layout, quantized_preset, require_bitsandbytes
-from memtrain.recipe.schema import Model
+from memtrain.recipe.schema import Lora, Model
 
 
 def build_model(model: Model, compute: str, device: torch.device, ds_config: dict | None = None,
@@ -66,9 +67,22 @@ def build_model(model: Model, compute: str, device: torch.device, ds_config: dic
     return lm
 
 
+def lora_config(lora: Lora):
+    """PEFT's LoraConfig for a recipe's `model.lora` (one owner: the model build and the planner's traced layer).
+
+    LoRA+ is not here: it is an optimizer setting (memtrain.model.loraplus.lora_param_groups).
+    """
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
+                      use_dora=lora.use_dora, use_rslora=lora.use_rslora,
+                      modules_to_save=list(lora.modules_to_save) or None)
+
+
 def add_lora(lm: PreTrainedModel, model: Model) -> torch.nn.Module:
-    """Wrap the model with PEFT LoRA adapters; only the adapters train."""
-    from peft import LoraConfig, get_peft_model
+    """Wrap the model with PEFT LoRA adapters; only the adapters (and `modules_to_save`) train."""
+    from peft import get_peft_model
 
     lora = model.lora
     present = {name.rsplit(".", 1)[-1] for name, _ in lm.named_modules()}
@@ -78,14 +92,19 @@ def add_lora(lm: PreTrainedModel, model: Model) -> torch.nn.Module:
             f"LoRA target modules {missing} are not in this model", key="model.lora.target_modules",
             hint=f"modules it has include: {', '.join(sorted(n for n in present if n.endswith('proj'))) or 'see model.named_modules()'}",
         ))
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    unsaved = [m for m in lora.modules_to_save if m not in present]
+    if unsaved:
+        layers_name, _ = decoder_layers(lm)
+        outside = sorted({name.rsplit(".", 1)[-1] for name, module in lm.named_modules()
+                          if name and not name.startswith(layers_name) and next(module.parameters(recurse=False), None) is not None})
+        raise UserError(Problem(
+            f"modules_to_save {unsaved} are not in this model", key="model.lora.modules_to_save",
+            hint=f"modules outside the decoder layers are: {', '.join(outside)}"))
     # Not PEFT's prepare_model_for_kbit_training: its fp32 upcast of the unquantised weights would be
     # undone by DeepSpeed's bf16 engine (fp32_modules is the recipe's way to keep modules in fp32), and
     # checkpointing is memtrain's own; what it does that matters here is the input-grad hook below.
-    peft_model = get_peft_model(lm, config)
+    peft_model = get_peft_model(lm, lora_config(lora))
     if lora.lean_dropout and lora.dropout > 0:
-
         use_lean_dropout(peft_model)
     if hasattr(peft_model, "enable_input_require_grads"):
         # checkpointed layers need an input that requires grad when the embeddings are frozen

@@ -10,14 +10,15 @@ from __future__ import annotations
 import fnmatch
 import functools
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memtrain.errors import Problem, RecipeError
-from memtrain.model.layers import decoder_layer_names, hf_model
+from memtrain.errors import Problem, RecipeError, UserError
+from memtrain.model import layers
+from memtrain.model.layers import hf_model
 from memtrain.recipe.checkpoint_rules import RESIDUAL_BRANCHES, rule_problems
 from memtrain.recipe.schema import Checkpointing
 
@@ -65,6 +66,14 @@ class CheckpointPlan:
         """Names of modules inside decoder layers (attention/MLP blocks) that have `action`."""
         layers = set(self.layer_names)
         return [n for n, a in self.actions.items() if a == action and n.rsplit(".", 1)[0] in layers]
+
+
+def decoder_layer_names(model: nn.Module) -> list[str]:
+    """Names of the decoder layers (memtrain.model.layers finds them), as a checkpointing problem when absent."""
+    try:
+        return layers.decoder_layer_names(model)
+    except UserError as error:
+        raise RecipeError([replace(p, key="checkpointing.strategy") for p in error.problems]) from None
 
 
 def checkpoint_plan(model: nn.Module, config: Checkpointing) -> CheckpointPlan:

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-
 _GENERATORS: dict[str, torch.Generator] = {}
 
 

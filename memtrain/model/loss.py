@@ -4,6 +4,10 @@ The chunked path never holds the full-vocabulary logits: each chunk of tokens go
 lm_head module and cross-entropy under non-reentrant checkpointing, so forward keeps only the
 chunk's hidden states and backward rebuilds one chunk's logits at a time. The lm_head *module* is
 called per chunk (never its .weight) so ZeRO-3 gathers the weight inside its own forward.
+
+Logit soft-capping (Gemma-2's `final_logit_softcapping`) belongs to the model's function, not to the
+loss: its forward squashes the logits to tanh(logits / cap) · cap after the lm_head. Calling the
+lm_head here bypasses that forward, so the cap is applied here, per chunk, before the cross-entropy.
 """
 from __future__ import annotations
 
@@ -15,10 +19,18 @@ from torch.utils.checkpoint import checkpoint
 IGNORE_INDEX = -100
 
 
-def _token_loss_sum(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, fp32_loss: bool) -> torch.Tensor:
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """tanh(logits / cap) · cap: smooth, monotonic, bounded to (-cap, cap), near identity for |logits| << cap."""
+    return torch.tanh(logits / cap) * cap
+
+
+def _token_loss_sum(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, fp32_loss: bool,
+                    softcap: float | None = None) -> torch.Tensor:
     logits = lm_head(hidden)
     if fp32_loss:
         logits = logits.float()
+    if softcap is not None:  # after the upcast, so the fp32 loss also gets an fp32 tanh
+        logits = soft_cap(logits, softcap)
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum").float()
 
 
@@ -28,22 +40,24 @@ def shift_for_next_token(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[to
 
 
 def causal_lm_loss(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *,
-                   fp32_loss: bool = True, chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   fp32_loss: bool = True, chunk_tokens: int | None = None,
+                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 sum of next-token cross-entropies, count of target tokens); labels equal to -100 are ignored.
 
     hidden: (batch, seq, hidden) final hidden states; labels: (batch, seq) token ids.
     chunk_tokens: tokens per chunk of the chunked loss, None for full logits at once.
+    softcap: the model's output-logit soft-cap (memtrain.model.architecture.logit_softcap), None for none.
     """
     flat_hidden, targets = shift_for_next_token(hidden, labels)
     n_tokens = (targets != IGNORE_INDEX).sum()
     if chunk_tokens is None or flat_hidden.shape[0] <= chunk_tokens:
-        return _token_loss_sum(lm_head, flat_hidden, targets, fp32_loss), n_tokens
+        return _token_loss_sum(lm_head, flat_hidden, targets, fp32_loss, softcap), n_tokens
     total = flat_hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
         part = slice(start, start + chunk_tokens)
         if torch.is_grad_enabled():
             total = total + checkpoint(_token_loss_sum, lm_head, flat_hidden[part], targets[part], fp32_loss,
-                                       use_reentrant=False)
+                                       softcap, use_reentrant=False)
         else:
-            total = total + _token_loss_sum(lm_head, flat_hidden[part], targets[part], fp32_loss)
+            total = total + _token_loss_sum(lm_head, flat_hidden[part], targets[part], fp32_loss, softcap)
     return total, n_tokens

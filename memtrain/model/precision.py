@@ -24,7 +24,6 @@ from memtrain.model.layers import hf_model
 from memtrain.recipe.schema import Precision
 
 
-
 def compute_dtype(precision: Precision) -> torch.dtype:
     """The torch dtype of the recipe's compute precision."""
     return DTYPES[precision.compute]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from memtrain.model.architecture import logit_softcap
 from memtrain.model.layers import hf_model
 from memtrain.model.loss import causal_lm_loss
 from memtrain.recipe.schema import Precision
@@ -22,6 +23,7 @@ class TrainableLM(nn.Module):
         self.model = model
         self.fp32_loss = precision.fp32_loss
         self.chunk_tokens = precision.loss_chunk_tokens if precision.chunked_loss else None
+        self.logit_softcap = logit_softcap(hf_model(model).config)  # Gemma-2 caps its logits; None for most models
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,4 +31,5 @@ class TrainableLM(nn.Module):
         body = base.get_decoder()
         hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         return causal_lm_loss(base.get_output_embeddings(), hidden, labels,
-                              fp32_loss=self.fp32_loss, chunk_tokens=self.chunk_tokens)
+                              fp32_loss=self.fp32_loss, chunk_tokens=self.chunk_tokens,
+                              softcap=self.logit_softcap)

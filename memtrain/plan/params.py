@@ -45,7 +45,8 @@ def _lora_targets(name: str, targets: list[str]) -> bool:
 
 
 def count_parameters(model: Model) -> ParamCounts:
-    """Count the recipe's parameters on the meta device; LoRA adds r × (in + out) per targeted Linear.
+    """Count the recipe's parameters on the meta device; LoRA adds r × (in + out) per targeted Linear,
+    plus out for DoRA's magnitude, and a trainable copy of each of `modules_to_save`.
 
     LoRA adapters are counted from the target modules' shapes, the same rule PEFT applies; the base
     weights are frozen, so only the adapters are trainable. With model.quantize, the linear layers
@@ -71,12 +72,17 @@ def _count(model_json: str) -> ParamCounts:
         adapter_per_layer = 0
         lora_numels: list[int] = []
         for name, sub in module.named_modules():
+            numels: list[int] = []
             if isinstance(sub, torch.nn.Linear) and _lora_targets(name, lora.target_modules):
-                count = lora.r * (sub.in_features + sub.out_features)
-                adapters += count
-                lora_numels += [lora.r * sub.in_features, lora.r * sub.out_features]
-                if name.startswith(layers_name + ".0."):
-                    adapter_per_layer += count
+                numels = [lora.r * sub.in_features, lora.r * sub.out_features]
+                if lora.use_dora:  # DoRA also trains a magnitude per output feature
+                    numels.append(sub.out_features)
+            elif _lora_targets(name, lora.modules_to_save):  # PEFT trains a full copy beside the frozen original
+                numels = [p.numel() for p in sub.parameters()]
+            adapters += sum(numels)
+            lora_numels += numels
+            if name.startswith(layers_name + ".0."):
+                adapter_per_layer += sum(numels)
         trainable = adapters
         trainable_numels = tuple(lora_numels)
         base_total += adapters

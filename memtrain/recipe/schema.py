@@ -56,6 +56,23 @@ class Lora(Section):
         min_length=1,
         description="Module names (or suffixes) that receive adapters.",
     )
+    use_dora: bool = Field(
+        False, description="DoRA (weight-decomposed LoRA): each adapted weight is split into a trained magnitude "
+        "per output feature and a direction that the LoRA product updates; closer to full fine-tuning at low rank. "
+        "Costs one trainable vector per adapted module and, every forward, the adapted weight's norm (a weight-sized "
+        "transient per module) — slower than plain LoRA.")
+    use_rslora: bool = Field(
+        False, description="Rank-stabilised LoRA: scale the adapters by alpha / sqrt(r) instead of alpha / r, so "
+        "large ranks keep learning; costs nothing.")
+    loraplus_lr_ratio: float | None = Field(
+        None, gt=0, le=1000, description="LoRA+: the B matrices (the adapters' up-projections) learn at "
+        "optimizer.lr × this ratio, the A matrices at optimizer.lr (its paper suggests 16); costs nothing. "
+        "None: one learning rate for all adapters.")
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description="Modules trained in full beside the adapters and saved with them, e.g. ['embed_tokens', "
+        "'lm_head'] when tokens are added to the vocabulary. Each keeps a trainable copy of its weights, with "
+        "their gradients and optimizer states.")
 
 
 class Quantize(Section):
@@ -84,7 +101,8 @@ class Model(Section):
         "Defaults to the model directory, or the builtin tokenizer for presets.",
     )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="Attention kernel; sdpa has no seq_len^2 activation term."
+        "sdpa", description="Attention kernel; sdpa has no seq_len^2 activation term. Where an architecture "
+        "cannot run sdpa correctly (Gemma-2's soft-capped attention) memtrain uses eager and says so."
     )
     lora: Lora | None = Field(None, description="Train LoRA adapters instead of all weights.")
     quantize: Quantize | None = Field(
