@@ -105,8 +105,8 @@ def _ensure(spec, fmt, field, tokenizer, cache_dir) -> tuple[Path, Path]:
     try:
         tokens_path.parent.mkdir(parents=True, exist_ok=True)
         # Ends first: a present tokens file then always has its ends file beside it.
-        _save_atomic(ends_path, ends)
-        _save_atomic(tokens_path, tokens)
+        save_atomic(ends_path, ends)
+        save_atomic(tokens_path, tokens)
     except OSError as err:
         raise UserError(Problem(
             f"cannot write the token cache in {tokens_path.parent}: {err.strerror or err}",
@@ -128,7 +128,7 @@ def _complete(tokens_path: Path, ends_path: Path) -> bool:
     return len(ends) > 0 and int(ends[-1]) == len(tokens)
 
 
-def _save_atomic(path: Path, array: np.ndarray) -> None:
+def save_atomic(path: Path, array: np.ndarray) -> None:
     """Write to a temporary file in the same directory, then rename: readers see all of it or nothing."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
