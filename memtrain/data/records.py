@@ -2,7 +2,8 @@
 
 Every reader yields `(number, record)`: `number` is where a person finds the record — the line of a JSONL
 file, else the record's 1-based position (the JSON list's item, the parquet or datasets row + 1). Problems
-name the file and that number, are collected (up to MAX_PROBLEMS) and raised together as one `DataError`.
+name the file and that number, are collected (up to MAX_PROBLEMS) and raised together as one `DataError`
+after the last record, so a caller that consumes the records must not keep anything before the end.
 """
 from __future__ import annotations
 
@@ -137,13 +138,14 @@ def _read_jsonl(spec: str, path: Path) -> Iterator[Record]:
                     raw = raw[3:]
                 if not raw.strip():
                     continue
+                before = len(problems)
                 record = _parse_jsonl_line(spec, raw, line_no, problems)
-                if problems:
-                    # Keep scanning without yielding so one run reports several bad lines.
-                    if len(problems) >= MAX_PROBLEMS:
-                        break
-                    continue
-                yield line_no, record
+                if len(problems) >= MAX_PROBLEMS:
+                    break
+                if len(problems) == before:
+                    # Good records still go out after a bad line, so that one run reports the problems of
+                    # both kinds (bad JSON here, bad fields where they are read); the error comes at the end.
+                    yield line_no, record
         except (OSError, EOFError, zlib.error) as err:
             raise DataError(Problem(f"cannot read past line {line_no}: {err}", file=spec, line=line_no + 1,
                                     hint="the file is damaged or truncated; recreate it")) from None
