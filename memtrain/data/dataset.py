@@ -92,10 +92,6 @@ def build_datasets(data: Data, tokenizer: PreTrainedTokenizerBase,
     """
     if not isinstance(data.train, str):
         return build_rows(data, tokenizer, seed)
-    if data.validation is not None and not isinstance(data.validation, str):
-        raise DataError(Problem("data.validation is a list of datasets while data.train is a text path",
-                                key="data.validation",
-                                hint="give data.train as a list of datasets too (a text file is {path: ..., type: text})"))
     windows = _windows(data, data.train, "data.train", tokenizer)
     if data.validation is not None:
         return windows, _windows(data, data.validation, "data.validation", tokenizer)

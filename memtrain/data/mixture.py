@@ -50,10 +50,6 @@ def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tup
     """
     if isinstance(data.train, str):
         raise ValueError("build_rows takes a list of datasets; a path is the text path (build_datasets)")
-    if isinstance(data.validation, str):
-        raise DataError(Problem("data.validation is a path while data.train is a list of datasets",
-                                key="data.validation",
-                                hint="give data.validation as a list of datasets too (each with path and type)"))
     ensure_template_tokens(data, tokenizer)
     rules = SampleRules(template=resolve_template(data.template, tokenizer) if needs_template(data) else None,
                         train_on_inputs=data.train_on_inputs, train_on=data.train_on)

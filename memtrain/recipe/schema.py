@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from annotated_types import Len
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PlainSerializer,
-                      Tag, WithJsonSchema)
+                      Tag, WithJsonSchema, model_validator)
 
 from memtrain.recipe.units import parse_bytes
 
@@ -103,7 +103,12 @@ Role = Literal["system", "user", "assistant"]
 
 def _dataset_source(value: object) -> str:
     """Which member of `data.train` / `data.validation` a value is meant as, so errors speak of that one only."""
-    return "path" if isinstance(value, str) else "datasets"
+    return "datasets" if isinstance(value, (list, tuple, dict)) else "path"
+
+
+def _one_dataset_as_list(value: object) -> object:
+    """A single dataset may be written as a mapping instead of a list of one."""
+    return [value] if isinstance(value, dict) else value
 
 
 class DatasetSpec(Section):
@@ -143,7 +148,8 @@ class DatasetSpec(Section):
 
 
 DatasetSource = Annotated[
-    Annotated[str, Tag("path")] | Annotated[list[DatasetSpec], Tag("datasets"), Len(min_length=1)],
+    Annotated[str, Tag("path")]
+    | Annotated[list[DatasetSpec], Len(min_length=1), BeforeValidator(_one_dataset_as_list), Tag("datasets")],
     Discriminator(_dataset_source),
 ]
 
@@ -152,11 +158,11 @@ class Data(Section):
     train: DatasetSource = Field(
         ..., description="Training data: a path (a .txt or .jsonl text file, or 'builtin:shakespeare') trained on as "
         "text, or a list of datasets (path, type, weight and field names; see DatasetSpec) for instruction and chat "
-        "data.")
+        "data; one dataset may be written as a mapping.")
     validation: DatasetSource | None = Field(
         None, description="Validation data, a path or a list of datasets like `train`; when absent, a tail of the "
         "training samples.")
-    validation_fraction: float = Field(0.05, ge=0, lt=1, description="Share of training windows held out when no validation file is given.")
+    validation_fraction: float = Field(0.05, ge=0, lt=1, description="Share of the training data held out when no validation is given: the last windows of text, the last samples of each dataset of a list.")
     format: Literal["auto", "text", "jsonl"] = Field("auto", description="File format; 'auto' decides by extension.")
     field: str = Field("text", min_length=1, description="JSONL field holding the text.")
     seq_len: int = Field(1024, ge=8, le=1_048_576, description="Tokens per training sample.")
@@ -177,6 +183,14 @@ class Data(Section):
     add_special_tokens: bool = Field(
         False, description="Add the template's markers (e.g. <|im_start|>, <|im_end|>) to the tokenizer when it lacks "
         "them; the model's embeddings grow to match and are trained. False: a missing marker is an error.")
+
+    @model_validator(mode="after")
+    def _train_and_validation_alike(self) -> Data:
+        if self.validation is not None and isinstance(self.train, str) != isinstance(self.validation, str):
+            # " — " separates the message from the hint (see recipe/messages.py)
+            raise ValueError("data.train and data.validation must both be paths (text) or both lists of datasets — "
+                             "a text file in a list is {path: FILE, type: text}")
+        return self
 
     @property
     def is_text(self) -> bool:

@@ -9,10 +9,10 @@ import hashlib
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from memtrain.data.cache import cache_paths
 from memtrain.data.dataset import build_datasets
-from memtrain.errors import DataError
 from memtrain.recipe.schema import Data
 
 VALIDATION = "builtin:shakespeare/validation"
@@ -56,7 +56,8 @@ def test_token_windows_count_the_targets_the_loss_sees(text_tokenizer, cache_dir
     assert windows.targets([0, 1, 2]) == 3 * int((windows[0]["labels"][1:] != -100).sum()) == 3 * 63
 
 
-def test_a_list_validation_with_a_text_train_path_is_refused(text_tokenizer, cache_dir):
-    data = Data(train="builtin:shakespeare", validation=[{"path": VALIDATION, "type": "text"}], cache_dir=cache_dir)
-    with pytest.raises(DataError, match="give data.train as a list of datasets too"):
-        build_datasets(data, text_tokenizer, seed=0)
+def test_a_list_validation_with_a_text_train_path_is_refused():
+    with pytest.raises(ValidationError, match="both be paths"):
+        Data(train="builtin:shakespeare", validation=[{"path": VALIDATION, "type": "text"}])
+    with pytest.raises(ValidationError, match="both be paths"):
+        Data(train=[{"path": "builtin:shakespeare", "type": "text"}], validation=VALIDATION)
