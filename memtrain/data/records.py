@@ -59,6 +59,9 @@ def record_format(spec: str) -> str:
     path = resolve_dataset_path(spec)
     if path.is_dir():
         return "datasets"
+    if not path.exists():
+        raise DataError(Problem(f"cannot read {path}: no such file or directory", file=spec,
+                                hint="check the path in the recipe (relative paths start at the working directory)"))
     name = path.name.lower()
     if name.endswith(".gz"):
         name = name[: -len(".gz")]
