@@ -105,9 +105,10 @@ def _chat_field(record: dict, spec: DatasetSpec, where: _Where) -> tuple[str, st
         candidates = [field]
     else:
         candidates = [spec.messages_field] if spec.messages_field else list(LAYOUT_FIELDS.values())
-    for field in candidates:
-        if field in record:
-            return field, spec.chat_format
+    # Columnar files (parquet, datasets) give every record every column, None where a record has no value.
+    present = [field for field in candidates if record.get(field) is not None] or [c for c in candidates if c in record]
+    if present:
+        return present[0], spec.chat_format
     fields = ", ".join(record) or "none"
     raise where.fail(f"no field {' or '.join(repr(c) for c in candidates)}; fields here: {fields}", candidates[0],
                      "set the dataset's messages_field to the field that holds the list of messages")
@@ -117,8 +118,8 @@ def _message(turn: object, key: str, layout: str, role_names: dict[str, str], wh
     if not isinstance(turn, dict):
         raise where.fail(f"is a {type(turn).__name__}, not a message object", key,
                          'write each message as {"role": ..., "content": ...} or {"from": ..., "value": ...}')
-    if layout == "auto":
-        layout = "sharegpt" if "from" in turn and "role" not in turn else "openai"
+    if layout == "auto":  # by the keys that hold a value (columnar files give a message both, one of them None)
+        layout = "sharegpt" if turn.get("from") is not None and turn.get("role") is None else "openai"
     role_key, content_key = LAYOUT_KEYS[layout]
     for needed in (role_key, content_key):
         if needed not in turn:

@@ -52,7 +52,9 @@ class ConversationEncoder:
         self.train_on_inputs = train_on_inputs
         self.last_turn_only = train_on == "last_turn"
         self.end_of_turn = end_of_turn_id(template, tokenizer)
-        self.special_ids = set(tokenizer.all_special_ids)
+        # Every special token, not only the named ones: Llama 3's <|eot_id|> is an added special token only.
+        self.special_ids = set(tokenizer.all_special_ids) | {
+            i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
 
     def render(self, messages: list[Message]) -> Rendered:
         """Split the rendered conversation into template and content pieces; RenderError when it cannot."""

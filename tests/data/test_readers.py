@@ -38,7 +38,9 @@ def write(records: list[dict], kind: str, directory: Path, name: str = "data") -
         path.write_text(json.dumps(records, indent=1))
     elif kind == "parquet":
         path = directory / f"{name}.parquet"
-        pq.write_table(pa.Table.from_pylist(records), path)
+        # from_pylist infers the columns from the first record only: unify over all of them
+        schema = pa.unify_schemas([pa.Table.from_pylist([r]).schema for r in records])
+        pq.write_table(pa.Table.from_pylist(records, schema=schema), path)
     else:
         path = directory / name
         datasets.Dataset.from_list(records).save_to_disk(str(path))
@@ -214,3 +216,13 @@ def test_a_missing_file_and_an_unknown_format_say_what_to_do(chat_tokenizer, mak
     odd.write_text("<x/>")
     problems = problems_of(make_data(train=[{"path": str(odd), "type": "chat"}]), chat_tokenizer)
     assert "cannot tell the format" in problems[0].message and ".parquet" in problems[0].hint
+
+
+@pytest.mark.parametrize("kind", ["parquet", "datasets"])
+def test_a_columnar_file_mixing_both_chat_layouts(kind, chat_tokenizer, make_data, tmp_path):
+    """Columnar files give every record every column (None where it has none): detection must look at values."""
+    path = write(RECORDS["chat"][:3] + RECORDS["sharegpt"][:3], kind, tmp_path)
+    reference = write(RECORDS["chat"][:3] + RECORDS["sharegpt"][:3], "jsonl", tmp_path, "reference")
+    got = [samples(make_data(train=[{"path": p, "type": "chat"}], seq_len=32, packing=False), chat_tokenizer)
+           for p in (reference, path)]
+    assert got[0] == got[1] and len(got[0]) == 6
