@@ -43,7 +43,9 @@ def write(records: list[dict], kind: str, directory: Path, name: str = "data") -
         pq.write_table(pa.Table.from_pylist(records, schema=schema), path)
     else:
         path = directory / name
-        datasets.Dataset.from_list(records).save_to_disk(str(path))
+        # from_list takes the columns of the first record only: give it every column
+        columns = dict.fromkeys(k for r in records for k in r)
+        datasets.Dataset.from_dict({k: [r.get(k) for r in records] for k in columns}).save_to_disk(str(path))
     return str(path)
 
 
