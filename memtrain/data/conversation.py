@@ -88,7 +88,8 @@ def _chat(record: dict, spec: DatasetSpec, where: _Where) -> list[Message]:
     field, layout = _chat_field(record, spec, where)
     turns = record[field]
     if not isinstance(turns, list) or not turns:
-        shown = "an empty list" if isinstance(turns, list) else f"a {type(turns).__name__}"
+        shown = ("an empty list" if isinstance(turns, list) else "null" if turns is None
+                 else f"a {type(turns).__name__}")
         raise where.fail(f"is {shown}, not a list of messages", field, "each record needs a list of messages")
     role_names = {**DEFAULT_ROLE_NAMES, **spec.roles}
     messages = [_message(turn, f"{field}[{i}]", layout, role_names, where) for i, turn in enumerate(turns)]
