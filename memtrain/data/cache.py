@@ -105,8 +105,8 @@ def _ensure(spec, fmt, field, tokenizer, cache_dir) -> tuple[Path, Path]:
     try:
         tokens_path.parent.mkdir(parents=True, exist_ok=True)
         # Ends first: a present tokens file then always has its ends file beside it.
-        _save_atomic(ends_path, ends)
-        _save_atomic(tokens_path, tokens)
+        save_atomic(ends_path, ends)
+        save_atomic(tokens_path, tokens)
     except OSError as err:
         raise UserError(Problem(
             f"cannot write the token cache in {tokens_path.parent}: {err.strerror or err}",
@@ -128,7 +128,7 @@ def _complete(tokens_path: Path, ends_path: Path) -> bool:
     return len(ends) > 0 and int(ends[-1]) == len(tokens)
 
 
-def _save_atomic(path: Path, array: np.ndarray) -> None:
+def save_atomic(path: Path, array: np.ndarray) -> None:
     """Readers see all of the array or nothing (np.save to a path would also append .npy to the temporary name)."""
     with atomic_path(path) as tmp, open(tmp, "wb") as handle:
         np.save(handle, array)

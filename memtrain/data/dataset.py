@@ -1,4 +1,8 @@
-"""Training samples: fixed-length token windows over the cached token stream, and the train/validation split."""
+"""Training samples: fixed-length token windows over the cached token stream, and the train/validation split.
+
+`build_datasets` is the entry point for both kinds of data: a path in data.train is text, cut into these
+windows; a list of datasets (instruction, chat, ...) becomes rows of whole samples (mixture.py).
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -6,10 +10,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.cache import cached_documents
+from memtrain.data.mixture import build_rows
+from memtrain.data.rows import IGNORE_INDEX, SampleRows
 from memtrain.errors import DataError, Problem
 from memtrain.recipe.schema import Data
-
-IGNORE_INDEX = -100  # what torch's cross-entropy (and HF's loss) skips
 
 
 class TokenWindows(torch.utils.data.Dataset):
@@ -39,6 +43,10 @@ class TokenWindows(torch.utils.data.Dataset):
     def n_tokens(self) -> int:
         """Real (non-padding) tokens over all windows: the positions whose label is not -100."""
         return int(self.lengths.sum())
+
+    def targets(self, indices) -> int:
+        """Target tokens the loss sees for the windows at `indices`: labels[1:] != -100, i.e. length - 1 each."""
+        return int((self.lengths[np.asarray(indices, dtype=np.int64)] - 1).sum())
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not -len(self) <= index < len(self):
@@ -70,16 +78,20 @@ def document_windows(tokens: np.ndarray, doc_ends: np.ndarray, seq_len: int, pad
     return TokenWindows(tokens, starts, np.minimum(ends - starts, seq_len), seq_len, pad_id)
 
 
-def build_datasets(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[TokenWindows, TokenWindows]:
-    """(train, validation) windows for the recipe's data section.
+def build_datasets(data: Data, tokenizer: PreTrainedTokenizerBase,
+                   seed: int) -> tuple[TokenWindows, TokenWindows] | tuple[SampleRows, SampleRows]:
+    """(train, validation) samples for the recipe's data section.
 
+    A list of datasets in data.train gives `SampleRows` (see mixture.build_rows; `seed` chooses the
+    weighted subsets and the row order). A path gives text windows, as follows.
     Validation comes from `data.validation` when given; otherwise it is the last
     max(1, round(validation_fraction * n)) training windows: a contiguous tail rather than a random
     draw, because neighbouring windows of one passage would leak validation text into training.
     `seed` therefore does not change the split (`SampleOrder` shuffles the training order).
     Raises `DataError` when the data gives no window or too few to hold one out.
     """
-    del seed  # the split is deterministic by design; see the docstring
+    if not isinstance(data.train, str):
+        return build_rows(data, tokenizer, seed)
     windows = _windows(data, data.train, "data.train", tokenizer)
     if data.validation is not None:
         return windows, _windows(data, data.validation, "data.validation", tokenizer)

@@ -4,10 +4,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from memtrain.errors import Problem, UserError
 from memtrain.model.architecture import logit_softcap
 from memtrain.model.layers import hf_model
-from memtrain.model.loss import causal_lm_loss
+from memtrain.model.loss import IGNORE_INDEX, causal_lm_loss
 from memtrain.recipe.schema import Precision
+
+# How each attention kernel keeps the samples of a packed row apart, given position_ids that restart at 0 for
+# every sample (data/rows.py). "mask": with no attention_mask and no cache, transformers' create_causal_mask reads
+# the restarts as sample boundaries and builds a block-diagonal causal mask (masking_utils.
+# find_packed_sequence_indices, transformers 5.x). "flatten": flash attention reads the restarts only for a batch
+# of one (modeling_flash_attention_utils._is_packed_sequence), so the rows go in end to end as one sequence and
+# its variable-length kernel keeps every sample to itself.
+PACKED_ATTENTION = {"sdpa": "mask", "eager": "mask", "flex_attention": "mask",
+                    "flash_attention_2": "flatten", "flash_attention_3": "flatten"}
+
+
+def check_packed_attention(attn_implementation: str) -> None:
+    """Raise UserError when the attention kernel would let packed samples attend to each other."""
+    if attn_implementation not in PACKED_ATTENTION:
+        raise UserError(Problem(
+            f"attention {attn_implementation!r} cannot keep packed samples apart",
+            key="model.attn_implementation",
+            hint="use " + ", ".join(PACKED_ATTENTION) + ", or set data.packing: false",
+        ))
 
 
 class TrainableLM(nn.Module):
@@ -16,6 +36,7 @@ class TrainableLM(nn.Module):
 
     The decoder body and the lm_head are called separately so the loss can be chunked; the
     lm_head module is called (never its weight) so ZeRO-3 gathers it in its own forward.
+    `position_ids` (batch, seq) restarting at 0 mark the samples of packed rows (see PACKED_ATTENTION).
     """
 
     def __init__(self, model: nn.Module, precision: Precision):
@@ -25,11 +46,26 @@ class TrainableLM(nn.Module):
         self.chunk_tokens = precision.loss_chunk_tokens if precision.chunked_loss else None
         self.logit_softcap = logit_softcap(hf_model(model).config)  # Gemma-2 caps its logits; None for most models
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         base = hf_model(self.model)
         body = base.get_decoder()
-        hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        if position_ids is not None and attention_mask is None:
+            attn = base.config._attn_implementation
+            check_packed_attention(attn)
+            if PACKED_ATTENTION[attn] == "flatten" and input_ids.shape[0] > 1:
+                input_ids, labels, position_ids = _one_sequence(input_ids, labels, position_ids)
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state
         return causal_lm_loss(base.get_output_embeddings(), hidden, labels,
                               fp32_loss=self.fp32_loss, chunk_tokens=self.chunk_tokens,
                               softcap=self.logit_softcap)
+
+
+def _one_sequence(input_ids: torch.Tensor, labels: torch.Tensor,
+                  position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows laid end to end as a batch of one. Each row's first label becomes -100: laid end to end, the previous
+    row's last token would otherwise predict it, a pair that does not exist row by row."""
+    labels = labels.clone()
+    labels[:, 0] = IGNORE_INDEX
+    return input_ids.reshape(1, -1), labels.reshape(1, -1), position_ids.reshape(1, -1)

@@ -8,7 +8,9 @@ from __future__ import annotations
 import difflib
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
+from annotated_types import Len
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PlainSerializer,
+                      Tag, WithJsonSchema, model_validator)
 
 from memtrain.configs import gpu_profile_names
 from memtrain.units import looks_like_size, parse_bytes
@@ -115,15 +117,104 @@ class Model(Section):
         return self.quantize.type if self.quantize is not None and self.quantize.type != "none" else None
 
 
+Role = Literal["system", "user", "assistant"]
+
+
+def _dataset_source(value: object) -> str:
+    """Which member of `data.train` / `data.validation` a value is meant as, so errors speak of that one only."""
+    return "datasets" if isinstance(value, (list, tuple, dict)) else "path"
+
+
+def _one_dataset_as_list(value: object) -> object:
+    """A single dataset may be written as a mapping instead of a list of one."""
+    return [value] if isinstance(value, dict) else value
+
+
+class DatasetSpec(Section):
+    """One dataset of `data.train` / `data.validation` when they are a list: where it is, what kind of records it
+    holds, which fields to read, and its share of an epoch."""
+
+    path: str = Field(..., min_length=1, description="A .jsonl, .json (a list of records), .parquet or .txt file, a "
+                      "directory written by Hugging Face datasets' save_to_disk, or 'builtin:chat' "
+                      "('builtin:chat/validation') for the bundled synthetic chat data.")
+    type: Literal["text", "completion", "instruction", "chat"] = Field(
+        ..., description="text: documents trained on whole (cut into seq_len pieces); completion: a prompt and its "
+        "completion; instruction: alpaca-style instruction / input / output; chat: a list of messages (OpenAI "
+        "role/content or sharegpt from/value).")
+    weight: float = Field(1.0, gt=0, description="Share of an epoch: the dataset contributes round(weight x its "
+                          "samples) samples per epoch, below 1 a seeded subset, above 1 whole repeats plus a seeded "
+                          "subset; the same samples every epoch and on resume.")
+    split: str | None = Field(None, description="Split of a datasets directory holding several (a DatasetDict); "
+                              "default: its only split, or 'train'.")
+    field: str = Field("text", min_length=1, description="text: the field holding the document (JSONL, JSON, "
+                       "parquet, datasets).")
+    prompt_field: str = Field("prompt", min_length=1, description="completion: the field holding the prompt.")
+    completion_field: str = Field("completion", min_length=1, description="completion: the field holding the completion.")
+    instruction_field: str = Field("instruction", min_length=1, description="instruction: the field holding the "
+                                   "instruction.")
+    input_field: str = Field("input", min_length=1, description="instruction: the optional field holding the "
+                             "input; when present and not empty it follows the instruction after a blank line.")
+    output_field: str = Field("output", min_length=1, description="instruction: the field holding the response.")
+    system_field: str | None = Field(None, description="instruction: a field holding a system prompt (none by default).")
+    messages_field: str | None = Field(None, description="chat: the field holding the list of messages; default "
+                                       "'messages' (openai), 'conversations' (sharegpt), either with chat_format auto.")
+    chat_format: Literal["auto", "openai", "sharegpt"] = Field(
+        "auto", description="chat: openai (messages of role/content), sharegpt (conversations of from/value), or auto "
+        "(decided per record by the keys it has).")
+    roles: dict[str, Role] = Field(
+        default_factory=dict, description="chat: extra role names mapped to system / user / assistant, on top of the "
+        "defaults (human, user -> user; gpt, assistant -> assistant; system -> system).")
+
+
+DatasetSource = Annotated[
+    Annotated[str, Tag("path")]
+    | Annotated[list[DatasetSpec], Len(min_length=1), BeforeValidator(_one_dataset_as_list), Tag("datasets")],
+    Discriminator(_dataset_source),
+]
+
+
 class Data(Section):
-    train: str = Field(..., description="Training text: a .txt file, a .jsonl file, or 'builtin:shakespeare'.")
-    validation: str | None = Field(None, description="Validation file; when absent, a split of the training data.")
-    validation_fraction: float = Field(0.05, ge=0, lt=1, description="Share of training windows held out when no validation file is given.")
+    train: DatasetSource = Field(
+        ..., description="Training data: a path (a .txt or .jsonl text file, or 'builtin:shakespeare') trained on as "
+        "text, or a list of datasets (path, type, weight and field names; see DatasetSpec) for instruction and chat "
+        "data; one dataset may be written as a mapping.")
+    validation: DatasetSource | None = Field(
+        None, description="Validation data, a path or a list of datasets like `train`; when absent, a tail of the "
+        "training samples.")
+    validation_fraction: float = Field(0.05, ge=0, lt=1, description="Share of the training data held out when no validation is given: the last windows of text, the last samples of each dataset of a list.")
     format: Literal["auto", "text", "jsonl"] = Field("auto", description="File format; 'auto' decides by extension.")
     field: str = Field("text", min_length=1, description="JSONL field holding the text.")
     seq_len: int = Field(1024, ge=8, le=1_048_576, description="Tokens per training sample.")
-    packing: bool = Field(True, description="Pack documents end to end into seq_len windows (else pad each document).")
+    packing: bool = Field(True, description="Text: pack documents end to end into seq_len windows (else pad each "
+                          "document). Datasets: pack whole samples into seq_len rows, each attending only to itself "
+                          "(position ids restart per sample); else one sample per row, padded.")
     cache_dir: str | None = Field(None, description="Token cache directory (default ~/.cache/memtrain/tokens).")
+    template: str | None = Field(
+        None, description="Chat template for completion, instruction and chat datasets: a shipped one (chatml, "
+        "llama-3, alpaca) or null for the tokenizer's own chat_template.")
+    train_on_inputs: bool = Field(False, description="Train on every token (prompts, system text and template markers "
+                                  "too); false: only on the responses.")
+    train_on: Literal["all_turns", "last_turn"] = Field(
+        "all_turns", description="Which assistant turns of a conversation are targets (with train_on_inputs false).")
+    truncation: Literal["truncate", "drop"] = Field(
+        "truncate", description="A sample longer than seq_len: truncate keeps its first seq_len tokens, drop leaves "
+        "it out; either way the count is reported, and a sample left with no target tokens is dropped.")
+    add_special_tokens: bool = Field(
+        False, description="Add the template's markers (e.g. <|im_start|>, <|im_end|>) to the tokenizer when it lacks "
+        "them; the model's embeddings grow to match and are trained. False: a missing marker is an error.")
+
+    @model_validator(mode="after")
+    def _train_and_validation_alike(self) -> Data:
+        if self.validation is not None and isinstance(self.train, str) != isinstance(self.validation, str):
+            # " — " separates the message from the hint (see recipe/messages.py)
+            raise ValueError("data.train and data.validation must both be paths (text) or both lists of datasets — "
+                             "a text file in a list is {path: FILE, type: text}")
+        return self
+
+    @property
+    def is_text(self) -> bool:
+        """True when `train` is a path: the plain-text path (windows over concatenated documents)."""
+        return isinstance(self.train, str)
 
 
 def _gpu_spec(value: str) -> str:

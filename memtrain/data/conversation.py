@@ -1,0 +1,137 @@
+"""Every record type as one shape: a conversation, a list of {"role": system|user|assistant, "content": str}.
+
+completion:  user = prompt, assistant = completion.
+instruction: user = instruction, followed by a blank line and the input when there is one; assistant = output;
+             a system message first when the dataset names a system_field.
+chat:        the record's messages (OpenAI role/content) or conversations (sharegpt from/value), roles mapped.
+The chat template then decides how a conversation is written out; nothing here knows about tokens.
+A record that cannot become a valid conversation raises `DataError` naming file, line and field.
+"""
+from __future__ import annotations
+
+from memtrain.errors import DataError, Problem
+from memtrain.recipe.schema import DatasetSpec
+
+Message = dict[str, str]
+ROLES = ("system", "user", "assistant")
+# sharegpt writes human / gpt; OpenAI-style files write user / assistant. DatasetSpec.roles adds to these.
+DEFAULT_ROLE_NAMES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
+                      "gpt": "assistant"}
+# The keys a message is read with, per chat layout.
+LAYOUT_KEYS = {"openai": ("role", "content"), "sharegpt": ("from", "value")}
+LAYOUT_FIELDS = {"openai": "messages", "sharegpt": "conversations"}
+
+
+def to_conversation(record: dict, spec: DatasetSpec, file: str, line: int) -> list[Message]:
+    """The conversation a record of a completion, instruction or chat dataset stands for.
+
+    Raises `DataError` with one problem (file, line, the record's field as key) when a field is missing, is
+    not a non-empty string, a role is unknown, or the conversation has no assistant turn.
+    """
+    where = _Where(file, line)
+    if spec.type == "completion":
+        return [{"role": "user", "content": where.text(record, spec.prompt_field)},
+                {"role": "assistant", "content": where.text(record, spec.completion_field)}]
+    if spec.type == "instruction":
+        return _instruction(record, spec, where)
+    if spec.type == "chat":
+        return _chat(record, spec, where)
+    raise ValueError(f"records of type {spec.type!r} are documents, not conversations")
+
+
+def document_text(record: dict, spec: DatasetSpec, file: str, line: int) -> str:
+    """The document of a text dataset's record: the string in `spec.field` (may be empty)."""
+    return _Where(file, line).text(record, spec.field, allow_empty=True)
+
+
+class _Where:
+    """Where a record came from, to write problems that point at it."""
+
+    def __init__(self, file: str, line: int):
+        self.file, self.line = file, line
+
+    def fail(self, message: str, key: str, hint: str) -> DataError:
+        return DataError(Problem(message, file=self.file, line=self.line, key=key, hint=hint))
+
+    def text(self, record: dict, field: str, *, allow_empty: bool = False) -> str:
+        if field not in record:
+            fields = ", ".join(record) or "none"
+            raise self.fail(f"no field {field!r}; fields here: {fields}", field,
+                            "set the dataset's field name in the recipe (e.g. prompt_field) to the one that holds it")
+        return self.content(record[field], field, allow_empty=allow_empty)
+
+    def content(self, value: object, key: str, *, allow_empty: bool = False) -> str:
+        if not isinstance(value, str):
+            shown = "null" if value is None else f"a {type(value).__name__}"
+            raise self.fail(f"is {shown}, not a string", key, "the field must hold text")
+        if not allow_empty and not value.strip():
+            raise self.fail("is empty", key, "give it text, or remove the record")
+        return value
+
+
+def _instruction(record: dict, spec: DatasetSpec, where: _Where) -> list[Message]:
+    instruction = where.text(record, spec.instruction_field)
+    extra = record.get(spec.input_field)
+    if extra is not None:
+        extra = where.content(extra, spec.input_field, allow_empty=True)
+    user = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
+    messages = [{"role": "user", "content": user},
+                {"role": "assistant", "content": where.text(record, spec.output_field)}]
+    if spec.system_field is not None:
+        system = where.text(record, spec.system_field, allow_empty=True)
+        if system.strip():
+            messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def _chat(record: dict, spec: DatasetSpec, where: _Where) -> list[Message]:
+    field, layout = _chat_field(record, spec, where)
+    turns = record[field]
+    if not isinstance(turns, list) or not turns:
+        shown = ("an empty list" if isinstance(turns, list) else "null" if turns is None
+                 else f"a {type(turns).__name__}")
+        raise where.fail(f"is {shown}, not a list of messages", field, "each record needs a list of messages")
+    role_names = {**DEFAULT_ROLE_NAMES, **spec.roles}
+    messages = [_message(turn, f"{field}[{i}]", layout, role_names, where) for i, turn in enumerate(turns)]
+    if not any(m["role"] == "assistant" for m in messages):
+        raise where.fail("the conversation has no assistant turn, so nothing to train on", field,
+                         "add the response, or map the responding role to assistant with roles:")
+    return messages
+
+
+def _chat_field(record: dict, spec: DatasetSpec, where: _Where) -> tuple[str, str]:
+    """(the record's field with the messages, 'openai' | 'sharegpt' | 'auto' for per-message detection)."""
+    if spec.chat_format != "auto":
+        field = spec.messages_field or LAYOUT_FIELDS[spec.chat_format]
+        candidates = [field]
+    else:
+        candidates = [spec.messages_field] if spec.messages_field else list(LAYOUT_FIELDS.values())
+    # Columnar files (parquet, datasets) give every record every column, None where a record has no value.
+    present = [field for field in candidates if record.get(field) is not None] or [c for c in candidates if c in record]
+    if present:
+        return present[0], spec.chat_format
+    fields = ", ".join(record) or "none"
+    raise where.fail(f"no field {' or '.join(repr(c) for c in candidates)}; fields here: {fields}", candidates[0],
+                     "set the dataset's messages_field to the field that holds the list of messages")
+
+
+def _message(turn: object, key: str, layout: str, role_names: dict[str, str], where: _Where) -> Message:
+    if not isinstance(turn, dict):
+        raise where.fail(f"is a {type(turn).__name__}, not a message object", key,
+                         'write each message as {"role": ..., "content": ...} or {"from": ..., "value": ...}')
+    if layout == "auto":  # by the keys that hold a value (columnar files give a message both, one of them None)
+        layout = "sharegpt" if turn.get("from") is not None and turn.get("role") is None else "openai"
+    role_key, content_key = LAYOUT_KEYS[layout]
+    for needed in (role_key, content_key):
+        if needed not in turn:
+            fields = ", ".join(turn) or "none"
+            raise where.fail(f"the message has no {needed!r}; its keys: {fields}", f"{key}.{needed}",
+                             f"{layout} messages have {role_key!r} and {content_key!r}; set chat_format if the "
+                             "file uses the other layout")
+    name = turn[role_key]
+    role = role_names.get(name) if isinstance(name, str) else None
+    if role is None:
+        known = ", ".join(sorted(role_names))
+        raise where.fail(f"unknown role {name!r}; known roles: {known}", f"{key}.{role_key}",
+                         f"map it in the dataset's roles: (e.g. roles: {{{name}: user}}) or fix the record")
+    return {"role": role, "content": where.content(turn[content_key], f"{key}.{content_key}")}

@@ -1,0 +1,131 @@
+"""A recipe's list of datasets into training and validation rows: sequence length, weights, held-out tail, packing.
+
+Per dataset: its cached samples (tokenized.py); text documents cut into seq_len pieces; other samples
+longer than seq_len truncated or dropped (`data.truncation`); samples with no target token dropped.
+Validation is `data.validation` (every sample once; weights do not apply) or, without it, the last
+samples of each training dataset (a tail, as the text path holds out its last windows). Weights then
+choose the training samples (mixing.py), and rows are packed or one sample each. Rows are put in a
+seeded order so any prefix (the loop evaluates the first validation rows) mixes all datasets.
+Every step is a function of the data, the recipe and the seed: a resumed run rebuilds the same rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from memtrain.data.mixing import held_out_tail, weighted_indices
+from memtrain.data.packing import pack_rows
+from memtrain.data.rows import DataStats, SampleRows, SampleViews
+from memtrain.data.templates import ensure_template_tokens, needs_template, resolve_template
+from memtrain.data.tokenized import SampleRules, tokenized_dataset
+from memtrain.errors import DataError, Problem
+from memtrain.recipe.schema import Data, DatasetSpec
+
+# Mixed into the seed for the row order, independent of the other seeded streams.
+ROW_ORDER_STREAM = 0x726F77
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One dataset's usable samples, with what was left out on the way."""
+
+    views: SampleViews
+    truncated: np.ndarray      # bool per sample
+    dropped_too_long: int
+    dropped_no_targets: int
+
+    def take(self, indices) -> _Part:
+        indices = np.asarray(indices, dtype=np.int64)
+        return _Part(self.views.take(indices), self.truncated[indices], self.dropped_too_long, self.dropped_no_targets)
+
+
+def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[SampleRows, SampleRows]:
+    """(train, validation) rows for a recipe whose data.train is a list of datasets (see the module doc).
+
+    Adds the template's special tokens to `tokenizer` when data.add_special_tokens asks (call
+    `ensure_template_tokens` first to learn which). Raises DataError for bad data, a dataset with no
+    usable sample, or too few samples to hold a validation tail out.
+    """
+    if isinstance(data.train, str):
+        raise ValueError("build_rows takes a list of datasets; a path is the text path (build_datasets)")
+    ensure_template_tokens(data, tokenizer)
+    rules = SampleRules(template=resolve_template(data.template, tokenizer) if needs_template(data) else None,
+                        train_on_inputs=data.train_on_inputs, train_on=data.train_on)
+    parts = [_prepare(spec, tokenizer, rules, data, "data.train") for spec in data.train]
+    if data.validation is not None:
+        held_out = [_prepare(spec, tokenizer, rules, data, "data.validation") for spec in data.validation]
+    else:
+        parts, held_out = zip(*(_split_tail(part, spec, data.validation_fraction, data.seq_len)
+                                for part, spec in zip(parts, data.train)))
+    chosen = [part.take(weighted_indices(len(part.views), spec.weight, seed, i))
+              for i, (part, spec) in enumerate(zip(parts, data.train))]
+    return (_rows(chosen, data, tokenizer.pad_token_id, seed),
+            _rows(list(held_out), data, tokenizer.pad_token_id, seed))
+
+
+def _prepare(spec: DatasetSpec, tokenizer, rules: SampleRules, data: Data, key: str) -> _Part:
+    """The dataset's samples fitted to seq_len, those with no target left out."""
+    tokenized = tokenized_dataset(spec, tokenizer, rules, data.cache_dir)
+    starts, lengths = tokenized.starts, np.diff(tokenized.ends, prepend=0)
+    seq_len = data.seq_len
+    dropped_too_long = 0
+    if spec.type == "text":  # documents are cut into seq_len pieces, as the text path cuts its stream
+        pieces = -(-lengths // seq_len)
+        offsets = np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        starts = np.repeat(starts, pieces) + offsets * seq_len
+        lengths = np.minimum(np.repeat(lengths, pieces) - offsets * seq_len, seq_len)
+        truncated = np.zeros(len(starts), dtype=bool)
+    else:
+        too_long = lengths > seq_len
+        if data.truncation == "drop":
+            dropped_too_long = int(too_long.sum())
+            starts, lengths, truncated = starts[~too_long], lengths[~too_long], np.zeros(int((~too_long).sum()), bool)
+        else:
+            truncated, lengths = too_long, np.minimum(lengths, seq_len)
+    views = SampleViews((tokenized.tokens,), (tokenized.targets,), np.zeros(len(starts), dtype=np.int64),
+                        starts.astype(np.int64), lengths.astype(np.int64))
+    useful = views.target_counts() > 0
+    part = _Part(views, truncated, dropped_too_long, int((~useful).sum())).take(np.flatnonzero(useful))
+    if len(part.views) == 0:
+        raise DataError(Problem(
+            f"no sample of the dataset is left to train on: {dropped_too_long} longer than {seq_len} tokens "
+            f"(truncation: drop), {part.dropped_no_targets} without a target token within {seq_len} tokens",
+            key=key, file=spec.path,
+            hint="raise data.seq_len, set data.truncation: truncate, or check that the records have responses",
+        ))
+    return part
+
+
+def _split_tail(part: _Part, spec: DatasetSpec, fraction: float, seq_len: int) -> tuple[_Part, _Part]:
+    n = len(part.views)
+    n_validation = held_out_tail(n, fraction)
+    if n - n_validation < 1:
+        raise DataError(Problem(
+            f"the dataset gives {n} sample(s) of at most {seq_len} tokens, too few to hold {n_validation} out for "
+            "validation and train on the rest", key="data.train", file=spec.path,
+            hint="set data.validation to separate datasets, or add data",
+        ))
+    head = part.take(np.arange(n - n_validation))
+    tail = part.take(np.arange(n - n_validation, n))
+    # What was left out belongs to the training side's report only.
+    return head, _Part(tail.views, tail.truncated, 0, 0)
+
+
+def _rows(parts: list[_Part], data: Data, pad_id: int, seed: int) -> SampleRows:
+    views = SampleViews.concat([p.views for p in parts])
+    if data.packing:
+        rows = pack_rows(views.length, data.seq_len)
+    else:
+        rows = [[i] for i in range(len(views))]
+    order = np.random.default_rng([seed, ROW_ORDER_STREAM]).permutation(len(rows))
+    rows = [rows[i] for i in order]
+    dataset = SampleRows(views, rows, data.seq_len, pad_id)
+    stats = DataStats(samples=len(views), truncated=int(sum(p.truncated.sum() for p in parts)),
+                      dropped_too_long=sum(p.dropped_too_long for p in parts),
+                      dropped_no_targets=sum(p.dropped_no_targets for p in parts),
+                      rows=len(dataset), tokens=dataset.n_tokens, target_tokens=dataset.targets(np.arange(len(dataset))),
+                      seq_len=data.seq_len)
+    dataset.stats = stats
+    return dataset

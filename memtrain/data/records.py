@@ -1,0 +1,243 @@
+"""Reading records (one JSON-like mapping per sample) from .jsonl, .json, .parquet and Hugging Face datasets directories.
+
+Every reader yields `(number, record)`: `number` is where a person finds the record — the line of a JSONL
+file, else the record's 1-based position (the JSON list's item, the parquet or datasets row + 1). Problems
+name the file and that number, are collected (up to MAX_PROBLEMS) and raised together as one `DataError`
+after the last record, so a caller that consumes the records must not keep anything before the end.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from memtrain.data.corpus import ASSETS, MAX_PROBLEMS, builtin_corpus_names, resolve_path
+from memtrain.errors import DataError, Problem
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_DIR = ASSETS / "chat"
+# Record files by extension (after an optional .gz); a directory is a datasets save_to_disk directory.
+RECORD_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
+TEXT_SUFFIXES = (".txt", ".text", ".md")  # also the bundled corpora, .txt.gz
+# Rows handed from parquet / Arrow to Python at a time: bounded memory on large files.
+ROWS_PER_BATCH = 1024
+
+Record = tuple[int, dict]
+
+
+def builtin_dataset_names() -> list[str]:
+    """'chat' (its train split) and 'chat/validation': the bundled synthetic chat data."""
+    names = []
+    for split in sorted(BUILTIN_DIR.glob("*.jsonl")):
+        names.append("chat" if split.stem == "train" else f"chat/{split.stem}")
+    return names
+
+
+def resolve_dataset_path(spec: str) -> Path:
+    """The file or directory behind a dataset's `path`: 'builtin:chat[/SPLIT]' maps to the bundled chat data,
+    'builtin:shakespeare[/SPLIT]' to the bundled text corpus, anything else is a path."""
+    if not spec.startswith(BUILTIN_PREFIX):
+        return Path(spec).expanduser()
+    name = spec[len(BUILTIN_PREFIX):]
+    if name in builtin_corpus_names():
+        return resolve_path(spec)
+    if name not in builtin_dataset_names():
+        raise DataError(Problem(
+            f"there is no builtin dataset {name!r}", file=spec,
+            hint="use one of " + ", ".join(BUILTIN_PREFIX + n for n in builtin_dataset_names() + builtin_corpus_names())
+            + ", or a path",
+        ))
+    _, _, split = name.partition("/")
+    return BUILTIN_DIR / f"{split or 'train'}.jsonl"
+
+
+def record_format(spec: str) -> str:
+    """'jsonl' | 'json' | 'parquet' | 'datasets' (a save_to_disk directory) | 'text' for `spec`, by its extension."""
+    path = resolve_dataset_path(spec)
+    if path.is_dir():
+        return "datasets"
+    if not path.exists():
+        raise DataError(Problem(f"cannot read {path}: no such file or directory", file=spec,
+                                hint="check the path in the recipe (relative paths start at the working directory)"))
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        name = name[: -len(".gz")]
+    suffix = Path(name).suffix
+    if suffix in RECORD_SUFFIXES:
+        return RECORD_SUFFIXES[suffix]
+    if suffix in TEXT_SUFFIXES:
+        return "text"
+    raise DataError(Problem(
+        f"cannot tell the format of {path.name}", file=spec,
+        hint="use a .jsonl, .json, .parquet or .txt file, or a directory written by datasets' save_to_disk",
+    ))
+
+
+def read_records(spec: str, split: str | None = None) -> Iterator[Record]:
+    """Yield (number, record) for every record of `spec`; blank JSONL lines are skipped.
+
+    Raises `DataError` naming file and line/record for an unreadable or damaged file, invalid JSON, or an item
+    that is not an object. `split` picks one split of a datasets directory that holds several.
+    """
+    path = resolve_dataset_path(spec)
+    kind = record_format(spec)
+    if kind == "jsonl":
+        yield from _read_jsonl(spec, path)
+    elif kind == "json":
+        yield from _read_json(spec, path)
+    elif kind == "parquet":
+        yield from _read_parquet(spec, path)
+    elif kind == "datasets":
+        yield from _read_datasets_dir(spec, path, split)
+    else:
+        raise DataError(Problem(f"{path.name} is plain text, which holds no records", file=spec,
+                                hint="use type: text for a text file"))
+
+
+def dataset_fingerprint(spec: str, split: str | None = None) -> str:
+    """sha256 over the bytes of the file (or of every file of a directory, with their names) and the split."""
+    path = resolve_dataset_path(spec)
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    try:
+        for file in files:
+            digest.update(f"\0{file.relative_to(path) if path.is_dir() else ''}\0".encode())
+            with open(file, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+    except OSError as err:
+        raise _unreadable(spec, path, err) from None
+    digest.update(f"\0split={split}".encode())
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------- readers
+
+
+def _unreadable(spec: str, path: Path, err: Exception) -> DataError:
+    reason = getattr(err, "strerror", None) or str(err)
+    return DataError(Problem(f"cannot read {path}: {reason}", file=spec,
+                             hint="check the path in the recipe (relative paths start at the working directory)"))
+
+
+def _open_binary(spec: str, path: Path):
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        return opener(path, "rb")
+    except OSError as err:
+        raise _unreadable(spec, path, err) from None
+
+
+def _read_jsonl(spec: str, path: Path) -> Iterator[Record]:
+    problems: list[Problem] = []
+    with _open_binary(spec, path) as handle:
+        line_no = 0
+        try:
+            for line_no, raw in enumerate(handle, start=1):
+                if line_no == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]
+                if not raw.strip():
+                    continue
+                before = len(problems)
+                record = _parse_jsonl_line(spec, raw, line_no, problems)
+                if len(problems) >= MAX_PROBLEMS:
+                    break
+                if len(problems) == before:
+                    # Good records still go out after a bad line, so that one run reports the problems of
+                    # both kinds (bad JSON here, bad fields where they are read); the error comes at the end.
+                    yield line_no, record
+        except (OSError, EOFError, zlib.error) as err:
+            raise DataError(Problem(f"cannot read past line {line_no}: {err}", file=spec, line=line_no + 1,
+                                    hint="the file is damaged or truncated; recreate it")) from None
+    if problems:
+        raise DataError(problems)
+
+
+def _parse_jsonl_line(spec: str, raw: bytes, line_no: int, problems: list[Problem]) -> dict:
+    try:
+        record = json.loads(raw)
+    except UnicodeDecodeError:
+        problems.append(Problem("the line is not UTF-8 text", file=spec, line=line_no, hint="convert the file to UTF-8"))
+        return {}
+    except json.JSONDecodeError as err:
+        problems.append(Problem(f"invalid JSON: {err.msg} (column {err.colno})", file=spec, line=line_no,
+                                hint="each line must be one JSON object"))
+        return {}
+    if not isinstance(record, dict):
+        problems.append(Problem(f"the line holds a JSON {type(record).__name__}, not an object", file=spec,
+                                line=line_no, hint="write each line as one JSON object of fields"))
+        return {}
+    return record
+
+
+def _read_json(spec: str, path: Path) -> Iterator[Record]:
+    with _open_binary(spec, path) as handle:
+        try:
+            raw = handle.read()
+        except (OSError, EOFError, zlib.error) as err:
+            raise _unreadable(spec, path, err) from None
+    try:
+        items = json.loads(raw)
+    except UnicodeDecodeError:
+        raise DataError(Problem("the file is not UTF-8 text", file=spec, hint="convert the file to UTF-8")) from None
+    except json.JSONDecodeError as err:
+        raise DataError(Problem(f"invalid JSON: {err.msg} (column {err.colno})", file=spec, line=err.lineno,
+                                hint="a .json dataset is one JSON list of objects; use .jsonl for one per line")) from None
+    if not isinstance(items, list):
+        raise DataError(Problem(f"the file holds a JSON {type(items).__name__}, not a list of records", file=spec,
+                                hint="write the records as one JSON list: [{...}, {...}]"))
+    problems = [Problem(f"record {number} is a JSON {type(item).__name__}, not an object", file=spec, line=number,
+                        hint="every item of the list must be an object of fields")
+                for number, item in enumerate(items, start=1) if not isinstance(item, dict)]
+    if problems:
+        raise DataError(problems[:MAX_PROBLEMS])
+    yield from enumerate(items, start=1)
+
+
+def _read_parquet(spec: str, path: Path) -> Iterator[Record]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as err:
+        raise DataError(Problem(f"cannot read {path} as parquet: {err}", file=spec,
+                                hint="check that the file is a complete parquet file")) from None
+    number = 0
+    for batch in parquet.iter_batches(batch_size=ROWS_PER_BATCH):
+        for record in batch.to_pylist():
+            number += 1
+            yield number, record
+
+
+def _read_datasets_dir(spec: str, path: Path, split: str | None) -> Iterator[Record]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, OSError, ValueError) as err:
+        raise DataError(Problem(
+            f"cannot load {path} as a datasets directory: {str(err).splitlines()[0] if str(err) else err}", file=spec,
+            hint="a directory must be written by Dataset.save_to_disk or DatasetDict.save_to_disk",
+        )) from None
+    if isinstance(loaded, datasets.DatasetDict):
+        names = list(loaded)
+        chosen = split or (names[0] if len(names) == 1 else "train")
+        if chosen not in loaded:
+            raise DataError(Problem(
+                f"the datasets directory has no split {chosen!r}; its splits: {', '.join(names)}",
+                file=spec, key="split", hint="set the dataset's split: to one of them",
+            ))
+        loaded = loaded[chosen]
+    elif split is not None:
+        raise DataError(Problem(f"split {split!r} was asked for, but the directory holds a single dataset",
+                                file=spec, key="split", hint="leave split out"))
+    number = 0
+    for batch in loaded.iter(batch_size=ROWS_PER_BATCH):
+        columns = list(batch)
+        for values in zip(*(batch[c] for c in columns)):
+            number += 1
+            yield number, dict(zip(columns, values))

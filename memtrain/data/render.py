@@ -1,0 +1,140 @@
+"""A conversation through a chat template into token ids and a target mask (which tokens the loss sees).
+
+The template is rendered once with every message's content replaced by a sentinel. Splitting the text at
+the sentinels separates what the template wrote (markers, role headers, BOS/EOS) from what the data
+said. Template pieces are tokenised with special tokens parsed, so "<|im_start|>" is one real token;
+content pieces with split_special_tokens=True, so content that spells a marker stays ordinary text and
+cannot open or close a turn. A second render with the real content must equal the pieces joined back
+together: a template that rewrites content in another way than trimming it is refused rather than
+trained on text it never writes.
+
+Targets (train_on_inputs false): the content of each trained assistant turn, and the template text that
+closes it up to and including the end-of-turn token (so the model learns to stop), never the next turn's
+header. Which turns are trained: all assistant turns, or the last one only (`train_on`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from memtrain.data.conversation import Message
+from memtrain.data.templates import ChatTemplate, end_of_turn_id
+
+# Private-use code points: no template writes them and tokenizers never see them (they are replaced before).
+_SENTINEL = "\ue000{}\ue001"
+_SENTINEL_SPLIT = re.compile("\ue000(\\d+)\ue001")
+
+
+class RenderError(ValueError):
+    """A conversation the template cannot render, or renders in a way the mask cannot follow."""
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A conversation split into the template's text and the messages' content, in order."""
+
+    template_pieces: list[str]   # one more than content pieces: before, between and after them
+    content_pieces: list[str]
+    content_messages: list[int]  # the message each content piece belongs to
+
+
+class ConversationEncoder:
+    """Turns conversations into (token ids, target flags) with one template, tokenizer and target policy."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: ChatTemplate, *,
+                 train_on_inputs: bool = False, train_on: str = "all_turns"):
+        if train_on not in ("all_turns", "last_turn"):
+            raise ValueError(f"train_on must be all_turns or last_turn, got {train_on!r}")
+        self.tokenizer = tokenizer
+        self.template = template
+        self.train_on_inputs = train_on_inputs
+        self.last_turn_only = train_on == "last_turn"
+        self.end_of_turn = end_of_turn_id(template, tokenizer)
+        # Every special token, not only the named ones: Llama 3's <|eot_id|> is an added special token only.
+        self.special_ids = set(tokenizer.all_special_ids) | {
+            i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+
+    def render(self, messages: list[Message]) -> Rendered:
+        """Split the rendered conversation into template and content pieces; RenderError when it cannot."""
+        masked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
+        text = self._apply(masked)
+        parts = _SENTINEL_SPLIT.split(text)
+        template_pieces, order = parts[0::2], [int(i) for i in parts[1::2]]
+        if any(b <= a for a, b in zip(order, order[1:])):
+            raise RenderError(f"template {self.template.name} writes the messages' content out of order or more "
+                              "than once, so their tokens cannot be told apart")
+        for strip in (False, True):
+            contents = [messages[i]["content"].strip() if strip else messages[i]["content"] for i in order]
+            joined = "".join(t + c for t, c in zip(template_pieces, contents + [""]))
+            if joined == self._apply(messages):
+                return Rendered(template_pieces, contents, order)
+        raise RenderError(f"template {self.template.name} changes the messages' content while writing it, so "
+                          "the content's tokens cannot be found")
+
+    def encode(self, messages: list[Message]) -> tuple[list[int], list[bool]]:
+        """(token ids, target flag per token) of one conversation; RenderError when it cannot be rendered."""
+        return self.encode_many([messages])[0]
+
+    def encode_many(self, conversations: list[list[Message]]) -> list[tuple[list[int], list[bool]] | RenderError]:
+        """`encode` for many conversations with two tokenizer calls in all; a failure is returned in its place."""
+        rendered: list[Rendered | RenderError] = []
+        for messages in conversations:
+            try:
+                rendered.append(self.render(messages))
+            except RenderError as err:
+                rendered.append(err)
+        ok = [r for r in rendered if isinstance(r, Rendered)]
+        template_ids = iter(self._tokenize([p for r in ok for p in r.template_pieces], split_special=False))
+        content_ids = iter(self._tokenize([p for r in ok for p in r.content_pieces], split_special=True))
+        out: list[tuple[list[int], list[bool]] | RenderError] = []
+        for messages, r in zip(conversations, rendered):
+            if isinstance(r, RenderError):
+                out.append(r)
+                continue
+            pieces_t = [next(template_ids) for _ in r.template_pieces]
+            pieces_c = [next(content_ids) for _ in r.content_pieces]
+            out.append(self._assemble(messages, r, pieces_t, pieces_c))
+        return out
+
+    # ------------------------------------------------------------ internals
+
+    def _apply(self, messages: list[Message]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, chat_template=self.template.source, tokenize=False,
+                                                      add_generation_prompt=False)
+        except Exception as err:  # jinja2 errors and the template's own raise_exception
+            raise RenderError(f"template {self.template.name} cannot render the conversation: {err}") from None
+
+    def _tokenize(self, texts: list[str], *, split_special: bool) -> list[list[int]]:
+        if not texts:
+            return []
+        return self.tokenizer(texts, add_special_tokens=False, split_special_tokens=split_special,
+                              verbose=False)["input_ids"]
+
+    def _assemble(self, messages: list[Message], r: Rendered, template_ids: list[list[int]],
+                  content_ids: list[list[int]]) -> tuple[list[int], list[bool]]:
+        trained = self._trained_messages(messages)
+        ids: list[int] = list(template_ids[0])
+        targets: list[bool] = [self.train_on_inputs] * len(ids)
+        for content, message, closing in zip(content_ids, r.content_messages, template_ids[1:]):
+            is_target = self.train_on_inputs or message in trained
+            ids += content
+            targets += [is_target] * len(content)
+            closed = self._closing_length(closing) if message in trained and not self.train_on_inputs else 0
+            ids += closing
+            targets += [self.train_on_inputs or i < closed for i in range(len(closing))]
+        return ids, targets
+
+    def _trained_messages(self, messages: list[Message]) -> set[int]:
+        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        return set(assistant[-1:] if self.last_turn_only else assistant)
+
+    def _closing_length(self, closing: list[int]) -> int:
+        """Tokens of the template text after an assistant turn that belong to it: up to and including the
+        end-of-turn token (the template's own, else the first special token); none when there is none."""
+        for i, token in enumerate(closing):
+            if token == self.end_of_turn or (self.end_of_turn is None and token in self.special_ids):
+                return i + 1
+        return 0

@@ -1,0 +1,201 @@
+"""One dataset of a recipe's list, tokenised: every sample's token ids and target flags, cached on disk.
+
+A cache entry is three .npy files per key: `<key>.ends.npy` (each sample's end offset), `<key>.targets.npy`
+(uint8, 1 where the token is a target) and `<key>.tokens.npy`, written in that order, each atomically; the
+tokens file is the sign that an entry is complete. The key covers the data's bytes, the dataset's
+options (type, field names, roles, split), the tokenizer, and for conversations the template and the
+target policy. seq_len, truncation, weights and packing are not in it: they are applied to the cached
+samples when the dataset is assembled (mixture.py), so changing them re-tokenises nothing.
+Nothing is written unless every record of the dataset turned into a sample.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from memtrain.data.cache import default_cache_dir, save_atomic
+from memtrain.data.conversation import document_text, to_conversation
+from memtrain.data.corpus import MAX_PROBLEMS, read_documents
+from memtrain.data.records import dataset_fingerprint, read_records, record_format
+from memtrain.data.render import ConversationEncoder
+from memtrain.data.templates import ChatTemplate
+from memtrain.data.tokenizer import tokenizer_fingerprint
+from memtrain.errors import DataError, Problem, UserError
+from memtrain.recipe.schema import DatasetSpec
+
+# Bump when the layout or the rules that make samples change, so old entries are not reused.
+TOKENIZED_VERSION = "1"
+# Records rendered and tokenised per tokenizer call.
+BATCH_RECORDS = 512
+# Options of a DatasetSpec that change the samples (weight only changes how often they are used).
+SAMPLE_OPTIONS = ("type", "split", "field", "prompt_field", "completion_field", "instruction_field", "input_field",
+                  "output_field", "system_field", "messages_field", "chat_format", "roles")
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """Samples end to end: sample i is tokens[ends[i-1]:ends[i]], with targets (0/1) beside its tokens."""
+
+    tokens: np.ndarray   # uint16 or uint32
+    targets: np.ndarray  # uint8
+    ends: np.ndarray     # int64, one per sample
+
+    @property
+    def starts(self) -> np.ndarray:
+        return np.concatenate([np.zeros(1, dtype=np.int64), self.ends[:-1]]) if len(self.ends) else self.ends
+
+
+@dataclass(frozen=True)
+class SampleRules:
+    """How records become samples, beyond the dataset's own options: the same for every dataset of a recipe."""
+
+    template: ChatTemplate | None   # None for text datasets
+    train_on_inputs: bool = False
+    train_on: str = "all_turns"
+
+    def fingerprint(self) -> str:
+        if self.template is None:
+            return "text"
+        t = self.template
+        return json.dumps([t.name, t.source, t.special_tokens, t.end_of_turn, self.train_on_inputs, self.train_on])
+
+
+def tokenized_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: SampleRules,
+                      cache_dir: str | None) -> Tokenized:
+    """The samples of `spec`, from the cache when present, else tokenised now and stored (see module doc).
+
+    Raises DataError for unreadable data or bad records (up to MAX_PROBLEMS reported together), UserError
+    when the cache directory cannot be written.
+    """
+    directory = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    key = _cache_key(spec, tokenizer, rules)
+    paths = {name: directory / f"{key}.{name}.npy" for name in ("ends", "targets", "tokens")}
+    cached = _load(paths)
+    if cached is not None:
+        return cached
+    samples = tokenize_dataset(spec, tokenizer, rules)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in ("ends", "targets", "tokens"):  # tokens last: its presence marks a complete entry
+            save_atomic(paths[name], getattr(samples, name))
+    except OSError as err:
+        raise UserError(Problem(f"cannot write the token cache in {directory}: {err.strerror or err}",
+                                key="data.cache_dir",
+                                hint="set data.cache_dir (or $MEMTRAIN_CACHE) to a writable directory")) from None
+    return _load(paths) or samples
+
+
+def tokenize_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: SampleRules) -> Tokenized:
+    """Tokenise every record of `spec` (no cache): documents for text, rendered conversations otherwise."""
+    if spec.type == "text":
+        pieces = _document_samples(spec, tokenizer)
+    else:
+        if rules.template is None:
+            raise ValueError(f"{spec.type} datasets need a chat template")
+        encoder = ConversationEncoder(tokenizer, rules.template, train_on_inputs=rules.train_on_inputs,
+                                      train_on=rules.train_on)
+        pieces = _conversation_samples(spec, encoder)
+    if not pieces:
+        raise DataError(Problem("the dataset has no records", file=spec.path, hint="check the path and the file"))
+    dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
+    lengths = np.fromiter((len(ids) for ids, _ in pieces), dtype=np.int64, count=len(pieces))
+    tokens = np.concatenate([ids for ids, _ in pieces]).astype(dtype)
+    targets = np.concatenate([flags for _, flags in pieces])
+    return Tokenized(tokens=tokens, targets=targets, ends=np.cumsum(lengths))
+
+
+# ---------------------------------------------------------------- documents and conversations
+
+
+# A sample while a dataset is tokenised: (token ids as uint32, target flags as uint8); arrays, not lists of
+# Python ints, which would take ten times the memory.
+Piece = tuple[np.ndarray, np.ndarray]
+
+
+def _piece(ids: list[int], flags: list[bool]) -> Piece:
+    return np.asarray(ids, dtype=np.uint32), np.asarray(flags, dtype=np.uint8)
+
+
+def _document_samples(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase) -> list[Piece]:
+    """Each non-empty document with an eos after it, every token a target (as the text path trains)."""
+    if record_format(spec.path) == "text":
+        documents = list(read_documents(spec.path, "text"))
+    else:
+        documents = _collect(spec, lambda record, line: document_text(record, spec, spec.path, line))
+    documents = [d for d in documents if d]
+    eos = tokenizer.eos_token_id
+    out = []
+    for start in range(0, len(documents), BATCH_RECORDS):
+        batch = documents[start:start + BATCH_RECORDS]
+        # split_special_tokens: text that spells "<|endoftext|>" must not turn into a real separator.
+        for ids in tokenizer(batch, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"]:
+            out.append(_piece(ids + [eos], [True] * (len(ids) + 1)))
+    return out
+
+
+def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder) -> list[Piece]:
+    located = _collect(spec, lambda record, line: (line, to_conversation(record, spec, spec.path, line)))
+    out: list[Piece] = []
+    problems: list[Problem] = []
+    for start in range(0, len(located), BATCH_RECORDS):
+        batch = located[start:start + BATCH_RECORDS]
+        for (line, _), result in zip(batch, encoder.encode_many([messages for _, messages in batch])):
+            if isinstance(result, Exception):
+                problems.append(Problem(str(result), file=spec.path, line=line, key="data.template",
+                                        hint="fix the record, or pick a template that can write it"))
+            else:
+                out.append(_piece(*result))
+        if len(problems) >= MAX_PROBLEMS:
+            break
+    if problems:
+        raise DataError(problems[:MAX_PROBLEMS])
+    return out
+
+
+def _collect(spec: DatasetSpec, convert) -> list:
+    """convert(record, line) for every record; the problems of bad records (and of the file) raised together."""
+    out, problems = [], []
+    try:
+        for line, record in read_records(spec.path, spec.split):
+            try:
+                out.append(convert(record, line))
+            except DataError as err:
+                problems += err.problems
+                if len(problems) >= MAX_PROBLEMS:
+                    break
+    except DataError as err:  # the reader's own problems (bad JSON lines) come when it has read everything
+        problems += err.problems
+    if problems:
+        problems.sort(key=lambda p: p.line if p.line is not None else 0)
+        raise DataError(problems[:MAX_PROBLEMS])
+    return out
+
+
+# ---------------------------------------------------------------- cache
+
+
+def _cache_key(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: SampleRules) -> str:
+    options = json.dumps({name: getattr(spec, name) for name in SAMPLE_OPTIONS}, sort_keys=True)
+    template = rules.fingerprint() if spec.type != "text" else "text"
+    parts = (TOKENIZED_VERSION, dataset_fingerprint(spec.path, spec.split), options, template,
+             tokenizer_fingerprint(tokenizer))
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _load(paths: dict[str, Path]) -> Tokenized | None:
+    """The entry memory-mapped, or None when it is missing or damaged (disk full, manual edits)."""
+    if not all(p.exists() for p in paths.values()):
+        return None
+    try:
+        arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
+    except (OSError, ValueError):
+        return None
+    ends = arrays["ends"]
+    if not len(ends) or int(ends[-1]) != len(arrays["tokens"]) or len(arrays["targets"]) != len(arrays["tokens"]):
+        return None
+    return Tokenized(tokens=arrays["tokens"], targets=arrays["targets"], ends=np.asarray(ends))

@@ -1,0 +1,230 @@
+"""Every dataset type from every file type, mixing weights, and bad input named by file, line (or record) and field."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from memtrain.data.dataset import build_datasets
+from memtrain.data.mixing import weighted_indices
+from memtrain.data.records import read_records
+from memtrain.errors import DataError
+
+RECORDS = {
+    "chat": [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"What is {i} + 1?"},
+                           {"role": "assistant", "content": str(i + 1)}]} for i in range(6)],
+    "sharegpt": [{"conversations": [{"from": "human", "value": f"Reverse '{w}'."}, {"from": "gpt", "value": w[::-1]}]}
+                 for w in ("king", "crown", "sword", "night", "lord", "heaven")],
+    "completion": [{"prompt": f"What is {i} times 2?", "completion": str(2 * i)} for i in range(6)],
+    "instruction": [{"instruction": "Write the word in capital letters.", "input": w, "output": w.upper()}
+                    for w in ("king", "crown", "sword", "night", "lord", "heaven")],
+    "text": [{"text": f"Scene {i}. Enter a lord, with attendants."} for i in range(6)],
+}
+TYPES = {"chat": "chat", "sharegpt": "chat", "completion": "completion", "instruction": "instruction", "text": "text"}
+
+
+def write(records: list[dict], kind: str, directory: Path, name: str = "data") -> str:
+    """The records as a file (or directory) of `kind`: jsonl, json, parquet or datasets."""
+    if kind == "jsonl":
+        path = directory / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    elif kind == "json":
+        path = directory / f"{name}.json"
+        path.write_text(json.dumps(records, indent=1))
+    elif kind == "parquet":
+        path = directory / f"{name}.parquet"
+        # from_pylist infers the columns from the first record only: unify over all of them
+        schema = pa.unify_schemas([pa.Table.from_pylist([r]).schema for r in records])
+        pq.write_table(pa.Table.from_pylist(records, schema=schema), path)
+    else:
+        path = directory / name
+        # from_list takes the columns of the first record only: give it every column
+        columns = dict.fromkeys(k for r in records for k in r)
+        datasets.Dataset.from_dict({k: [r.get(k) for r in records] for k in columns}).save_to_disk(str(path))
+    return str(path)
+
+
+def samples(data, tokenizer) -> list[list[int]]:
+    train, validation = build_datasets(data, tokenizer, seed=0)
+    rows = [train[i] for i in range(len(train))] + [validation[i] for i in range(len(validation))]
+    return sorted(row["input_ids"][row["labels"] != -100].tolist() for row in rows)
+
+
+@pytest.mark.parametrize("kind", ["json", "parquet", "datasets"])
+@pytest.mark.parametrize("layout", list(RECORDS))
+def test_every_layout_reads_the_same_from_every_file_type(layout, kind, chat_tokenizer, make_data, tmp_path):
+    reference = write(RECORDS[layout], "jsonl", tmp_path, "reference")
+    other = write(RECORDS[layout], kind, tmp_path)
+    got = [samples(make_data(train=[{"path": p, "type": TYPES[layout]}], seq_len=32, packing=False), chat_tokenizer)
+           for p in (reference, other)]
+    assert got[0] == got[1] and len(got[0]) == 6
+
+
+def test_a_datasets_directory_with_splits(chat_tokenizer, make_data, tmp_path):
+    path = tmp_path / "dict"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(RECORDS["chat"]),
+                          "test": datasets.Dataset.from_list(RECORDS["chat"][:2])}).save_to_disk(str(path))
+    assert [n for n, _ in read_records(str(path), "test")] == [1, 2]
+    assert len(list(read_records(str(path)))) == 6  # 'train' by default
+    with pytest.raises(DataError, match="no split 'dev'; its splits: train, test"):
+        list(read_records(str(path), "dev"))
+
+
+def test_weights_give_round_weight_times_n_samples_the_same_for_a_seed():
+    assert len(weighted_indices(10, 0.5, seed=1, dataset=0)) == 5
+    assert np.array_equal(weighted_indices(10, 0.5, 1, 0), weighted_indices(10, 0.5, 1, 0))
+    assert not np.array_equal(weighted_indices(100, 0.5, 1, 0), weighted_indices(100, 0.5, 2, 0))
+    repeated = weighted_indices(10, 2.5, seed=1, dataset=0)
+    assert len(repeated) == 25
+    counts = np.bincount(repeated, minlength=10)
+    assert set(counts.tolist()) == {2, 3} and (counts == 3).sum() == 5
+    assert weighted_indices(10, 1.0, 1, 0).tolist() == list(range(10))
+
+
+def test_mixed_datasets_follow_their_weights_deterministically(chat_tokenizer, make_data, tmp_path):
+    chat = write(RECORDS["chat"] * 10, "jsonl", tmp_path, "chat")            # 60 records
+    words = write(RECORDS["instruction"] * 10, "parquet", tmp_path, "words")  # 60 records
+    spec = [{"path": chat, "type": "chat", "weight": 0.5}, {"path": words, "type": "instruction", "weight": 2}]
+    data = make_data(train=spec, template="chatml", seq_len=64, validation_fraction=0.1)
+    train, validation = build_datasets(data, chat_tokenizer, seed=5)
+    assert train.stats.samples == round(0.5 * 54) + 2 * 54  # weights apply after the 10 % tail is held out
+    assert validation.stats.samples == 12
+    again, _ = build_datasets(data, chat_tokenizer, seed=5)
+    for i in range(len(train)):
+        assert all(np.array_equal(train[i][k], again[i][k]) for k in train[i])
+    other, _ = build_datasets(data, chat_tokenizer, seed=6)
+    assert any(not np.array_equal(train[i]["input_ids"], other[i]["input_ids"]) for i in range(len(train)))
+
+
+def test_a_text_dataset_is_cut_into_seq_len_pieces(text_tokenizer, make_data, tmp_path):
+    long = "Now is the winter of our discontent made glorious summer by this sun of York. " * 20
+    path = write([{"text": long}], "jsonl", tmp_path)
+    spec = {"path": path, "type": "text"}
+    train, _ = build_datasets(make_data(train=[spec], validation=[spec], seq_len=32, packing=False),
+                              text_tokenizer, seed=0)
+    n_tokens = len(text_tokenizer(long, add_special_tokens=False)["input_ids"]) + 1  # with its eos
+    assert train.n_tokens == n_tokens and len(train) == -(-n_tokens // 32)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def problems_of(data, tokenizer):
+    with pytest.raises(DataError) as err:
+        build_datasets(data, tokenizer, seed=0)
+    return err.value.problems
+
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+
+@pytest.mark.parametrize("bad, key, words", [
+    ({"messages": [{"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+     "messages[0].role", "unknown role 'narrator'"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "no assistant turn"),
+    ({"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}]},
+     "messages[0].content", "is empty"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 7}]},
+     "messages[1].content", "is a int, not a string"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]},
+     "messages[1].content", "is null"),
+    ({"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}, "messages[0].content", "no 'content'"),
+    ({"messages": []}, "messages", "empty list"),
+    ({"turns": []}, "messages", "no field 'messages' or 'conversations'"),
+])
+def test_bad_chat_records_name_file_line_and_field(bad, key, words, chat_tokenizer, write_jsonl, make_data):
+    path = write_jsonl("bad.jsonl", [GOOD, bad, GOOD])
+    problems = problems_of(make_data(train=[{"path": path, "type": "chat"}]), chat_tokenizer)
+    assert len(problems) == 1
+    assert (problems[0].file, problems[0].line, problems[0].key) == (path, 2, key)
+    assert words in problems[0].message
+
+
+def test_malformed_lines_and_missing_fields_are_reported_together(chat_tokenizer, write_jsonl, make_data):
+    ok = {"instruction": "Say hi.", "output": "hi"}
+    path = write_jsonl("bad.jsonl", [ok, '{"instruction": "x", ', ok, {"instruction": "Say hi."}, "[1, 2]", ok])
+    problems = problems_of(make_data(train=[{"path": path, "type": "instruction"}], template="chatml"), chat_tokenizer)
+    assert [(p.line, p.key) for p in problems] == [(2, ""), (4, "output"), (5, "")]
+    assert "invalid JSON" in problems[0].message and "no field 'output'" in problems[1].message
+    assert "not an object" in problems[2].message
+    assert all(p.file == path for p in problems)
+
+
+@pytest.mark.parametrize("kind", ["json", "parquet", "datasets"])
+def test_bad_records_in_other_file_types_name_the_record(kind, chat_tokenizer, make_data, tmp_path):
+    records = [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": ""}]
+    path = write(records, kind, tmp_path)
+    problems = problems_of(make_data(train=[{"path": path, "type": "completion"}]), chat_tokenizer)
+    assert [(p.file, p.line, p.key) for p in problems] == [(path, 2, "completion")]
+
+
+def test_a_template_that_cannot_render_a_record_names_it(text_tokenizer, write_jsonl, make_data):
+    bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"},
+                        {"role": "assistant", "content": "x"}]}
+    path = write_jsonl("bad.jsonl", [GOOD, bad])
+    problems = problems_of(make_data(train=[{"path": path, "type": "chat"}], template="alpaca"), text_tokenizer)
+    assert [(p.file, p.line, p.key) for p in problems] == [(path, 2, "data.template")]
+    assert "system message only as the first" in problems[0].message
+
+
+def test_samples_with_no_target_left_are_dropped_and_counted(chat_tokenizer, write_jsonl, make_data):
+    long_prompt = {"messages": [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "ok"}]}
+    path = write_jsonl("chat.jsonl", [GOOD] * 4 + [long_prompt])
+    spec = {"path": path, "type": "chat"}
+    train, _ = build_datasets(make_data(train=[spec], validation=[spec], seq_len=24), chat_tokenizer, seed=0)
+    assert train.stats.dropped_no_targets == 1 and train.stats.samples == 4
+    dropped, _ = build_datasets(make_data(train=[spec], validation=[spec], seq_len=24, truncation="drop"),
+                                chat_tokenizer, seed=0)
+    assert dropped.stats.dropped_too_long == 1 and dropped.stats.samples == 4
+
+
+def test_when_every_sample_is_dropped_the_error_says_why(chat_tokenizer, write_jsonl, make_data):
+    long_prompt = {"messages": [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "ok"}]}
+    path = write_jsonl("chat.jsonl", [long_prompt] * 3)
+    problems = problems_of(make_data(train=[{"path": path, "type": "chat"}], seq_len=24), chat_tokenizer)
+    assert problems[0].file == path and "3 without a target token within 24 tokens" in problems[0].message
+
+
+def test_nothing_is_cached_when_the_data_is_bad(chat_tokenizer, write_jsonl, make_data, tmp_path):
+    path = write_jsonl("bad.jsonl", [GOOD, {"messages": [{"role": "user", "content": "hi"}]}])
+    data = make_data(train=[{"path": path, "type": "chat"}], cache_dir=str(tmp_path / "cache"))
+    problems_of(data, chat_tokenizer)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_the_cache_is_reused_and_keyed_by_the_target_policy(chat_tokenizer, write_jsonl, make_data, tmp_path):
+    path = write_jsonl("chat.jsonl", [GOOD] * 8)
+    cache = tmp_path / "cache"
+    build_datasets(make_data(train=[{"path": path, "type": "chat"}], cache_dir=str(cache)), chat_tokenizer, seed=0)
+    entries = sorted(p.name for p in cache.iterdir())
+    assert len(entries) == 3 and not [n for n in entries if n.endswith(".tmp")]
+    build_datasets(make_data(train=[{"path": path, "type": "chat"}], cache_dir=str(cache), seq_len=64, packing=False),
+                   chat_tokenizer, seed=1)
+    assert sorted(p.name for p in cache.iterdir()) == entries  # seq_len, packing, seed: no new entry
+    build_datasets(make_data(train=[{"path": path, "type": "chat"}], cache_dir=str(cache), train_on_inputs=True),
+                   chat_tokenizer, seed=0)
+    assert len(list(cache.iterdir())) == 6
+
+
+def test_a_missing_file_and_an_unknown_format_say_what_to_do(chat_tokenizer, make_data, tmp_path):
+    problems = problems_of(make_data(train=[{"path": str(tmp_path / "nope.jsonl"), "type": "chat"}]), chat_tokenizer)
+    assert "cannot read" in problems[0].message and problems[0].file.endswith("nope.jsonl")
+    odd = tmp_path / "data.xml"
+    odd.write_text("<x/>")
+    problems = problems_of(make_data(train=[{"path": str(odd), "type": "chat"}]), chat_tokenizer)
+    assert "cannot tell the format" in problems[0].message and ".parquet" in problems[0].hint
+
+
+@pytest.mark.parametrize("kind", ["parquet", "datasets"])
+def test_a_columnar_file_mixing_both_chat_layouts(kind, chat_tokenizer, make_data, tmp_path):
+    """Columnar files give every record every column (None where it has none): detection must look at values."""
+    path = write(RECORDS["chat"][:3] + RECORDS["sharegpt"][:3], kind, tmp_path)
+    reference = write(RECORDS["chat"][:3] + RECORDS["sharegpt"][:3], "jsonl", tmp_path, "reference")
+    got = [samples(make_data(train=[{"path": p, "type": "chat"}], seq_len=32, packing=False), chat_tokenizer)
+           for p in (reference, path)]
+    assert got[0] == got[1] and len(got[0]) == 6
