@@ -85,6 +85,7 @@ class Session:
                             "is no checkpoint to restart from",
                             hint="lower batch.micro_batch or run without --no-save")) from None
                     self.checkpoint()
+                    self.hooks.sample_trace.discard()  # this step's gradients are not applied; its rerun traces anew
                     self.metrics.event("run", step, event="end", status="restart")
                     self.metrics.close()
                     return None

@@ -151,6 +151,7 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
     if state.batch_policy:
         policy.load_state_dict(state.batch_policy)
     if place.is_main:
+        run.save()
         write_atomically(run.run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
         write_atomically(run.run_dir / "recipe.json", r.model_dump_json(indent=2))
 

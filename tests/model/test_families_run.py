@@ -7,7 +7,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from memtrain.compile.launch import launch
+from memtrain.commands.run import run_command
 from memtrain.model.export import export_run
 from tests.model.test_merge import INPUT_IDS, _base_dir, _logits
 
@@ -23,7 +23,7 @@ def test_a_family_trains_with_lora_from_its_directory_and_exports_merged(family,
         "optimizer": {"lr": 3.0e-2},
         "train": {"steps": 4, "eval_every": 4, "save_every": 4},
     })
-    assert launch(recipe, []) == 0  # gemma2: eager attention picked for it, not transformers' sdpa refusal
+    assert run_command(recipe, []) == 0  # gemma2: eager attention picked for it, not transformers' sdpa refusal
     run_dir = tmp_path / "runs" / family
     merged = export_run(run_dir, merge=True)
     trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), run_dir / "final")
