@@ -107,12 +107,15 @@ def plan(
     fit: bool = typer.Option(False, "--fit", help="When it does not fit, apply the cheapest change that makes it fit."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="With --fit: write the fitted recipe here."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    data: bool = typer.Option(False, "--data", help="Also read the data (tokenised once, then cached): tokens, "
+                              "target tokens and padding per step."),
 ):
     """Predict peak GPU memory, host RAM and NVMe bytes, without a GPU; say whether it fits.
 
     Example: [bold]memtrain plan recipes/llama2-7b-lora-24gb.yaml --gpu rtx4090[/]
     """
-    code = plan_command(recipe, list(overrides or []), gpu=gpu, fit=fit, output=output, as_json=as_json, console=console)
+    code = plan_command(recipe, list(overrides or []), gpu=gpu, fit=fit, output=output, as_json=as_json, console=console,
+                        with_data=data)
     raise typer.Exit(code=code)
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from memtrain.configs import model_preset, model_preset_names
 from memtrain.data.corpus import BUILTIN_PREFIX, builtin_corpus_names
+from memtrain.data.records import resolve_dataset_path
 from memtrain.dtypes import DTYPE_BYTES
-from memtrain.errors import Problem
+from memtrain.errors import Problem, UserError
 from memtrain.plan.params import count_parameters
 from memtrain.recipe.rules import Registry, gpu_profile_of
 from memtrain.recipe.sources import LoadedRecipe
@@ -92,6 +93,11 @@ def _check_data_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
         value = getattr(data, key)
         if value is None:
             continue
+        if not isinstance(value, str):  # a list of datasets
+            for index, spec in enumerate(value):
+                problem = _dataset_path_problem(loaded, ("data", key, str(index), "path"), spec.path)
+                problems += [problem] if problem else []
+            continue
         if value.startswith(BUILTIN_PREFIX):
             name = value[len(BUILTIN_PREFIX):]
             if name not in builtin_corpus_names():
@@ -101,6 +107,19 @@ def _check_data_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
             problems.append(src.problem(("data", key), f"data file '{value}' does not exist",
                                         "paths are relative to the directory you run memtrain from"))
     return problems
+
+
+def _dataset_path_problem(loaded: LoadedRecipe, key: tuple[str, ...], path: str) -> Problem | None:
+    """What is wrong with a dataset's path (a builtin name that does not exist, a missing file), or None."""
+    try:
+        exists = resolve_dataset_path(path).exists()
+    except UserError as error:  # an unknown builtin: the reader's own message names the ones there are
+        return loaded.sources.problem(key, error.problems[0].message, error.problems[0].hint)
+    if exists:
+        return None
+    return loaded.sources.problem(key, f"dataset '{path}' does not exist",
+                                  "give a .jsonl, .json, .parquet or .txt file or a datasets directory; relative "
+                                  "paths start at the directory you run memtrain from")
 
 
 @reads("data", "model")

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from memtrain.checks.environment import Environment, check_environment, current_environment
 from memtrain.checks.load import load_checked
+from memtrain.data.rows import DataStats
 from memtrain.errors import Problem, RecipeError, UserError
 from memtrain.files import write_atomically
 from memtrain.plan.advice import Advice, advise
@@ -19,6 +20,7 @@ from memtrain.recipe.load import apply_overrides
 from memtrain.recipe.rules import check_rules, compile_unsupported
 from memtrain.recipe.sources import COMMAND_LINE, LoadedRecipe, Sources
 from memtrain.train.allocator import exact_pinned_supported
+from memtrain.train.setup import build_data
 from memtrain.units import gib
 
 LABELS = {
@@ -156,8 +158,31 @@ def compile_offered(loaded: LoadedRecipe) -> bool:
     return not loaded.recipe.train.compile and compile_unsupported(loaded.recipe) is None
 
 
+def data_per_step(recipe, stats: DataStats) -> dict:
+    """What one optimizer step trains on, on average over the training rows: token slots, real tokens,
+    target tokens and the padding share (rows are seq_len long; padding costs memory and time, not loss)."""
+    rows = recipe.batch.global_batch
+    per_row = 1 / max(stats.rows, 1)
+    return {"rows_per_step": rows, "token_slots_per_step": rows * stats.seq_len,
+            "tokens_per_step": round(rows * stats.tokens * per_row),
+            "target_tokens_per_step": round(rows * stats.target_tokens * per_row),
+            "padding_share": stats.padding_share, "train": {**dataclasses.asdict(stats)}}
+
+
+def _data_table(summary: dict) -> Table:
+    table = Table(title="data per optimizer step (average over the training rows)", title_justify="left")
+    table.add_column("rows × seq_len")
+    table.add_column("tokens", justify="right")
+    table.add_column("target tokens", justify="right")
+    table.add_column("padding", justify="right")
+    train = summary["train"]
+    table.add_row(f"{summary['rows_per_step']} × {train['seq_len']}", f"{summary['tokens_per_step']:,}",
+                  f"{summary['target_tokens_per_step']:,}", f"{summary['padding_share']:.1%}")
+    return table
+
+
 def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool, output: Path | None,
-                 as_json: bool, console) -> int:
+                 as_json: bool, console, with_data: bool = False) -> int:
     """Print the plan (rich table or --json); 0 when it fits or --fit wrote a fitting recipe, else 1."""
     if output is not None and not fit:
         raise RecipeError(Problem("-o/--output writes the fitted recipe, so it needs --fit", file=COMMAND_LINE,
@@ -184,8 +209,15 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
     faster = larger_micro_batch(loaded, planner, plan)
     recompute_less = fewer_recomputed_layers(loaded, planner, plan)
     offer_compile = plan.fits and compile_offered(loaded)
+    per_step = None
+    if with_data:
+        try:
+            per_step = data_per_step(loaded.recipe, build_data(loaded.recipe).train_set.stats)
+        except UserError as error:
+            raise loaded.sources.locate(error) from None
     if as_json:
         console.print_json(json.dumps({"plan": plan.to_json(), "verdict": verdict(plan),
+                                       **({"data": per_step} if with_data else {}),
                                        "advice": [a.to_json() for a in advice],
                                        "fitted_recipe": str(written) if written else None,
                                        "larger_micro_batch": faster.micro_batch if faster else None,
@@ -194,6 +226,8 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
                                        "compile_layers": offer_compile}))
         return code
     console.print(plan_table(plan))
+    if per_step is not None:
+        console.print(_data_table(per_step))
     if faster is not None:
         console.print(f"faster: batch.micro_batch={faster.micro_batch} also fits ({gib(faster.peak_reserved_bytes):.2f} "
                       f"GiB reserved; the global batch stays {loaded.recipe.batch.global_batch}, with fewer "

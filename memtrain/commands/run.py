@@ -20,6 +20,8 @@ def run_command(recipe: Path, overrides: list[str], options: RunOptions = RunOpt
     loaded = load_checked(recipe, overrides)
     hooks = Hooks.from_env()  # test hooks: the environment is read here, once
     prepared = prepare(loaded, hooks)
+    for note in prepared.notes:
+        console.print(f"[dim]·[/] {note}", highlight=False)
     for warning in prepared.warnings:
         console.print(f"[yellow]![/] {warning}", highlight=False)
 

@@ -11,8 +11,9 @@ from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.cache import cached_documents
 from memtrain.data.mixture import build_rows
-from memtrain.data.rows import IGNORE_INDEX, SampleRows
+from memtrain.data.rows import DataStats, SampleRows
 from memtrain.errors import DataError, Problem
+from memtrain.labels import IGNORE_INDEX
 from memtrain.recipe.schema import Data
 
 
@@ -43,6 +44,12 @@ class TokenWindows(torch.utils.data.Dataset):
     def n_tokens(self) -> int:
         """Real (non-padding) tokens over all windows: the positions whose label is not -100."""
         return int(self.lengths.sum())
+
+    @property
+    def stats(self) -> DataStats:
+        """The windows as DataStats (each window is a row; text has no truncation to report)."""
+        return DataStats(samples=len(self), truncated=0, dropped_too_long=0, dropped_no_targets=0, rows=len(self),
+                         tokens=self.n_tokens, target_tokens=int((self.lengths - 1).sum()), seq_len=self.seq_len)
 
     def targets(self, indices) -> int:
         """Target tokens the loss sees for the windows at `indices`: labels[1:] != -100, i.e. length - 1 each."""

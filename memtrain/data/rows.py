@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100  # what torch's cross-entropy (and HF's loss) skips
+from memtrain.labels import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

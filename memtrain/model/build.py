@@ -22,10 +22,12 @@ from memtrain.recipe.schema import Lora, Model
 
 
 def build_model(model: Model, compute: str, device: torch.device, ds_config: dict | None = None,
-                seed: int = 0) -> PreTrainedModel:
+                seed: int = 0, vocab_size: int | None = None) -> PreTrainedModel:
     """The causal LM in the compute dtype, with LoRA adapters when the recipe asks for them.
 
     ds_config: the compiled DeepSpeed config; with ZeRO-3 the weights are partitioned as they are built.
+    vocab_size: grow the embeddings (and an untied head) to this many rows, for tokens added to the
+    tokenizer (a chat template's markers); the new rows are trained.
     """
     dtype = DTYPES[compute]
     zero3 = ds_config is not None and ds_config.get("zero_optimization", {}).get("stage") == 3
@@ -38,11 +40,9 @@ def build_model(model: Model, compute: str, device: torch.device, ds_config: dic
     config = model_config(model)
     quantization = {}
     if model.quant_type:
-
         require_bitsandbytes()
         quantization = {"quantization_config": bnb_config(model.quantize, dtype)}
     if model.preset and model.quant_type:
-
         lm = quantized_preset(config, model.quantize, dtype, device)
     elif model.preset:
         place = nullcontext() if zero3 else torch.device(device)
@@ -58,8 +58,9 @@ def build_model(model: Model, compute: str, device: torch.device, ds_config: dic
             raise UserError(Problem(f"cannot load the model from '{model.path}': {error}", key="model.path",
                                     hint="give a directory written by save_pretrained (config.json + weights)")) from None
     lm.config.use_cache = False
+    if vocab_size is not None and vocab_size > lm.get_input_embeddings().num_embeddings:
+        lm.resize_token_embeddings(vocab_size)
     if model.quant_type:
-
         keep_training_layout(lm)
     if model.lora is not None:
         lm = add_lora(lm, model)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100
+from memtrain.labels import IGNORE_INDEX
 
 
 def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:

@@ -5,9 +5,10 @@ import torch
 from torch import nn
 
 from memtrain.errors import Problem, UserError
+from memtrain.labels import IGNORE_INDEX
 from memtrain.model.architecture import logit_softcap
 from memtrain.model.layers import hf_model
-from memtrain.model.loss import IGNORE_INDEX, causal_lm_loss
+from memtrain.model.loss import causal_lm_loss
 from memtrain.recipe.schema import Precision
 
 # How each attention kernel keeps the samples of a packed row apart, given position_ids that restart at 0 for

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from memtrain.errors import Problem, RecipeError
+from memtrain.model.config import model_architecture
 from memtrain.plan.activations import estimate_activations
 from memtrain.plan.calibration import Calibration, calibration
 from memtrain.plan.host import offload_host_bytes
@@ -98,6 +99,21 @@ class Plan:
         data.update(fits=self.fits, tight=self.tight, host_fits=self.host_fits, headroom_bytes=self.headroom_bytes,
                     gpu_required_bytes=self.gpu_required_bytes)
         return data
+
+
+def packed_attention_mask_bytes(recipe: Recipe, micro_batch: int) -> int:
+    """Packed instruction and chat rows: transformers builds one (micro_batch, 1, seq, seq) mask that keeps each
+    sample's attention to itself, shared by every layer and kept for backward (masking_utils, from the restarting
+    position ids): bool for sdpa and flex attention, the compute dtype for eager. Flash attention takes the
+    sample boundaries instead, and text windows need no mask."""
+    d = recipe.data
+    if d.is_text or not d.packing:
+        return 0
+    attention = model_architecture(recipe.model).attn_implementation
+    if attention.startswith("flash"):
+        return 0
+    element_bytes = DTYPE_BYTES[recipe.precision.compute] if attention == "eager" else 1
+    return micro_batch * d.seq_len * d.seq_len * element_bytes
 
 
 def _head_bytes(counts: ParamCounts, compute_bytes: int, tokens: int) -> int:
@@ -256,7 +272,7 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
     acts = estimate_activations(recipe.model, recipe.checkpointing, p.compute, micro_batch, seq_len, counts.num_layers,
                                 counts.layers_name)
     tokens = micro_batch * seq_len
-    head = _head_bytes(counts, compute_bytes, tokens)
+    head = _head_bytes(counts, compute_bytes, tokens) + packed_attention_mask_bytes(recipe, micro_batch)
     logits = estimate_logits(counts.hidden_size, counts.vocab_size, p.compute, micro_batch, seq_len,
                              p.chunked_loss, p.loss_chunk_tokens, p.fp32_loss)
     buffers = _buffers(recipe, counts, stage, cal)

@@ -19,6 +19,7 @@ from contextlib import ExitStack
 import torch
 
 from memtrain.errors import Problem, UserError
+from memtrain.model.config import model_architecture
 from memtrain.plan.params import count_parameters
 from memtrain.recipe.sources import LoadedRecipe
 from memtrain.train.allocator import exact_pinned_supported
@@ -38,12 +39,14 @@ class Prepared:
     run: ResolvedRun
     data: RunData            # this process's tokenizer and datasets (workers build their own from the cache)
     warnings: list[str]      # for people: e.g. the plan exceeds the card (the batch policy will adapt)
+    notes: list[str] = dataclasses.field(default_factory=list)  # what memtrain chose or found, said once
 
 
 def prepare(loaded: LoadedRecipe, hooks: Hooks) -> Prepared:
     """Check what can be checked before anything is built or written, then resolve the run."""
     r = loaded.recipe
     check_dtype(loaded)
+    notes = list(model_architecture(r.model).notes)
     if hooks.oom.layers:  # @layerK points must name layers the model has, before a run directory exists
         hooks.oom.check_layers(count_parameters(r.model).num_layers)
     try:
@@ -56,7 +59,12 @@ def prepare(loaded: LoadedRecipe, hooks: Hooks) -> Prepared:
         run = resolve_run(r, loaded.name, loaded.output_dir, len(data.train_set), exact_pinned)
     except UserError as error:
         raise loaded.sources.locate(error) from None
-    return Prepared(run, data, warnings)
+    if not r.data.is_text:  # instruction and chat data: what truncation, packing and masking made of it
+        notes.append(f"training data: {data.train_set.stats.describe()}")
+    if data.added_tokens:
+        notes.append(f"added {', '.join(data.added_tokens)} to the tokenizer; the model's embeddings grow to "
+                     f"{len(data.tokenizer)} rows and the new ones are trained")
+    return Prepared(run, data, warnings, notes)
 
 
 def train_here(run: ResolvedRun, options: RunOptions, hooks: Hooks, data: RunData | None = None) -> RunResult:

@@ -4,6 +4,7 @@ atomic checkpoints; a Hugging Face export at the end. Everything it drives is bu
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import resource
 import signal
@@ -19,7 +20,7 @@ from memtrain.train.export import export_model
 from memtrain.train.progress import Progress
 from memtrain.train.result import RunResult
 from memtrain.train.setup import Training
-from memtrain.train.step import split, step_targets
+from memtrain.train.step import split
 
 
 class Interrupted:
@@ -60,7 +61,7 @@ def evaluate(engine, loader, val_set, samples: int, micro_batch: int, device, wo
     with torch.no_grad():
         for indices in split(mine, micro_batch):
             batch = loader.get(indices)
-            token_loss_sum, n_targets = engine(input_ids=batch["input_ids"], labels=batch["labels"])
+            token_loss_sum, n_targets = engine(**batch)
             loss_sum += token_loss_sum.double()
             tokens += n_targets.double() if torch.is_tensor(n_targets) else n_targets
     engine.train()
@@ -77,7 +78,8 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                     gpu_cap_bytes=t.cap_bytes, device=str(device), world_size=world, total_steps=run.total_steps,
                     micro_batch=session.policy.micro_batch, plan_peak_reserved_bytes=run.plan_peak_reserved_bytes,
                     process_started=psutil.Process().create_time(),  # the origin of "time to first step"
-                    pinned_sizes="exact" if place.on_cuda and run.exact_pinned else "power_of_two")
+                    pinned_sizes="exact" if place.on_cuda and run.exact_pinned else "power_of_two",
+                    **_data_fields(t.data.train_set))
     stop_at = run.total_steps if t.options.max_steps is None else min(run.total_steps, state.step + t.options.max_steps)
     interrupted = Interrupted()
     status, eval_loss = "done", None
@@ -87,8 +89,7 @@ def train(t: Training, quiet: bool = False) -> RunResult:
         while state.step < stop_at:
             step_start = time.perf_counter()
             samples = t.order.indices(state.step * global_batch, global_batch)
-            targets = (global_batch * (r.data.seq_len - 1)) if r.data.packing else \
-                step_targets(t.data.train_set, samples, device, 1)
+            targets = t.data.train_set.targets(samples)  # of the whole global batch: every rank knows all samples
             outcome = session.forward_backward(samples[rank * per_rank_batch:(rank + 1) * per_rank_batch], targets)
             if outcome is None:  # an OOM in ZeRO-1/2 backward: saved; the launcher resumes from there
                 return RunResult(status="restart", step=state.step, run_dir=run.run_dir)
@@ -127,6 +128,12 @@ def train(t: Training, quiet: bool = False) -> RunResult:
         exported = export_model(t.engine, t.model, t.data.tokenizer, run.run_dir / "final", rank, r.offload.stage == 3)
     t.metrics.event("run", state.step, event="end", status=status)
     return RunResult(status=status, step=state.step, run_dir=run.run_dir, final_eval_loss=eval_loss, exported=exported)
+
+
+def _data_fields(train_set) -> dict:
+    """What became of the training data (samples, truncations, padding share), for the run's record."""
+    stats = train_set.stats
+    return {"data": {**dataclasses.asdict(stats), "padding_share": stats.padding_share}}
 
 
 def _loss_scale_fields(engine, r) -> dict:

@@ -19,15 +19,16 @@ import torch
 
 from memtrain.data.dataset import build_datasets
 from memtrain.data.loader import BatchLoader, SampleOrder
+from memtrain.data.templates import ensure_template_tokens
 from memtrain.data.tokenizer import load_tokenizer
 from memtrain.ds_config.compiler import ds_config as compile_ds_config
 from memtrain.ds_config.compiler import uses_client_optimizer
-from memtrain.errors import DataError, Problem
+from memtrain.errors import DataError, Problem, UserError
 from memtrain.files import write_atomically
 from memtrain.model.build import build_model
 from memtrain.model.checkpointing import apply_checkpointing
 from memtrain.model.compiled import compile_layers
-from memtrain.model.config import model_config
+from memtrain.model.config import meta_model, model_config
 from memtrain.model.precision import apply_precision
 from memtrain.model.quantize import require_bitsandbytes
 from memtrain.model.wrapper import TrainableLM
@@ -50,14 +51,23 @@ class RunData:
     tokenizer: object
     train_set: torch.utils.data.Dataset
     val_set: torch.utils.data.Dataset
+    added_tokens: tuple[str, ...] = ()   # a chat template's markers added to the tokenizer (data.add_special_tokens)
+
+    @property
+    def model_vocab_size(self) -> int | None:
+        """The vocabulary the model must grow to, when tokens were added; None keeps the model's own."""
+        return len(self.tokenizer) if self.added_tokens else None
 
 
 def build_data(recipe: Recipe) -> RunData:
     """Tokenizer and datasets, checked against the model and the global batch. Problems name their
     recipe key (a caller holding the recipe's Sources adds file:line)."""
     tokenizer = load_tokenizer(recipe.model)
+    added = tuple(ensure_template_tokens(recipe.data, tokenizer))
+    if added:
+        check_new_rows_train(recipe, added)
     vocab_size = model_config(recipe.model).vocab_size
-    if len(tokenizer) > vocab_size:
+    if len(tokenizer) - len(added) > vocab_size:
         raise DataError(Problem(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab_size}",
             key="model.tokenizer",
@@ -68,12 +78,31 @@ def build_data(recipe: Recipe) -> RunData:
             f"the training data gives {len(train_set)} samples of {recipe.data.seq_len} tokens, "
             f"fewer than one global batch of {recipe.batch.global_batch}", key="batch.global_batch",
             hint="add data, lower data.seq_len, or lower batch.global_batch"))
-    return RunData(tokenizer, train_set, val_set)
+    return RunData(tokenizer, train_set, val_set, added)
 
 
-def build_policy_model(recipe: Recipe, place: Place, ds_config: dict) -> torch.nn.Module:
-    """The causal LM on its device with the recipe's checkpointing, precision map and compiled layers."""
-    model = build_model(recipe.model, recipe.precision.storage, place.device, ds_config, seed=recipe.train.seed)
+def check_new_rows_train(recipe: Recipe, added: tuple[str, ...]) -> None:
+    """Added tokens get new embedding rows that start random: with LoRA they train only when the embeddings
+    and the output head are in model.lora.modules_to_save (read from the model's structure, not Llama names)."""
+    lora = recipe.model.lora
+    if lora is None:
+        return
+    model = meta_model(recipe.model)
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if module is model.get_input_embeddings() or module is model.get_output_embeddings()}
+    missing = sorted(names - set(lora.modules_to_save))
+    if missing:
+        raise UserError(Problem(
+            f"{', '.join(added)} are added to the tokenizer, but LoRA would leave their new embedding rows untrained",
+            key="model.lora.modules_to_save", hint=f"add {missing} to model.lora.modules_to_save, or use a tokenizer "
+            "that has the template's markers"))
+
+
+def build_policy_model(recipe: Recipe, place: Place, ds_config: dict, vocab_size: int | None = None) -> torch.nn.Module:
+    """The causal LM on its device with the recipe's checkpointing, precision map and compiled layers
+    (its embeddings grown to `vocab_size` when tokens were added to the tokenizer)."""
+    model = build_model(recipe.model, recipe.precision.storage, place.device, ds_config, seed=recipe.train.seed,
+                        vocab_size=vocab_size)
     apply_checkpointing(model, recipe.checkpointing)
     apply_precision(model, recipe.precision)
     if recipe.train.compile:
@@ -140,7 +169,7 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
     data = data or build_data(r)
     run.run_dir.mkdir(parents=True, exist_ok=True)
     ds_config = compile_ds_config(r, run.micro_batch)
-    model = build_policy_model(r, place, ds_config)
+    model = build_policy_model(r, place, ds_config, data.model_vocab_size)
     engine, scheduler = build_engine(r, model, ds_config, run.total_steps)
 
     state, checkpoint = LoopState(), latest_checkpoint(run.run_dir) if options.resume else None

@@ -20,26 +20,10 @@ others are already waiting in its gradient reductions); the run stops there.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from memtrain.monitor.profiler import phase
-from memtrain.train.distributed import all_reduce_sum
 from memtrain.train.oom import abandon_failed_frames, is_oom
-
-
-@dataclass
-class StepResult:
-    loss_sum: torch.Tensor        # summed token loss of this rank's samples (on the device, no sync)
-    target_tokens: int            # target tokens of the whole global batch (all ranks)
-    micro_batches: int            # forward passes this step (after any retries)
-    ooms: int                     # OOMs survived during this step
-
-
-def count_targets(labels: torch.Tensor) -> int:
-    """Target tokens in a batch of labels (shifted by one, -100 ignored), counted on the host."""
-    return int((labels[..., 1:] != -100).sum())
 
 
 def split(indices: list[int], micro_batch: int) -> list[list[int]]:
@@ -70,7 +54,7 @@ def run_micro_batches(engine, loader, batches: list[list[int]], normaliser: floa
             if before is not None:
                 before(done, len(indices))
             with phase("forward"):
-                token_loss_sum, _ = engine(input_ids=batch["input_ids"], labels=batch["labels"])
+                token_loss_sum, _ = engine(**batch)  # input_ids, labels (and position_ids for packed samples)
         except Exception as error:  # noqa: BLE001 — only OOMs are handled; the rest re-raise
             oom = _as_oom(error, False, done)
             if not isinstance(oom, OomDuringStep):
@@ -103,12 +87,3 @@ def _as_oom(error: BaseException, in_backward: bool, done: int) -> BaseException
     oom = OomDuringStep(error, in_backward)
     oom.done = done
     return oom
-
-
-def step_targets(dataset, indices: list[int], device: torch.device, world_size: int) -> int:
-    """Target tokens of the global batch: this rank's count summed over ranks (one tiny all-reduce)."""
-    local = sum(count_targets(dataset[i]["labels"]) for i in indices)
-    if world_size == 1:
-        return local
-    total = torch.tensor([float(local)], device=device)
-    return int(all_reduce_sum(total).item())

@@ -259,3 +259,31 @@ train: {steps: 10, compile: %s}
     eager, compiled = (load_recipe_text(text % flag).recipe for flag in ("false", "true"))
     assert any("model.lora.lean_dropout=true" in o.overrides for o in _lora_dropout_options(eager))
     assert all("model.lora.lean_dropout=true" not in o.overrides for o in _lora_dropout_options(compiled))
+
+
+def test_data_option_reports_tokens_targets_and_padding_per_step(tmp_path):
+    """`plan --data` reads the data once (cached) and says what a step trains on; without it the JSON has no
+    data key and the plan reads no data."""
+    recipe = tmp_path / "chat.yaml"
+    recipe.write_text(f"""
+model: {{preset: micro, tokenizer: "builtin:shakespeare"}}
+data:
+  train: [{{path: "builtin:chat", type: chat}}]
+  seq_len: 64
+  template: chatml
+  add_special_tokens: true
+  cache_dir: {tmp_path / "cache"}
+batch: {{global_batch: 8, micro_batch: 4}}
+train: {{steps: 4}}
+""")
+    plain = CliRunner().invoke(app, ["plan", str(recipe), "--json"])
+    assert plain.exit_code == 0 and "data" not in json.loads(plain.stdout)
+    assert not (tmp_path / "cache").exists()
+    result = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--data"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)["data"]
+    train = data["train"]
+    assert data["rows_per_step"] == 8 and data["token_slots_per_step"] == 8 * 64
+    assert data["tokens_per_step"] == round(8 * train["tokens"] / train["rows"])
+    assert 0 < data["target_tokens_per_step"] < data["tokens_per_step"] <= 8 * 64
+    assert data["padding_share"] == pytest.approx(1 - train["tokens"] / (train["rows"] * 64))

@@ -276,3 +276,26 @@ def test_auto_checkpointing_recomputes_the_fewest_layers_that_fit(gpu, layers):
 def test_unknown_card_is_a_recipe_error():
     with pytest.raises(RecipeError, match="neither a GPU profile nor a size"):
         plan_recipe(tiny().recipe, gpu="potato")
+
+
+@pytest.mark.parametrize("attention, element_bytes", [("sdpa", 1), ("eager", 2), ("flash_attention_2", 0)])
+def test_packed_chat_rows_add_one_attention_mask_shared_by_every_layer(attention, element_bytes):
+    """Packed instruction rows get a (micro_batch, 1, seq, seq) mask from transformers (bool for sdpa, the
+    compute dtype for eager); flash attention takes the boundaries instead; text windows need none."""
+    from memtrain.plan.planner import packed_attention_mask_bytes
+
+    text = f"""
+model: {{preset: tiny, tokenizer: "builtin:shakespeare-chat", attn_implementation: {attention}}}
+data: {{train: [{{path: "builtin:chat", type: chat}}], seq_len: 128, packing: %s}}
+precision: {{compute: bf16}}
+batch: {{global_batch: 8, micro_batch: 4}}
+train: {{steps: 4}}
+"""
+    packed = load_recipe_text(text % "true", check=False).recipe
+    unpacked = load_recipe_text(text % "false", check=False).recipe
+    assert packed_attention_mask_bytes(packed, 4) == 4 * 128 * 128 * element_bytes
+    assert packed_attention_mask_bytes(unpacked, 4) == 0
+    assert packed_attention_mask_bytes(tiny().recipe, 4) == 0  # text windows
+    if attention != "flash_attention_2":  # the layer trace builds the attention kernel, which needs a GPU there
+        packed_head, unpacked_head = (plan_recipe(r).saved_for_backward["head"] for r in (packed, unpacked))
+        assert packed_head - unpacked_head == 4 * 128 * 128 * element_bytes

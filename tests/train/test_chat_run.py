@@ -1,0 +1,71 @@
+"""Instruction and chat data through `memtrain run` on the CPU (real DeepSpeed): mixed datasets packed into
+rows, response-only targets, the template's markers added to the tokenizer, and exact resume."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memtrain.commands.run import run_command
+from memtrain.errors import UserError
+from memtrain.train.run import RunOptions
+from tests.conftest import read_records, train_losses
+
+pytestmark = pytest.mark.slow
+
+INSTRUCTIONS = [{"instruction": f"Add {a} and {b}.", "input": "", "output": str(a + b)}
+                for a in range(12) for b in range(12)]
+
+
+def chat_recipe(tmp_path: Path, steps: int = 8) -> dict:
+    """The bundled chat data mixed with an alpaca file (weight 0.5), packed, on the Shakespeare tokenizer,
+    to which the ChatML markers are added."""
+    alpaca = tmp_path / "alpaca.jsonl"
+    alpaca.write_text("".join(json.dumps(r) + "\n" for r in INSTRUCTIONS))
+    return {"model": {"preset": "micro", "tokenizer": "builtin:shakespeare"},
+            "data": {"train": [{"path": "builtin:chat", "type": "chat"},
+                               {"path": str(alpaca), "type": "instruction", "weight": 0.5}],
+                     "validation": [{"path": "builtin:chat/validation", "type": "chat"}],
+                     "seq_len": 64, "template": "chatml", "add_special_tokens": True, "packing": True},
+            "train": {"steps": steps, "save_every": steps // 2, "eval_every": 100}}
+
+
+def test_a_mixed_packed_chat_run_resumed_mid_epoch_equals_the_straight_run(write_recipe, tmp_path):
+    extra = chat_recipe(tmp_path)
+    straight = write_recipe("straight", extra)
+    assert run_command(straight, []) == 0
+    halves = write_recipe("halves", extra)
+    assert run_command(halves, [], RunOptions(max_steps=4)) == 0
+    assert run_command(halves, []) == 0
+    a, b = train_losses(tmp_path / "runs" / "straight"), train_losses(tmp_path / "runs" / "halves")
+    assert sorted(b) == list(range(1, 9))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], abs=1e-5), step
+    weights_a = load_file(tmp_path / "runs" / "straight" / "final" / "model.safetensors")
+    weights_b = load_file(tmp_path / "runs" / "halves" / "final" / "model.safetensors")
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.allclose(weights_a[k], weights_b[k], atol=1e-6) for k in weights_a)
+    # the tokenizer grew by the two markers and the model with it; the run says what the data became
+    assert weights_a["model.embed_tokens.weight"].shape[0] == 4098
+    start = read_records(tmp_path / "runs" / "straight", "run")[0]
+    assert start["data"]["target_tokens"] < start["data"]["tokens"] < start["data"]["rows"] * 64
+    # targets per step are the rows' target tokens (responses only), not every token of the rows
+    records = read_records(tmp_path / "runs" / "straight", "train")
+    assert records[-1]["tokens"] < 8 * 8 * 63 * 0.5
+
+
+def test_lora_with_added_tokens_needs_the_embeddings_in_modules_to_save(write_recipe, tmp_path):
+    extra = chat_recipe(tmp_path, steps=2)
+    extra["model"]["lora"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    refused = write_recipe("refused", extra)
+    with pytest.raises(UserError) as caught:
+        run_command(refused, [])
+    assert "modules_to_save" in str(caught.value) and "embed_tokens" in str(caught.value)
+    assert not (tmp_path / "runs" / "refused").exists()
+    extra["model"]["lora"]["modules_to_save"] = ["embed_tokens", "lm_head"]
+    assert run_command(write_recipe("saved", extra), []) == 0
+    losses = train_losses(tmp_path / "runs" / "saved")
+    assert sorted(losses) == [1, 2] and all(v == v for v in losses.values())
