@@ -16,6 +16,7 @@ from rich.markup import escape
 
 from memtrain.checks.load import load_checked
 from memtrain.commands.compile import compile_command
+from memtrain.commands.export import export_command
 from memtrain.commands.plan import plan_command
 from memtrain.commands.report import report_command
 from memtrain.commands.run import run_command
@@ -135,6 +136,22 @@ def run(
     """
     options = RunOptions(resume=resume, max_steps=max_steps, profile_steps=profile, save=save)
     raise typer.Exit(code=run_command(recipe, list(overrides or []), options))
+
+
+@app.command()
+@report_user_errors
+def export(
+    run_dir: Path = typer.Argument(..., help="A finished run directory (holds final/).", show_default=False),
+    merge: bool = typer.Option(False, "--merge", help="Merge a LoRA adapter into its base weights: a whole Hugging "
+                               "Face model that loads without PEFT (QLoRA: onto the dequantised base)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here (default: RUN_DIR/merged with "
+                                          "--merge; without it, RUN_DIR/final is the export)."),
+):
+    """Export a run's model: the adapter or full model as trained, or merged into its base.
+
+    Example: [bold]memtrain export runs/llama2-7b-lora-24gb --merge -o llama2-7b-tuned[/]
+    """
+    raise typer.Exit(code=export_command(run_dir, merge, output, console))
 
 
 @app.command()

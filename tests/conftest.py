@@ -49,6 +49,15 @@ def write_recipe(tmp_path):
     return write
 
 
+@pytest.fixture(scope="session")
+def process_group():
+    """This process as a one-rank DeepSpeed group on its device (gloo on the CPU), as a run sets it up."""
+    from memtrain.train.distributed import setup_process
+
+    place, _ = setup_process("rtx3090", cap_memory=False)
+    return place
+
+
 def read_records(run_dir: Path, kind: str) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]

@@ -29,6 +29,7 @@ from memtrain.model.build import build_model
 from memtrain.model.checkpointing import apply_checkpointing
 from memtrain.model.compiled import compile_layers
 from memtrain.model.config import meta_model, model_config
+from memtrain.model.loraplus import lora_param_groups
 from memtrain.model.precision import apply_precision
 from memtrain.model.quantize import require_bitsandbytes
 from memtrain.model.wrapper import TrainableLM
@@ -116,13 +117,17 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, ds_config: dict, total_
 
     lm = TrainableLM(model, recipe.precision)
     trainable = [p for p in lm.parameters() if p.requires_grad]
-    engine, _, _, scheduler = deepspeed.initialize(model=lm, model_parameters=trainable, config=ds_config,
-                                                   optimizer=client_optimizer(recipe, trainable),
+    lora, o = recipe.model.lora, recipe.optimizer
+    # LoRA+: the B matrices at lr × ratio, as parameter groups that every optimizer (and the schedule) keeps apart
+    groups = lora_param_groups(lm, o.lr, lora.loraplus_lr_ratio, o.weight_decay) \
+        if lora is not None and lora.loraplus_lr_ratio is not None else trainable
+    engine, _, _, scheduler = deepspeed.initialize(model=lm, model_parameters=groups, config=ds_config,
+                                                   optimizer=client_optimizer(recipe, groups),
                                                    lr_scheduler=lr_scheduler_factory(recipe.schedule, total_steps))
     return engine, scheduler
 
 
-def client_optimizer(recipe: Recipe, trainable: list[torch.nn.Parameter]):
+def client_optimizer(recipe: Recipe, trainable: list[torch.nn.Parameter] | list[dict]):
     """A bitsandbytes AdamW (8-bit and/or paged states) for DeepSpeed to wrap, or None for the config's AdamW."""
     if not uses_client_optimizer(recipe):
         return None

@@ -216,21 +216,6 @@ def test_shipped_qlora_recipes_fit_their_cards():
 
 # --- DeepSpeed engines on the CPU -------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def process_group():
-    import os
-
-    from memtrain.train.distributed import setup_process
-
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(s.getsockname()[1]))
-    place, _ = setup_process("rtx3090", cap_memory=False)
-    return place
-
-
 @pytest.mark.parametrize("kind,optimizer", [("nf4", "adamw_8bit"), ("int8", "adamw")])
 def test_deepspeed_bf16_engine_trains_only_adapters_and_keeps_the_packed_weights(
         process_group, write_recipe, kind, optimizer):

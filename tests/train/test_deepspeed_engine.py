@@ -138,3 +138,28 @@ def test_deepspeed_zenflow_scrambles_the_weights_it_is_given(zenflow):
             assert torch.equal(p.detach(), transposed_reshaped) and not torch.equal(p.detach(), original), name
         else:
             assert torch.equal(p.detach(), original), name
+
+
+def test_loraplus_trains_the_b_matrices_at_lr_times_the_ratio_through_the_schedule(process_group, write_recipe):
+    """LoRA+ reaches DeepSpeed's optimizer as two parameter groups, and memtrain's LR schedule keeps their ratio."""
+    from memtrain.ds_config.compiler import ds_config
+    from memtrain.recipe.load import load_recipe
+    from memtrain.train.setup import build_engine, build_policy_model
+
+    path = write_recipe("loraplus", {"model": {"lora": {"r": 4, "alpha": 8, "loraplus_lr_ratio": 16.0,
+                                                        "target_modules": ["q_proj", "v_proj"]}},
+                                     "schedule": {"warmup_steps": 2}})
+    recipe = load_recipe(path).recipe
+    config = ds_config(recipe, micro_batch=4)
+    engine, scheduler = build_engine(recipe, build_policy_model(recipe, process_group, config), config, total_steps=10)
+    groups = engine.optimizer.param_groups  # ZeRO-2: one flat partition per group, its params in bit16_groups
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    members = [[names[id(p)] for p in params] for params in engine.optimizer.bit16_groups]
+    assert len(groups) == len(members) == 2
+    fast = [g for g, m in zip(groups, members) if all(".lora_B." in n for n in m)]
+    slow = [g for g, m in zip(groups, members) if all(".lora_A." in n for n in m)]
+    assert len(fast) == 1 and len(slow) == 1
+    for _ in range(3):  # through warmup: both rates move, their ratio stays
+        assert fast[0]["lr"] == pytest.approx(16 * slow[0]["lr"])
+        scheduler.step()
+    assert slow[0]["lr"] > 0
