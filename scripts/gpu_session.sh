@@ -25,6 +25,8 @@
 #   bash scripts/gpu_session.sh heldout8 # session 8: three ZeRO-3 accuracy rows predicted before they ran
 #   bash scripts/gpu_session.sh final8   # session 8, one call: the two ZeRO-3 CPU held-out rows, then 3B equal memory again
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
+#   bash scripts/gpu_session.sh families9 # session 9: held-out accuracy rows (Qwen2.5, Mistral, Gemma-2 LoRA; Phi-3-mini full; 7B chat packed)
+#   bash scripts/gpu_session.sh vsfam9    # session 9: Qwen2.5-7B and Mistral-7B LoRA, memtrain vs HF Trainer + PEFT + DeepSpeed
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -41,6 +43,17 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run when enough time is left, neve
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 quiet="train.eval_every=1000 train.save_every=1000 schedule.warmup_steps=2"
 case $part in
+families9)
+  cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
+  step plan-families 400 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 330 --parallel 3 \
+    --host-budget-gib 110 --only qwen2.5,mistral-7b,gemma2,phi3,chat-packed
+  ;;
+vsfam9)
+  cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
+  step vs-hf 570 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 10 --warmup 3 --timeout 140 \
+    --case "qwen2.5-7b-lora-mb4x1024=recipes/llama2-7b-lora-24gb.yaml model.preset=qwen2.5-7b" \
+    --case "mistral-7b-lora-mb4x1024=recipes/llama2-7b-lora-24gb.yaml model.preset=mistral-7b-v0.3"
+  ;;
 1)
   step bench 330 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 200 --title "memtrain run on the GPU machine (24 GiB cap)" \
     --case "1.1b-full-opt-offload-mb4x1024=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=12 $quiet" \
