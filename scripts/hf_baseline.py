@@ -43,13 +43,13 @@ def main() -> int:
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from memtrain.ds_config.compiler import ds_config
-from memtrain.plan.zero import grad_accum_steps
     from memtrain.configs import gpu_profile
     from memtrain.data.dataset import build_datasets
     from memtrain.data.tokenizer import load_tokenizer
     from memtrain.model.build import add_lora
+    from memtrain.ds_config.compiler import ds_config
     from memtrain.model.config import model_config
+    from memtrain.plan.zero import grad_accum_steps
     from memtrain.recipe.load import load_recipe
 
     from memtrain.train.distributed import free_port
@@ -77,7 +77,7 @@ from memtrain.plan.zero import grad_accum_steps
             max_grad_norm=recipe.optimizer.grad_clip, warmup_steps=recipe.schedule.warmup_steps,
             lr_scheduler_type=recipe.schedule.decay if recipe.schedule.decay != "constant" else "constant_with_warmup",
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, logging_steps=10**9, save_strategy="no",
-            report_to=[], deepspeed=ds_config, seed=recipe.train.seed, dataloader_num_workers=0,
+            report_to=[], deepspeed=config, seed=recipe.train.seed, dataloader_num_workers=0,
             gradient_checkpointing=recipe.checkpointing.strategy != "none",
             gradient_checkpointing_kwargs={"use_reentrant": False}, remove_unused_columns=False,
             use_cpu=not on_cuda,
@@ -88,7 +88,7 @@ from memtrain.plan.zero import grad_accum_steps
         # Under ZeRO-3 TrainingArguments made the HfDeepSpeedConfig above, so from_config partitions.
         # Otherwise the random init runs on the GPU, as memtrain's does (a 7B init on the CPU takes
         # minutes; real HF users load weights with from_pretrained, which we cannot without a hub).
-        zero3 = ds_config["zero_optimization"]["stage"] == 3
+        zero3 = config["zero_optimization"]["stage"] == 3
         with torch.device("cuda" if on_cuda and not zero3 else "cpu"):
             model = AutoModelForCausalLM.from_config(model_config(recipe.model), dtype=dtype)
         model.config.use_cache = False
