@@ -274,7 +274,8 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
     tokens = micro_batch * seq_len
     head = _head_bytes(counts, compute_bytes, tokens) + packed_attention_mask_bytes(recipe, micro_batch)
     logits = estimate_logits(counts.hidden_size, counts.vocab_size, p.compute, micro_batch, seq_len,
-                             p.chunked_loss, p.loss_chunk_tokens, p.fp32_loss)
+                             p.chunked_loss, p.loss_chunk_tokens, p.fp32_loss,
+                             softcap=model_architecture(recipe.model).logit_softcap is not None)
     buffers = _buffers(recipe, counts, stage, cal)
     model_states = states.gpu_params + states.gpu_gradients + states.gpu_optimizer_states
 

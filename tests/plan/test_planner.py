@@ -299,3 +299,16 @@ train: {{steps: 4}}
     if attention != "flash_attention_2":  # the layer trace builds the attention kernel, which needs a GPU there
         packed_head, unpacked_head = (plan_recipe(r).saved_for_backward["head"] for r in (packed, unpacked))
         assert packed_head - unpacked_head == 4 * 128 * 128 * element_bytes
+
+
+def test_a_soft_capped_head_keeps_its_tanh_and_the_capped_logits():
+    """Gemma-2's tanh(logits / cap) · cap in the loss dtype: one more tokens × vocabulary tensor saved (the tanh
+    output) and one more live at the end of forward (the capped logits); the backward gradients replace each other."""
+    from memtrain.plan.logits import estimate_logits
+
+    args = (64, 1000, "bf16", 2, 128, True, 128, True)
+    plain, capped = estimate_logits(*args), estimate_logits(*args, softcap=True)
+    tensor = 128 * 1000 * 4
+    assert capped.saved_bytes - plain.saved_bytes == tensor
+    assert capped.forward_bytes - plain.forward_bytes == 2 * tensor
+    assert capped.backward_bytes - plain.backward_bytes == tensor
