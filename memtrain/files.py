@@ -63,3 +63,10 @@ def directory_atomically(path: Path) -> Iterator[Path]:
         raise FileExistsError(path)
     with atomic_path(path, directory=True) as tmp:
         yield tmp
+
+
+def digest_file(digest, path: Path, block_bytes: int = 1 << 20) -> None:
+    """Feed a file's bytes to a hashlib digest, a block at a time (data files can be larger than memory)."""
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(block_bytes), b""):
+            digest.update(block)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from memtrain.errors import DataError, Problem
+from memtrain.files import digest_file
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 BUILTIN_PREFIX = "builtin:"
@@ -79,9 +80,7 @@ def source_fingerprint(spec: str, fmt: str, field: str) -> str:
     path = resolve_path(spec)
     digest = hashlib.sha256()
     try:
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
+        digest_file(digest, path)
     except OSError as err:
         raise _unreadable(spec, path, err) from None
     digest.update(f"\0{resolve_format(spec, fmt)}\0{field}".encode())

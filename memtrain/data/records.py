@@ -16,6 +16,7 @@ from pathlib import Path
 
 from memtrain.data.corpus import ASSETS, MAX_PROBLEMS, builtin_corpus_names, resolve_path
 from memtrain.errors import DataError, Problem
+from memtrain.files import digest_file
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = ASSETS / "chat"
@@ -105,9 +106,7 @@ def dataset_fingerprint(spec: str, split: str | None = None) -> str:
     try:
         for file in files:
             digest.update(f"\0{file.relative_to(path) if path.is_dir() else ''}\0".encode())
-            with open(file, "rb") as handle:
-                for block in iter(lambda: handle.read(1 << 20), b""):
-                    digest.update(block)
+            digest_file(digest, file)
     except OSError as err:
         raise _unreadable(spec, path, err) from None
     digest.update(f"\0split={split}".encode())
