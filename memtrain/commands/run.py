@@ -9,7 +9,9 @@ from memtrain.checks.load import load_checked
 from memtrain.train.hooks import Hooks
 from memtrain.train.launch import launch, prepare
 from memtrain.train.result import RunResult
+from memtrain.train.resume import check_resume
 from memtrain.train.run import RunOptions
+from memtrain.train.rundir import claim_run_dir
 
 
 def run_command(recipe: Path, overrides: list[str], options: RunOptions = RunOptions(),
@@ -22,6 +24,10 @@ def run_command(recipe: Path, overrides: list[str], options: RunOptions = RunOpt
     prepared = prepare(loaded, hooks)
     for warning in prepared.warnings:
         console.print(f"[yellow]![/] {warning}", highlight=False)
+    notes = claim_run_dir(prepared.run.run_dir, options)  # refuses to mix two runs in one directory
+    resuming = check_resume(prepared.run, options)       # refuses a recipe the checkpoint cannot follow
+    for note in notes + (resuming.lines() if resuming else []):
+        console.print(note, highlight=False, soft_wrap=True)
 
     def report(result: RunResult) -> None:
         mark = "[green]✓[/]" if result.finished else "[yellow]■[/]"

@@ -48,6 +48,7 @@ class Session:
 
     def checkpoint(self) -> Path:
         self.state.batch_policy = self.policy.state_dict()
+        self.state.recipe = self.r.model_dump(mode="json")  # what a resume compares its recipe with
         path = save_checkpoint(self.engine, self.run_dir, self.state, self.place.rank, self.r.train.keep_last)
         self.metrics.event("checkpoint", self.state.step, path=str(path))
         return path
