@@ -16,6 +16,7 @@ import torch
 from memtrain.monitor.profiler import phase
 from memtrain.train.distributed import Place, all_reduce_sum
 from memtrain.train.export import export_model
+from memtrain.train.guard import Guard
 from memtrain.train.progress import Progress
 from memtrain.train.result import RunResult
 from memtrain.train.setup import Training
@@ -27,15 +28,17 @@ class Interrupted:
 
     def __init__(self):
         self.requested = False
+        self.signum = signal.SIGINT  # the first signal that asked: the exit code is 128 + it
 
     @contextmanager
     def installed(self):
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
         def request(signum, frame):
-            if self.requested:  # a second Ctrl-C aborts at once
+            if self.requested and signum == signal.SIGINT:  # a second Ctrl-C aborts at once (a repeated SIGTERM does not)
                 signal.signal(signal.SIGINT, previous[signal.SIGINT])
                 raise KeyboardInterrupt
+            self.signum = signum if not self.requested else self.signum
             self.requested = True
 
         for sig in previous:
@@ -80,6 +83,7 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                     pinned_sizes="exact" if place.on_cuda and run.exact_pinned else "power_of_two")
     stop_at = run.total_steps if t.options.max_steps is None else min(run.total_steps, state.step + t.options.max_steps)
     interrupted = Interrupted()
+    guard = Guard(r, t.metrics, world, device, run.run_dir)  # NaN/inf steps, divergence, agreeing to stop
     status, eval_loss = "done", None
     progress = Progress(run.total_steps, enabled=place.is_main and not quiet)
     with interrupted.installed(), progress, t.profiler:
@@ -93,8 +97,11 @@ def train(t: Training, quiet: bool = False) -> RunResult:
             if outcome is None:  # an OOM in ZeRO-1/2 backward: saved; the launcher resumes from there
                 return RunResult(status="restart", step=state.step, run_dir=run.run_dir)
             loss_sum, micro_batches, ooms = outcome
+            skipped_before = t.engine.skipped_steps
             with phase("optimizer_step"):
                 t.engine.step()
+            verdict = guard.after_step(state.step + 1, loss_sum / (targets / world), t.engine, skipped_before,
+                                       interrupted.requested)
             t.hooks.sample_trace.commit(state.step, rank)
             state.step += 1
             state.tokens += targets
@@ -114,9 +121,9 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                 progress.note_eval(state.step, eval_loss)
                 if state.best_eval_loss is None or eval_loss < state.best_eval_loss:
                     state.best_eval_loss = eval_loss
-            if t.options.save and (state.step % r.train.save_every == 0 or last or interrupted.requested):
+            if t.options.save and verdict.may_save and (state.step % r.train.save_every == 0 or last or verdict.stop):
                 session.checkpoint()
-            if interrupted.requested:
+            if verdict.stop:
                 status = "interrupted"
                 break
         t.metrics.flush()
@@ -126,7 +133,8 @@ def train(t: Training, quiet: bool = False) -> RunResult:
     if status == "done" and t.options.save:
         exported = export_model(t.engine, t.model, t.data.tokenizer, run.run_dir / "final", rank, r.offload.stage == 3)
     t.metrics.event("run", state.step, event="end", status=status)
-    return RunResult(status=status, step=state.step, run_dir=run.run_dir, final_eval_loss=eval_loss, exported=exported)
+    return RunResult(status=status, step=state.step, run_dir=run.run_dir, final_eval_loss=eval_loss, exported=exported,
+                     signum=interrupted.signum, warning=guard.warning)
 
 
 def _loss_scale_fields(engine, r) -> dict:

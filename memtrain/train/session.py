@@ -60,6 +60,7 @@ class Session:
         backward left gradients that cannot be dropped, after saving the last completed step.
         """
         step, device = self.state.step, self.place.device
+        self.hooks.nan.arm(step)  # test hook: this step's loss becomes NaN (MEMTRAIN_INJECT_NAN)
         if self.place.on_cuda:
             torch.cuda.reset_peak_memory_stats(device)
         injector, backward_injector = self.hooks.oom, self.hooks.oom_backward
@@ -98,6 +99,7 @@ class Session:
                 else:  # forward: the finished micro-batches' gradients stand
                     micro_batches += oom.done
                     remaining = remaining[sum(len(b) for b in batches[:oom.done]):]
+        self.hooks.nan.arm(-1)
         return loss_sum, micro_batches, ooms
 
     def _shrink_after_oom(self, oom: OomDuringStep, snapshot: Path | None) -> None:

@@ -167,6 +167,7 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
     val_loader = stack.enter_context(BatchLoader(data.val_set, place.device))
     start_memory_history(place.device)
     hooks.oom.attach(model)  # OOMs from inside a decoder layer (MEMTRAIN_INJECT_OOM=…@layerK)
+    hooks.nan.attach(model)  # NaN losses (MEMTRAIN_INJECT_NAN)
     session = Session(r, place, engine, policy, metrics, PeakForecast(), loader, hooks, run.run_dir,
                       r.offload.stage == 3, options.save, state, cap_bytes)
     return Training(run=run, options=options, hooks=hooks, place=place, cap_bytes=cap_bytes, data=data, model=model,

@@ -108,3 +108,135 @@ def test_a_checkpoint_past_the_recipes_steps_is_refused(write_recipe):
     assert run(recipe)[0] == 0
     refused = cli(recipe, "train.steps=4")
     assert refused.exit_code == 2 and "past this recipe's 4 steps" in refused.output, refused.output
+
+
+def test_nan_steps_skip_the_update_and_k_in_a_row_stop_without_saving_the_bad_state(write_recipe, monkeypatch):
+    recipe = write_recipe("nan", {"train": {"steps": 10, "save_every": 2, "eval_every": 100, "max_bad_steps": 3}})
+    monkeypatch.setenv("MEMTRAIN_INJECT_NAN", "3,4,5")  # the loop's steps 3-5: steps 4, 5 and 6 of the run
+    result = cli(recipe)
+    assert result.exit_code == 2, result.output
+    assert "from step 4" in result.output and "optimizer.lr" in result.output and "Traceback" not in result.output
+    run_dir = run_dir_of(recipe)
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step-000002"]  # step 4 and 6 were bad: not saved
+    assert [(e["step"], e["in_a_row"]) for e in read_records(run_dir, "bad_step")] == [(4, 1), (5, 2), (6, 3)]
+    ends = [r for r in read_records(run_dir, "run") if r.get("event") == "end"]
+    assert ends[-1]["status"] == "diverged" and ends[-1]["step"] == 6
+
+
+def test_one_nan_step_is_skipped_and_the_run_goes_on_finite(write_recipe, monkeypatch):
+    extra = {"train": {"steps": 6, "save_every": 2, "eval_every": 6}}
+    clean = write_recipe("clean", extra)
+    assert run(clean)[0] == 0
+    monkeypatch.setenv("MEMTRAIN_INJECT_NAN", "2")
+    faulty = write_recipe("one-nan", extra)
+    code, said = run(faulty)
+    assert code == 0, said
+    run_dir = run_dir_of(faulty)
+    assert [e["step"] for e in read_records(run_dir, "bad_step")] == [3]
+    losses = {r["step"]: r["loss"] for r in read_records(run_dir, "train")}
+    clean_losses = {r["step"]: r["loss"] for r in read_records(run_dir_of(clean), "train")}
+    assert losses[3] is None and losses[1] == pytest.approx(clean_losses[1]) and losses[2] == pytest.approx(clean_losses[2])
+    assert all(losses[s] is not None for s in (4, 5, 6))  # the skipped update left the weights finite
+    assert read_records(run_dir, "eval")[-1]["loss"] is not None
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step-000004", "step-000006"]
+
+
+def start_two_process_run(write_recipe, name: str):
+    """A 2-process CPU run of `memtrain run` in a subprocess, returned once it has logged a training step."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.train.test_run import clean_env
+
+    recipe = write_recipe(name, {"hardware": {"gpus": 2}, "batch": {"global_batch": 8, "micro_batch": 2},
+                                 "train": {"steps": 2000, "save_every": 1000, "eval_every": 1000, "log_every": 1}})
+    proc = subprocess.Popen([sys.executable, "-m", "memtrain", "run", str(recipe)], env=clean_env(OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir_of(recipe) / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and not (metrics.exists() and '"train"' in metrics.read_text()):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.5)
+    return recipe, proc
+
+
+def family(pid: int) -> list:
+    import psutil
+
+    parent = psutil.Process(pid)
+    return [parent, *parent.children(recursive=True)]
+
+
+def wait_gone(processes: list, timeout_s: float) -> list:
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_sigterm_to_the_launcher_of_two_processes_saves_and_leaves_no_process(write_recipe):
+    import signal
+
+    recipe, proc = start_two_process_run(write_recipe, "term2")
+    processes = family(proc.pid)
+    assert len(processes) >= 4, processes  # launcher, torchrun, two workers
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 143, output[-3000:]
+    assert not wait_gone(processes, 30), output[-3000:]
+    run_dir = run_dir_of(recipe)
+    ends = [r for r in read_records(run_dir, "run") if r.get("event") == "end"]
+    assert ends[-1]["status"] == "interrupted"
+    [saved] = complete_checkpoints(run_dir)
+    assert int(saved.name.split("-")[1]) == ends[-1]["step"]  # both ranks saved the same step
+    assert (saved / "rng-rank1.pt").is_file()
+    assert output.count("interrupted at step") == 1  # one line from rank 0, none from rank 1
+    assert "Traceback" not in output
+
+
+def test_no_worker_outlives_a_launcher_killed_with_sigkill(write_recipe):
+    import signal
+
+    _, proc = start_two_process_run(write_recipe, "kill2")
+    processes = family(proc.pid)
+    assert len(processes) >= 4, processes
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert not wait_gone(processes[1:], 120)  # torchrun and both workers are gone too
+
+
+def test_a_signal_during_start_up_ends_with_a_line_and_the_conventional_code(write_recipe, monkeypatch):
+    import signal
+
+    from memtrain.commands import run as run_module
+    from memtrain.train.signals import Stopped
+
+    recipe = write_recipe("startup")
+
+    def stopped(*args, **kwargs):
+        raise Stopped(signal.SIGTERM)
+
+    monkeypatch.setattr(run_module, "prepare", stopped)
+    code, said = run(recipe)
+    assert code == 143 and "stopped by SIGTERM" in said, said
+
+
+def test_sigterm_while_the_engine_is_built_exits_143_without_a_traceback(write_recipe):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.train.test_run import clean_env
+
+    recipe = write_recipe("startup-term", {"train": {"steps": 400}})
+    proc = subprocess.Popen([sys.executable, "-m", "memtrain", "run", str(recipe)], env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not run_dir_of(recipe).exists():  # setup has begun
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 143, output[-3000:]
+    assert "Traceback" not in output and ("stopped by SIGTERM" in output or "interrupted at step" in output), output
