@@ -240,3 +240,26 @@ def test_sigterm_while_the_engine_is_built_exits_143_without_a_traceback(write_r
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 143, output[-3000:]
     assert "Traceback" not in output and ("stopped by SIGTERM" in output or "interrupted at step" in output), output
+
+
+def test_a_full_disk_removes_the_partial_save_flushes_the_metrics_and_says_so(write_recipe, monkeypatch):
+    recipe = write_recipe("full", {"train": {"steps": 8, "save_every": 2, "eval_every": 100, "log_every": 100}})
+    monkeypatch.setenv("MEMTRAIN_INJECT_ENOSPC", "4")
+    result = cli(recipe)
+    assert result.exit_code == 2, result.output
+    assert "no space left on" in result.output and "needs ~" in result.output and "Traceback" not in result.output
+    run_dir = run_dir_of(recipe)
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-000002"]  # no partial .tmp- left
+    assert train_steps(run_dir) == [1, 2, 3, 4]  # buffered records (log_every 100) were flushed
+    assert [r["status"] for r in read_records(run_dir, "run") if r.get("event") == "end"] == ["disk_full"]
+
+
+def test_low_free_space_is_warned_about_before_a_save(write_recipe, monkeypatch):
+    from memtrain.train import storage
+
+    monkeypatch.setattr(storage, "free_bytes", lambda path: 1_000_000)  # 1 MB free: less than one checkpoint
+    recipe = write_recipe("lowdisk", {"train": {"steps": 2, "save_every": 2, "eval_every": 100}})
+    assert run(recipe)[0] == 0
+    [event] = read_records(run_dir_of(recipe), "disk")
+    assert event["free_bytes"] == 1_000_000 and event["needed_bytes"] > 1_000_000
+    assert "the next save will not fit" in event["message"]
