@@ -15,12 +15,13 @@ import torch
 
 from memtrain.monitor.profiler import phase
 from memtrain.train.distributed import Place, all_reduce_sum
+from memtrain.train.eval_batches import run_shrinking
 from memtrain.train.export import export_model
 from memtrain.train.guard import Guard
 from memtrain.train.progress import Progress
 from memtrain.train.result import RunResult
 from memtrain.train.setup import Training
-from memtrain.train.step import split, step_targets
+from memtrain.train.step import step_targets
 
 
 class Interrupted:
@@ -50,22 +51,27 @@ class Interrupted:
                 signal.signal(sig, handler)
 
 
-def evaluate(engine, loader, val_set, samples: int, micro_batch: int, device, world_size: int, rank: int) -> float:
+def evaluate(engine, loader, val_set, samples: int, micro_batch: int, device, world_size: int, rank: int,
+             before=None, on_oom=None) -> float:
     """Mean token loss over the first `samples` validation samples, shared out over the ranks.
 
     The sample set depends on neither the number of GPUs nor the current micro-batch, so runs on
-    different hardware report comparable numbers.
+    different hardware report comparable numbers. An OOM halves the evaluation micro-batch (eval_batches.py).
     """
     engine.eval()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     tokens = torch.zeros((), device=device, dtype=torch.float64)
     mine = list(range(rank, min(len(val_set), samples), world_size))
+
+    def one(indices):
+        nonlocal loss_sum, tokens
+        batch = loader.get(indices)
+        token_loss_sum, n_targets = engine(input_ids=batch["input_ids"], labels=batch["labels"])
+        loss_sum += token_loss_sum.double()
+        tokens += n_targets.double() if torch.is_tensor(n_targets) else n_targets
+
     with torch.no_grad():
-        for indices in split(mine, micro_batch):
-            batch = loader.get(indices)
-            token_loss_sum, n_targets = engine(input_ids=batch["input_ids"], labels=batch["labels"])
-            loss_sum += token_loss_sum.double()
-            tokens += n_targets.double() if torch.is_tensor(n_targets) else n_targets
+        run_shrinking(mine, micro_batch, one, device, before=before, on_oom=on_oom)
     engine.train()
     totals = all_reduce_sum(torch.stack([loss_sum, tokens]))
     return float(totals[0] / totals[1].clamp(min=1))
@@ -116,7 +122,9 @@ def train(t: Training, quiet: bool = False) -> RunResult:
             last = state.step == stop_at
             if state.step % r.train.eval_every == 0 or last:
                 eval_loss = evaluate(t.engine, t.val_loader, t.data.val_set, run.eval_samples,
-                                     session.policy.micro_batch, device, world, rank)
+                                     session.policy.micro_batch, device, world, rank,
+                                     before=lambda i, n: t.hooks.oom_eval.maybe_raise(state.step, i, n),
+                                     on_oom=lambda n: t.metrics.event("oom", state.step, micro_batch=n, phase="eval"))
                 t.metrics.event("eval", state.step, loss=eval_loss, perplexity=math.exp(min(eval_loss, 50)))
                 progress.note_eval(state.step, eval_loss)
                 if state.best_eval_loss is None or eval_loss < state.best_eval_loss:

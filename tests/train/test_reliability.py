@@ -263,3 +263,17 @@ def test_low_free_space_is_warned_about_before_a_save(write_recipe, monkeypatch)
     [event] = read_records(run_dir_of(recipe), "disk")
     assert event["free_bytes"] == 1_000_000 and event["needed_bytes"] > 1_000_000
     assert "the next save will not fit" in event["message"]
+
+
+def test_an_oom_in_evaluation_shrinks_the_eval_micro_batch_instead_of_ending_the_run(write_recipe, monkeypatch):
+    extra = {"train": {"steps": 4, "eval_every": 4, "save_every": 100}}
+    clean = write_recipe("eval-clean", extra)
+    assert run(clean, save=False)[0] == 0
+    monkeypatch.setenv("MEMTRAIN_INJECT_OOM_EVAL", "4:0:mb>=4,4:1:mb>=2")  # twice: 4 -> 2 -> 1
+    faulty = write_recipe("eval-oom", extra)
+    code, said = run(faulty, save=False)
+    assert code == 0, said
+    ooms = read_records(run_dir_of(faulty), "oom")
+    assert [(o["step"], o["micro_batch"], o["phase"]) for o in ooms] == [(4, 4, "eval"), (4, 2, "eval")]
+    [a], [b] = read_records(run_dir_of(clean), "eval"), read_records(run_dir_of(faulty), "eval")
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)  # the same samples, each counted once
