@@ -129,12 +129,13 @@ def run(
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after this many optimizer steps (the schedule still follows the recipe)."),
     profile: int = typer.Option(0, "--profile", help="Record a torch.profiler trace of N steps into the run directory."),
     save: bool = typer.Option(True, "--save/--no-save", help="--no-save: write no checkpoints and no final model (benchmarks, smoke tests)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start over in a run directory that holds a run; the old run is moved aside (NAME.previous-DATE)."),
 ):
     """Train a recipe on DeepSpeed (GPUs, or the CPU when there is none).
 
     Example: [bold]memtrain run recipes/quickstart.yaml[/]
     """
-    options = RunOptions(resume=resume, max_steps=max_steps, profile_steps=profile, save=save)
+    options = RunOptions(resume=resume, max_steps=max_steps, profile_steps=profile, save=save, overwrite=overwrite)
     raise typer.Exit(code=run_command(recipe, list(overrides or []), options))
 
 

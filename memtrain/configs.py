@@ -44,6 +44,13 @@ class GpuProfile:
     cuda_context_bytes: int = int(0.6 * GiB)  # measured on the H200; a card given only by size gets this
 
 
+def allocator_budget_bytes(card_bytes: int, cuda_context_bytes: int) -> int:
+    """What PyTorch's allocator may reserve on a card: the card less the CUDA context and library workspaces,
+    which live outside the allocator (1.3 GiB seen by nvidia-smi on the H200 beside 22.72 GiB reserved).
+    The plan's verdict and the emulated cap (`hardware.cap_memory`) both use this, so they agree."""
+    return max(int(card_bytes) - int(cuda_context_bytes), 0)
+
+
 @lru_cache(maxsize=None)
 def gpu_profile(spec: str) -> GpuProfile:
     """A GPU profile by name (configs/gpus/NAME.yaml) or an anonymous card of a given size ('24GiB')."""

@@ -103,6 +103,10 @@ def _check_data_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
             if name not in builtin_corpus_names():
                 problems.append(src.problem(("data", key), f"no builtin corpus '{name}'",
                                             f"builtin corpora: {', '.join(builtin_corpus_names())}"))
+        elif Path(value).is_dir():
+            problems.append(src.problem(("data", key), f"data file '{value}' is a directory, not a file",
+                                        "name a .txt or .jsonl file; a datasets directory goes in a list: "
+                                        "[{path: DIR, type: text}]"))
         elif not Path(value).is_file():
             problems.append(src.problem(("data", key), f"data file '{value}' does not exist",
                                         "paths are relative to the directory you run memtrain from"))

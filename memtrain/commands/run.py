@@ -8,15 +8,29 @@ from rich.console import Console
 from memtrain.checks.load import load_checked
 from memtrain.train.hooks import Hooks
 from memtrain.train.launch import launch, prepare
+from memtrain.train.resume import check_resume
 from memtrain.train.result import RunResult
 from memtrain.train.run import RunOptions
+from memtrain.train.rundir import claim_run_dir
+from memtrain.train.signals import exit_code, signum_of, stop_on_signals
 
 
 def run_command(recipe: Path, overrides: list[str], options: RunOptions = RunOptions(),
                 console: Console | None = None) -> int:
-    """Train a recipe file; returns the exit code (0 done or stopped, 130 interrupted). UserErrors
-    (bad recipe, data, memory) are raised before any work starts."""
+    """Train a recipe file; returns the exit code (0 done or stopped, 130 / 143 interrupted by SIGINT /
+    SIGTERM). UserErrors (bad recipe, data, memory) are raised before any work starts."""
     console = console or Console(stderr=True)
+    try:
+        with stop_on_signals():  # until the loop takes over: Ctrl-C / SIGTERM end start-up with a line
+            return _run(recipe, overrides, options, console)
+    except KeyboardInterrupt as stop:  # during start-up, or a second Ctrl-C while saving
+        console.print(f"[yellow]■[/] stopped by {signum_of_name(stop)} before the run could save; the run "
+                      "directory keeps its last complete checkpoint, if any — run the same command to resume",
+                      highlight=False)
+        return exit_code(signum_of(stop))
+
+
+def _run(recipe: Path, overrides: list[str], options: RunOptions, console: Console) -> int:
     loaded = load_checked(recipe, overrides)
     hooks = Hooks.from_env()  # test hooks: the environment is read here, once
     prepared = prepare(loaded, hooks)
@@ -24,9 +38,17 @@ def run_command(recipe: Path, overrides: list[str], options: RunOptions = RunOpt
         console.print(f"[dim]·[/] {note}", highlight=False)
     for warning in prepared.warnings:
         console.print(f"[yellow]![/] {warning}", highlight=False)
+    notes = claim_run_dir(prepared.run.run_dir, options)  # refuses to mix two runs in one directory
+    resuming = check_resume(prepared.run, options)       # refuses a recipe the checkpoint cannot follow
+    for note in notes + (resuming.lines() if resuming else []):
+        console.print(note, highlight=False, soft_wrap=True)
 
     def report(result: RunResult) -> None:
         mark = "[green]✓[/]" if result.finished else "[yellow]■[/]"
-        console.print(f"{mark} {result.summary()}")
+        console.print(f"{mark} {result.summary()}", highlight=False, soft_wrap=True)
 
     return launch(prepared, options, hooks, report)
+
+
+def signum_of_name(stop: KeyboardInterrupt) -> str:
+    return "Ctrl-C" if signum_of(stop) == 2 else "SIGTERM"

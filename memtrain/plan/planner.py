@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from memtrain.configs import allocator_budget_bytes
 from memtrain.errors import Problem, RecipeError
 from memtrain.model.config import model_architecture
 from memtrain.plan.activations import estimate_activations
@@ -67,8 +68,9 @@ class Plan:
 
     @property
     def headroom_bytes(self) -> int:
-        """Spare GPU bytes at the peak (negative: by how much it misses)."""
-        return self.gpu_capacity_bytes - self.gpu_required_bytes
+        """Spare GPU bytes at the peak (negative: by how much it misses): the allocator's budget on the card
+        (the emulated cap, memtrain.configs.allocator_budget_bytes) less the peak reserved."""
+        return allocator_budget_bytes(self.gpu_capacity_bytes, self.terms["cuda_context"]) - self.peak_reserved_bytes
 
     @property
     def tight(self) -> bool:

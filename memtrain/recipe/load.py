@@ -36,15 +36,74 @@ def _yaml_syntax_problem(err: yaml.YAMLError, file: str) -> Problem:
                    hint="fix the indentation, colons or quoting at that line")
 
 
+# A recipe names a value once or twice more with an alias (`lr: &lr 3e-4` ... `*lr`); more than this is not a
+# recipe but an alias bomb (nine levels of nine aliases expand to 387 million values: 9 GB and minutes).
+MAX_ALIASES = 64
+MAX_EXPANDED_NODES = 20_000  # values in the recipe with every alias expanded (a big recipe has a few hundred)
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that refuses an alias inside its own anchor (a cycle), more than MAX_ALIASES aliases, and
+    documents whose aliases expand to more than MAX_EXPANDED_NODES values, before anything is expanded."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.aliases_seen = 0
+        self.open_anchors: set[str] = set()
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            self.aliases_seen += 1
+            if event.anchor in self.open_anchors:
+                raise _AliasProblem("an alias refers to the value that contains it (*{} inside &{})".format(
+                    event.anchor, event.anchor), event.start_mark)
+            if self.aliases_seen > MAX_ALIASES:
+                raise _AliasProblem(f"more than {MAX_ALIASES} YAML aliases", event.start_mark)
+            return super().compose_node(parent, index)
+        event = self.peek_event()
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            self.open_anchors.add(anchor)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.open_anchors.discard(anchor)
+
+
+class _AliasProblem(Exception):
+    def __init__(self, message: str, mark):
+        super().__init__(message)
+        self.message, self.line = message, mark.line + 1 if mark else None
+
+
+def _expanded_size(node, sizes: dict[int, int]) -> int:
+    """Values in `node` with every alias expanded, counted once per distinct node (no expansion happens)."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    sizes[id(node)] = 1  # a cycle would count as 1; cycles are refused while composing
+    children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
+        node.value if isinstance(node, yaml.SequenceNode) else []
+    size = 1 + sum(_expanded_size(child, sizes) for child in children)
+    sizes[id(node)] = size
+    return size
+
+
 def _parse_yaml(text: str, file: str) -> tuple[dict, Sources, list[Problem]]:
     """The mapping in `text`, where each key is, and the non-fatal problems (duplicate keys)."""
     try:
-        loader = yaml.SafeLoader(text)
+        loader = _BoundedLoader(text)
         try:
             node = loader.get_single_node()
+            if node is not None and _expanded_size(node, {}) > MAX_EXPANDED_NODES:
+                raise _AliasProblem(f"the YAML's aliases expand to more than {MAX_EXPANDED_NODES:,} values",
+                                    node.start_mark)
             data = loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
+    except _AliasProblem as err:
+        raise RecipeError(Problem(f"{err.message}: not a recipe", file=file, line=err.line,
+                                  hint="write the values out, or use a few aliases for repeated values")) from None
     except yaml.YAMLError as err:
         raise RecipeError(_yaml_syntax_problem(err, file)) from None
     except RecursionError:

@@ -6,11 +6,11 @@ live in `checks.py` so that all of them are reported together.
 from __future__ import annotations
 
 import difflib
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Union
 
 from annotated_types import Len
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PlainSerializer,
-                      Tag, WithJsonSchema, model_validator)
+                      Tag, ValidationInfo, WithJsonSchema, field_validator, model_validator)
 
 from memtrain.configs import gpu_profile_names
 from memtrain.units import looks_like_size, parse_bytes
@@ -35,6 +35,23 @@ ByteSize = Annotated[
     }),
 ]
 
+def _takes_number_only(annotation: object) -> bool:
+    """Whether a field takes a number (int or float: plain, constrained, optional, or beside words such as
+    'auto') and nothing that a bool could mean."""
+    def unwrap(a: object) -> object:
+        return a.__origin__ if getattr(a, "__metadata__", None) is not None else a  # Annotated[int, ...] -> int
+
+    annotation = unwrap(annotation)
+    if annotation in (int, float):
+        return True
+    if type(annotation).__name__ != "UnionType" and getattr(annotation, "__origin__", None) is not Union:
+        return False
+    args = [unwrap(a) for a in annotation.__args__ if a is not type(None)]
+    words = [a for a in args if getattr(a, "__origin__", None) is Literal and all(isinstance(v, str) for v in a.__args__)]
+    numbers = [a for a in args if a in (int, float)]
+    return bool(numbers) and len(numbers) + len(words) == len(args)
+
+
 Tier = Literal["none", "cpu", "nvme"]
 Dtype = Literal["bf16", "fp16", "fp32"]
 
@@ -42,6 +59,14 @@ Dtype = Literal["bf16", "fp16", "fp32"]
 class Section(BaseModel):
     # nan/inf pass range checks silently (nan > 0 is False but nan <= 1 is too), so refuse them outright
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: object, info: ValidationInfo) -> object:
+        # pydantic's lax mode reads `true` as 1 for an int or float field (train.steps=true became 1 step)
+        if isinstance(value, bool) and info.field_name and _takes_number_only(cls.model_fields[info.field_name].annotation):
+            raise ValueError("must be a number, not true/false")
+        return value
 
 
 class Lora(Section):
@@ -349,8 +374,9 @@ class Optimizer(Section):
     lr: float = Field(2e-4, gt=0, lt=1, description="Peak learning rate.")
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
         (0.9, 0.95), description="Adam moment decay rates (beta1, beta2).")
-    eps: float = Field(1e-8, gt=0, description="Adam denominator epsilon.")
-    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW).")
+    eps: float = Field(1e-8, gt=0, le=1, description="Adam denominator epsilon.")
+    # each update multiplies the weights by (1 - lr × weight_decay): far above 1 they flip sign and blow up
+    weight_decay: float = Field(0.0, ge=0, le=1, description="Decoupled weight decay (AdamW), usually 0-0.1.")
     grad_clip: float = Field(1.0, ge=0, description="Max gradient norm; 0 disables clipping.")
 
 
@@ -369,6 +395,9 @@ class Train(Section):
     keep_last: int = Field(2, ge=1, description="Checkpoints kept.")
     log_every: int = Field(10, ge=1, description="Flush metrics every N optimizer steps (no per-step host sync).")
     seed: int = Field(1234, ge=0, description="Seed of model initialisation, data order and dropout.")
+    max_bad_steps: int = Field(
+        3, ge=1, le=1000, description="Steps in a row whose loss or gradient norm is not finite (NaN/inf) before the "
+        "run stops; each such step's update is skipped, and no checkpoint is saved from that state.")
     compile: bool = Field(
         False, description="torch.compile each decoder layer: fuses the element-wise work around the matmuls "
         "(norms, rotary embedding, SwiGLU, LoRA scaling and dropout) into fewer kernels. The first step waits "

@@ -4,6 +4,11 @@ A checkpoint is written into `checkpoints/.tmp-step-NNNNNN/` (DeepSpeed's model,
 scheduler state, one RNG file per rank, and `memtrain_state.json` last), then renamed to
 `checkpoints/step-NNNNNN/`. A run killed mid-save leaves only a `.tmp-` directory, which is never
 loaded and is removed by the next save; the last complete checkpoint stays intact.
+
+Pruning renames an old checkpoint to `.del-step-NNNNNN/` before deleting it, so a run killed while
+pruning leaves a `.del-` directory (removed by the next save), never a `step-` directory with part of
+its files. `memtrain_state.json` also records the recipe the checkpoint was trained with, so a resume
+can tell what changed (memtrain.train.resume).
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,6 +39,7 @@ class LoopState:
     tokens: int = 0               # target tokens trained on (all ranks)
     best_eval_loss: float | None = None
     batch_policy: dict = field(default_factory=dict)
+    recipe: dict = field(default_factory=dict)  # the resolved recipe trained with (JSON); {} in older checkpoints
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -68,19 +75,42 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(engine, run_dir: Path, state: LoopState, rank: int, keep_last: int) -> Path:
-    """Write a checkpoint atomically (all ranks call this) and prune to the newest keep_last."""
+def remove_leftovers(run_dir: Path) -> list[Path]:
+    """Delete what killed saves and prunes left: `.tmp-`/`.del-` directories and `step-` directories
+    without their state file (a partial prune by an older memtrain). Returns what was removed."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    stale = [p for p in root.iterdir() if p.is_dir() and (
+        p.name.startswith((".tmp-step-", ".del-step-")) or (_STEP_DIR.match(p.name) and not (p / STATE_FILE).is_file()))]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def partial_save(run_dir: Path, step: int) -> Path:
+    """Where a save of `step` writes before it is complete."""
+    return checkpoint_root(run_dir) / f".tmp-step-{step:06d}"
+
+
+def save_checkpoint(engine, run_dir: Path, state: LoopState, rank: int, keep_last: int,
+                    fault: Callable[[Path], None] | None = None) -> Path:
+    """Write a checkpoint atomically (all ranks call this) and prune to the newest keep_last.
+
+    `fault(tmp)` (tests): called once the engine's files are written, before the state file.
+    """
     root = checkpoint_root(run_dir)
     name = f"step-{state.step:06d}"
-    tmp, final = root / f".tmp-{name}", root / name
+    tmp, final = partial_save(run_dir, state.step), root / name
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-step-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_leftovers(run_dir)
         tmp.mkdir()
     barrier()
     engine.save_checkpoint(str(tmp), tag=DS_TAG)
     torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
+    if fault is not None:
+        fault(tmp)
     barrier()
     if rank == 0:
         state_path = tmp / STATE_FILE
@@ -91,7 +121,9 @@ def save_checkpoint(engine, run_dir: Path, state: LoopState, rank: int, keep_las
             shutil.rmtree(final)
         os.replace(tmp, final)
         for old in complete_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            doomed = old.with_name(f".del-{old.name}")
+            os.replace(old, doomed)  # never a step- directory with part of its files
+            shutil.rmtree(doomed, ignore_errors=True)
     barrier()
     return final
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memtrain.configs import gpu_profile
+from memtrain.configs import GpuProfile, allocator_budget_bytes, gpu_profile
 from memtrain.train.allocator import exact_pinned_supported, use_expandable_segments
 
 
@@ -58,12 +58,20 @@ def setup_process(gpu: str, cap_memory: bool, expandable_segments: bool = True) 
     cap_bytes = 0
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        cap_bytes = min(gpu_profile(gpu).memory_bytes, total)
-        if cap_memory and cap_bytes < total:
-            torch.cuda.set_per_process_memory_fraction(cap_bytes / total, device)
-        else:
-            cap_bytes = total
+        fraction, cap_bytes = gpu_cap(gpu_profile(gpu), total, cap_memory)
+        if fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(fraction, device)
     return Place(rank, local_rank, world_size, device), cap_bytes
+
+
+def gpu_cap(profile: GpuProfile, total_bytes: int, cap_memory: bool) -> tuple[float | None, int]:
+    """(allocator fraction to set, or None for no cap; the bytes the allocator may reserve) on a card of
+    `total_bytes` emulating `profile`: its memory less its CUDA context, which lives outside the allocator
+    (the plan's verdict uses the same budget)."""
+    if not cap_memory or profile.memory_bytes >= total_bytes:
+        return None, total_bytes
+    budget = allocator_budget_bytes(profile.memory_bytes, profile.cuda_context_bytes)
+    return budget / total_bytes, budget
 
 
 def barrier() -> None:

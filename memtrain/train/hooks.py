@@ -6,6 +6,9 @@ study recovery) are:
   MEMTRAIN_INJECT_OOM_BACKWARD   OOMs from inside chosen micro-batches' backward
   MEMTRAIN_INJECT_RANK           only this rank injects (default: every rank)
   MEMTRAIN_TRACE_SAMPLES         a file that receives the sample ids of every applied optimizer step
+  MEMTRAIN_INJECT_NAN            steps whose loss (and gradients) become NaN, e.g. '3,4,5'
+  MEMTRAIN_INJECT_OOM_EVAL       OOMs before chosen evaluation micro-batches (step:micro_index..., as above)
+  MEMTRAIN_INJECT_ENOSPC         steps whose checkpoint save fails with "no space left on device"
 """
 from __future__ import annotations
 
@@ -15,11 +18,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memtrain.errors import Problem, UserError
+from memtrain.train.guard import NAN_ENV, NanInjector
 from memtrain.train.oom import INJECT_ENV, OomInjector
 
 INJECT_BACKWARD_ENV = "MEMTRAIN_INJECT_OOM_BACKWARD"
 INJECT_RANK_ENV = "MEMTRAIN_INJECT_RANK"
 TRACE_ENV = "MEMTRAIN_TRACE_SAMPLES"
+INJECT_EVAL_ENV = "MEMTRAIN_INJECT_OOM_EVAL"
+INJECT_ENOSPC_ENV = "MEMTRAIN_INJECT_ENOSPC"
 
 
 class SampleTrace:
@@ -55,6 +62,9 @@ class Hooks:
     oom: OomInjector = field(default_factory=OomInjector)
     oom_backward: OomInjector = field(default_factory=OomInjector)
     sample_trace: SampleTrace = field(default_factory=SampleTrace)
+    nan: NanInjector = field(default_factory=NanInjector)
+    oom_eval: OomInjector = field(default_factory=OomInjector)
+    enospc_steps: frozenset[int] = frozenset()  # saves of these steps fail as if the disk were full
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Hooks":
@@ -66,4 +76,15 @@ class Hooks:
             return OomInjector.parse(environ.get(name, ""), source=name) if injects else OomInjector()
 
         return cls(oom=injector(INJECT_ENV), oom_backward=injector(INJECT_BACKWARD_ENV),
-                   sample_trace=SampleTrace(environ.get(TRACE_ENV)))
+                   sample_trace=SampleTrace(environ.get(TRACE_ENV)),
+                   nan=NanInjector.parse(environ.get(NAN_ENV, "")) if injects else NanInjector(),
+                   oom_eval=injector(INJECT_EVAL_ENV),
+                   enospc_steps=_steps(environ.get(INJECT_ENOSPC_ENV, ""), INJECT_ENOSPC_ENV) if injects else frozenset())
+
+
+def _steps(spec: str, source: str) -> frozenset[int]:
+    try:
+        return frozenset(int(part) for part in spec.split(",") if part.strip())
+    except ValueError:
+        raise UserError(Problem(f"cannot read {spec!r} as steps", key=source,
+                                hint="write the steps as numbers, comma-separated, e.g. '4,8'")) from None

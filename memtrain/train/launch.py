@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -30,6 +29,7 @@ from memtrain.train.preflight import check_dtype, check_memory
 from memtrain.train.result import EXIT_RESTART, RunResult
 from memtrain.train.run import RUN_FILE, ResolvedRun, RunOptions, resolve_run
 from memtrain.train.setup import RunData, build_data, setup
+from memtrain.train.signals import run_forwarding_signals
 
 Report = Callable[[RunResult], None]
 
@@ -74,7 +74,8 @@ def train_here(run: ResolvedRun, options: RunOptions, hooks: Hooks, data: RunDat
 
 
 def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report) -> int:
-    """Train a prepared run; returns the process exit code (0 done or stopped, 130 interrupted)."""
+    """Train a prepared run; returns the process exit code (0 done or stopped, 130 / 143 interrupted by
+    SIGINT / SIGTERM, which reach every worker: memtrain.train.signals)."""
     run = prepared.run
     gpus = run.recipe.hardware.gpus
     if gpus == 1:
@@ -88,15 +89,15 @@ def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report
     run_file = run.save()
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // gpus))))
     while True:
-        completed = subprocess.run(torchrun_command(gpus, free_port(), [str(run_file), *worker_flags(options)]), env=env)
-        if completed.returncode != EXIT_RESTART:
-            return completed.returncode
+        code = run_forwarding_signals(torchrun_command(gpus, free_port(), [str(run_file), *worker_flags(options)]), env)
+        if code != EXIT_RESTART:
+            return code
         options = dataclasses.replace(options, resume=True)
 
 
 def torchrun_command(nproc: int, port: int, worker_args: list[str]) -> list[str]:
-    """The torchrun command line that starts `nproc` workers on this host."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+    """The torchrun command line that starts `nproc` workers on this host (torchrun dying with its launcher)."""
+    return [sys.executable, "-m", "memtrain.train.signals", f"--nproc_per_node={nproc}",
             "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={port}",
             "-m", "memtrain.train.worker", *worker_args]
 

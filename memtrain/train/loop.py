@@ -16,11 +16,12 @@ import torch
 
 from memtrain.monitor.profiler import phase
 from memtrain.train.distributed import Place, all_reduce_sum
+from memtrain.train.eval_batches import run_shrinking
 from memtrain.train.export import export_model
+from memtrain.train.guard import Guard
 from memtrain.train.progress import Progress
 from memtrain.train.result import RunResult
 from memtrain.train.setup import Training
-from memtrain.train.step import split
 
 
 class Interrupted:
@@ -28,15 +29,17 @@ class Interrupted:
 
     def __init__(self):
         self.requested = False
+        self.signum = signal.SIGINT  # the first signal that asked: the exit code is 128 + it
 
     @contextmanager
     def installed(self):
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
         def request(signum, frame):
-            if self.requested:  # a second Ctrl-C aborts at once
+            if self.requested and signum == signal.SIGINT:  # a second Ctrl-C aborts at once (a repeated SIGTERM does not)
                 signal.signal(signal.SIGINT, previous[signal.SIGINT])
                 raise KeyboardInterrupt
+            self.signum = signum if not self.requested else self.signum
             self.requested = True
 
         for sig in previous:
@@ -48,22 +51,27 @@ class Interrupted:
                 signal.signal(sig, handler)
 
 
-def evaluate(engine, loader, val_set, samples: int, micro_batch: int, device, world_size: int, rank: int) -> float:
+def evaluate(engine, loader, val_set, samples: int, micro_batch: int, device, world_size: int, rank: int,
+             before=None, on_oom=None) -> float:
     """Mean token loss over the first `samples` validation samples, shared out over the ranks.
 
     The sample set depends on neither the number of GPUs nor the current micro-batch, so runs on
-    different hardware report comparable numbers.
+    different hardware report comparable numbers. An OOM halves the evaluation micro-batch (eval_batches.py).
     """
     engine.eval()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     tokens = torch.zeros((), device=device, dtype=torch.float64)
     mine = list(range(rank, min(len(val_set), samples), world_size))
+
+    def one(indices):
+        nonlocal loss_sum, tokens
+        batch = loader.get(indices)
+        token_loss_sum, n_targets = engine(**batch)
+        loss_sum += token_loss_sum.double()
+        tokens += n_targets.double() if torch.is_tensor(n_targets) else n_targets
+
     with torch.no_grad():
-        for indices in split(mine, micro_batch):
-            batch = loader.get(indices)
-            token_loss_sum, n_targets = engine(**batch)
-            loss_sum += token_loss_sum.double()
-            tokens += n_targets.double() if torch.is_tensor(n_targets) else n_targets
+        run_shrinking(mine, micro_batch, one, device, before=before, on_oom=on_oom)
     engine.train()
     totals = all_reduce_sum(torch.stack([loss_sum, tokens]))
     return float(totals[0] / totals[1].clamp(min=1))
@@ -82,6 +90,7 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                     **_data_fields(t.data.train_set))
     stop_at = run.total_steps if t.options.max_steps is None else min(run.total_steps, state.step + t.options.max_steps)
     interrupted = Interrupted()
+    guard = Guard(r, t.metrics, world, device, run.run_dir)  # NaN/inf steps, divergence, agreeing to stop
     status, eval_loss = "done", None
     progress = Progress(run.total_steps, enabled=place.is_main and not quiet)
     with interrupted.installed(), progress, t.profiler:
@@ -94,8 +103,11 @@ def train(t: Training, quiet: bool = False) -> RunResult:
             if outcome is None:  # an OOM in ZeRO-1/2 backward: saved; the launcher resumes from there
                 return RunResult(status="restart", step=state.step, run_dir=run.run_dir)
             loss_sum, micro_batches, ooms = outcome
+            skipped_before = t.engine.skipped_steps
             with phase("optimizer_step"):
                 t.engine.step()
+            verdict = guard.after_step(state.step + 1, loss_sum / (targets / world), t.engine, skipped_before,
+                                       interrupted.requested)
             t.hooks.sample_trace.commit(state.step, rank)
             state.step += 1
             state.tokens += targets
@@ -110,14 +122,16 @@ def train(t: Training, quiet: bool = False) -> RunResult:
             last = state.step == stop_at
             if state.step % r.train.eval_every == 0 or last:
                 eval_loss = evaluate(t.engine, t.val_loader, t.data.val_set, run.eval_samples,
-                                     session.policy.micro_batch, device, world, rank)
+                                     session.policy.micro_batch, device, world, rank,
+                                     before=lambda i, n: t.hooks.oom_eval.maybe_raise(state.step, i, n),
+                                     on_oom=lambda n: t.metrics.event("oom", state.step, micro_batch=n, phase="eval"))
                 t.metrics.event("eval", state.step, loss=eval_loss, perplexity=math.exp(min(eval_loss, 50)))
                 progress.note_eval(state.step, eval_loss)
                 if state.best_eval_loss is None or eval_loss < state.best_eval_loss:
                     state.best_eval_loss = eval_loss
-            if t.options.save and (state.step % r.train.save_every == 0 or last or interrupted.requested):
+            if t.options.save and verdict.may_save and (state.step % r.train.save_every == 0 or last or verdict.stop):
                 session.checkpoint()
-            if interrupted.requested:
+            if verdict.stop:
                 status = "interrupted"
                 break
         t.metrics.flush()
@@ -127,7 +141,8 @@ def train(t: Training, quiet: bool = False) -> RunResult:
     if status == "done" and t.options.save:
         exported = export_model(t.engine, t.model, t.data.tokenizer, run.run_dir / "final", rank, r.offload.stage == 3)
     t.metrics.event("run", state.step, event="end", status=status)
-    return RunResult(status=status, step=state.step, run_dir=run.run_dir, final_eval_loss=eval_loss, exported=exported)
+    return RunResult(status=status, step=state.step, run_dir=run.run_dir, final_eval_loss=eval_loss, exported=exported,
+                     signum=interrupted.signum, warning=guard.warning)
 
 
 def _data_fields(train_set) -> dict:

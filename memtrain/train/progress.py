@@ -38,7 +38,8 @@ class Progress:
             return
         fields = {}
         if record:
-            parts = [f"loss {record['loss']:.3f}"]
+            loss = record.get("loss")  # None: not finite (JSON has no NaN); the guard counts it
+            parts = [f"loss {loss:.3f}" if loss is not None else "loss nan"]
             if record.get("tokens_per_s"):
                 parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
             if record.get("gpu_peak_reserved_bytes"):
@@ -52,4 +53,6 @@ class Progress:
 
         self._eval = f" · val ppl {math.exp(min(loss, 50)):.1f}"
         if self._bar is not None:
+            stats = self._bar.tasks[0].fields.get("stats", "") if self._bar.tasks else ""
+            self._bar.update(self._task, stats=stats.split(" · val ppl")[0] + self._eval)  # not the previous one
             self._bar.console.print(f"step {step}: validation loss {loss:.4f}, perplexity {math.exp(min(loss, 50)):.2f}")

@@ -1,6 +1,7 @@
 """How a run ended, and the one line that tells a person."""
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,21 +16,23 @@ class RunResult:
     run_dir: Path
     final_eval_loss: float | None = None
     exported: Path | None = None   # the Hugging Face export, when one was written
+    signum: int = signal.SIGINT    # "interrupted": the signal that asked (exit 128 + it: 130 SIGINT, 143 SIGTERM)
+    warning: str | None = None     # something to say even though it trained to the end (the loss diverged)
 
     @property
     def exit_code(self) -> int:
-        return {"restart": EXIT_RESTART, "interrupted": EXIT_INTERRUPTED}.get(self.status, 0)
+        return {"restart": EXIT_RESTART, "interrupted": 128 + int(self.signum)}.get(self.status, 0)
 
     @property
     def finished(self) -> bool:
         """Trained to the end (a ✓ for people; anything else is a ■ with what to do next)."""
-        return self.status == "done"
+        return self.status == "done" and self.warning is None
 
     def summary(self) -> str:
         """One line saying how the run ended and what to do next."""
         if self.status == "done":
             where = f"model in {self.exported}" if self.exported else f"metrics in {self.run_dir} (--no-save)"
-            return f"trained {self.step} steps; {where}"
+            return f"trained {self.step} steps; {where}" + (f"; but {self.warning}" if self.warning else "")
         if self.status == "restart":
             return f"out of memory in backward at step {self.step + 1}; saved, restarting smaller"
         checkpoints = self.run_dir / "checkpoints"

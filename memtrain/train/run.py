@@ -27,6 +27,7 @@ class RunOptions:
     max_steps: int | None = None      # stop after this many optimizer steps (the schedule follows the recipe)
     profile_steps: int = 0            # record a torch.profiler trace of this many steps
     save: bool = True                 # False: no checkpoints and no final model (benchmarks, smoke tests)
+    overwrite: bool = False           # start over in a run directory that holds a run, moving the old one aside
 
 
 @dataclass(frozen=True)

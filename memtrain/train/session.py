@@ -6,6 +6,7 @@ memory pressure without losing or repeating a sample.
 """
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,11 +19,13 @@ from memtrain.monitor.forecast import PeakForecast
 from memtrain.monitor.metrics import MetricsLog
 from memtrain.recipe.schema import Recipe
 from memtrain.train.batch_policy import BatchPolicy, GiveUp
-from memtrain.train.checkpoint import LoopState, save_checkpoint
+from memtrain.train.checkpoint import LoopState, partial_save, save_checkpoint
 from memtrain.train.distributed import Place, any_rank, max_over_ranks
 from memtrain.train.hooks import Hooks
 from memtrain.train.oom import dump_memory_snapshot, release_memory
 from memtrain.train.step import OomDuringStep, run_micro_batches, split
+from memtrain.train.storage import (disk_full_error, expected_checkpoint_bytes, inject_enospc, is_disk_full, say,
+                                    space_warning)
 
 if TYPE_CHECKING:  # for the reader only: importing DeepSpeed is slow and sets up its accelerator
     import deepspeed
@@ -48,8 +51,26 @@ class Session:
 
     def checkpoint(self) -> Path:
         self.state.batch_policy = self.policy.state_dict()
-        path = save_checkpoint(self.engine, self.run_dir, self.state, self.place.rank, self.r.train.keep_last)
-        self.metrics.event("checkpoint", self.state.step, path=str(path))
+        self.state.recipe = self.r.model_dump(mode="json")  # what a resume compares its recipe with
+        step, main = self.state.step, self.place.is_main
+        needed = expected_checkpoint_bytes(self.run_dir, self.engine.module)
+        free, warning = space_warning(self.run_dir, needed) if main else (None, None)
+        if warning:
+            self.metrics.event("disk", step, free_bytes=free, needed_bytes=needed, message=warning)
+            say(warning)
+        fault = inject_enospc if step in self.hooks.enospc_steps else None
+        try:
+            path = save_checkpoint(self.engine, self.run_dir, self.state, self.place.rank, self.r.train.keep_last,
+                                   fault=fault)
+        except Exception as error:
+            if not is_disk_full(error):
+                raise
+            if main:
+                shutil.rmtree(partial_save(self.run_dir, step), ignore_errors=True)  # frees what it took
+            self.metrics.event("run", step, event="end", status="disk_full")
+            self.metrics.close()
+            raise disk_full_error(self.run_dir, needed, step) from None
+        self.metrics.event("checkpoint", step, path=str(path))
         return path
 
     def forward_backward(self, mine: list[int], targets: int) -> tuple[torch.Tensor, int, int] | None:
@@ -59,6 +80,7 @@ class Session:
         backward left gradients that cannot be dropped, after saving the last completed step.
         """
         step, device = self.state.step, self.place.device
+        self.hooks.nan.arm(step)  # test hook: this step's loss becomes NaN (MEMTRAIN_INJECT_NAN)
         if self.place.on_cuda:
             torch.cuda.reset_peak_memory_stats(device)
         injector, backward_injector = self.hooks.oom, self.hooks.oom_backward
@@ -97,6 +119,7 @@ class Session:
                 else:  # forward: the finished micro-batches' gradients stand
                     micro_batches += oom.done
                     remaining = remaining[sum(len(b) for b in batches[:oom.done]):]
+        self.hooks.nan.arm(-1)
         return loss_sum, micro_batches, ooms
 
     def _shrink_after_oom(self, oom: OomDuringStep, snapshot: Path | None) -> None:

@@ -42,6 +42,8 @@ from memtrain.train.checkpoint import LoopState, latest_checkpoint, load_checkpo
 from memtrain.train.distributed import Place, setup_process
 from memtrain.train.hooks import Hooks
 from memtrain.train.oom import start_memory_history
+from memtrain.train.resume import follow_recipe, optimizer_settings
+from memtrain.train.rundir import start_metrics
 from memtrain.train.run import ResolvedRun, RunOptions
 from memtrain.train.schedule import lr_scheduler_factory
 from memtrain.train.session import Session
@@ -179,12 +181,15 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
 
     state, checkpoint = LoopState(), latest_checkpoint(run.run_dir) if options.resume else None
     if checkpoint is not None:
+        built = optimizer_settings(engine, scheduler)  # the recipe's; the checkpoint brings the old ones
         state = load_checkpoint(engine, checkpoint, place.rank)
+        follow_recipe(engine, scheduler, state, r, built)
     policy = BatchPolicy(r.batch, run.per_rank_batch, run.micro_batch, cap_bytes or 1,
                          prior=run.planner_prior if place.on_cuda else None)
     if state.batch_policy:
         policy.load_state_dict(state.batch_policy)
     if place.is_main:
+        start_metrics(run.run_dir, state.step if checkpoint is not None else None)  # one history per directory
         run.save()
         write_atomically(run.run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
         write_atomically(run.run_dir / "recipe.json", r.model_dump_json(indent=2))
@@ -196,6 +201,7 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
     val_loader = stack.enter_context(BatchLoader(data.val_set, place.device))
     start_memory_history(place.device)
     hooks.oom.attach(model)  # OOMs from inside a decoder layer (MEMTRAIN_INJECT_OOM=…@layerK)
+    hooks.nan.attach(model)  # NaN losses (MEMTRAIN_INJECT_NAN)
     session = Session(r, place, engine, policy, metrics, PeakForecast(), loader, hooks, run.run_dir,
                       r.offload.stage == 3, options.save, state, cap_bytes)
     return Training(run=run, options=options, hooks=hooks, place=place, cap_bytes=cap_bytes, data=data, model=model,

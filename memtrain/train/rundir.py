@@ -1,0 +1,96 @@
+"""A run directory belongs to one run.
+
+Its checkpoints, metrics and final model describe one sequence of optimizer steps. Three rules keep
+it so:
+- `--no-resume` into a directory that holds a run (a complete checkpoint or a final model) is refused:
+  the new run's checkpoints would be pruned in favour of the old run's higher step numbers, and a
+  later resume would pick the old run up again. `--overwrite` moves the old run aside first
+  (`NAME.previous-YYYYmmdd-HHMMSS/` beside it: renamed whole, nothing copied, nothing lost).
+- A run that starts from step 0 (no checkpoint) replaces the metrics an earlier attempt left.
+- A run resumed from step S drops the metric records of steps after S (those of the steps it is
+  about to redo), so metrics.jsonl holds each step once and `memtrain report` reads one history.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from memtrain.errors import Problem, UserError
+from memtrain.files import write_atomically
+from memtrain.monitor.metrics import METRICS_FILE
+from memtrain.train.checkpoint import complete_checkpoints
+from memtrain.train.run import RunOptions
+
+FINAL_DIR = "final"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    """Whether `run_dir` holds a run that a new one would mix with: a complete checkpoint or a final model."""
+    return bool(complete_checkpoints(run_dir)) or (run_dir / FINAL_DIR).is_dir()
+
+
+def archive_run(run_dir: Path) -> Path:
+    """Move the whole run directory aside (one rename) and return where it went."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = run_dir.with_name(f"{run_dir.name}.previous-{stamp}")
+    suffix = 1
+    while target.exists():
+        suffix += 1
+        target = run_dir.with_name(f"{run_dir.name}.previous-{stamp}-{suffix}")
+    os.replace(run_dir, target)
+    return target
+
+
+def claim_run_dir(run_dir: Path, options: RunOptions) -> list[str]:
+    """Make `run_dir` this run's before anything is written; return what was done, for people.
+
+    Raises UserError for `--no-resume` into a directory that holds a run, unless `--overwrite`.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.exists() or not (options.overwrite or not options.resume):
+        return []
+    if options.overwrite:
+        if not any(run_dir.iterdir()):
+            return []
+        moved = archive_run(run_dir)
+        return [f"moved the previous run in {run_dir} to {moved} (--overwrite); delete it when you no longer need it"]
+    if holds_a_run(run_dir):
+        found = complete_checkpoints(run_dir)
+        what = f"checkpoints up to {found[-1].name}" if found else "a final model"
+        raise UserError(Problem(
+            f"the run directory {run_dir} holds another run ({what}); --no-resume would mix the two "
+            "(pruning keeps the old run's higher steps, and a later resume would continue the old run)",
+            key="train.output_dir",
+            hint=f"train somewhere else (train.output_dir=runs/NEW), resume it (drop --no-resume), or start over "
+                 f"with --overwrite (the old run is moved to {run_dir.name}.previous-DATE beside it)"))
+    return []
+
+
+def start_metrics(run_dir: Path, resume_step: int | None) -> int:
+    """Make metrics.jsonl this attempt's: keep the records up to `resume_step` (None: a start from step 0,
+    nothing kept, TensorBoard's events too). Returns how many records were dropped. Rank 0 only."""
+    path = Path(run_dir) / METRICS_FILE
+    if resume_step is None:
+        shutil.rmtree(Path(run_dir) / TENSORBOARD_DIR, ignore_errors=True)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    with open(path, "rb") as file:
+        for raw in file:
+            try:
+                record = json.loads(raw)
+                step = int(record["step"])
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                dropped += bool(raw.strip())  # a torn line of a killed run
+                continue
+            if resume_step is not None and step <= resume_step:
+                kept.append(raw if raw.endswith(b"\n") else raw + b"\n")
+            else:
+                dropped += 1
+    if dropped:
+        write_atomically(path, b"".join(kept))
+    return dropped

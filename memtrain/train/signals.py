@@ -1,0 +1,114 @@
+"""Signals reach every process, and every process ends with its launcher.
+
+- Exit codes are the shell's: 128 + the signal (130 for Ctrl-C / SIGINT, 143 for SIGTERM).
+- During start-up (before the loop installs its own handlers, which finish the step and save) SIGINT
+  and SIGTERM raise `Stopped`, so `memtrain run` ends with one line and the conventional code.
+- With several processes the launcher starts torchrun in its own process group (a terminal's Ctrl-C
+  reaches the launcher alone, not every process twice) and forwards SIGINT/SIGTERM to it; torchrun
+  forwards them to the workers, which save and exit, and waits for them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
+  long enough for a save). The launcher then exits 128 + the signal.
+- No worker outlives its launcher: torchrun runs with a parent-death signal of SIGTERM (the launcher
+  killed with SIGKILL: torchrun shuts the workers down as above), and each worker with SIGKILL (torchrun
+  itself gone: nothing is left to coordinate the ranks; the last complete checkpoint stands).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+PR_SET_PDEATHSIG = 1
+LAUNCHER_PID_ENV = "MEMTRAIN_LAUNCHER_PID"
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+SHUTDOWN_TIMEOUT_S = 900  # torchrun's default 30 s kills a worker still writing a 7B checkpoint
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def exit_code(signum: int) -> int:
+    return 128 + int(signum)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM outside the training loop (a KeyboardInterrupt, so `except Exception` lets it pass)."""
+
+    def __init__(self, signum: int = signal.SIGINT):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+def signum_of(interrupt: KeyboardInterrupt) -> int:
+    return interrupt.signum if isinstance(interrupt, Stopped) else int(signal.SIGINT)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise Stopped in the main thread while the block runs (the loop's own handlers,
+    installed inside it, take over while training)."""
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def die_with_parent(signum: int, parent_pid: int | None = None) -> None:
+    """Ask Linux to send `signum` to this process when its parent exits (prctl PR_SET_PDEATHSIG); exit at
+    once if the parent (`parent_pid`, when given) is already gone. No-op where prctl is missing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signum)
+
+
+def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
+    """Run `command` (torchrun) in its own process group, forwarding SIGINT/SIGTERM to it, and wait.
+
+    Returns its exit code, or 128 + the first signal forwarded.
+    """
+    env = dict(env, **{LAUNCHER_PID_ENV: str(os.getpid())})
+    env.setdefault(SHUTDOWN_TIMEOUT_ENV, str(SHUTDOWN_TIMEOUT_S))
+    received: list[int] = []
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+
+    def forward(signum, frame):
+        received.append(signum)
+        if process.poll() is None:
+            process.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    try:
+        code = process.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return exit_code(received[0]) if received else code
+
+
+def torchrun_main(argv: list[str]) -> int:
+    """`python -m memtrain.train.signals ARGS`: torchrun that dies with its launcher, without a traceback when
+    it is told to stop (it shuts its workers down first)."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    die_with_parent(signal.SIGTERM, int(launcher) if launcher else None)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(argv)
+    except SignalException as stop:
+        return exit_code(stop.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_main(sys.argv[1:]))

@@ -1,0 +1,279 @@
+"""Runs that cannot be mixed, lost or silently wrong: end to end on DeepSpeed's CPU accelerator."""
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from memtrain.cli import app
+from memtrain.commands.run import run_command
+from memtrain.train.checkpoint import complete_checkpoints
+from memtrain.train.run import RunOptions
+from memtrain.train.schedule import lr_multiplier
+from tests.conftest import read_records
+from tests.train.test_run import run_dir_of
+
+pytestmark = pytest.mark.slow
+
+
+def run(path: Path, *overrides: str, **options) -> tuple[int, str]:
+    """`memtrain run` in this process: (exit code, what it printed)."""
+    out = io.StringIO()
+    code = run_command(path, list(overrides), RunOptions(**options), console=Console(file=out, width=300))
+    return code, out.getvalue()
+
+
+def cli(*args: str):
+    return CliRunner().invoke(app, ["run", *map(str, args)])
+
+
+def train_steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_records(run_dir, "train")]
+
+
+def test_no_resume_into_a_used_directory_is_refused_and_overwrite_starts_over(write_recipe):
+    recipe = write_recipe("owned", {"train": {"steps": 6, "save_every": 3, "eval_every": 100}})
+    assert run(recipe)[0] == 0
+    run_dir = run_dir_of(recipe)
+    before = sorted(p.name for p in complete_checkpoints(run_dir))
+    refused = cli(recipe, "--no-resume", "train.steps=4")
+    assert refused.exit_code == 2, refused.output
+    assert "train.output_dir" in refused.output and "--overwrite" in refused.output
+    assert "Traceback" not in refused.output
+    assert sorted(p.name for p in complete_checkpoints(run_dir)) == before  # the old run is untouched
+
+    assert cli(recipe, "--no-resume", "--overwrite", "train.steps=4").exit_code == 0
+    [old] = run_dir.parent.glob("owned.previous-*")
+    assert train_steps(old) == [1, 2, 3, 4, 5, 6]  # moved aside whole
+    assert train_steps(run_dir) == [1, 2, 3, 4]  # the new run's metrics hold the new run only
+    assert [r["event"] for r in read_records(run_dir, "run")] == ["start", "end"]
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step-000003", "step-000004"]
+
+
+def test_a_resumed_run_drops_the_records_of_the_steps_it_redoes(write_recipe):
+    recipe = write_recipe("redo", {"train": {"steps": 10, "save_every": 5, "eval_every": 100}})
+    assert run(recipe, max_steps=7)[0] == 0
+    run_dir = run_dir_of(recipe)
+    shutil.rmtree(run_dir / "checkpoints" / "step-000007")  # as if killed after step 7, before its save
+    code, said = run(recipe)
+    assert code == 0
+    assert "resuming from step 5 (checkpoint" in said
+    assert train_steps(run_dir) == list(range(1, 11))  # steps 6 and 7 once: the redone records replaced
+
+    from memtrain.commands.report import report_command
+
+    out = io.StringIO()
+    report_command(run_dir, as_json=True, console=Console(file=out))
+    assert '"steps": 10' in out.getvalue()
+
+
+def test_resume_refuses_changes_that_break_exactness_and_lists_them(write_recipe):
+    recipe = write_recipe("strict", {"train": {"steps": 12, "save_every": 6, "eval_every": 100}})
+    assert run(recipe, max_steps=6)[0] == 0
+    refused = cli(recipe, "data.seq_len=64", "batch.global_batch=16", "train.seed=8", "model.lora.r=4")
+    assert refused.exit_code == 2, refused.output
+    for change in ("data.seq_len", "32 → 64", "batch.global_batch", "8 → 16", "train.seed", "model.lora.r"):
+        assert change in refused.output, change
+    assert "train.output_dir" in refused.output and "--overwrite" in refused.output
+    assert "Traceback" not in refused.output
+    assert train_steps(run_dir_of(recipe)) == list(range(1, 7))  # nothing ran
+
+
+def test_resume_applies_a_new_learning_rate_and_says_so(write_recipe):
+    recipe = write_recipe("newlr", {"train": {"steps": 12, "save_every": 6, "eval_every": 100}})
+    assert run(recipe, max_steps=6)[0] == 0
+    code, said = run(recipe, "optimizer.lr=1e-3", "train.eval_every=3")
+    assert code == 0, said
+    assert "resuming from step 6" in said and "optimizer.lr 0.003 → 0.001" in said
+    run_dir = run_dir_of(recipe)
+    from memtrain.recipe.schema import Schedule
+
+    lrs = {r["step"]: r["lr"] for r in read_records(run_dir, "train")}
+    schedule = Schedule(warmup_steps=2, decay="cosine")
+    # the lr logged at step 7 is the one the scheduler set for the next update, as in a straight run
+    assert lrs[7] == pytest.approx(1e-3 * lr_multiplier(7, schedule, 12), rel=1e-6)
+    assert lrs[6] == pytest.approx(3e-3 * lr_multiplier(6, schedule, 12), rel=1e-6)
+    import json
+
+    assert json.loads((run_dir / "recipe.json").read_text())["optimizer"]["lr"] == 1e-3
+    assert [e["step"] for e in read_records(run_dir, "eval")] == [6, 9, 12]  # the new cadence after step 6
+
+
+def test_a_checkpoint_past_the_recipes_steps_is_refused(write_recipe):
+    recipe = write_recipe("past", {"train": {"steps": 8, "save_every": 4, "eval_every": 100}})
+    assert run(recipe)[0] == 0
+    refused = cli(recipe, "train.steps=4")
+    assert refused.exit_code == 2 and "past this recipe's 4 steps" in refused.output, refused.output
+
+
+def test_nan_steps_skip_the_update_and_k_in_a_row_stop_without_saving_the_bad_state(write_recipe, monkeypatch):
+    recipe = write_recipe("nan", {"train": {"steps": 10, "save_every": 2, "eval_every": 100, "max_bad_steps": 3}})
+    monkeypatch.setenv("MEMTRAIN_INJECT_NAN", "3,4,5")  # the loop's steps 3-5: steps 4, 5 and 6 of the run
+    result = cli(recipe)
+    assert result.exit_code == 2, result.output
+    assert "from step 4" in result.output and "optimizer.lr" in result.output and "Traceback" not in result.output
+    run_dir = run_dir_of(recipe)
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step-000002"]  # step 4 and 6 were bad: not saved
+    assert [(e["step"], e["in_a_row"]) for e in read_records(run_dir, "bad_step")] == [(4, 1), (5, 2), (6, 3)]
+    ends = [r for r in read_records(run_dir, "run") if r.get("event") == "end"]
+    assert ends[-1]["status"] == "diverged" and ends[-1]["step"] == 6
+
+
+def test_one_nan_step_is_skipped_and_the_run_goes_on_finite(write_recipe, monkeypatch):
+    extra = {"train": {"steps": 6, "save_every": 2, "eval_every": 6}}
+    clean = write_recipe("clean", extra)
+    assert run(clean)[0] == 0
+    monkeypatch.setenv("MEMTRAIN_INJECT_NAN", "2")
+    faulty = write_recipe("one-nan", extra)
+    code, said = run(faulty)
+    assert code == 0, said
+    run_dir = run_dir_of(faulty)
+    assert [e["step"] for e in read_records(run_dir, "bad_step")] == [3]
+    losses = {r["step"]: r["loss"] for r in read_records(run_dir, "train")}
+    clean_losses = {r["step"]: r["loss"] for r in read_records(run_dir_of(clean), "train")}
+    assert losses[3] is None and losses[1] == pytest.approx(clean_losses[1]) and losses[2] == pytest.approx(clean_losses[2])
+    assert all(losses[s] is not None for s in (4, 5, 6))  # the skipped update left the weights finite
+    assert read_records(run_dir, "eval")[-1]["loss"] is not None
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step-000004", "step-000006"]
+
+
+def start_two_process_run(write_recipe, name: str):
+    """A 2-process CPU run of `memtrain run` in a subprocess, returned once it has logged a training step."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.train.test_run import clean_env
+
+    recipe = write_recipe(name, {"hardware": {"gpus": 2}, "batch": {"global_batch": 8, "micro_batch": 2},
+                                 "train": {"steps": 2000, "save_every": 1000, "eval_every": 1000, "log_every": 1}})
+    proc = subprocess.Popen([sys.executable, "-m", "memtrain", "run", str(recipe)], env=clean_env(OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir_of(recipe) / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and not (metrics.exists() and '"train"' in metrics.read_text()):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.5)
+    return recipe, proc
+
+
+def family(pid: int) -> list:
+    import psutil
+
+    parent = psutil.Process(pid)
+    return [parent, *parent.children(recursive=True)]
+
+
+def wait_gone(processes: list, timeout_s: float) -> list:
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_sigterm_to_the_launcher_of_two_processes_saves_and_leaves_no_process(write_recipe):
+    import signal
+
+    recipe, proc = start_two_process_run(write_recipe, "term2")
+    processes = family(proc.pid)
+    assert len(processes) >= 4, processes  # launcher, torchrun, two workers
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 143, output[-3000:]
+    assert not wait_gone(processes, 30), output[-3000:]
+    run_dir = run_dir_of(recipe)
+    ends = [r for r in read_records(run_dir, "run") if r.get("event") == "end"]
+    assert ends[-1]["status"] == "interrupted"
+    [saved] = complete_checkpoints(run_dir)
+    assert int(saved.name.split("-")[1]) == ends[-1]["step"]  # both ranks saved the same step
+    assert (saved / "rng-rank1.pt").is_file()
+    assert output.count("interrupted at step") == 1  # one line from rank 0, none from rank 1
+    assert "Traceback" not in output
+
+
+def test_no_worker_outlives_a_launcher_killed_with_sigkill(write_recipe):
+    import signal
+
+    _, proc = start_two_process_run(write_recipe, "kill2")
+    processes = family(proc.pid)
+    assert len(processes) >= 4, processes
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert not wait_gone(processes[1:], 120)  # torchrun and both workers are gone too
+
+
+def test_a_signal_during_start_up_ends_with_a_line_and_the_conventional_code(write_recipe, monkeypatch):
+    import signal
+
+    from memtrain.commands import run as run_module
+    from memtrain.train.signals import Stopped
+
+    recipe = write_recipe("startup")
+
+    def stopped(*args, **kwargs):
+        raise Stopped(signal.SIGTERM)
+
+    monkeypatch.setattr(run_module, "prepare", stopped)
+    code, said = run(recipe)
+    assert code == 143 and "stopped by SIGTERM" in said, said
+
+
+def test_sigterm_while_the_engine_is_built_exits_143_without_a_traceback(write_recipe):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.train.test_run import clean_env
+
+    recipe = write_recipe("startup-term", {"train": {"steps": 400}})
+    proc = subprocess.Popen([sys.executable, "-m", "memtrain", "run", str(recipe)], env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not run_dir_of(recipe).exists():  # setup has begun
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 143, output[-3000:]
+    assert "Traceback" not in output and ("stopped by SIGTERM" in output or "interrupted at step" in output), output
+
+
+def test_a_full_disk_removes_the_partial_save_flushes_the_metrics_and_says_so(write_recipe, monkeypatch):
+    recipe = write_recipe("full", {"train": {"steps": 8, "save_every": 2, "eval_every": 100, "log_every": 100}})
+    monkeypatch.setenv("MEMTRAIN_INJECT_ENOSPC", "4")
+    result = cli(recipe)
+    assert result.exit_code == 2, result.output
+    assert "no space left on" in result.output and "needs ~" in result.output and "Traceback" not in result.output
+    run_dir = run_dir_of(recipe)
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-000002"]  # no partial .tmp- left
+    assert train_steps(run_dir) == [1, 2, 3, 4]  # buffered records (log_every 100) were flushed
+    assert [r["status"] for r in read_records(run_dir, "run") if r.get("event") == "end"] == ["disk_full"]
+
+
+def test_low_free_space_is_warned_about_before_a_save(write_recipe, monkeypatch):
+    from memtrain.train import storage
+
+    monkeypatch.setattr(storage, "free_bytes", lambda path: 1_000_000)  # 1 MB free: less than one checkpoint
+    recipe = write_recipe("lowdisk", {"train": {"steps": 2, "save_every": 2, "eval_every": 100}})
+    assert run(recipe)[0] == 0
+    [event] = read_records(run_dir_of(recipe), "disk")
+    assert event["free_bytes"] == 1_000_000 and event["needed_bytes"] > 1_000_000
+    assert "the next save will not fit" in event["message"]
+
+
+def test_an_oom_in_evaluation_shrinks_the_eval_micro_batch_instead_of_ending_the_run(write_recipe, monkeypatch):
+    extra = {"train": {"steps": 4, "eval_every": 4, "save_every": 100}}
+    clean = write_recipe("eval-clean", extra)
+    assert run(clean, save=False)[0] == 0
+    monkeypatch.setenv("MEMTRAIN_INJECT_OOM_EVAL", "4:0:mb>=4,4:1:mb>=2")  # twice: 4 -> 2 -> 1
+    faulty = write_recipe("eval-oom", extra)
+    code, said = run(faulty, save=False)
+    assert code == 0, said
+    ooms = read_records(run_dir_of(faulty), "oom")
+    assert [(o["step"], o["micro_batch"], o["phase"]) for o in ooms] == [(4, 4, "eval"), (4, 2, "eval")]
+    [a], [b] = read_records(run_dir_of(clean), "eval"), read_records(run_dir_of(faulty), "eval")
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)  # the same samples, each counted once

@@ -1,0 +1,93 @@
+"""A run directory belongs to one run; resume compares the recipe with the checkpoint's (unit tests)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memtrain.errors import UserError
+from memtrain.train.checkpoint import STATE_FILE, remove_leftovers
+from memtrain.train.resume import differences, flatten
+from memtrain.train.run import RunOptions
+from memtrain.train.rundir import claim_run_dir, start_metrics
+
+
+def fake_checkpoint(run_dir: Path, step: int) -> Path:
+    path = run_dir / "checkpoints" / f"step-{step:06d}"
+    (path / "state").mkdir(parents=True)
+    (path / STATE_FILE).write_text(json.dumps({"step": step}))
+    return path
+
+
+def write_metrics(run_dir: Path, records: list[dict], torn: bool = False) -> Path:
+    path = run_dir / "metrics.jsonl"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + ('{"kind": "tra' if torn else ""))
+    return path
+
+
+def test_no_resume_into_a_directory_with_checkpoints_is_refused_naming_the_ways_out(tmp_path):
+    run_dir = tmp_path / "run"
+    fake_checkpoint(run_dir, 60)
+    with pytest.raises(UserError) as refused:
+        claim_run_dir(run_dir, RunOptions(resume=False))
+    text = str(refused.value)
+    assert "step-000060" in text and "train.output_dir" in text and "--overwrite" in text
+    assert (run_dir / "checkpoints" / "step-000060").is_dir()  # nothing touched
+    assert claim_run_dir(run_dir, RunOptions(resume=True)) == []  # a resume is what the directory is for
+
+
+def test_overwrite_moves_the_whole_old_run_aside(tmp_path):
+    run_dir = tmp_path / "run"
+    fake_checkpoint(run_dir, 60)
+    write_metrics(run_dir, [{"kind": "train", "step": 1}])
+    notes = claim_run_dir(run_dir, RunOptions(resume=False, overwrite=True))
+    assert not run_dir.exists()
+    [moved] = tmp_path.glob("run.previous-*")
+    assert (moved / "checkpoints" / "step-000060" / STATE_FILE).is_file() and (moved / "metrics.jsonl").is_file()
+    assert str(moved) in notes[0]
+
+
+def test_metrics_keep_one_history_per_directory(tmp_path):
+    records = [{"kind": "run", "step": 0, "event": "start"}] + \
+        [{"kind": "train", "step": s, "loss": 1.0} for s in range(1, 8)] + [{"kind": "checkpoint", "step": 5}]
+    path = write_metrics(tmp_path, records, torn=True)
+    assert start_metrics(tmp_path, 5) == 3  # steps 6 and 7 are redone by the resumed run; the torn line goes too
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in kept if r["kind"] == "train"] == [1, 2, 3, 4, 5]
+    assert kept[-1]["kind"] == "checkpoint"
+    (tmp_path / "tensorboard").mkdir()
+    start_metrics(tmp_path, None)  # a start from step 0: nothing of the earlier attempt stays
+    assert path.read_text() == "" and not (tmp_path / "tensorboard").exists()
+
+
+def test_the_leftovers_of_killed_saves_and_prunes_are_removed(tmp_path):
+    good = fake_checkpoint(tmp_path, 6)
+    half_pruned = tmp_path / "checkpoints" / "step-000003"
+    (half_pruned / "state").mkdir(parents=True)  # a kill during pruning: an empty state/, no state file
+    (tmp_path / "checkpoints" / ".del-step-000002").mkdir()
+    (tmp_path / "checkpoints" / ".tmp-step-000009").mkdir()
+    removed = remove_leftovers(tmp_path)
+    assert sorted(p.name for p in removed) == [".del-step-000002", ".tmp-step-000009", "step-000003"]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [good.name]
+
+
+def test_recipe_changes_are_split_into_breaking_and_safe():
+    old = {"model": {"preset": "micro", "lora": None}, "data": {"seq_len": 32, "cache_dir": "a"},
+           "batch": {"global_batch": 8, "micro_batch": 4}, "optimizer": {"name": "adamw", "lr": 0.003},
+           "precision": {"compute": "fp32"}, "train": {"seed": 7, "steps": 10, "eval_every": 5}}
+    new = json.loads(json.dumps(old))
+    new["data"].update(seq_len=64, cache_dir="b")
+    new["model"]["lora"] = {"r": 4}
+    new["batch"].update(global_batch=16, micro_batch=2)
+    new["optimizer"].update(name="adamw_8bit", lr=0.001)
+    new["precision"]["compute"] = "bf16"
+    new["train"].update(seed=8, steps=20, eval_every=2)
+    breaking, safe = differences(old, new)
+    assert [c.key for c in breaking] == ["batch.global_batch", "data.seq_len", "model.lora.r",
+                                         "optimizer.name", "precision.compute", "train.seed"]
+    assert [c.key for c in safe] == ["batch.micro_batch", "data.cache_dir", "optimizer.lr", "train.eval_every",
+                                     "train.steps"]
+    assert str(safe[2]) == "optimizer.lr 0.003 → 0.001"
+    assert flatten({"a": {"b": [1, 2], "c": {}}}) == {"a.b": [1, 2], "a.c": {}}
