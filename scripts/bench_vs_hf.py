@@ -141,7 +141,12 @@ def main() -> int:
                        hf_host_gib=f"{theirs['host_peak_rss_gib']:.1f}",
                        hf_first_step_s=f"{theirs['time_to_first_step_s']:.0f}")
         except failures as error:  # a side that did not finish is a row that says so
-            row["ratio"] = f"failed: {type(error).__name__}"
+            side = "memtrain" if "memtrain_tokens_per_s" not in row else "HF"
+            log = run_dir_for(args.runs, name) if side == "memtrain" else args.runs / f"{name}.hf"
+            log = log.parent / f"{log.name}.log"
+            text = log.read_text(errors="replace") if log.exists() else ""
+            row["ratio"] = f"{side} ran out of GPU memory" if "OutOfMemoryError" in text else \
+                f"failed: {type(error).__name__}"
         print(json.dumps(row), flush=True)
         upsert_row(args.out, row, COLUMNS, "memtrain vs Hugging Face Trainer + DeepSpeed")
     return 0
