@@ -114,6 +114,7 @@ def _report(run_dir: Path, as_json: bool = False) -> str:
     return buffer.getvalue()
 
 
+@pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
 def test_report_renders_five_readable_pngs(tiny_run, tmp_path):
     run_dir = _copy(tiny_run, tmp_path)
     _report(run_dir)

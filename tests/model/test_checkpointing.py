@@ -146,6 +146,7 @@ def test_offloaded_activations_live_on_the_host_during_forward():
     assert plan.offload_stats.unpacked_tensors == plan.offload_stats.packed_tensors
 
 
+@pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
 def test_lora_strategies_match_plain_lora():
     def lora_losses(config):
         base = tiny_llama()

@@ -175,6 +175,7 @@ def test_export_run_says_what_is_missing(tmp_path):
     assert caught.value.problems[0].key == "model.preset"
 
 
+@pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
 def test_a_qlora_adapter_merges_onto_the_dequantised_base_it_was_trained_on(tmp_path):
     pytest.importorskip("bitsandbytes")
     from memtrain.model.quantize import bnb_config

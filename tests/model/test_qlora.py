@@ -142,6 +142,7 @@ def test_the_plan_counts_quantised_weights_for_the_13b_recipe():
     assert plan.fits
 
 
+@pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
 def test_advice_proposes_nf4_when_lora_alone_does_not_fit():
     from memtrain.plan.advice import advise, with_overrides
     from memtrain.plan.planner import plan_recipe
@@ -216,6 +217,7 @@ def test_shipped_qlora_recipes_fit_their_cards():
 
 # --- DeepSpeed engines on the CPU -------------------------------------------------------------------
 
+@pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
 @pytest.mark.parametrize("kind,optimizer", [("nf4", "adamw_8bit"), ("int8", "adamw")])
 def test_deepspeed_bf16_engine_trains_only_adapters_and_keeps_the_packed_weights(
         process_group, write_recipe, kind, optimizer):

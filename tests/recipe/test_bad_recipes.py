@@ -94,6 +94,7 @@ def test_out_of_range_messages_are_short_and_show_the_value():
     assert "greater than or equal" not in lines
 
 
+@pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
 def test_a_real_process_exits_2_without_a_traceback():
     env = {**os.environ, "COLUMNS": "200"}
     path = BAD_DIR / "23_fields_and_contradictions_together.yaml"

@@ -29,6 +29,7 @@ def _rows(table: str) -> list[dict]:
     return list(csv.DictReader(path.open())) if path.exists() else []
 
 
+@pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
 @pytest.mark.parametrize("expandable, table, view", TABLES)
 def test_accuracy_table_predictions_are_the_current_planners(expandable, table, view):
     harness = _harness()

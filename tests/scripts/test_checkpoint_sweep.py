@@ -20,6 +20,7 @@ def sweep():
     return module
 
 
+@pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
 def test_cpu_sweep_writes_one_row_per_strategy_and_appends(sweep, tmp_path):
     out = tmp_path / "sweep.csv"
     argv = ["--device", "cpu", "--preset", "tiny", "--micro-batch", "2", "--seq-len", "32", "--steps", "2",

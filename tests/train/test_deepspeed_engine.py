@@ -50,6 +50,7 @@ def step(eng, ids, poison: bool = False) -> float:
 FP32 = Precision(compute="fp32", loss_chunk_tokens=16)
 
 
+@pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
 @pytest.mark.parametrize("stage", [2, 3])
 def test_checkpointing_under_zero_matches_no_checkpointing(stage):
     batches = shakespeare_batches(8)
@@ -93,6 +94,7 @@ def test_fp16_overflow_lowers_the_scale_and_skips_the_step(hysteresis):
     assert not all(torch.equal(weights[k], v) for k, v in eng.module.state_dict().items())
 
 
+@pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
 def test_lora_bf16_islands_under_zero3_match_no_checkpointing():
     """LoRA + bf16 engine (which casts the fp32 islands' weights) + ZeRO-3 gathering inside the islands."""
     from peft import LoraConfig, get_peft_model
@@ -114,6 +116,7 @@ def test_lora_bf16_islands_under_zero3_match_no_checkpointing():
         assert torch.allclose(losses, runs["none"], rtol=0, atol=1e-5), (name, losses - runs["none"])
 
 
+@pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
 @pytest.mark.parametrize("zenflow", [False, True])
 def test_deepspeed_zenflow_scrambles_the_weights_it_is_given(zenflow):
     """Why memtrain refuses `offload.zenflow` (recipe checks): DeepSpeed's ZenFlow (ZeRO-2, optimizer on the CPU)
@@ -140,6 +143,7 @@ def test_deepspeed_zenflow_scrambles_the_weights_it_is_given(zenflow):
             assert torch.equal(p.detach(), original), name
 
 
+@pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
 def test_loraplus_trains_the_b_matrices_at_lr_times_the_ratio_through_the_schedule(process_group, write_recipe):
     """LoRA+ reaches DeepSpeed's optimizer as two parameter groups, and memtrain's LR schedule keeps their ratio."""
     from memtrain.ds_config.compiler import ds_config
