@@ -27,7 +27,7 @@ from memtrain.train.hooks import Hooks
 from memtrain.train.loop import train
 from memtrain.train.preflight import check_dtype, check_memory
 from memtrain.train.result import EXIT_RESTART, RunResult
-from memtrain.train.run import RUN_FILE, ResolvedRun, RunOptions, resolve_run
+from memtrain.train.run import ResolvedRun, RunOptions, resolve_run
 from memtrain.train.setup import RunData, build_data, setup
 from memtrain.train.signals import run_forwarding_signals
 
@@ -89,7 +89,7 @@ def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report
     run_file = run.save()
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // gpus))))
     while True:
-        code = run_forwarding_signals(torchrun_command(gpus, free_port(), [str(run_file), *worker_flags(options)]), env)
+        code = run_forwarding_signals(torchrun_command(gpus, free_port(), [str(run_file), *options.to_flags()]), env)
         if code != EXIT_RESTART:
             return code
         options = dataclasses.replace(options, resume=True)
@@ -100,18 +100,6 @@ def torchrun_command(nproc: int, port: int, worker_args: list[str]) -> list[str]
     return [sys.executable, "-m", "memtrain.train.signals", f"--nproc_per_node={nproc}",
             "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={port}",
             "-m", "memtrain.train.worker", *worker_args]
-
-
-def worker_flags(options: RunOptions) -> list[str]:
-    """The command-line flags that hand `options` to a worker (memtrain.train.worker parses them)."""
-    flags = ["--resume" if options.resume else "--no-resume"]
-    if options.max_steps is not None:
-        flags += ["--max-steps", str(options.max_steps)]
-    if options.profile_steps:
-        flags += ["--profile", str(options.profile_steps)]
-    if not options.save:
-        flags.append("--no-save")
-    return flags
 
 
 def _release() -> None:
@@ -126,6 +114,3 @@ def _check_devices(gpus: int) -> None:
     if available and available < gpus:
         raise UserError(Problem(f"the recipe asks for {gpus} GPUs but this machine has {available}",
                                 key="hardware.gpus", hint=f"set hardware.gpus={available}"))
-
-
-__all__ = ["Prepared", "RUN_FILE", "launch", "prepare", "train_here", "torchrun_command"]

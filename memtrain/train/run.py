@@ -7,6 +7,7 @@ downstream asks the planner again.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -27,6 +28,29 @@ class RunOptions:
     max_steps: int | None = None      # stop after this many optimizer steps (the schedule follows the recipe)
     profile_steps: int = 0            # record a torch.profiler trace of this many steps
     save: bool = True                 # False: no checkpoints and no final model (benchmarks, smoke tests)
+
+    def to_flags(self) -> list[str]:
+        """The command-line flags that hand these options to a worker (from_flags reads them back)."""
+        flags = ["--resume" if self.resume else "--no-resume"]
+        if self.max_steps is not None:
+            flags += ["--max-steps", str(self.max_steps)]
+        if self.profile_steps:
+            flags += ["--profile", str(self.profile_steps)]
+        if not self.save:
+            flags.append("--no-save")
+        return flags
+
+    @classmethod
+    def add_flags(cls, parser: argparse.ArgumentParser) -> None:
+        """Teach a worker's parser the flags to_flags writes."""
+        parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
+        parser.add_argument("--max-steps", type=int, default=None)
+        parser.add_argument("--profile", type=int, default=0)
+        parser.add_argument("--no-save", dest="save", action="store_false")
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace) -> "RunOptions":
+        return cls(resume=args.resume, max_steps=args.max_steps, profile_steps=args.profile, save=args.save)
     overwrite: bool = False           # start over in a run directory that holds a run, moving the old one aside
 
 

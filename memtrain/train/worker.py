@@ -1,7 +1,7 @@
 """Entry point of each process that torchrun starts: `python -m memtrain.train.worker RUN_FILE [flags]`.
 
 RUN_FILE is the run the launcher resolved (run.json in the run directory); the flags are the
-launcher's RunOptions (launch.worker_flags). Test hooks are read from this process's environment.
+launcher's RunOptions (RunOptions.to_flags). Test hooks are read from this process's environment.
 """
 from __future__ import annotations
 
@@ -21,13 +21,9 @@ from memtrain.train.signals import die_with_parent, exit_code, signum_of, stop_o
 def parse_options(argv: list[str]) -> tuple[Path, RunOptions]:
     parser = argparse.ArgumentParser(prog="memtrain.train.worker")
     parser.add_argument("run_file", type=Path)
-    parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--max-steps", type=int, default=None)
-    parser.add_argument("--profile", type=int, default=0)
-    parser.add_argument("--no-save", dest="save", action="store_false")
+    RunOptions.add_flags(parser)
     args = parser.parse_args(argv)
-    return args.run_file, RunOptions(resume=args.resume, max_steps=args.max_steps, profile_steps=args.profile,
-                                     save=args.save)
+    return args.run_file, RunOptions.from_flags(args)
 
 
 def main(argv: list[str]) -> int:
