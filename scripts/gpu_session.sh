@@ -26,6 +26,7 @@
 #   bash scripts/gpu_session.sh final8   # session 8, one call: the two ZeRO-3 CPU held-out rows, then 3B equal memory again
 #   bash scripts/gpu_session.sh accuracy  # the whole plan-accuracy matrix, runs side by side within host RAM
 #   bash scripts/gpu_session.sh families9 # session 9: held-out accuracy rows (Qwen2.5, Mistral, Gemma-2 LoRA; Phi-3-mini full; 7B chat packed)
+#   bash scripts/gpu_session.sh full9     # session 9: Qwen2.5-7B and Mistral-7B full fine-tunes (ZeRO-3, CPU, unpinned), held out
 #   bash scripts/gpu_session.sh vsfam9    # session 9: Qwen2.5-7B and Mistral-7B LoRA, memtrain vs HF Trainer + PEFT + DeepSpeed
 set -u
 part=${1:?part}
@@ -47,6 +48,11 @@ families9)
   cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
   step plan-families 400 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 330 --parallel 3 \
     --host-budget-gib 110 --only qwen2.5,mistral-7b,gemma2,phi3,chat-packed
+  ;;
+full9)
+  cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
+  step plan-full 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 280 --parallel 1 \
+    --only zero3-cpu-unpinned
   ;;
 vsfam9)
   cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"

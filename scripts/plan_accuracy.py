@@ -134,6 +134,12 @@ FAMILIES = [
     Case("gemma2-9b-lora-every-mb2-s1024", LORA7B, PEFT_DROPOUT + ("model.preset=gemma2-9b",) + _batch(2, 1024)),
     Case("phi3-mini-opt-cpu-every-mb4-s1024", TINY, ("model.preset=phi3-mini",) + _batch(4, 1024)),
     Case("7b-lora-chat-packed-every-mb2-s2048", LORA7B, PEFT_DROPOUT + CHAT + _batch(2, 2048)),
+    # full fine-tunes of the 7B-class families: ZeRO-3 with optimizer and parameters on the CPU, bf16 master weights
+    # and states, unpinned (a 7.6B model's pinned buffers would not leave the 125 GiB host room for the run)
+    Case("qwen2.5-7b-zero3-cpu-unpinned-mb2-s1024", FULL7B, ("hardware.gpus=1", "model.preset=qwen2.5-7b",
+                                                            "offload.pin_memory=false") + _batch(2, 1024)),
+    Case("mistral-7b-zero3-cpu-unpinned-mb2-s1024", FULL7B, ("hardware.gpus=1", "model.preset=mistral-7b-v0.3",
+                                                            "offload.pin_memory=false") + _batch(2, 1024)),
 ]
 CASES += HELD_OUT + LEAN + STREAMS + PEAKS + FAMILIES
 
