@@ -53,3 +53,8 @@ class Progress:
         self._eval = f" · val ppl {math.exp(min(loss, 50)):.1f}"
         if self._bar is not None:
             self._bar.console.print(f"step {step}: validation loss {loss:.4f}, perplexity {math.exp(min(loss, 50)):.2f}")
+
+    def note(self, text: str) -> None:
+        """Print one line above the bar (e.g. the generation evaluation's score)."""
+        if self._bar is not None:
+            self._bar.console.print(text, highlight=False)
