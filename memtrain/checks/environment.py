@@ -90,7 +90,7 @@ def _check_data_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
     problems = []
     for key in ("train", "validation"):
         value = getattr(data, key)
-        if value is None:
+        if value is None or not isinstance(value, str):
             continue
         if value.startswith(BUILTIN_PREFIX):
             name = value[len(BUILTIN_PREFIX):]
