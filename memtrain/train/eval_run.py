@@ -27,7 +27,12 @@ from memtrain.model.export import base_model_dir, final_model_dir, run_recipe
 from memtrain.model.merge import load_base
 from memtrain.model.wrapper import TrainableLM
 from memtrain.recipe.schema import Recipe
-from memtrain.train.generate_eval import SAMPLES_KEPT, GenerationScore, generation_eval, stop_token_ids
+from memtrain.train.generate_eval import (
+    SAMPLES_KEPT,
+    GenerationScore,
+    generation_eval,
+    stop_token_ids,
+)
 from memtrain.train.loop import evaluate
 from memtrain.train.run import RUN_FILE, ResolvedRun
 

@@ -9,7 +9,12 @@ from memtrain.data.prompts import HeldOutPrompt
 from memtrain.data.tokenizer import load_tokenizer
 from memtrain.recipe.schema import Model
 from memtrain.train import generate_eval
-from memtrain.train.generate_eval import generation_eval, greedy_generate, is_exact_match, stop_token_ids
+from memtrain.train.generate_eval import (
+    generation_eval,
+    greedy_generate,
+    is_exact_match,
+    stop_token_ids,
+)
 
 
 @pytest.fixture(scope="module")
