@@ -16,6 +16,7 @@ from rich.markup import escape
 
 from memtrain.checks.load import load_checked
 from memtrain.commands.compile import compile_command
+from memtrain.commands.eval import eval_command
 from memtrain.commands.export import export_command
 from memtrain.commands.plan import plan_command
 from memtrain.commands.report import report_command
@@ -166,6 +167,21 @@ def report(
     Example: [bold]memtrain report runs/quickstart[/]
     """
     raise typer.Exit(code=report_command(run_dir, as_json=as_json, console=console))
+
+
+@app.command("eval")
+@report_user_errors
+def eval_(
+    run_dir: Path = typer.Argument(..., help="A finished run directory (holds final/ and run.json).", show_default=False),
+    as_json: bool = typer.Option(False, "--json", help="Print the scores as JSON."),
+    samples: int = typer.Option(3, "--samples", help="Generated answers to show beside the expected ones."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Answer only the first N held-out conversations."),
+):
+    """Score a finished run: held-out loss, and exact match of greedy answers to held-out conversations.
+
+    Example: [bold]memtrain eval runs/quickstart-chat[/]
+    """
+    raise typer.Exit(code=eval_command(run_dir, as_json=as_json, samples=samples, limit=limit, console=console))
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ def export_run(run_dir: Path, merge: bool, out_dir: Path | None = None, dtype: t
     Raises UserError for a run directory without a finished model, or a base that cannot be found.
     """
     run_dir = Path(run_dir)
-    final = _final_dir(run_dir)
-    recipe = _recipe(run_dir)
+    final = final_model_dir(run_dir)
+    recipe = run_recipe(run_dir)
     is_adapter = (final / "adapter_config.json").is_file()
     if out_dir is None:
         if not merge:
@@ -40,7 +40,7 @@ def export_run(run_dir: Path, merge: bool, out_dir: Path | None = None, dtype: t
         out_dir = run_dir / "merged"
     out_dir = Path(out_dir)
     if merge and is_adapter:
-        base_dir = _base_dir(recipe, run_dir)
+        base_dir = base_model_dir(recipe, run_dir)
         return merge_adapter(final, base_dir, out_dir, dtype or DTYPES[recipe.precision.compute],
                              quantize=recipe.model.quantize, tokenizer_dir=final)
     try:
@@ -52,7 +52,7 @@ def export_run(run_dir: Path, merge: bool, out_dir: Path | None = None, dtype: t
     return out_dir
 
 
-def _final_dir(run_dir: Path) -> Path:
+def final_model_dir(run_dir: Path) -> Path:
     if not run_dir.is_dir():
         raise UserError(Problem(f"there is no run directory '{run_dir}'",
                                 hint="give the directory `memtrain run` wrote (train.output_dir, runs/NAME by default)"))
@@ -66,7 +66,7 @@ def _final_dir(run_dir: Path) -> Path:
     return final
 
 
-def _recipe(run_dir: Path) -> Recipe:
+def run_recipe(run_dir: Path) -> Recipe:
     path = run_dir / "recipe.json"
     try:
         return Recipe.model_validate_json(path.read_text())
@@ -75,7 +75,7 @@ def _recipe(run_dir: Path) -> Recipe:
                                 hint="the run directory must be one `memtrain run` wrote (it records recipe.json)")) from None
 
 
-def _base_dir(recipe: Recipe, run_dir: Path) -> Path:
+def base_model_dir(recipe: Recipe, run_dir: Path) -> Path:
     model = recipe.model
     if model.preset:
         raise UserError(Problem(

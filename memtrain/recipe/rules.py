@@ -292,3 +292,21 @@ def _check_client_optimizer(loaded: LoadedRecipe) -> list[Problem]:
             "and refuses any other optimizer",
             f"set offload.optimizer=none to use {name}, or optimizer.name=adamw to offload"))
     return problems
+
+
+@reads("train", "data", "offload")
+def _check_eval_generate(loaded: LoadedRecipe) -> list[Problem]:
+    r, src = loaded.recipe, loaded.sources
+    if not r.train.eval_generate:
+        return []
+    held_out = r.data.validation if r.data.validation is not None else r.data.train
+    if isinstance(held_out, str) or all(spec.type == "text" for spec in held_out):
+        return [src.problem(("train", "eval_generate"), "generation is scored against the answers of completion, "
+                            "instruction or chat data, and this recipe's held-out data is text only",
+                            "set train.eval_generate=0 (the validation loss still measures text), or add "
+                            "conversations to data.validation")]
+    if r.offload.stage == 3:
+        return [src.problem(("train", "eval_generate"), "ZeRO-3 partitions the weights over the ranks, so rank 0 "
+                            "cannot generate alone during the run",
+                            "set train.eval_generate=0 and score the finished run with `memtrain eval RUN_DIR`")]
+    return []

@@ -391,6 +391,10 @@ class Train(Section):
     epochs: float | None = Field(None, gt=0, description="Passes over the training data (when steps is not set).")
     eval_every: int = Field(100, ge=1, description="Evaluate every N optimizer steps (and at the end).")
     eval_batches: int = Field(8, ge=1, description="Validation micro-batches (of the starting micro-batch size, over all GPUs) per evaluation.")
+    eval_generate: int = Field(
+        0, ge=0, description="Held-out conversations the model answers by greedy generation at step 0 and at the "
+        "end of the run, scored by exact match with the last assistant message (a 'generation' record in "
+        "metrics.jsonl); needs completion, instruction or chat data. 0: off.")
     save_every: int = Field(500, ge=1, description="Checkpoint every N optimizer steps (and at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept.")
     log_every: int = Field(10, ge=1, description="Flush metrics every N optimizer steps (no per-step host sync).")

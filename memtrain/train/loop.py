@@ -95,6 +95,8 @@ def train(t: Training, quiet: bool = False) -> RunResult:
     progress = Progress(run.total_steps, enabled=place.is_main and not quiet)
     with interrupted.installed(), progress, t.profiler:
         progress.update(state.step)
+        if t.generation is not None and state.step == 0:  # train.eval_generate: the score before training
+            progress.note(t.generation.record(t.model, t.metrics, state.step).describe(state.step))
         while state.step < stop_at:
             step_start = time.perf_counter()
             samples = t.order.indices(state.step * global_batch, global_batch)
@@ -137,6 +139,8 @@ def train(t: Training, quiet: bool = False) -> RunResult:
         t.metrics.flush()
     if status == "done" and state.step < run.total_steps:
         status = "stopped"
+    if status == "done" and t.generation is not None:  # and after it
+        progress.note(t.generation.record(t.model, t.metrics, state.step).describe(state.step))
     exported = None
     if status == "done" and t.options.save:
         exported = export_model(t.engine, t.model, t.data.tokenizer, run.run_dir / "final", rank, r.offload.stage == 3)

@@ -56,3 +56,8 @@ class Progress:
             stats = self._bar.tasks[0].fields.get("stats", "") if self._bar.tasks else ""
             self._bar.update(self._task, stats=stats.split(" · val ppl")[0] + self._eval)  # not the previous one
             self._bar.console.print(f"step {step}: validation loss {loss:.4f}, perplexity {math.exp(min(loss, 50)):.2f}")
+
+    def note(self, text: str) -> None:
+        """Print one line above the bar (e.g. the generation evaluation's score)."""
+        if self._bar is not None:
+            self._bar.console.print(text, highlight=False)

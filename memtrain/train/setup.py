@@ -40,6 +40,7 @@ from memtrain.recipe.schema import Recipe
 from memtrain.train.batch_policy import BatchPolicy
 from memtrain.train.checkpoint import LoopState, latest_checkpoint, load_checkpoint
 from memtrain.train.distributed import Place, setup_process
+from memtrain.train.generate_eval import GenerationEval
 from memtrain.train.hooks import Hooks
 from memtrain.train.oom import start_memory_history
 from memtrain.train.resume import follow_recipe, optimizer_settings
@@ -163,6 +164,7 @@ class Training:
     metrics: MetricsLog
     profiler: StepProfiler
     session: Session
+    generation: GenerationEval | None = None  # train.eval_generate, on rank 0
 
     @property
     def recipe(self) -> Recipe:
@@ -208,4 +210,4 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
                     engine=engine, scheduler=scheduler, state=state, resumed_from=checkpoint,
                     order=SampleOrder(len(data.train_set), r.train.seed), loader=loader, val_loader=val_loader,
                     metrics=metrics, profiler=StepProfiler(run.run_dir, options.profile_steps, place.device),
-                    session=session)
+                    session=session, generation=GenerationEval.for_run(r, data.tokenizer, place.is_main))

@@ -1,0 +1,51 @@
+"""`memtrain eval RUN_DIR`: a finished run's held-out loss and the exact match of its greedy answers, for people
+(a table and a few samples) or machines (--json). The numbers come from memtrain.train.eval_run."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from memtrain.errors import Problem, UserError
+from memtrain.train.eval_run import RunEvaluation, evaluate_run
+
+
+def eval_command(run_dir: Path, as_json: bool, samples: int, limit: int | None, console: Console) -> int:
+    """Score the run's final model; print a table (or JSON with `as_json`); return the exit code."""
+    if samples < 0:
+        raise UserError(Problem(f"--samples must be 0 or more, got {samples}", hint="e.g. --samples 5"))
+    if limit is not None and limit < 1:
+        raise UserError(Problem(f"--limit must be 1 or more, got {limit}",
+                                hint="leave it out to answer every held-out conversation"))
+    result = evaluate_run(Path(run_dir), limit=limit, keep_samples=samples)
+    if as_json:
+        console.out(json.dumps(result.as_json(), indent=2), highlight=False)
+    else:
+        _print(result, console)
+    return 0
+
+
+def _print(result: RunEvaluation, console: Console) -> None:
+    table = Table(title=f"Evaluation — {result.run_dir}", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    table.add_row("validation loss", f"{result.loss:.4f} (perplexity {result.perplexity:.2f}, "
+                  f"{result.validation_samples} samples)")
+    g = result.generation
+    if g is not None:
+        table.add_row("exact match", f"{g.exact_match:.3f} ({g.correct}/{g.total} held-out answers"
+                      + (f", {g.skipped} skipped" if g.skipped else "") + ")")
+        for task, score in g.by_task.items():
+            table.add_row(f"  {task}", f"{score:.3f}")
+    console.print(table)
+    if result.note:
+        console.print(f"[yellow]![/] {result.note}", highlight=False)
+    if g is not None and g.samples:
+        samples = Table(title="Samples", title_justify="left")
+        for column in ("question", "expected", "generated", ""):
+            samples.add_column(column, overflow="fold")
+        for s in g.samples:
+            samples.add_row(s.question, s.expected, s.generated, "[green]✓[/]" if s.correct else "[red]✗[/]")
+        console.print(samples)

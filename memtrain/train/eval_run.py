@@ -1,0 +1,125 @@
+"""A finished run scored again: held-out loss and exact match of greedy answers, from RUN_DIR alone.
+
+    result = evaluate_run(run_dir, limit=100, keep_samples=5)
+
+The model is RUN_DIR/final (a whole Hugging Face model, or a PEFT adapter on the run's model.path), the
+tokenizer the one saved beside it, the recipe RUN_DIR/run.json's (recipe.json where there is none). The loss is
+the run's own evaluation (memtrain.train.loop.evaluate) over the same validation samples; exact match is
+memtrain.train.generate_eval over the recipe's held-out conversations. Text-only data has no answers: the
+result then has a loss and a note saying why there is no exact match.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from memtrain.data.dataset import build_datasets
+from memtrain.data.loader import BatchLoader
+from memtrain.data.prompts import has_answers, held_out_prompts
+from memtrain.dtypes import DTYPES
+from memtrain.errors import Problem, UserError
+from memtrain.model.export import base_model_dir, final_model_dir, run_recipe
+from memtrain.model.merge import load_base
+from memtrain.model.wrapper import TrainableLM
+from memtrain.recipe.schema import Recipe
+from memtrain.train.generate_eval import (
+    SAMPLES_KEPT,
+    GenerationScore,
+    generation_eval,
+    stop_token_ids,
+)
+from memtrain.train.loop import evaluate
+from memtrain.train.run import RUN_FILE, ResolvedRun
+
+TEXT_ONLY_NOTE = ("the run's held-out data is text, which has no answers to check: exact match needs completion, "
+                  "instruction or chat data; the loss is reported alone")
+
+
+@dataclass(frozen=True)
+class RunEvaluation:
+    run_dir: Path
+    loss: float
+    validation_samples: int             # the samples the loss is over
+    generation: GenerationScore | None  # None for text-only data (see note)
+    note: str | None = None
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 50))
+
+    def as_json(self) -> dict:
+        """loss, perplexity, exact_match (null for text-only data), correct, total, skipped, by_task, samples, note."""
+        out = {"run_dir": str(self.run_dir), "loss": self.loss, "perplexity": self.perplexity,
+               "validation_samples": self.validation_samples, "exact_match": None, "samples": [], "note": self.note}
+        if self.generation is not None:
+            out.update(self.generation.as_record())
+        return out
+
+
+def evaluate_run(run_dir: Path, *, limit: int | None = None, keep_samples: int = SAMPLES_KEPT,
+                 device: torch.device | None = None) -> RunEvaluation:
+    """Score RUN_DIR's final model (module doc). `limit`: held-out conversations to generate for (None: all).
+
+    Raises UserError for a missing run directory, a run without a final model, an unreadable recipe, or a
+    LoRA run whose base weights cannot be found.
+    """
+    run_dir = Path(run_dir)
+    final = final_model_dir(run_dir)
+    recipe, eval_samples, micro_batch = _run_settings(run_dir)
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # bf16 matmuls are slow on a CPU, and scoring needs no memory saving there
+    dtype = DTYPES[recipe.precision.compute] if device.type == "cuda" else torch.float32
+    tokenizer = _tokenizer(final)
+    model = _model(final, recipe, run_dir, dtype).to(device)
+    _, val_set = build_datasets(recipe.data, tokenizer, recipe.train.seed)
+    samples = min(eval_samples, len(val_set))
+    with BatchLoader(val_set, device) as loader:
+        loss = evaluate(TrainableLM(model, recipe.precision), loader, val_set, samples, micro_batch, device, 1, 0)
+    if not has_answers(recipe.data):
+        return RunEvaluation(run_dir, loss, samples, None, TEXT_ONLY_NOTE)
+    prompts, skipped = held_out_prompts(recipe.data, tokenizer, limit=limit)
+    score = generation_eval(model, tokenizer, prompts, stop_token_ids(recipe.data.template, tokenizer),
+                            skipped=skipped, keep_samples=keep_samples)
+    return RunEvaluation(run_dir, loss, samples, score)
+
+
+def _run_settings(run_dir: Path) -> tuple[Recipe, int, int]:
+    """(recipe, validation samples per evaluation, micro-batch) as the run resolved them (run.json)."""
+    path = run_dir / RUN_FILE
+    if not path.is_file():  # a run from before run.json: the recipe and its own numbers
+        recipe = run_recipe(run_dir)
+        micro_batch = recipe.batch.micro_batch if isinstance(recipe.batch.micro_batch, int) else 1
+        return recipe, recipe.train.eval_batches * micro_batch, micro_batch
+    try:
+        run = ResolvedRun.from_json(path.read_text())
+    except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as error:
+        raise UserError(Problem(f"cannot read the run's settings {path}: {str(error).splitlines()[0]}",
+                                hint="the run directory must be one `memtrain run` wrote")) from None
+    return run.recipe, run.eval_samples, run.micro_batch
+
+
+def _tokenizer(final: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with the model (with any tokens the run added), with a pad token as training had."""
+    tokenizer = AutoTokenizer.from_pretrained(final, local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _model(final: Path, recipe: Recipe, run_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+    if not (final / "adapter_config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(final, dtype=dtype, local_files_only=True)
+    if recipe.model.preset:
+        raise UserError(Problem(
+            f"the run trained a LoRA adapter on the preset '{recipe.model.preset}', whose random base weights were "
+            "never saved, so the adapter has nothing to be scored on", key="model.preset",
+            hint="train LoRA on a model directory (model.path), or fine-tune the preset in full"))
+    from peft import PeftModel  # noqa: PLC0415 — optional until an adapter is scored
+
+    base = load_base(base_model_dir(recipe, run_dir), dtype, recipe.model.quantize)
+    return PeftModel.from_pretrained(base, final, is_trainable=False)
