@@ -9,7 +9,6 @@ from rich.console import Console
 
 from memtrain.checks.load import load_checked
 from memtrain.ds_config.compiler import ds_config
-from memtrain.errors import UserError
 from memtrain.files import write_atomically
 from memtrain.train.allocator import exact_pinned_supported
 from memtrain.train.run import resolve_micro_batch_of
@@ -18,10 +17,8 @@ from memtrain.train.run import resolve_micro_batch_of
 def compile_command(recipe: Path, overrides: list[str], output: Path | None, console: Console) -> int:
     """Write the config at the recipe's starting micro-batch ('auto' resolved by the planner)."""
     loaded = load_checked(recipe, overrides)
-    try:
+    with loaded.sources.located():
         micro_batch = resolve_micro_batch_of(loaded.recipe, exact_pinned_supported())
-    except UserError as error:
-        raise loaded.sources.locate(error) from None
     text = json.dumps(ds_config(loaded.recipe, micro_batch), indent=2) + "\n"
     if output is None:
         sys.stdout.write(text)

@@ -12,7 +12,7 @@ from rich.table import Table
 from memtrain.checks.environment import Environment, check_environment, current_environment
 from memtrain.checks.load import load_checked
 from memtrain.data.rows import DataStats
-from memtrain.errors import Problem, RecipeError, UserError
+from memtrain.errors import Problem, RecipeError
 from memtrain.files import write_atomically
 from memtrain.plan.advice import Advice, advise
 from memtrain.plan.planner import TERMS, Plan, plan_recipe, resolve_micro_batch
@@ -44,11 +44,9 @@ class Planner:
         self.gpu, self.exact_pinned = gpu, exact_pinned
 
     def plan(self, loaded: LoadedRecipe, micro_batch: int | None = None) -> Plan:
-        try:
+        with loaded.sources.located():
             return plan_recipe(loaded.recipe, self.gpu, micro_batch=micro_batch, exact_pinned=self.exact_pinned,
                                name=loaded.name)
-        except UserError as error:
-            raise loaded.sources.locate(error) from None
 
 
 def verdict(plan: Plan) -> str:
@@ -211,10 +209,8 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
     offer_compile = plan.fits and compile_offered(loaded)
     per_step = None
     if with_data:
-        try:
+        with loaded.sources.located():
             per_step = data_per_step(loaded.recipe, build_data(loaded.recipe).train_set.stats)
-        except UserError as error:
-            raise loaded.sources.locate(error) from None
     if as_json:
         console.print_json(json.dumps({"plan": plan.to_json(), "verdict": verdict(plan),
                                        **({"data": per_step} if with_data else {}),

@@ -2,6 +2,8 @@
 into a message with file:line."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +39,14 @@ class Sources:
         located = [self.problem(tuple(p.key.split(".")), p.message, p.hint) if p.key and not p.file else p
                    for p in error.problems]
         return type(error)(located)
+
+    @contextmanager
+    def located(self) -> Iterator[None]:
+        """Within the block, a UserError that names a key but no file is re-raised at that key's file:line."""
+        try:
+            yield
+        except UserError as error:
+            raise self.locate(error) from None
 
     def forget_below(self, path: KeyPath) -> None:
         """Drop the origins of keys under `path` (its value was replaced as a whole)."""

@@ -49,16 +49,12 @@ def prepare(loaded: LoadedRecipe, hooks: Hooks) -> Prepared:
     notes = list(model_architecture(r.model).notes)
     if hooks.oom.layers:  # @layerK points must name layers the model has, before a run directory exists
         hooks.oom.check_layers(count_parameters(r.model).num_layers)
-    try:
+    with loaded.sources.located():
         data = build_data(r)
-    except UserError as error:
-        raise loaded.sources.locate(error) from None
     exact_pinned = exact_pinned_supported()
     warnings = check_memory(loaded, exact_pinned)
-    try:
+    with loaded.sources.located():
         run = resolve_run(r, loaded.name, loaded.output_dir, len(data.train_set), exact_pinned)
-    except UserError as error:
-        raise loaded.sources.locate(error) from None
     if not r.data.is_text:  # instruction and chat data: what truncation, packing and masking made of it
         notes.append(f"training data: {data.train_set.stats.describe()}")
     if data.added_tokens:

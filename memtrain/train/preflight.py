@@ -24,9 +24,10 @@ def host_capacity_bytes(loaded: LoadedRecipe) -> int:
 def check_memory(loaded: LoadedRecipe, exact_pinned: bool) -> list[str]:
     """Raise UserError when the predicted host memory exceeds the host; return warnings for people."""
     try:
-        plan = plan_recipe(loaded.recipe, exact_pinned=exact_pinned, name=loaded.name)
-    except UserError as error:
-        raise loaded.sources.locate(error) from None
+        with loaded.sources.located():
+            plan = plan_recipe(loaded.recipe, exact_pinned=exact_pinned, name=loaded.name)
+    except UserError:
+        raise
     except Exception as error:  # noqa: BLE001 — the plan advises; a model it cannot trace still trains
         return [f"memtrain plan could not model this recipe ({type(error).__name__}: {error}); no memory check"]
     capacity = host_capacity_bytes(loaded)
