@@ -140,6 +140,10 @@ FAMILIES = [
                                                             "offload.pin_memory=false") + _batch(2, 1024)),
     Case("mistral-7b-zero3-cpu-unpinned-mb2-s1024", FULL7B, ("hardware.gpus=1", "model.preset=mistral-7b-v0.3",
                                                             "offload.pin_memory=false") + _batch(2, 1024)),
+    # held out after the reduce stream's copies were derived from DeepSpeed's steps (session 10): Qwen3-8B's
+    # untied 622M-element embedding and head, where the fp64 norm's 250M-element chunk matters most
+    Case("qwen3-8b-zero3-cpu-unpinned-mb2-s1024", FULL7B, ("hardware.gpus=1", "model.preset=qwen3-8b",
+                                                          "offload.pin_memory=false") + _batch(2, 1024)),
 ]
 CASES += HELD_OUT + LEAN + STREAMS + PEAKS + FAMILIES
 

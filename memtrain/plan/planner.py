@@ -21,7 +21,7 @@ from memtrain.plan.calibration import Calibration, calibration
 from memtrain.plan.host import offload_host_bytes
 from memtrain.plan.logits import estimate_logits
 from memtrain.dtypes import DTYPE_BYTES
-from memtrain.plan.model_states import place_model_states
+from memtrain.plan.model_states import master_bytes, place_model_states
 from memtrain.plan.params import ParamCounts, count_parameters
 from memtrain.plan.quantized import with_quantized_params
 from memtrain.plan.zero import bucket_elements, grad_accum_steps
@@ -125,19 +125,29 @@ def _head_bytes(counts: ParamCounts, compute_bytes: int, tokens: int) -> int:
 
 
 # A gradient larger than the reduce bucket (the embedding, the lm_head) is reduced and handed to the
-# offloaded optimizer on its own, on ZeRO-3's reduce stream, through transient copies (in compute, fp32 and
-# master dtypes) whose high-water mark that stream's segment keeps. Measured on the H200
-# (benchmarks/segments/*.json, bf16 compute, fp32 master): 0.61 and 0.95 GiB, 10 bytes per element of the
-# 1.1B and 3B embeddings, with optimizer states on the CPU and on NVMe alike. The 7B bf16-master row of
-# the accuracy matrix is within 3 % with the same figure, so it is not split by master dtype.
-LARGE_GRADIENT_BYTES_PER_ELEMENT = 10
+# offloaded optimizer on its own, on ZeRO-3's reduce stream, through transient copies whose high-water mark
+# that stream's segment keeps. DeepSpeed 0.19 (stage3.py partition_grads, _offload_grad_partition_at_boundary):
+# the partition is copied into a GPU buffer in the accumulation dtype (the compute dtype: memtrain sets no
+# data_types.grad_accum_dtype); its norm is taken in fp64, 250M elements at a time
+# (_constant_buffered_norm2); then it is cast to the master dtype (no copy when that is the same dtype).
+# Measured on the H200 (benchmarks/segments/*.json, bf16 compute, fp32 master): 0.61 and 0.95 GiB for the 1.1B
+# and 3B embeddings, 10 bytes per element = 2 (bf16 copy) + max(8 (fp64 chunk), 4 (fp32 cast)). Qwen2.5-7B's
+# 545M-element embedding with bf16 master weights is where the chunk and the missing cast matter (priced at
+# 10 bytes per element it was over-predicted by 25.7 %: docs/BENCHMARKS.md).
+NORM_CHUNK_ELEMENTS = 250_000_000
+NORM_BYTES = 8   # fp64 on CUDA (deepspeed.runtime.zero.utils.get_norm_dtype)
 
 
 def large_gradient_bytes(recipe: Recipe, counts: ParamCounts, reduce_elements: int) -> int:
     """ZeRO-3 with the optimizer offloaded: the reduce stream's transient for the largest gradient."""
-    if recipe.offload.optimizer == "none" or counts.largest_tensor <= reduce_elements:
+    elements = counts.largest_tensor
+    if recipe.offload.optimizer == "none" or elements <= reduce_elements:
         return 0
-    return counts.largest_tensor * LARGE_GRADIENT_BYTES_PER_ELEMENT
+    accumulation_bytes = DTYPE_BYTES[recipe.precision.compute]
+    master = master_bytes(recipe.precision.compute, recipe.precision.master)
+    cast_bytes = elements * master if master != accumulation_bytes else 0
+    norm_bytes = min(elements, NORM_CHUNK_ELEMENTS) * NORM_BYTES
+    return elements * accumulation_bytes + max(norm_bytes, cast_bytes)
 
 
 @dataclass(frozen=True)

@@ -215,7 +215,7 @@ def test_zero3_reserved_is_the_sum_of_each_streams_peak_by_hand():
     """Expandable segments: the compute stream's peak with its slack, plus the all-gather stream's live
     parameters and the reduce stream's copies of the largest gradient (10 bytes per element), each +3 %."""
     from memtrain.plan.logits import estimate_logits
-    from memtrain.plan.planner import LARGE_GRADIENT_BYTES_PER_ELEMENT, bucket_elements
+    from memtrain.plan.planner import bucket_elements
 
     loaded = tiny(overrides=["offload.optimizer=cpu", "offload.params=cpu", "offload.max_live_parameters=300000"])
     plan = plan_recipe(loaded.recipe)
@@ -224,7 +224,7 @@ def test_zero3_reserved_is_the_sum_of_each_streams_peak_by_hand():
     reduce, _ = bucket_elements(loaded.recipe, counts.hidden_size)
     assert counts.largest_tensor > reduce  # the embedding is reduced on its own
     gathered = (300_000 + counts.largest_layer) * 2
-    large_gradient = counts.largest_tensor * LARGE_GRADIENT_BYTES_PER_ELEMENT
+    large_gradient = counts.largest_tensor * 10  # bf16 copy + fp64 norm chunk (> the fp32 cast)
     compute = plan.phases[plan.peak_phase] - gathered
     logits = estimate_logits(256, 4096, "bf16", 2, 64, False, 1024, True)
     slack = max(int(compute * cal.slack_ratio("zero3", True)),
@@ -280,6 +280,24 @@ def test_zero3_side_streams_only_with_expandable_segments_and_an_offloaded_optim
     assert _buffers(loaded.recipe, counts, 3, cal).large_gradient_bytes == counts.largest_tensor * 10
     on_gpu = tiny(overrides=["offload.optimizer=none", "offload.zero_stage=3"])
     assert _buffers(on_gpu.recipe, counts, 3, cal).large_gradient_bytes == 0
+
+
+@pytest.mark.parametrize("elements, master, expected_bytes", [
+    (65_536_000, "fp32", 65_536_000 * 10),            # 1.1B embedding: bf16 copy + fp64 norm (> fp32 cast)
+    (65_536_000, "bf16", 65_536_000 * 10),            # no cast, the norm still 8 bytes per element
+    (544_997_376, "bf16", 544_997_376 * 2 + 250_000_000 * 8),   # Qwen2.5-7B: the norm goes 250M at a time
+    (544_997_376, "fp32", 544_997_376 * (2 + 4)),     # ... and the fp32 cast is then the larger transient
+])
+def test_reduce_stream_copies_of_the_largest_gradient_follow_deepspeeds_steps(elements, master, expected_bytes):
+    """stage3.py: a copy in the accumulation dtype (bf16), then the larger of the fp64 norm's chunk
+    (250M elements at most) and the cast to the master dtype (none when that is bf16 too)."""
+    from dataclasses import replace
+
+    from memtrain.plan.planner import large_gradient_bytes
+
+    loaded = tiny(overrides=["offload.optimizer=cpu", "offload.params=cpu", f"precision.master={master}"])
+    counts = replace(count_parameters(loaded.recipe.model), largest_tensor=elements)
+    assert large_gradient_bytes(loaded.recipe, counts, reduce_elements=1_000_000) == expected_bytes
 
 
 def test_fewer_live_parameters_reserve_less_by_what_they_hold():
