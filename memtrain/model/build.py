@@ -18,7 +18,7 @@ from memtrain.model.config import model_config
 from memtrain.model.layers import decoder_layers
 from memtrain.model.lora_dropout import use_lean_dropout
 from memtrain.model.quantize import bnb_config, keep_training_layout, quantized_preset, require_bitsandbytes
-from memtrain.recipe.schema import Lora, Model
+from memtrain.recipe.schema import ALL_LINEAR, Lora, Model
 
 
 def build_model(model: Model, compute: str, device: torch.device, ds_config: dict | None = None,
@@ -68,6 +68,11 @@ def build_model(model: Model, compute: str, device: torch.device, ds_config: dic
     return lm
 
 
+def lora_targets(lora: Lora) -> list[str] | str:
+    """What PEFT's LoraConfig takes: the recipe's list, or the string 'all-linear'."""
+    return ALL_LINEAR if lora.target_modules == ALL_LINEAR else list(lora.target_modules)
+
+
 def lora_config(lora: Lora):
     """PEFT's LoraConfig for a recipe's `model.lora` (one owner: the model build and the planner's traced layer).
 
@@ -76,7 +81,7 @@ def lora_config(lora: Lora):
     from peft import LoraConfig
 
     return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                      target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
+                      target_modules=lora_targets(lora), task_type="CAUSAL_LM",
                       use_dora=lora.use_dora, use_rslora=lora.use_rslora,
                       modules_to_save=list(lora.modules_to_save) or None)
 
@@ -87,7 +92,7 @@ def add_lora(lm: PreTrainedModel, model: Model) -> torch.nn.Module:
 
     lora = model.lora
     present = {name.rsplit(".", 1)[-1] for name, _ in lm.named_modules()}
-    missing = [t for t in lora.target_modules if t not in present]
+    missing = [t for t in lora.target_modules if t not in present] if lora.target_modules != ALL_LINEAR else []
     if missing:
         raise UserError(Problem(
             f"LoRA target modules {missing} are not in this model", key="model.lora.target_modules",

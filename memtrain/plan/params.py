@@ -10,7 +10,7 @@ from memtrain.model.config import meta_model
 from memtrain.model.layers import decoder_layers
 from memtrain.model.quantize import quantized_linear_names
 from memtrain.plan.quantized import quantized_weight_bytes
-from memtrain.recipe.schema import Model
+from memtrain.recipe.schema import ALL_LINEAR, Model
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,11 @@ class ParamCounts:
         return (self.total - self.quantized) * dtype_bytes + self.quantized_bytes
 
 
-def _lora_targets(name: str, targets: list[str]) -> bool:
-    """PEFT's rule for a string list: the module's name equals a target or ends with '.target'."""
+def _lora_targets(name: str, targets: list[str] | str, head: str = "") -> bool:
+    """PEFT's rule for a string list: the module's name equals a target or ends with '.target';
+    'all-linear': every linear layer but the output head (`head`, its name)."""
+    if targets == ALL_LINEAR:
+        return name != head
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
@@ -71,9 +74,11 @@ def _count(model_json: str) -> ParamCounts:
         adapters = 0
         adapter_per_layer = 0
         lora_numels: list[int] = []
+        output = module.get_output_embeddings()
+        head = next((name for name, sub in module.named_modules() if sub is output), "")
         for name, sub in module.named_modules():
             numels: list[int] = []
-            if isinstance(sub, torch.nn.Linear) and _lora_targets(name, lora.target_modules):
+            if isinstance(sub, torch.nn.Linear) and _lora_targets(name, lora.target_modules, head):
                 numels = [lora.r * sub.in_features, lora.r * sub.out_features]
                 if lora.use_dora:  # DoRA also trains a magnitude per output feature
                     numels.append(sub.out_features)

@@ -69,6 +69,9 @@ class Section(BaseModel):
         return value
 
 
+ALL_LINEAR = "all-linear"   # LoRA on every linear layer but the output head (PEFT's name for it)
+
+
 class Lora(Section):
     r: int = Field(16, ge=1, le=4096, description="LoRA rank.")
     alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
@@ -78,10 +81,11 @@ class Lora(Section):
         "is regenerated in backward. Same dropout, fewer activation bytes (Llama-2-7B: 68 KB per token per layer, "
         "so `checkpointing.strategy: auto` recomputes fewer layers), at the cost of two mask generations per adapter "
         "and step; false (default): PEFT's own dropout.")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1,
-        description="Module names (or suffixes) that receive adapters.",
+    target_modules: Annotated[list[str], Field(min_length=1)] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Module names (or suffixes) that receive adapters, or `all-linear` (default): every linear "
+        "layer but the output head, whatever the family calls them (Llama, Qwen, Mistral and Gemma: q/k/v/o_proj, "
+        "gate/up/down_proj; Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj), as PEFT's `all-linear`.",
     )
     use_dora: bool = Field(
         False, description="DoRA (weight-decomposed LoRA): each adapted weight is split into a trained magnitude "

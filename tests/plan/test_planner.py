@@ -61,6 +61,26 @@ def test_lora_count_agrees_with_peft_on_a_real_model():
     assert counts.total == sum(p.numel() for p in peft_model.parameters())
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma2", "phi3"])
+def test_default_lora_targets_are_every_linear_layer_but_the_head_as_peft_builds_them(family, tmp_path):
+    """The default `all-linear` reaches each family's projections by their own names (Phi-3: qkv_proj,
+    gate_up_proj), never the head; the planner counts what PEFT builds."""
+    from peft import get_peft_model
+
+    from memtrain.model.build import lora_config
+    from tests.model.test_merge import _base_dir
+
+    base_dir = _base_dir(tmp_path, family)
+    model = Model(preset=None, path=str(base_dir), lora=Lora(r=4))
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), lora_config(model.lora))
+    adapted = {name.rsplit(".", 1)[-1] for name, sub in peft_model.named_modules() if hasattr(sub, "lora_A")}
+    expected = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} if family == "phi3" else \
+        {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert adapted == expected
+    counts = count_parameters(model)
+    assert counts.trainable == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+
+
 @pytest.mark.parametrize("stage, gpu_params, gpu_grads, gpu_optim", [
     (0, TINY_TOTAL * 2, TINY_TOTAL * 2, TINY_TOTAL * 12),
     (1, TINY_TOTAL * 2, TINY_TOTAL * 2, TINY_TOTAL * 12 // 2),
