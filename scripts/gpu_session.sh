@@ -28,6 +28,7 @@
 #   bash scripts/gpu_session.sh families9 # session 9: held-out accuracy rows (Qwen2.5, Mistral, Gemma-2 LoRA; Phi-3-mini full; 7B chat packed)
 #   bash scripts/gpu_session.sh full9     # session 9: Qwen2.5-7B and Mistral-7B full fine-tunes (ZeRO-3, CPU, unpinned), held out
 #   bash scripts/gpu_session.sh vsfam9    # session 9: Qwen2.5-7B and Mistral-7B LoRA, memtrain vs HF Trainer + PEFT + DeepSpeed
+#   bash scripts/gpu_session.sh fam10     # session 10: held out Qwen3-8B full fine-tune and 7B DoRA; Gemma-2-9B LoRA vs HF
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -53,6 +54,14 @@ full9)
   cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
   step plan-full 560 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 280 --parallel 1 \
     --only zero3-cpu-unpinned
+  ;;
+fam10)
+  cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
+  step plan-fam 330 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 300 --parallel 1 \
+    --only qwen3-8b-zero3,7b-dora
+  cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
+  step vs-hf-gemma 240 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 110 \
+    --case "gemma2-9b-lora-mb1x1024=recipes/llama2-7b-lora-24gb.yaml model.preset=gemma2-9b batch.micro_batch=1 batch.global_batch=4"
   ;;
 vsfam9)
   cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"

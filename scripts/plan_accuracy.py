@@ -144,6 +144,8 @@ FAMILIES = [
     # untied 622M-element embedding and head, where the fp64 norm's 250M-element chunk matters most
     Case("qwen3-8b-zero3-cpu-unpinned-mb2-s1024", FULL7B, ("hardware.gpus=1", "model.preset=qwen3-8b",
                                                           "offload.pin_memory=false") + _batch(2, 1024)),
+    # held out, session 10: DoRA's magnitude vectors and its per-module weight-norm transient (issue 22, item 3)
+    Case("7b-dora-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("model.lora.use_dora=true",) + _batch(4, 1024)),
 ]
 CASES += HELD_OUT + LEAN + STREAMS + PEAKS + FAMILIES
 
