@@ -287,3 +287,21 @@ train: {{steps: 4}}
     assert data["tokens_per_step"] == round(8 * train["tokens"] / train["rows"])
     assert 0 < data["target_tokens_per_step"] < data["tokens_per_step"] <= 8 * 64
     assert data["padding_share"] == pytest.approx(1 - train["tokens"] / (train["rows"] * 64))
+
+
+def test_a_full_fine_tune_over_the_host_budget_is_advised_host_side_changes_that_fit_it():
+    """Llama-2-7B, ZeRO-3 with optimizer and parameters on the CPU, on a 64 GiB host: the advice keeps the
+    full fine-tune where a host-side change fits (optimizer states on NVMe with fp32 master, DeepSpeed's
+    swapper needs them), and every proposal's plan is within the host budget."""
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "llama2-7b-full-offload-2x24gb.yaml"
+    host = ["hardware.gpus=1", "hardware.host_memory=64GiB"]
+    loaded = load_recipe(recipe, host + ["hardware.nvme_path=/tmp/memtrain-nvme"])
+    plan = plan_recipe(loaded.recipe)
+    assert plan.headroom_bytes > 0 and plan.host_bytes > 64 * GiB and not plan.fits
+    advice = advise(loaded)
+    assert advice[0].overrides == ["offload.optimizer=nvme", "offload.zero_stage=3", "precision.master=fp32"]
+    assert all(a.plan.fits and a.plan.host_bytes <= 64 * GiB for a in advice)
+    assert advice[0].plan.nvme_bytes > 70 * GiB  # fp32 master weights and both moments of 6.7B parameters
+    # without an NVMe directory the host levers alone do not get there, and LoRA is what is left
+    no_nvme = advise(load_recipe(recipe, host))
+    assert [a.overrides for a in no_nvme] == [["model.lora.r=16"]]
