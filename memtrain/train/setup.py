@@ -29,6 +29,7 @@ from memtrain.model.build import build_model
 from memtrain.model.checkpointing import apply_checkpointing
 from memtrain.model.compiled import compile_layers
 from memtrain.model.config import meta_model, model_config
+from memtrain.model.kernels import apply_liger_kernels, uses_fused_loss
 from memtrain.model.loraplus import lora_param_groups
 from memtrain.model.precision import apply_precision
 from memtrain.model.quantize import require_bitsandbytes
@@ -104,7 +105,10 @@ def check_new_rows_train(recipe: Recipe, added: tuple[str, ...]) -> None:
 
 def build_policy_model(recipe: Recipe, place: Place, ds_config: dict, vocab_size: int | None = None) -> torch.nn.Module:
     """The causal LM on its device with the recipe's checkpointing, precision map and compiled layers
-    (its embeddings grown to `vocab_size` when tokens were added to the tokenizer)."""
+    (its embeddings grown to `vocab_size` when tokens were added to the tokenizer), built from Liger's
+    modules when `model.kernels` resolved to liger."""
+    if recipe.model.kernels == "liger":
+        apply_liger_kernels(recipe.model)  # transformers' module-level classes: before the model is built
     model = build_model(recipe.model, recipe.precision.storage, place.device, ds_config, seed=recipe.train.seed,
                         vocab_size=vocab_size)
     apply_checkpointing(model, recipe.checkpointing)
@@ -118,7 +122,8 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, ds_config: dict, total_
     """(DeepSpeed engine, LR scheduler) around the model with memtrain's loss."""
     import deepspeed  # noqa: PLC0415 — heavy (and it sets up its accelerator on import): only where an engine is built
 
-    lm = TrainableLM(model, recipe.precision)
+    lm = TrainableLM(model, recipe.precision,
+                     fused_loss=uses_fused_loss(recipe.model, recipe.precision, recipe.offload.stage))
     trainable = [p for p in lm.parameters() if p.requires_grad]
     lora, o = recipe.model.lora, recipe.optimizer
     # LoRA+: the B matrices at lr × ratio, as parameter groups that every optimizer (and the schedule) keeps apart
