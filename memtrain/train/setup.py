@@ -37,6 +37,7 @@ from memtrain.model.wrapper import TrainableLM
 from memtrain.monitor.forecast import PeakForecast
 from memtrain.monitor.metrics import MetricsLog
 from memtrain.monitor.profiler import StepProfiler
+from memtrain.monitor.startup import StartupClock
 from memtrain.recipe.schema import Recipe
 from memtrain.train.batch_policy import BatchPolicy
 from memtrain.train.checkpoint import LoopState, latest_checkpoint, load_checkpoint
@@ -135,6 +136,16 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, ds_config: dict, total_
     return engine, scheduler
 
 
+def load_cpu_adam(recipe: Recipe) -> None:
+    """Load (building it on first use) DeepSpeed's CPU Adam op before deepspeed.initialize, which then finds it
+    loaded: the start-up record shows the op's build or load apart from the engine's own start."""
+    if recipe.offload.optimizer == "none" or uses_client_optimizer(recipe):
+        return
+    from deepspeed.ops.op_builder import CPUAdamBuilder  # noqa: PLC0415 — heavy; DeepSpeed caches the loaded op
+
+    CPUAdamBuilder().load()
+
+
 def client_optimizer(recipe: Recipe, trainable: list[torch.nn.Parameter] | list[dict]):
     """A bitsandbytes AdamW (8-bit and/or paged states) for DeepSpeed to wrap, or None for the config's AdamW."""
     if not uses_client_optimizer(recipe):
@@ -170,21 +181,32 @@ class Training:
     profiler: StepProfiler
     session: Session
     generation: GenerationEval | None = None  # train.eval_generate, on rank 0
+    startup: StartupClock | None = None       # the start-up phases; the loop adds the first step and records them
 
     @property
     def recipe(self) -> Recipe:
         return self.run.recipe
 
 
-def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack, data: RunData | None = None) -> Training:
-    """Process group and device, data, model, engine, resume, loaders and logs, for this process's rank."""
+def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack, data: RunData | None = None,
+          clock: StartupClock | None = None) -> Training:
+    """Process group and device, data, model, engine, resume, loaders and logs, for this process's rank.
+    clock: the start-up phases so far (None: a clock from this process's start, as in a torchrun worker)."""
     r = run.recipe
+    clock = clock or StartupClock()
+    clock.mark("checks")  # what came before (the run directory, resume checks; a worker's own start)
     place, cap_bytes = setup_process(r.hardware.gpu, r.hardware.cap_memory, r.hardware.expandable_segments)
+    clock.mark("process")
     data = data or build_data(r)
+    clock.mark("data")
     run.run_dir.mkdir(parents=True, exist_ok=True)
     ds_config = compile_ds_config(r, run.micro_batch)
     model = build_policy_model(r, place, ds_config, data.model_vocab_size)
+    clock.mark("model")
+    load_cpu_adam(r)
+    clock.mark("cpu_adam_op")
     engine, scheduler = build_engine(r, model, ds_config, run.total_steps)
+    clock.mark("deepspeed_init")  # includes the pinned host buffers of an offloaded optimizer
 
     state, checkpoint = LoopState(), latest_checkpoint(run.run_dir) if options.resume else None
     if checkpoint is not None:
@@ -209,10 +231,12 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
     start_memory_history(place.device)
     hooks.oom.attach(model)  # OOMs from inside a decoder layer (MEMTRAIN_INJECT_OOM=…@layerK)
     hooks.nan.attach(model)  # NaN losses (MEMTRAIN_INJECT_NAN)
+    clock.mark("loaders")  # resume, metrics, data loaders
     session = Session(r, place, engine, policy, metrics, PeakForecast(), loader, hooks, run.run_dir,
                       r.offload.stage == 3, options.save, state, cap_bytes)
     return Training(run=run, options=options, hooks=hooks, place=place, cap_bytes=cap_bytes, data=data, model=model,
                     engine=engine, scheduler=scheduler, state=state, resumed_from=checkpoint,
                     order=SampleOrder(len(data.train_set), r.train.seed), loader=loader, val_loader=val_loader,
                     metrics=metrics, profiler=StepProfiler(run.run_dir, options.profile_steps, place.device),
-                    session=session, generation=GenerationEval.for_run(r, data.tokenizer, place.is_main))
+                    session=session, generation=GenerationEval.for_run(r, data.tokenizer, place.is_main),
+                    startup=clock)
