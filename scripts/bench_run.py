@@ -89,10 +89,14 @@ def write_markdown(rows: list[dict], path: Path, title: str, columns: list[str] 
     path.write_text("\n".join(lines) + "\n")
 
 
-def upsert_row(out: Path, row: dict, columns: list[str], title: str) -> None:
-    """Replace the row of the same recipe in the CSV (or add it) and rewrite its Markdown view."""
+def upsert_row(out: Path, row: dict, columns: list[str], title: str, keys: tuple[str, ...] = ("recipe",),
+               defaults: dict | None = None) -> None:
+    """Replace the row with the same `keys` in the CSV (or add it) and rewrite its Markdown view.
+
+    defaults: values for columns that rows written before the column existed lack."""
     rows = list(csv.DictReader(out.open())) if out.exists() else []
-    rows = [r for r in rows if r["recipe"] != row["recipe"]] + [row]
+    rows = [{**(defaults or {}), **{k: v for k, v in r.items() if k is not None and v is not None}} for r in rows]
+    rows = [r for r in rows if any(r.get(k) != row.get(k) for k in keys)] + [row]
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as stream:
         writer = csv.DictWriter(stream, fieldnames=columns)

@@ -11,6 +11,10 @@ Appends to benchmarks/vs_hf.csv and rewrites its Markdown view.
 Overrides after a `::` in a case apply to memtrain only (its levers: a planner-chosen micro-batch or
 checkpointing); the global batch must stay the same. Cases with the same recipe and shared overrides
 run the Hugging Face side once per invocation and share its numbers.
+
+--baseline hf,hf-liger runs memtrain once per case and each baseline after it, one row per baseline
+(the `baseline` column; the hf_* columns are that baseline's): hf is HF Trainer eager, hf-liger the same
+with `use_liger_kernel=True` (Liger's fused linear cross-entropy, RMSNorm, SwiGLU and RoPE).
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_run import machine_name, run_dir_for, upsert_row  # noqa: E402
 
-COLUMNS = ["recipe", "memtrain_tokens_per_s", "hf_tokens_per_s", "ratio", "memtrain_peak_reserved_gib",
+BASELINES = ("hf", "hf-liger")
+COLUMNS = ["recipe", "baseline", "memtrain_tokens_per_s", "hf_tokens_per_s", "ratio", "memtrain_peak_reserved_gib",
            "hf_peak_reserved_gib", "memtrain_host_gib", "hf_host_gib", "memtrain_first_step_s", "hf_first_step_s",
            "memtrain_setup", "machine", "date", "command"]
 GiB = 1024**3
@@ -74,12 +79,14 @@ def _setup(start: dict, recipe: dict) -> str:
     checkpointing = describe_checkpointing(Checkpointing.model_validate(recipe["checkpointing"]))
     allocator = "expandable" if recipe["hardware"].get("expandable_segments") else "caching"
     compiled = ", compiled layers" if recipe.get("train", {}).get("compile") else ""
-    return f"mb {start.get('micro_batch')}, {checkpointing}, {allocator}{compiled}"
+    liger = ", liger kernels" if recipe.get("model", {}).get("kernels") == "liger" else ""
+    return f"mb {start.get('micro_batch')}, {checkpointing}, {allocator}{compiled}{liger}"
 
 
-def hf_side(recipe: str, overrides: list[str], steps: int, warmup: int, out: Path, timeout: int) -> dict:
+def hf_side(recipe: str, overrides: list[str], steps: int, warmup: int, out: Path, timeout: int,
+            baseline: str = "hf") -> dict:
     command = [sys.executable, str(ROOT / "scripts" / "hf_baseline.py"), recipe, *overrides,
-               "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
+               "--steps", str(steps), "--warmup", str(warmup), "--out", str(out), "--baseline", baseline]
     _run(command, out.with_suffix(".log"), timeout)
     return json.loads(out.read_text())
 
@@ -100,15 +107,25 @@ def prebuild_cpu_adam() -> None:
               file=sys.stderr)
 
 
-def main() -> int:
+def baselines(text: str) -> list[str]:
+    """--baseline hf,hf-liger -> ['hf', 'hf-liger']; unknown names are refused."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in BASELINES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"baselines are {', '.join(BASELINES)} (comma-separated), not {text!r}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", action="append", required=True, help="NAME=RECIPE [key=value ...]")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--baseline", type=baselines, default=["hf"], help="hf, hf-liger or both: hf,hf-liger")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-vs-hf"))
     parser.add_argument("--timeout", type=int, default=600)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     prebuild_cpu_adam()
     hf_results: dict[tuple[str, ...], dict] = {}
     for case in args.case:
@@ -119,36 +136,46 @@ def main() -> int:
         if _global_batch(recipe, overrides) != _global_batch(recipe, memtrain_overrides):
             parser.error(f"case {name}: the memtrain-only overrides change the global batch")
         args.runs.mkdir(parents=True, exist_ok=True)
-        row = {"recipe": name, "machine": machine_name(), "date": dt.date.today().isoformat(),
-               "command": f"python scripts/bench_vs_hf.py --steps {args.steps} --warmup {args.warmup} --case '{case}'"}
+        command = f"python scripts/bench_vs_hf.py --steps {args.steps} --warmup {args.warmup} " \
+                  f"--baseline {','.join(args.baseline)} --case '{case}'"
+        base = {"recipe": name, "machine": machine_name(), "date": dt.date.today().isoformat(), "command": command}
         failures = (subprocess.TimeoutExpired, FileNotFoundError, StopIteration, ValueError, ZeroDivisionError,
-                    KeyError, IndexError)
+                    KeyError, IndexError, TypeError)
+        ours, ours_error = None, None
         try:
             ours = memtrain_side(recipe, memtrain_overrides, args.steps, args.warmup, run_dir_for(args.runs, name),
                                  args.timeout)
-            row.update(memtrain_tokens_per_s=f"{ours['tokens_per_s']:.0f}",
-                       memtrain_peak_reserved_gib=f"{ours['peak_reserved_gib']:.2f}",
-                       memtrain_host_gib=f"{ours['host_peak_rss_gib']:.1f}",
-                       memtrain_first_step_s=f"{ours['first_step_s']:.0f}", memtrain_setup=ours["setup"])
-            key = (recipe, *overrides)
-            if key not in hf_results:
-                hf_results[key] = hf_side(recipe, overrides, args.steps, args.warmup, args.runs / f"{name}.hf.json",
-                                          args.timeout)
-            theirs = hf_results[key]
-            row.update(hf_tokens_per_s=f"{theirs['tokens_per_s']:.0f}",
-                       ratio=f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}",
-                       hf_peak_reserved_gib=f"{theirs['peak_reserved_gib']:.2f}",
-                       hf_host_gib=f"{theirs['host_peak_rss_gib']:.1f}",
-                       hf_first_step_s=f"{theirs['time_to_first_step_s']:.0f}")
-        except failures as error:  # a side that did not finish is a row that says so
-            side = "memtrain" if "memtrain_tokens_per_s" not in row else "HF"
-            log = run_dir_for(args.runs, name) if side == "memtrain" else args.runs / f"{name}.hf"
-            log = log.parent / f"{log.name}.log"
-            text = log.read_text(errors="replace") if log.exists() else ""
-            row["ratio"] = f"{side} ran out of GPU memory" if "OutOfMemoryError" in text else \
-                f"failed: {type(error).__name__}"
-        print(json.dumps(row), flush=True)
-        upsert_row(args.out, row, COLUMNS, "memtrain vs Hugging Face Trainer + DeepSpeed")
+        except failures as error:
+            ours_error = error
+        for baseline in args.baseline:
+            row = dict(base, baseline=baseline)
+            try:
+                if ours is None:
+                    raise ours_error
+                row.update(memtrain_tokens_per_s=f"{ours['tokens_per_s']:.0f}",
+                           memtrain_peak_reserved_gib=f"{ours['peak_reserved_gib']:.2f}",
+                           memtrain_host_gib=f"{ours['host_peak_rss_gib']:.1f}",
+                           memtrain_first_step_s=f"{ours['first_step_s']:.0f}", memtrain_setup=ours["setup"])
+                key = (baseline, recipe, *overrides)
+                if key not in hf_results:
+                    hf_results[key] = hf_side(recipe, overrides, args.steps, args.warmup,
+                                              args.runs / f"{name}.{baseline}.json", args.timeout, baseline)
+                theirs = hf_results[key]
+                row.update(hf_tokens_per_s=f"{theirs['tokens_per_s']:.0f}",
+                           ratio=f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}",
+                           hf_peak_reserved_gib=f"{theirs['peak_reserved_gib']:.2f}",
+                           hf_host_gib=f"{theirs['host_peak_rss_gib']:.1f}",
+                           hf_first_step_s=f"{theirs['time_to_first_step_s']:.0f}")
+            except failures as error:  # a side that did not finish is a row that says so
+                side = "memtrain" if "memtrain_tokens_per_s" not in row else baseline
+                log = run_dir_for(args.runs, name) if side == "memtrain" else args.runs / f"{name}.{baseline}"
+                log = log.parent / f"{log.name}.log"
+                text = log.read_text(errors="replace") if log.exists() else ""
+                row["ratio"] = f"{side} ran out of GPU memory" if "OutOfMemoryError" in text else \
+                    f"failed: {type(error).__name__}"
+            print(json.dumps(row), flush=True)
+            upsert_row(args.out, row, COLUMNS, "memtrain vs Hugging Face Trainer + DeepSpeed",
+                       keys=("recipe", "baseline"), defaults={"baseline": "hf"})
     return 0
 
 

@@ -29,6 +29,8 @@
 #   bash scripts/gpu_session.sh full9     # session 9: Qwen2.5-7B and Mistral-7B full fine-tunes (ZeRO-3, CPU, unpinned), held out
 #   bash scripts/gpu_session.sh vsfam9    # session 9: Qwen2.5-7B and Mistral-7B LoRA, memtrain vs HF Trainer + PEFT + DeepSpeed
 #   bash scripts/gpu_session.sh fam10     # session 10: held out Qwen3-8B full fine-tune and 7B DoRA; Gemma-2-9B LoRA vs HF
+#   bash scripts/gpu_session.sh speed10   # issue 23: start-up phases (fresh, then warm); 7B LoRA memtrain default vs HF eager vs HF + Liger
+#   bash scripts/gpu_session.sh speed10b  # issue 23, if time is left: start-up of the other shipped recipes (warm); memtrain without Liger
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -68,6 +70,30 @@ vsfam9)
   step vs-hf 570 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 10 --warmup 3 --timeout 140 \
     --case "qwen2.5-7b-lora-mb4x1024=recipes/llama2-7b-lora-24gb.yaml model.preset=qwen2.5-7b" \
     --case "mistral-7b-lora-mb4x1024=recipes/llama2-7b-lora-24gb.yaml model.preset=mistral-7b-v0.3"
+  ;;
+speed10)  # under 8 minutes: the two steps are capped at 235 + 235 s (estimates in the comments)
+  # (b) first, on empty op caches: 1.1B ZeRO-2 offload builds DeepSpeed's CPU Adam (~45 s) and reaches its first step in
+  # ~80-130 s (issue 23); then, warm, 7B LoRA (~20-30 s, plus Liger's Triton JIT) and 3B ZeRO-3 offload (~50-60 s);
+  # one step each, ~10 s teardown. A row is written as each run ends, so a cut-off keeps the rows before it.
+  cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
+  step startup 235 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state fresh --steps 1 --timeout 150 \
+    --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml --recipe recipes/llama2-7b-lora-24gb.yaml \
+    --recipe recipes/openllama-3b-full-offload-24gb.yaml
+  # (a) 7B LoRA 4 x 1024 as shipped, 8 steps (warm-up 2, so the recipe's 10 warm-up steps are 2 on every side): each side
+  # ~20-30 s to its first step + 8 x ~2.2 s (16,384 tokens at ~7,300 tokens/s) + teardown, ~55-65 s; three sides ~180 s
+  cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
+  step vs-hf 235 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 100 \
+    --baseline hf,hf-liger --case "7b-lora-mb4x1024 (session 10)=recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2"
+  ;;
+speed10b)  # the rest of issue 23's start-up table (warm), and memtrain without Liger at 7B LoRA
+  cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
+  step startup 330 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout 150 \
+    --recipe recipes/llama2-7b-qlora-16gb.yaml --recipe recipes/llama2-13b-qlora-24gb.yaml \
+    --recipe "recipes/llama2-7b-full-offload-2x24gb.yaml hardware.gpus=1" \
+    --recipe recipes/llama2-7b-nvme-24gb.yaml
+  cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
+  step vs-hf 200 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 100 \
+    --case "7b-lora-mb4x1024 (session 10, memtrain model.kernels none)=recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2 :: model.kernels=none"
   ;;
 1)
   step bench 330 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 200 --title "memtrain run on the GPU machine (24 GiB cap)" \
@@ -247,7 +273,7 @@ accuracy)
     --parallel 5 --host-budget-gib 105 ${ONLY:+--only $ONLY}
   ;;
 esac
-for f in /tmp/memtrain-bench/*.log /tmp/memtrain-plan-accuracy/*.log /tmp/memtrain-vs-hf/*.log; do
+for f in /tmp/memtrain-bench/*.log /tmp/memtrain-plan-accuracy/*.log /tmp/memtrain-vs-hf/*.log /tmp/memtrain-startup/*.log; do
   [ -f "$f" ] && grep -l -i -E "Traceback|Error" "$f" >/dev/null && { echo "== $f"; grep -i -E -B2 -A8 "Traceback|Error" "$f" | tail -n 30; }
 done
 echo "== done at ${SECONDS}s"

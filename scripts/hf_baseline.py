@@ -6,7 +6,11 @@ offload tiers (memtrain's compiled DeepSpeed config, handed to the Trainer as Ax
 LLaMA-Factory do), same memory cap. Prints one JSON line: tokens/s after the warm-up steps, peak
 GPU memory, host peak RSS. Used by scripts/bench_vs_hf.py; runs on the CPU too (for its test).
 
-    python scripts/hf_baseline.py RECIPE [key=value ...] --steps 12 --warmup 3 --out result.json
+    python scripts/hf_baseline.py RECIPE [key=value ...] --steps 12 --warmup 3 --out result.json [--baseline hf-liger]
+
+--baseline hf-liger: the same Trainer with `use_liger_kernel=True` (transformers applies Liger's fused linear
+cross-entropy, RMSNorm, SwiGLU and RoPE to the model instance, through the PEFT wrapper, when training starts):
+the strongest baseline a user would pick without writing code. Needs liger-kernel and a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--baseline", choices=("hf", "hf-liger"), default="hf")
     args = parser.parse_args()
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -80,7 +85,7 @@ def main() -> int:
             report_to=[], deepspeed=config, seed=recipe.train.seed, dataloader_num_workers=0,
             gradient_checkpointing=recipe.checkpointing.strategy != "none",
             gradient_checkpointing_kwargs={"use_reentrant": False}, remove_unused_columns=False,
-            use_cpu=not on_cuda,
+            use_cpu=not on_cuda, use_liger_kernel=args.baseline == "hf-liger",
         )
         torch.manual_seed(recipe.train.seed)
         from transformers import AutoModelForCausalLM
@@ -108,6 +113,7 @@ def main() -> int:
     tokens_per_step = recipe.batch.global_batch * recipe.data.seq_len
     timed = marks[args.warmup:]
     result = {
+        "baseline": args.baseline,
         "tokens_per_s": tokens_per_step * (len(timed) - 1) / (timed[-1] - timed[0]) if len(timed) > 1 else None,
         "steps": len(marks),
         # from the launch of this process, as memtrain's side measures it

@@ -6,6 +6,7 @@ from pathlib import Path
 from rich.console import Console
 
 from memtrain.checks.load import load_checked
+from memtrain.monitor.startup import StartupClock
 from memtrain.train.hooks import Hooks
 from memtrain.train.launch import launch, prepare
 from memtrain.train.resume import check_resume
@@ -31,9 +32,12 @@ def run_command(recipe: Path, overrides: list[str], options: RunOptions = RunOpt
 
 
 def _run(recipe: Path, overrides: list[str], options: RunOptions, console: Console) -> int:
+    clock = StartupClock()  # from this process's start: the `startup` record after the first step
+    clock.mark("launch")   # the interpreter, imports and the command line
     loaded = load_checked(recipe, overrides)
+    clock.mark("load_recipe")
     hooks = Hooks.from_env()  # test hooks: the environment is read here, once
-    prepared = prepare(loaded, hooks)
+    prepared = prepare(loaded, hooks, clock)
     for note in prepared.notes:
         console.print(f"[dim]·[/] {note}", highlight=False)
     for warning in prepared.warnings:

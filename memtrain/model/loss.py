@@ -8,8 +8,18 @@ called per chunk (never its .weight) so ZeRO-3 gathers the weight inside its own
 Logit soft-capping (Gemma-2's `final_logit_softcapping`) belongs to the model's function, not to the
 loss: its forward squashes the logits to tanh(logits / cap) · cap after the lm_head. Calling the
 lm_head here bypasses that forward, so the cap is applied here, per chunk, before the cross-entropy.
+
+With Liger's kernels (`model.kernels`, memtrain.model.kernels.uses_fused_loss) the loss may instead be
+Liger's fused linear cross-entropy: it takes the hidden states and the head's *weight*, computes the
+logits a chunk at a time, and writes the gradients of the hidden states (and of a trainable head) during
+forward, so backward only scales them. Same contract: reduction "sum" over the targets that are not -100
+(the loop divides by the global batch's target count, memtrain.train.step), the soft-cap applied inside
+the kernel before the softmax, which is always computed in fp32. The head's gradient is summed over the
+chunks in the weight's dtype, as autograd sums the chunked loss's chunks.
 """
 from __future__ import annotations
+
+import importlib
 
 import torch
 import torch.nn.functional as F
@@ -61,3 +71,16 @@ def causal_lm_loss(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
         else:
             total = total + _token_loss_sum(lm_head, flat_hidden[part], targets[part], fp32_loss, softcap)
     return total, n_tokens
+
+
+def fused_causal_lm_loss(head_weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, *,
+                         softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """causal_lm_loss through Liger's fused linear cross-entropy (CUDA only; liger-kernel must be installed).
+
+    head_weight: the output head's weight (vocabulary, hidden), in the hidden states' dtype.
+    """
+    flat_hidden, targets = shift_for_next_token(hidden, labels)
+    n_tokens = (targets != IGNORE_INDEX).sum()
+    liger = importlib.import_module("liger_kernel.transformers")  # optional dependency (memtrain[liger])
+    loss = liger.LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum", softcap=softcap)
+    return loss(head_weight, flat_hidden.contiguous(), targets.contiguous()).float(), n_tokens

@@ -8,7 +8,7 @@ from memtrain.errors import Problem, UserError
 from memtrain.labels import IGNORE_INDEX
 from memtrain.model.architecture import logit_softcap
 from memtrain.model.layers import hf_model
-from memtrain.model.loss import causal_lm_loss
+from memtrain.model.loss import causal_lm_loss, fused_causal_lm_loss
 from memtrain.recipe.schema import Precision
 
 # How each attention kernel keeps the samples of a packed row apart, given position_ids that restart at 0 for
@@ -38,11 +38,14 @@ class TrainableLM(nn.Module):
     The decoder body and the lm_head are called separately so the loss can be chunked; the
     lm_head module is called (never its weight) so ZeRO-3 gathers it in its own forward.
     `position_ids` (batch, seq) restarting at 0 mark the samples of packed rows (see PACKED_ATTENTION).
+    fused_loss: Liger's fused linear cross-entropy instead of the chunked loss (memtrain.model.kernels.uses_fused_loss
+    decides; it reads the head's weight, so never under ZeRO-3).
     """
 
-    def __init__(self, model: nn.Module, precision: Precision):
+    def __init__(self, model: nn.Module, precision: Precision, fused_loss: bool = False):
         super().__init__()
         self.model = model
+        self.fused_loss = fused_loss
         self.fp32_loss = precision.fp32_loss
         self.chunk_tokens = precision.loss_chunk_tokens if precision.chunked_loss else None
         self.logit_softcap = logit_softcap(hf_model(model).config)  # Gemma-2 caps its logits; None for most models
@@ -58,6 +61,8 @@ class TrainableLM(nn.Module):
                 input_ids, labels, position_ids = _one_sequence(input_ids, labels, position_ids)
         hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=False).last_hidden_state
+        if self.fused_loss:
+            return fused_causal_lm_loss(base.get_output_embeddings().weight, hidden, labels, softcap=self.logit_softcap)
         return causal_lm_loss(base.get_output_embeddings(), hidden, labels,
                               fp32_loss=self.fp32_loss, chunk_tokens=self.chunk_tokens,
                               softcap=self.logit_softcap)

@@ -16,10 +16,11 @@ from dataclasses import asdict, dataclass, field
 from memtrain.configs import allocator_budget_bytes
 from memtrain.errors import Problem, RecipeError
 from memtrain.model.config import model_architecture
+from memtrain.model.kernels import uses_fused_loss
 from memtrain.plan.activations import estimate_activations
 from memtrain.plan.calibration import Calibration, calibration
 from memtrain.plan.host import offload_host_bytes
-from memtrain.plan.logits import estimate_logits
+from memtrain.plan.logits import estimate_fused_logits, estimate_logits
 from memtrain.dtypes import DTYPE_BYTES
 from memtrain.plan.model_states import master_bytes, place_model_states
 from memtrain.plan.params import ParamCounts, count_parameters
@@ -281,13 +282,20 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
     states = place_model_states(counts, stage, hw.gpus, p.storage, p.master, o.optimizer, o.params, o.ratio,
                                 o.buffer_count, eight_bit=recipe.optimizer.name.endswith("8bit"))
     states = with_quantized_params(states, counts, DTYPE_BYTES[p.storage])
+    # Liger's RMSNorm, SwiGLU and RoPE (model.kernels) keep fewer tensors than the eager modules traced here
+    # (RMSNorm its input and one fp32 rstd per row, not fp32 copies; SwiGLU gate and up, not silu(gate)), so the
+    # eager trace stays their price: an upper bound until the saving is measured on the GPU.
     acts = estimate_activations(recipe.model, recipe.checkpointing, p.compute, micro_batch, seq_len, counts.num_layers,
                                 counts.layers_name)
     tokens = micro_batch * seq_len
     head = _head_bytes(counts, compute_bytes, tokens) + packed_attention_mask_bytes(recipe, micro_batch)
-    logits = estimate_logits(counts.hidden_size, counts.vocab_size, p.compute, micro_batch, seq_len,
-                             p.chunked_loss, p.loss_chunk_tokens, p.fp32_loss,
-                             softcap=model_architecture(recipe.model).logit_softcap is not None)
+    if uses_fused_loss(recipe.model, p, stage):  # Liger's fused linear cross-entropy (model.kernels resolved to liger)
+        logits = estimate_fused_logits(counts.hidden_size, counts.vocab_size, p.compute, micro_batch, seq_len,
+                                       head_trainable=recipe.model.lora is None)
+    else:
+        logits = estimate_logits(counts.hidden_size, counts.vocab_size, p.compute, micro_batch, seq_len,
+                                 p.chunked_loss, p.loss_chunk_tokens, p.fp32_loss,
+                                 softcap=model_architecture(recipe.model).logit_softcap is not None)
     buffers = _buffers(recipe, counts, stage, cal)
     model_states = states.gpu_params + states.gpu_gradients + states.gpu_optimizer_states
 

@@ -135,6 +135,12 @@ class Model(Section):
         "sdpa", description="Attention kernel; sdpa has no seq_len^2 activation term. Where an architecture "
         "cannot run sdpa correctly (Gemma-2's soft-capped attention) memtrain uses eager and says so."
     )
+    kernels: Literal["auto", "liger", "none"] = Field(
+        "auto", description="Liger's Triton kernels (pip install 'memtrain[liger]'): RMSNorm, SwiGLU (GEGLU for "
+        "Gemma-2) and RoPE patched into the model, and Liger's fused linear cross-entropy as the loss (never the "
+        "full logits; not under ZeRO-3, precision.mode autocast, an fp32 lm_head or LoRA modules_to_save, where the "
+        "chunked loss stays). auto: where liger-kernel is installed, a CUDA GPU is present and the model is Llama, "
+        "Mistral, Qwen2, Qwen3, Gemma-2 or Phi-3; liger: always (an error where it cannot run); none: never.")
     lora: Lora | None = Field(None, description="Train LoRA adapters instead of all weights.")
     quantize: Quantize | None = Field(
         None, description="Store the frozen base weights quantised (QLoRA; needs lora and bitsandbytes: "

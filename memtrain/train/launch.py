@@ -19,6 +19,7 @@ import torch
 
 from memtrain.errors import Problem, UserError
 from memtrain.model.config import model_architecture
+from memtrain.monitor.startup import StartupClock
 from memtrain.plan.params import count_parameters
 from memtrain.recipe.sources import LoadedRecipe
 from memtrain.train.allocator import exact_pinned_supported
@@ -40,33 +41,40 @@ class Prepared:
     data: RunData            # this process's tokenizer and datasets (workers build their own from the cache)
     warnings: list[str]      # for people: e.g. the plan exceeds the card (the batch policy will adapt)
     notes: list[str] = dataclasses.field(default_factory=list)  # what memtrain chose or found, said once
+    clock: StartupClock | None = None  # the start-up phases so far (the command's); setup and the loop go on
 
 
-def prepare(loaded: LoadedRecipe, hooks: Hooks) -> Prepared:
+def prepare(loaded: LoadedRecipe, hooks: Hooks, clock: StartupClock | None = None) -> Prepared:
     """Check what can be checked before anything is built or written, then resolve the run."""
     r = loaded.recipe
+    clock = clock or StartupClock()
     check_dtype(loaded)
     notes = list(model_architecture(r.model).notes)
     if hooks.oom.layers:  # @layerK points must name layers the model has, before a run directory exists
         hooks.oom.check_layers(count_parameters(r.model).num_layers)
+    clock.mark("checks")
     with loaded.sources.located():
         data = build_data(r)
+    clock.mark("data")
     exact_pinned = exact_pinned_supported()
     warnings = check_memory(loaded, exact_pinned)
     with loaded.sources.located():
         run = resolve_run(r, loaded.name, loaded.output_dir, len(data.train_set), exact_pinned)
+    clock.mark("plan")
     if not r.data.is_text:  # instruction and chat data: what truncation, packing and masking made of it
         notes.append(f"training data: {data.train_set.stats.describe()}")
     if data.added_tokens:
         notes.append(f"added {', '.join(data.added_tokens)} to the tokenizer; the model's embeddings grow to "
                      f"{len(data.tokenizer)} rows and the new ones are trained")
-    return Prepared(run, data, warnings, notes)
+    return Prepared(run, data, warnings, notes, clock)
 
 
-def train_here(run: ResolvedRun, options: RunOptions, hooks: Hooks, data: RunData | None = None) -> RunResult:
-    """Set up and train in this process; every resource setup took is released when it returns or raises."""
+def train_here(run: ResolvedRun, options: RunOptions, hooks: Hooks, data: RunData | None = None,
+               clock: StartupClock | None = None) -> RunResult:
+    """Set up and train in this process; every resource setup took is released when it returns or raises.
+    clock: the start-up phases so far (None: a clock from this process's start)."""
     with ExitStack() as stack:
-        return train(setup(run, options, hooks, stack, data))
+        return train(setup(run, options, hooks, stack, data, clock))
 
 
 def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report) -> int:
@@ -75,7 +83,7 @@ def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report
     run = prepared.run
     gpus = run.recipe.hardware.gpus
     if gpus == 1:
-        result = train_here(run, options, hooks, prepared.data)
+        result = train_here(run, options, hooks, prepared.data, prepared.clock)
         while result.status == "restart":  # an OOM in ZeRO-1/2 backward: saved; resume smaller
             _release()
             result = train_here(run, dataclasses.replace(options, resume=True), hooks, prepared.data)

@@ -88,6 +88,8 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                     process_started=psutil.Process().create_time(),  # the origin of "time to first step"
                     pinned_sizes="exact" if place.on_cuda and run.exact_pinned else "power_of_two",
                     **_data_fields(t.data.train_set))
+    if t.startup is not None:
+        t.startup.mark("loop_start")  # the run's start record
     stop_at = run.total_steps if t.options.max_steps is None else min(run.total_steps, state.step + t.options.max_steps)
     interrupted = Interrupted()
     guard = Guard(r, t.metrics, world, device, run.run_dir)  # NaN/inf steps, divergence, agreeing to stop
@@ -97,6 +99,8 @@ def train(t: Training, quiet: bool = False) -> RunResult:
         progress.update(state.step)
         if t.generation is not None and state.step == 0:  # train.eval_generate: the score before training
             progress.note(t.generation.record(t.model, t.metrics, state.step).describe(state.step))
+            if t.startup is not None:
+                t.startup.mark("eval_generate")
         while state.step < stop_at:
             step_start = time.perf_counter()
             samples = t.order.indices(state.step * global_batch, global_batch)
@@ -115,6 +119,12 @@ def train(t: Training, quiet: bool = False) -> RunResult:
             state.tokens += targets
             session.adapt_batch()
             # loss: this rank's mean, reported from rank 0
+            if t.startup is not None:  # the first step of this attempt: where the start went, once
+                if place.on_cuda:
+                    torch.cuda.synchronize()  # the step's kernels finished, as "first step" means
+                t.startup.mark("first_step")
+                t.metrics.event("startup", state.step, **t.startup.record())
+                t.startup = None
             t.metrics.record("train", state.step, loss=loss_sum / (targets / world), lr=t.scheduler.get_last_lr()[0],
                              tokens=state.tokens, step_time_s=time.perf_counter() - step_start,
                              micro_batch=session.policy.micro_batch, grad_accum=micro_batches, ooms=ooms,

@@ -36,6 +36,7 @@ SAFE_TO_CHANGE = (
     "offload.pin_memory", "offload.overlap_comm", "offload.buffer_count", "offload.max_live_parameters",
     "offload.prefetch_bucket_size", "offload.bucket_size", "offload.aio.*",
     "data.cache_dir",
+    "model.kernels",  # Liger's kernels compute the same functions; the weights and optimizer states are alike
     "precision.loss_scale.*",
 )
 # Changes whose new value the batch policy must start from (its saved state would restore the old one).

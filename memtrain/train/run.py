@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from memtrain.files import write_atomically
+from memtrain.model.kernels import KernelSupport, resolve_kernels
 from memtrain.plan.planner import plan_recipe, resolve_checkpointing, resolve_micro_batch
 from memtrain.recipe.schema import Recipe
 
@@ -59,7 +60,7 @@ class ResolvedRun:
     """The recipe as it will run on this machine."""
 
     name: str
-    recipe: Recipe                    # checkpointing 'auto' made concrete (first_n_layers); the rest as written
+    recipe: Recipe                    # checkpointing and model.kernels 'auto' made concrete; the rest as written
     run_dir: Path
     recipe_micro_batch: int           # batch.micro_batch with 'auto' resolved by the planner
     micro_batch: int                  # the starting micro-batch: at most this rank's share of the global batch
@@ -109,8 +110,14 @@ def resolve_micro_batch_of(recipe: Recipe, exact_pinned: bool) -> int:
     return resolve_micro_batch(recipe, exact_pinned=exact_pinned)
 
 
-def resolve_run(recipe: Recipe, name: str, run_dir: Path, n_train_samples: int, exact_pinned: bool) -> ResolvedRun:
-    """Resolve a validated recipe for this machine: micro-batch, recomputed layers, steps, the plan's figures."""
+def resolve_run(recipe: Recipe, name: str, run_dir: Path, n_train_samples: int, exact_pinned: bool,
+                kernels: KernelSupport | None = None) -> ResolvedRun:
+    """Resolve a validated recipe for this machine: kernels, micro-batch, recomputed layers, steps, the plan's figures.
+
+    kernels: what this machine offers Liger's kernels (default: asked of this machine). They are resolved
+    first, so the planner prices the loss and layers the run will build.
+    """
+    recipe = with_kernels(recipe, resolve_kernels(recipe.model, kernels or KernelSupport.current()))
     recipe_micro_batch = resolve_micro_batch_of(recipe, exact_pinned)
     per_rank_batch = recipe.batch.global_batch // recipe.hardware.gpus
     micro_batch = min(recipe_micro_batch, per_rank_batch)
@@ -119,6 +126,13 @@ def resolve_run(recipe: Recipe, name: str, run_dir: Path, n_train_samples: int, 
                        micro_batch=micro_batch, total_steps=total_steps(recipe, n_train_samples),
                        exact_pinned=exact_pinned, plan_peak_reserved_bytes=_planned_peak(resolved, exact_pinned),
                        planner_prior=_planner_prior(resolved, exact_pinned))
+
+
+def with_kernels(recipe: Recipe, kernels: str) -> Recipe:
+    """The recipe with model.kernels set (the same object when it already says so)."""
+    if recipe.model.kernels == kernels:
+        return recipe
+    return recipe.model_copy(update={"model": recipe.model.model_copy(update={"kernels": kernels})})
 
 
 def _planned_peak(recipe: Recipe, exact_pinned: bool) -> int | None:

@@ -29,6 +29,7 @@ from memtrain.model.build import build_model
 from memtrain.model.checkpointing import apply_checkpointing
 from memtrain.model.compiled import compile_layers
 from memtrain.model.config import meta_model, model_config
+from memtrain.model.kernels import apply_liger_kernels, uses_fused_loss
 from memtrain.model.loraplus import lora_param_groups
 from memtrain.model.precision import apply_precision
 from memtrain.model.quantize import require_bitsandbytes
@@ -36,6 +37,7 @@ from memtrain.model.wrapper import TrainableLM
 from memtrain.monitor.forecast import PeakForecast
 from memtrain.monitor.metrics import MetricsLog
 from memtrain.monitor.profiler import StepProfiler
+from memtrain.monitor.startup import StartupClock
 from memtrain.recipe.schema import Recipe
 from memtrain.train.batch_policy import BatchPolicy
 from memtrain.train.checkpoint import LoopState, latest_checkpoint, load_checkpoint
@@ -104,7 +106,10 @@ def check_new_rows_train(recipe: Recipe, added: tuple[str, ...]) -> None:
 
 def build_policy_model(recipe: Recipe, place: Place, ds_config: dict, vocab_size: int | None = None) -> torch.nn.Module:
     """The causal LM on its device with the recipe's checkpointing, precision map and compiled layers
-    (its embeddings grown to `vocab_size` when tokens were added to the tokenizer)."""
+    (its embeddings grown to `vocab_size` when tokens were added to the tokenizer), built from Liger's
+    modules when `model.kernels` resolved to liger."""
+    if recipe.model.kernels == "liger":
+        apply_liger_kernels(recipe.model)  # transformers' module-level classes: before the model is built
     model = build_model(recipe.model, recipe.precision.storage, place.device, ds_config, seed=recipe.train.seed,
                         vocab_size=vocab_size)
     apply_checkpointing(model, recipe.checkpointing)
@@ -118,7 +123,8 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, ds_config: dict, total_
     """(DeepSpeed engine, LR scheduler) around the model with memtrain's loss."""
     import deepspeed  # noqa: PLC0415 — heavy (and it sets up its accelerator on import): only where an engine is built
 
-    lm = TrainableLM(model, recipe.precision)
+    lm = TrainableLM(model, recipe.precision,
+                     fused_loss=uses_fused_loss(recipe.model, recipe.precision, recipe.offload.stage))
     trainable = [p for p in lm.parameters() if p.requires_grad]
     lora, o = recipe.model.lora, recipe.optimizer
     # LoRA+: the B matrices at lr × ratio, as parameter groups that every optimizer (and the schedule) keeps apart
@@ -128,6 +134,16 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, ds_config: dict, total_
                                                    optimizer=client_optimizer(recipe, groups),
                                                    lr_scheduler=lr_scheduler_factory(recipe.schedule, total_steps))
     return engine, scheduler
+
+
+def load_cpu_adam(recipe: Recipe) -> None:
+    """Load (building it on first use) DeepSpeed's CPU Adam op before deepspeed.initialize, which then finds it
+    loaded: the start-up record shows the op's build or load apart from the engine's own start."""
+    if recipe.offload.optimizer == "none" or uses_client_optimizer(recipe):
+        return
+    from deepspeed.ops.op_builder import CPUAdamBuilder  # noqa: PLC0415 — heavy; DeepSpeed caches the loaded op
+
+    CPUAdamBuilder().load()
 
 
 def client_optimizer(recipe: Recipe, trainable: list[torch.nn.Parameter] | list[dict]):
@@ -165,21 +181,32 @@ class Training:
     profiler: StepProfiler
     session: Session
     generation: GenerationEval | None = None  # train.eval_generate, on rank 0
+    startup: StartupClock | None = None       # the start-up phases; the loop adds the first step and records them
 
     @property
     def recipe(self) -> Recipe:
         return self.run.recipe
 
 
-def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack, data: RunData | None = None) -> Training:
-    """Process group and device, data, model, engine, resume, loaders and logs, for this process's rank."""
+def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack, data: RunData | None = None,
+          clock: StartupClock | None = None) -> Training:
+    """Process group and device, data, model, engine, resume, loaders and logs, for this process's rank.
+    clock: the start-up phases so far (None: a clock from this process's start, as in a torchrun worker)."""
     r = run.recipe
+    clock = clock or StartupClock()
+    clock.mark("checks")  # what came before (the run directory, resume checks; a worker's own start)
     place, cap_bytes = setup_process(r.hardware.gpu, r.hardware.cap_memory, r.hardware.expandable_segments)
+    clock.mark("process")
     data = data or build_data(r)
+    clock.mark("data")
     run.run_dir.mkdir(parents=True, exist_ok=True)
     ds_config = compile_ds_config(r, run.micro_batch)
     model = build_policy_model(r, place, ds_config, data.model_vocab_size)
+    clock.mark("model")
+    load_cpu_adam(r)
+    clock.mark("cpu_adam_op")
     engine, scheduler = build_engine(r, model, ds_config, run.total_steps)
+    clock.mark("deepspeed_init")  # includes the pinned host buffers of an offloaded optimizer
 
     state, checkpoint = LoopState(), latest_checkpoint(run.run_dir) if options.resume else None
     if checkpoint is not None:
@@ -204,10 +231,12 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
     start_memory_history(place.device)
     hooks.oom.attach(model)  # OOMs from inside a decoder layer (MEMTRAIN_INJECT_OOM=…@layerK)
     hooks.nan.attach(model)  # NaN losses (MEMTRAIN_INJECT_NAN)
+    clock.mark("loaders")  # resume, metrics, data loaders
     session = Session(r, place, engine, policy, metrics, PeakForecast(), loader, hooks, run.run_dir,
                       r.offload.stage == 3, options.save, state, cap_bytes)
     return Training(run=run, options=options, hooks=hooks, place=place, cap_bytes=cap_bytes, data=data, model=model,
                     engine=engine, scheduler=scheduler, state=state, resumed_from=checkpoint,
                     order=SampleOrder(len(data.train_set), r.train.seed), loader=loader, val_loader=val_loader,
                     metrics=metrics, profiler=StepProfiler(run.run_dir, options.profile_steps, place.device),
-                    session=session, generation=GenerationEval.for_run(r, data.tokenizer, place.is_main))
+                    session=session, generation=GenerationEval.for_run(r, data.tokenizer, place.is_main),
+                    startup=clock)

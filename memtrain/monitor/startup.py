@@ -1,0 +1,45 @@
+"""Where the start of a run goes: seconds per phase from the process's start to the first optimizer step.
+
+The clock's origin is the process's creation time (what `time to first step` has always been measured
+from: psutil's create_time, the `process_started` of the run's start record), so the first phase holds the
+interpreter's start and the imports. Each `mark(name)` gives the time since the previous mark to that
+phase; the phases therefore sum to the first step's time exactly. The loop writes them as one `startup`
+record of metrics.jsonl after the first step (scripts/bench_startup.py reads it).
+"""
+from __future__ import annotations
+
+import time
+
+import psutil
+
+
+# The phases in the order a single-process run passes them (a torchrun worker starts at "checks"); the
+# record holds those that ran, and scripts/bench_startup.py keeps a column for each.
+PHASES = ("launch", "load_recipe", "checks", "data", "plan", "process", "model", "cpu_adam_op", "deepspeed_init",
+          "loaders", "loop_start", "eval_generate", "first_step")
+
+
+class StartupClock:
+    """Wall-clock seconds per start-up phase, in the order they ran (a phase marked twice adds up)."""
+
+    def __init__(self, origin_s: float | None = None, now=time.time):
+        self._now = now  # a test hook: a fake clock
+        self.origin_s = psutil.Process().create_time() if origin_s is None else origin_s
+        self._last_s = self.origin_s
+        self.phases_s: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        """The phase `phase` ends now: the seconds since the previous mark are its."""
+        now = self._now()
+        self.phases_s[phase] = self.phases_s.get(phase, 0.0) + max(now - self._last_s, 0.0)
+        self._last_s = now
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds from the origin to the last mark (the sum of the phases)."""
+        return self._last_s - self.origin_s
+
+    def record(self) -> dict:
+        """The `startup` record's fields: first_step_s and phases_s (rounded to milliseconds)."""
+        return {"first_step_s": round(self.elapsed_s, 3),
+                "phases_s": {name: round(seconds, 3) for name, seconds in self.phases_s.items()}}

@@ -1,0 +1,100 @@
+"""Command to first optimizer step, per start-up phase: `memtrain run RECIPE` for a few steps per recipe.
+
+Each run's `startup` record (metrics.jsonl; memtrain.monitor.startup) gives the seconds of every phase from
+the process's start to the end of the first optimizer step; the phases sum to first_step_s. One row per
+recipe in benchmarks/startup.csv (rows keyed by recipe and machine state), and its Markdown view.
+
+    python scripts/bench_startup.py --machine-state warm --out benchmarks/startup.csv \\
+        --recipe recipes/llama2-7b-lora-24gb.yaml --recipe "recipes/tinyllama-1.1b-full-offload-24gb.yaml"
+
+--machine-state fresh starts the invocation with empty compiled-op caches (TORCH_EXTENSIONS_DIR for DeepSpeed's
+CPU Adam, TRITON_CACHE_DIR for Triton kernels such as Liger's) kept under --runs for the whole invocation:
+the first recipe runs on a fresh machine and is labelled `fresh`, the later ones find what it built and
+are labelled `warm`. --machine-state warm uses the caches as they are and labels every row `warm`.
+A recipe may carry overrides after it ("RECIPE key=value ...").
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_run import machine_name, upsert_row  # noqa: E402
+from memtrain.monitor.startup import PHASES  # noqa: E402
+
+COLUMNS = ["recipe", "machine_state", "first_step_s", *PHASES, "machine", "date", "command"]
+
+
+def run_once(spec: str, steps: int, run_dir: Path, env: dict, timeout: int) -> dict:
+    """`memtrain run` for `steps` optimizer steps; the run's startup record."""
+    recipe, *overrides = shlex.split(spec)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "memtrain", "run", recipe, *overrides, f"train.output_dir={run_dir}",
+               "train.eval_every=100000", "train.save_every=100000", "train.log_every=1", "--max-steps", str(steps),
+               "--no-resume", "--no-save"]
+    log = run_dir.parent / f"{run_dir.name}.log"
+    with log.open("w") as stream:
+        done = subprocess.run(command, cwd=ROOT, env=env, timeout=timeout, stdout=stream, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        raise RuntimeError(f"memtrain run {spec} exited {done.returncode}; last lines of {log}:\n{tail}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return next(r for r in records if r["kind"] == "startup")
+
+
+def row_of(name: str, state: str, startup: dict, command: str) -> dict:
+    phases = startup["phases_s"]
+    unknown = sorted(set(phases) - set(PHASES))
+    if unknown:
+        raise ValueError(f"phases {unknown} have no column: add them to memtrain.monitor.startup.PHASES")
+    return {"recipe": name, "machine_state": state, "first_step_s": f"{startup['first_step_s']:.1f}",
+            **{phase: f"{phases[phase]:.1f}" if phase in phases else "" for phase in PHASES},
+            "machine": machine_name(), "date": dt.date.today().isoformat(), "command": command}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", action="append", required=True, help="RECIPE [key=value ...]")
+    parser.add_argument("--machine-state", choices=("warm", "fresh"), required=True)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "startup.csv")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run (the first is the one timed)")
+    parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-startup"))
+    parser.add_argument("--timeout", type=int, default=600)
+    args = parser.parse_args(argv)
+    env = dict(os.environ)
+    if args.machine_state == "fresh":
+        caches = args.runs / "fresh-caches"
+        shutil.rmtree(caches, ignore_errors=True)
+        env.update(TORCH_EXTENSIONS_DIR=str(caches / "torch_extensions"), TRITON_CACHE_DIR=str(caches / "triton"))
+    failed = 0
+    for index, spec in enumerate(args.recipe):
+        state = "fresh" if args.machine_state == "fresh" and index == 0 else "warm"
+        name = " ".join(Path(part).stem if i == 0 else part for i, part in enumerate(shlex.split(spec)))
+        command = f"python scripts/bench_startup.py --machine-state {args.machine_state} --steps {args.steps} " \
+                  f"--recipe '{spec}'"
+        try:
+            startup = run_once(spec, args.steps, args.runs / f"run-{index}", env, args.timeout)
+        except (RuntimeError, subprocess.TimeoutExpired, StopIteration, FileNotFoundError) as error:
+            print(f"{name}: no startup record ({type(error).__name__}: {error})", file=sys.stderr, flush=True)
+            failed += 1
+            continue  # the next recipe still runs
+        row = row_of(name, state, startup, command)
+        print(json.dumps(row), flush=True)
+        upsert_row(args.out, row, COLUMNS, "memtrain start-up: command to first optimizer step, per phase (s)",
+                   keys=("recipe", "machine_state"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,36 @@
+"""scripts/bench_startup.py on the CPU: the quickstart recipe for one step with tiny overrides (not timed:
+the columns are there and the phases add up to the time to the first step)."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("bench_startup", ROOT / "scripts" / "bench_startup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_row_per_recipe_whose_phases_sum_to_the_first_step(tmp_path):
+    bench = _script()
+    out = tmp_path / "startup.csv"
+    tiny = "recipes/quickstart.yaml data.seq_len=32 batch.global_batch=2 batch.micro_batch=1 " \
+           "schedule.warmup_steps=0 train.steps=1 train.eval_batches=1"
+    assert bench.main(["--recipe", tiny, "--machine-state", "warm", "--out", str(out), "--steps", "1",
+                       "--runs", str(tmp_path / "runs")]) == 0
+    [row] = list(csv.DictReader(out.open()))
+    assert list(row) == ["recipe", "machine_state", "first_step_s", "launch", "load_recipe", "checks", "data", "plan",
+                         "process", "model", "cpu_adam_op", "deepspeed_init", "loaders", "loop_start",
+                         "eval_generate", "first_step", "machine", "date", "command"]
+    assert row["recipe"].startswith("quickstart data.seq_len=32") and row["machine_state"] == "warm"
+    phases = [float(row[p]) for p in bench.PHASES if row[p] != ""]
+    assert row["eval_generate"] == ""  # it ran no generation evaluation
+    assert abs(sum(phases) - float(row["first_step_s"])) <= 0.1 * len(phases)  # each rounded to 0.1 s
+    assert float(row["first_step_s"]) > 0 and float(row["deepspeed_init"]) > 0

@@ -1,0 +1,59 @@
+"""scripts/bench_vs_hf.py's bookkeeping (the GPU runs are faked): one memtrain run per case, one row per
+baseline, rows keyed by case and baseline, rows from before the `baseline` column read as `hf`."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("bench_vs_hf", ROOT / "scripts" / "bench_vs_hf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_committed_table_says_which_baseline_each_row_ran_against():
+    rows = list(csv.DictReader((ROOT / "benchmarks" / "vs_hf.csv").open()))
+    assert rows and all(r["baseline"] in ("hf", "hf-liger") for r in rows)
+
+
+def test_one_memtrain_run_and_a_row_per_baseline(tmp_path, monkeypatch):
+    bench = _script()
+    out = tmp_path / "vs_hf.csv"
+    old = {c: "" for c in bench.COLUMNS if c != "baseline"} | {"recipe": "old-case", "ratio": "0.98"}
+    with out.open("w", newline="") as stream:  # a table from before the baseline column
+        writer = csv.DictWriter(stream, fieldnames=list(old))
+        writer.writeheader()
+        writer.writerow(old)
+    ours_runs, theirs_runs = [], []
+
+    def memtrain_side(recipe, overrides, steps, warmup, run_dir, timeout):
+        ours_runs.append(recipe)
+        return {"tokens_per_s": 8000.0, "peak_reserved_gib": 15.7, "host_peak_rss_gib": 2.2, "first_step_s": 20.0,
+                "setup": "mb 4, every_layer, expandable, liger kernels"}
+
+    def hf_side(recipe, overrides, steps, warmup, result, timeout, baseline="hf"):
+        theirs_runs.append(baseline)
+        return {"tokens_per_s": {"hf": 6000.0, "hf-liger": 8000.0}[baseline], "peak_reserved_gib": 16.0,
+                "host_peak_rss_gib": 2.2, "time_to_first_step_s": 20.0}
+
+    monkeypatch.setattr(bench, "memtrain_side", memtrain_side)
+    monkeypatch.setattr(bench, "hf_side", hf_side)
+    monkeypatch.setattr(bench, "prebuild_cpu_adam", lambda: None)
+    argv = ["--out", str(out), "--runs", str(tmp_path / "runs"), "--baseline", "hf,hf-liger",
+            "--case", "7b=recipes/llama2-7b-lora-24gb.yaml"]
+    assert bench.main(argv) == 0
+    assert ours_runs == ["recipes/llama2-7b-lora-24gb.yaml"] and theirs_runs == ["hf", "hf-liger"]
+    rows = {(r["recipe"], r["baseline"]): r for r in csv.DictReader(out.open())}
+    assert set(rows) == {("old-case", "hf"), ("7b", "hf"), ("7b", "hf-liger")}
+    assert rows[("7b", "hf")]["ratio"] == "1.33" and rows[("7b", "hf-liger")]["ratio"] == "1.00"
+    assert "--baseline hf,hf-liger" in rows[("7b", "hf")]["command"]
+    assert "| 7b | hf-liger |" in out.with_suffix(".md").read_text()
+    bench.main(argv[:5] + ["hf-liger"] + argv[6:])  # a rerun of one baseline replaces only its row
+    assert len(list(csv.DictReader(out.open()))) == 3
