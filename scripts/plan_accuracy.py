@@ -246,8 +246,9 @@ def write_tables(out: Path, view: Path, rows: list[dict], expandable: bool = Tru
 
 def case_overrides(case: Case, gpu: str, runs: Path, nvme_path: Path, expandable: bool = True) -> list[str]:
     """The case's overrides plus what every accuracy run sets: the card and its cap, the CUDA allocator's
-    mode, 3 short steps, its own dirs."""
-    overrides = [*case.overrides, f"hardware.gpu={gpu}", "hardware.cap_memory=true",
+    mode, 3 short steps, its own dirs, and the eager kernels every row before session 10 was measured with
+    (a case may ask for model.kernels=liger: its own override comes last and wins)."""
+    overrides = ["model.kernels=none", *case.overrides, f"hardware.gpu={gpu}", "hardware.cap_memory=true",
                  f"hardware.expandable_segments={str(expandable).lower()}", "train.steps=3",
                  "schedule.warmup_steps=1", "train.eval_every=1000", "train.save_every=1000", "train.log_every=1",
                  f"train.output_dir={runs / case.name}"]

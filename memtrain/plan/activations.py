@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -121,7 +122,7 @@ def _trace_layer(model_json: str, compute: str, micro_batch: int, seq_len: int) 
     model.train()
     layer, rotary = _layer_and_rotary(model)
     hidden = model.config.hidden_size
-    saved: list[SavedTensor] = []
+    saved: list[tuple[SavedTensor, weakref.ref]] = []
     inputs: dict[str, tuple[int, int]] = {}
     stack: list[str] = [""]
     names = {module: name for name, module in layer.named_modules()}
@@ -161,16 +162,21 @@ def _trace_layer(model_json: str, compute: str, micro_batch: int, seq_len: int) 
                     # CUDA's dropout keeps a bool mask; the CPU kernel traced here keeps it in the input dtype.
                     # (Lean LoRA dropout keeps no mask: it regenerates it from a seed, also under this fake mode.)
                     nbytes = tensor.numel() if isinstance(modules.get(stack[-1]), torch.nn.Dropout) else storage.nbytes()
-                    saved.append(SavedTensor(storage._cdata, nbytes, stack[-1]))
+                    saved.append((SavedTensor(storage._cdata, nbytes, stack[-1]), weakref.ref(tensor)))
                 return tensor
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-                layer(x, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings)
+                output = layer(x, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings)
+            # Only what the layer output's graph still holds is kept for backward: a side graph that was
+            # detached (DoRA's weight norm goes through lora_B(lora_A(eye))) is freed during forward, and the
+            # address of a freed storage may be reused by a later one, which would merge two tensors into one.
+            kept = tuple(tensor for tensor, alive in saved if alive() is not None)
+            del output
             shared_bytes = sum(t.untyped_storage().nbytes() for t in position_embeddings or ())
     finally:
         for handle in handles:
             handle.remove()
-    return LayerTrace(saved=tuple(saved), inputs=inputs,
+    return LayerTrace(saved=kept, inputs=inputs,
                       layer_input_bytes=micro_batch * seq_len * hidden * dtype.itemsize, shared_bytes=shared_bytes)
 
 
