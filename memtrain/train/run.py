@@ -70,7 +70,8 @@ class ResolvedRun:
 
     @property
     def per_rank_batch(self) -> int:
-        return self.recipe.batch.global_batch // self.recipe.hardware.gpus
+        """This rank's share of the global batch: every process of every node takes an equal one."""
+        return self.recipe.batch.global_batch // self.recipe.hardware.world_size
 
     @property
     def eval_samples(self) -> int:
@@ -112,7 +113,7 @@ def resolve_micro_batch_of(recipe: Recipe, exact_pinned: bool) -> int:
 def resolve_run(recipe: Recipe, name: str, run_dir: Path, n_train_samples: int, exact_pinned: bool) -> ResolvedRun:
     """Resolve a validated recipe for this machine: micro-batch, recomputed layers, steps, the plan's figures."""
     recipe_micro_batch = resolve_micro_batch_of(recipe, exact_pinned)
-    per_rank_batch = recipe.batch.global_batch // recipe.hardware.gpus
+    per_rank_batch = recipe.batch.global_batch // recipe.hardware.world_size
     micro_batch = min(recipe_micro_batch, per_rank_batch)
     resolved = resolve_checkpointing(recipe, micro_batch, exact_pinned=exact_pinned)
     return ResolvedRun(name=name, recipe=resolved, run_dir=run_dir, recipe_micro_batch=recipe_micro_batch,
