@@ -90,8 +90,10 @@ class ResolvedRun:
         return cls(**{**data, "recipe": Recipe.model_validate(data["recipe"]), "run_dir": Path(data["run_dir"]),
                       "planner_prior": tuple(prior) if prior is not None else None})
 
-    def save(self) -> Path:
-        path = self.run_dir / RUN_FILE
+    def save(self, directory: Path | None = None) -> Path:
+        """Write run.json into the run directory (or `directory`: a node other than the first keeps its own
+        copy local, so the run directory holds node 0's, the one every node is compared with)."""
+        path = (directory or self.run_dir) / RUN_FILE
         write_atomically(path, self.to_json())
         return path
 

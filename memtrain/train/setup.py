@@ -40,6 +40,7 @@ from memtrain.recipe.schema import Recipe
 from memtrain.train.batch_policy import BatchPolicy
 from memtrain.train.checkpoint import LoopState, latest_checkpoint, load_checkpoint
 from memtrain.train.distributed import Place, setup_process
+from memtrain.train.nodes import agree_on_run
 from memtrain.train.generate_eval import GenerationEval
 from memtrain.train.hooks import Hooks
 from memtrain.train.oom import start_memory_history
@@ -175,6 +176,7 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
     """Process group and device, data, model, engine, resume, loaders and logs, for this process's rank."""
     r = run.recipe
     place, cap_bytes = setup_process(r.hardware.gpu, r.hardware.cap_memory, r.hardware.expandable_segments)
+    agree_on_run(run, options, place)  # every node runs the same recipe, into a run directory all of them see
     data = data or build_data(r)
     run.run_dir.mkdir(parents=True, exist_ok=True)
     ds_config = compile_ds_config(r, run.micro_batch)
