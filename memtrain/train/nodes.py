@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -59,7 +58,7 @@ class Rendezvous:
     join_timeout_s: int = JOIN_TIMEOUT_S
 
     @classmethod
-    def alone(cls) -> "Rendezvous":
+    def alone(cls) -> Rendezvous:
         """One node: its processes meet on this host (the port is picked free for each torchrun)."""
         return cls(1, 0, "127.0.0.1", 0)
 
@@ -147,7 +146,7 @@ def agree_on_run(run: ResolvedRun, options: RunOptions, place: Place) -> None:
         return
     import torch.distributed as dist
 
-    mine = {"node": int(os.environ.get("GROUP_RANK", 0)), "run": json.loads(run.to_json()), "flags": options.to_flags()}
+    mine = {"node": place.node_rank, "run": json.loads(run.to_json()), "flags": options.to_flags()}
     everyone: list[dict] = [{}] * place.world_size
     dist.all_gather_object(everyone, mine)
     first = everyone[0]
@@ -205,7 +204,7 @@ def _check_shared_run_dir(run_dir: Path, place: Place) -> None:
         while not (seen := (run_dir / token[0]).is_file()) and time.monotonic() < deadline:
             time.sleep(0.5)
     answers: list[tuple[int, bool]] = [(0, True)] * place.world_size
-    dist.all_gather_object(answers, (int(os.environ.get("GROUP_RANK", 0)), seen))
+    dist.all_gather_object(answers, (place.node_rank, seen))
     barrier()
     if path is not None:
         path.unlink(missing_ok=True)
