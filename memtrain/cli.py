@@ -23,6 +23,7 @@ from memtrain.commands.report import report_command
 from memtrain.commands.run import run_command
 from memtrain.errors import UserError
 from memtrain.recipe.schema import Recipe
+from memtrain.train.nodes import JOIN_TIMEOUT_S, NodeFlags
 from memtrain.train.run import RunOptions
 
 app = typer.Typer(
@@ -131,13 +132,20 @@ def run(
     profile: int = typer.Option(0, "--profile", help="Record a torch.profiler trace of N steps into the run directory."),
     save: bool = typer.Option(True, "--save/--no-save", help="--no-save: write no checkpoints and no final model (benchmarks, smoke tests)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start over in a run directory that holds a run; the old run is moved aside (NAME.previous-DATE)."),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", min=1, help="Machines the run spans (hardware.nodes; default: the recipe's, or SLURM_NNODES). Run the same command on each.", rich_help_panel="Several nodes"),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", min=0, help="This machine's rank, 0..N-1; 0 hosts the rendezvous (default: NODE_RANK or SLURM_NODEID).", rich_help_panel="Several nodes"),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Node 0's hostname or IP, the same on every node (default: MASTER_ADDR, or the first host of the Slurm job).", rich_help_panel="Several nodes"),
+    master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535, help="Node 0's rendezvous port (default: MASTER_PORT, else 29500).", rich_help_panel="Several nodes"),
+    join_timeout: int = typer.Option(JOIN_TIMEOUT_S, "--join-timeout", min=1, help="Seconds the nodes wait for each other at start-up before giving up with exit 2.", rich_help_panel="Several nodes"),
 ):
-    """Train a recipe on DeepSpeed (GPUs, or the CPU when there is none).
+    """Train a recipe on DeepSpeed (GPUs, or the CPU when there is none); on several machines, one command per node.
 
     Example: [bold]memtrain run recipes/quickstart.yaml[/]
+    Two nodes: [bold]memtrain run RECIPE --nnodes 2 --node-rank 0|1 --master-addr node0 --master-port 29500[/]
     """
     options = RunOptions(resume=resume, max_steps=max_steps, profile_steps=profile, save=save, overwrite=overwrite)
-    raise typer.Exit(code=run_command(recipe, list(overrides or []), options))
+    nodes = NodeFlags(nnodes, node_rank, master_addr, master_port, join_timeout)
+    raise typer.Exit(code=run_command(recipe, list(overrides or []), options, nodes=nodes))
 
 
 @app.command()

@@ -165,8 +165,8 @@ def check_weights_fit(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
     # the base weights: LoRA adapters are small and come later; quantised layers at their packed size
     weights_bytes = counts.weight_bytes(bytes_per_param) - (counts.trainable * bytes_per_param if r.model.lora else 0)
     stored_as = f"{r.model.quant_type} + {r.precision.compute}" if counts.quantized else r.precision.compute
-    # ZeRO-3 shards the weights over the GPUs; stages 0-2 keep a whole copy on each
-    weights_per_gpu_bytes = weights_bytes / r.hardware.gpus if r.offload.stage == 3 else weights_bytes
+    # ZeRO-3 shards the weights over the GPUs of every node; stages 0-2 keep a whole copy on each
+    weights_per_gpu_bytes = weights_bytes / r.hardware.world_size if r.offload.stage == 3 else weights_bytes
     if weights_per_gpu_bytes <= profile.memory_bytes:
         return []
     return [loaded.sources.problem(

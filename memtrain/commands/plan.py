@@ -66,7 +66,8 @@ def verdict(plan: Plan) -> str:
 
 def plan_table(plan: Plan) -> Table:
     """The article's breakdown per GPU, then the phases, host, NVMe, capacity and verdict."""
-    table = Table(title=f"{plan.recipe_name} on {plan.gpus} × {plan.gpu_name} — ZeRO-{plan.zero_stage}, "
+    machines = f"{plan.nodes} nodes × " if plan.nodes > 1 else ""
+    table = Table(title=f"{plan.recipe_name} on {machines}{plan.gpus} × {plan.gpu_name} — ZeRO-{plan.zero_stage}, "
                         f"micro-batch {plan.micro_batch} × {plan.seq_len} tokens, checkpointing {plan.checkpointing}",
                   title_justify="left")
     table.add_column("per GPU", style="bold")
@@ -87,11 +88,12 @@ def plan_table(plan: Plan) -> Table:
     table.add_section()
     host = ", ".join(f"{k} {gib(v):.1f}" for k, v in plan.host_breakdown.items() if v)
     pinned = "pinned buffers at their size" if plan.pinned_exact else "pinned buffers rounded up to 2^k by this PyTorch"
-    table.add_row(f"host ({pinned})", f"{gib(plan.host_bytes):.2f}", end_section=False)
+    each = ", each node" if plan.nodes > 1 else ""
+    table.add_row(f"host ({pinned}{each})", f"{gib(plan.host_bytes):.2f}", end_section=False)
     table.add_row(f"  [dim]{host}[/]", "")
     if plan.host_capacity_bytes is not None:
         table.add_row("host capacity", f"{gib(plan.host_capacity_bytes):.2f}")
-    table.add_row("NVMe", f"{gib(plan.nvme_bytes):.2f}")
+    table.add_row(f"NVMe{' (each node)' if plan.nodes > 1 else ''}", f"{gib(plan.nvme_bytes):.2f}")
     style = "red" if not plan.fits else "yellow" if plan.tight else "green"
     table.add_section()
     table.add_row(f"[{style}]verdict[/]", f"[{style}]{verdict(plan)}[/]")

@@ -1,6 +1,7 @@
 """`memtrain run`: check the recipe and its inputs, resolve the run, train it, say how it ended."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -9,6 +10,7 @@ from memtrain.checks.load import load_checked
 from memtrain.monitor.startup import StartupClock
 from memtrain.train.hooks import Hooks
 from memtrain.train.launch import launch, prepare
+from memtrain.train.nodes import NodeFlags, node_count, rendezvous_for, run_digest
 from memtrain.train.resume import check_resume
 from memtrain.train.result import RunResult
 from memtrain.train.run import RunOptions
@@ -17,13 +19,14 @@ from memtrain.train.signals import exit_code, signum_of, stop_on_signals
 
 
 def run_command(recipe: Path, overrides: list[str], options: RunOptions = RunOptions(),
-                console: Console | None = None) -> int:
-    """Train a recipe file; returns the exit code (0 done or stopped, 130 / 143 interrupted by SIGINT /
-    SIGTERM). UserErrors (bad recipe, data, memory) are raised before any work starts."""
+                console: Console | None = None, nodes: NodeFlags = NodeFlags()) -> int:
+    """Train a recipe file on this node; returns the exit code (0 done or stopped, 130 / 143 interrupted by
+    SIGINT / SIGTERM, 2 when the nodes do not join or disagree). UserErrors (bad recipe, data, memory, a
+    node rank or master missing) are raised before any work starts."""
     console = console or Console(stderr=True)
     try:
         with stop_on_signals():  # until the loop takes over: Ctrl-C / SIGTERM end start-up with a line
-            return _run(recipe, overrides, options, console)
+            return _run(recipe, overrides, options, console, nodes)
     except KeyboardInterrupt as stop:  # during start-up, or a second Ctrl-C while saving
         console.print(f"[yellow]■[/] stopped by {signum_of_name(stop)} before the run could save; the run "
                       "directory keeps its last complete checkpoint, if any — run the same command to resume",
@@ -31,27 +34,33 @@ def run_command(recipe: Path, overrides: list[str], options: RunOptions = RunOpt
         return exit_code(signum_of(stop))
 
 
-def _run(recipe: Path, overrides: list[str], options: RunOptions, console: Console) -> int:
+def _run(recipe: Path, overrides: list[str], options: RunOptions, console: Console, nodes: NodeFlags) -> int:
     clock = StartupClock()  # from this process's start: the `startup` record after the first step
     clock.mark("launch")   # the interpreter, imports and the command line
-    loaded = load_checked(recipe, overrides)
+    count = node_count(nodes, os.environ)  # --nnodes N (or Slurm's allocation) is hardware.nodes=N
+    loaded = load_checked(recipe, overrides if count is None else [*overrides, f"hardware.nodes={count}"])
     clock.mark("load_recipe")
+    rendezvous = rendezvous_for(loaded.recipe.hardware.nodes, nodes, os.environ)  # before the slow part
     hooks = Hooks.from_env()  # test hooks: the environment is read here, once
     prepared = prepare(loaded, hooks, clock)
+    if rendezvous.nodes > 1:
+        console.print(f"[dim]·[/] {rendezvous.describe()}, joining within {rendezvous.join_timeout_s} s; "
+                      f"run {run_digest(prepared.run)} (every node must show the same)", highlight=False)
     for note in prepared.notes:
         console.print(f"[dim]·[/] {note}", highlight=False)
     for warning in prepared.warnings:
         console.print(f"[yellow]![/] {warning}", highlight=False)
-    notes = claim_run_dir(prepared.run.run_dir, options)  # refuses to mix two runs in one directory
-    resuming = check_resume(prepared.run, options)       # refuses a recipe the checkpoint cannot follow
-    for note in notes + (resuming.lines() if resuming else []):
-        console.print(note, highlight=False, soft_wrap=True)
+    if rendezvous.is_first:  # node 0 owns the run directory; the workers check that the others see it
+        notes = claim_run_dir(prepared.run.run_dir, options)  # refuses to mix two runs in one directory
+        resuming = check_resume(prepared.run, options)       # refuses a recipe the checkpoint cannot follow
+        for note in notes + (resuming.lines() if resuming else []):
+            console.print(note, highlight=False, soft_wrap=True)
 
     def report(result: RunResult) -> None:
         mark = "[green]✓[/]" if result.finished else "[yellow]■[/]"
         console.print(f"{mark} {result.summary()}", highlight=False, soft_wrap=True)
 
-    return launch(prepared, options, hooks, report)
+    return launch(prepared, options, hooks, report, rendezvous)
 
 
 def signum_of_name(stop: KeyboardInterrupt) -> str:

@@ -145,14 +145,14 @@ def ds_config_for_shapes(recipe: Recipe, hidden_size: int, micro_batch: int,
     optimizers, so the config has no "optimizer" block for them (`uses_client_optimizer`).
     """
     b, opt = recipe.batch, recipe.optimizer
-    gpus = recipe.hardware.gpus
+    ranks = recipe.hardware.world_size  # every process of every node
     uses_nvme = "nvme" in (recipe.offload.optimizer, recipe.offload.params)
     optimizer_params = {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay}
     if recipe.offload.optimizer == "none":
         optimizer_params.update(torch_adam=True, fused=True)
-    accum = grad_accum_steps(b.global_batch, micro_batch, gpus)
+    accum = grad_accum_steps(b.global_batch, micro_batch, ranks)
     config = {
-        "train_batch_size": micro_batch * accum * gpus,
+        "train_batch_size": micro_batch * accum * ranks,
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": accum,
         "gradient_clipping": opt.grad_clip,

@@ -44,8 +44,11 @@ from memtrain.plan.pinned import pinned_bytes
 
 def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str, master: str,
                        optimizer_tier: str, params_tier: str, pin_memory: bool, exact_pinned: bool,
-                       accumulates: bool) -> dict[str, int]:
+                       accumulates: bool, world_size: int | None = None) -> dict[str, int]:
     """Host bytes of the offloaded model states by buffer, summed over the `gpus` ranks of the machine.
+
+    world_size: the ranks ZeRO partitions over, on every node (default `gpus`: one node). Each of this
+    machine's ranks holds its 1 / world_size share; other nodes hold theirs in their own memory.
 
     storage: dtype of the weights on the GPU (bf16 / fp16, or fp32 under precision.mode autocast).
     master: "fp32" or "bf16" (bf16 master weights and optimizer states).
@@ -54,11 +57,12 @@ def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str,
     def pin(size: int) -> int:
         return pinned_bytes(size, exact_pinned) if pin_memory else size
 
+    world = world_size or gpus
     weight_bytes, state_bytes = DTYPE_BYTES[storage], master_bytes(storage, master)
     out = {"params": 0, "master_weights": 0, "gradients": 0, "optimizer_states": 0, "staging_buffers": 0,
            "pinning_copy": 0}
     if optimizer_tier == "cpu":
-        n = counts.trainable // gpus if stage >= 1 else counts.trainable
+        n = counts.trainable // world if stage >= 1 else counts.trainable
         out["optimizer_states"] = gpus * 2 * n * state_bytes
         if stage == 3:
             sub_groups = [min(SUB_GROUP_ELEMENTS, n - start) for start in range(0, n, SUB_GROUP_ELEMENTS)]
@@ -69,18 +73,18 @@ def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str,
             out["gradients"] = gpus * pin(n * state_bytes)
             staging = pin(n * weight_bytes) + pin(max(counts.trainable_numels, default=0) * weight_bytes)
             if accumulates and state_bytes == 4:
-                staging += sum(pin(k * weight_bytes) for k in counts.trainable_numels) // gpus
+                staging += sum(pin(k * weight_bytes) for k in counts.trainable_numels) // world
             out["staging_buffers"] = gpus * staging
     if optimizer_tier == "nvme":
         # ZeRO-3's flat gradient partition stays in host memory (in the compute dtype); the states, the
         # master weights and their fp32 gradients go to disk through the swap buffers (model_states.py)
-        partition = counts.trainable // gpus * weight_bytes
+        partition = counts.trainable // world * weight_bytes
         out["gradients"] = gpus * pin(partition)
         if pin_memory:
             out["pinning_copy"] = gpus * partition
     if stage == 3 and params_tier == "cpu":
-        flat = pin(counts.weight_bytes(weight_bytes) // gpus)
+        flat = pin(counts.weight_bytes(weight_bytes) // world)
         # pinned blocks stay in PyTorch's host cache once freed; plain ones go back to the system
-        init_partitions = sum(pin(k * weight_bytes // gpus) for k in counts.tensor_numels) if pin_memory else 0
+        init_partitions = sum(pin(k * weight_bytes // world) for k in counts.tensor_numels) if pin_memory else 0
         out["params"] = gpus * (flat + init_partitions)
     return out

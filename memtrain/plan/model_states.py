@@ -80,8 +80,11 @@ def optimizer_bytes_per_param(compute: str, master: str, eight_bit: bool = False
 
 def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str, master: str,
                        optimizer_tier: str, params_tier: str, ratio: float = 1.0,
-                       buffer_count: int = 5, eight_bit: bool = False) -> StateBytes:
+                       buffer_count: int = 5, eight_bit: bool = False, local_ranks: int | None = None) -> StateBytes:
     """Bytes of parameters, gradients and optimizer states on each tier.
+
+    gpus: the ranks ZeRO partitions over (every node's); local_ranks: those on this machine (default
+    `gpus`: one node), whose host and NVMe bytes are summed here — per node, not over the run.
 
     ZeRO-1 partitions optimizer states over ranks, ZeRO-2 also gradients, ZeRO-3 also parameters.
     An offloaded optimizer keeps its fp32 (or bf16) gradient partition beside it on the host; the
@@ -94,11 +97,13 @@ def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str,
     grads_bytes = counts.trainable * compute_bytes
     optimizer_bytes = int(counts.trainable * per_param_optimizer)
 
+    local = local_ranks or gpus
+    node_share = local / gpus  # this node's ranks hold this share of what ZeRO partitions
     gpu_params = host_params = nvme_params = 0
     if stage == 3 and params_tier == "cpu":
-        host_params = params_bytes
+        host_params = int(params_bytes * node_share)
     elif stage == 3 and params_tier == "nvme":
-        nvme_params = params_bytes
+        nvme_params = int(params_bytes * node_share)
     else:
         gpu_params = params_bytes // gpus if stage == 3 else params_bytes
 
@@ -106,17 +111,17 @@ def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str,
     if optimizer_tier == "none":
         gpu_gradients = grads_bytes // gpus if stage >= 2 else grads_bytes
     else:
-        host_gradients = counts.trainable * grad_host_bytes
+        host_gradients = int(counts.trainable * grad_host_bytes * (node_share if stage >= 1 else 1))
 
     gpu_optimizer = host_optimizer = nvme_optimizer = 0
     partition = gpus if stage >= 1 else 1
     if optimizer_tier == "none":
         gpu_optimizer = optimizer_bytes // partition
     elif optimizer_tier == "cpu":
-        host_optimizer = int(optimizer_bytes * ratio)
+        host_optimizer = int(optimizer_bytes * ratio * (node_share if stage >= 1 else 1))
         gpu_optimizer = int(optimizer_bytes * (1 - ratio)) // partition
     else:
-        nvme_optimizer = optimizer_bytes
+        nvme_optimizer = int(optimizer_bytes * (node_share if stage >= 1 else 1))
 
     # NVMe tiers read and write through page-locked host buffers (DeepSpeed's aio, exact sizes): the
     # optimizer's hold a whole sub-group each (its master weights, two moments and gradients take 4 of
@@ -125,9 +130,9 @@ def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str,
     if optimizer_tier == "nvme" or nvme_params:
         sub_group = largest_sub_group([k // gpus for k in counts.trainable_numels], sub_group_elements(optimizer_tier))
         if optimizer_tier == "nvme":
-            swap += max(4, buffer_count) * sub_group * grad_host_bytes * gpus
+            swap += max(4, buffer_count) * sub_group * grad_host_bytes * local
         if nvme_params:
-            swap += (sub_group + buffer_count * counts.largest_tensor) * compute_bytes * gpus
+            swap += (sub_group + buffer_count * counts.largest_tensor) * compute_bytes * local
     return StateBytes(
         gpu_params=gpu_params, gpu_gradients=gpu_gradients, gpu_optimizer_states=gpu_optimizer,
         host_params=host_params, host_gradients=host_gradients, host_optimizer_states=host_optimizer,

@@ -59,6 +59,7 @@ class Plan:
     saved_for_backward: dict[str, int] = field(default_factory=dict)  # layers / head / loss, at the end of forward
     pinned_exact: bool = True        # pinned host buffers priced at their size (False: rounded to a power of two)
     peak_reserved_high_bytes: int = 0  # the peak at the largest allocator slack measured for this kind of run
+    nodes: int = 1                   # machines with `gpus` ranks each; host and NVMe bytes are each node's
     checkpointing: str = "every_layer"  # the strategy planned ('auto' shows as the first_n_layers it resolved to)
     recomputed_layers: int = 0        # whole decoder layers recomputed in backward
 
@@ -279,8 +280,9 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
     seq_len = recipe.data.seq_len
     compute_bytes = DTYPE_BYTES[p.compute]
     stage = o.stage
-    states = place_model_states(counts, stage, hw.gpus, p.storage, p.master, o.optimizer, o.params, o.ratio,
-                                o.buffer_count, eight_bit=recipe.optimizer.name.endswith("8bit"))
+    # ZeRO partitions over every rank of every node; host and NVMe hold this node's `hw.gpus` ranks
+    states = place_model_states(counts, stage, hw.world_size, p.storage, p.master, o.optimizer, o.params, o.ratio,
+                                o.buffer_count, eight_bit=recipe.optimizer.name.endswith("8bit"), local_ranks=hw.gpus)
     states = with_quantized_params(states, counts, DTYPE_BYTES[p.storage])
     # Liger's RMSNorm, SwiGLU and RoPE (model.kernels) keep fewer tensors than the eager modules traced here
     # (RMSNorm its input and one fp32 rstd per row, not fp32 copies; SwiGLU gate and up, not silu(gate)), so the
@@ -329,7 +331,7 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
         # fp32 gradients for the step; ZeRO-1/2 builds them from a flat compute-dtype copy of the
         # gradient partition that is alive at the same time (stage_1_and_2.py: flatten, then .to(fp32))
         per_param = 0 if p.compute == "fp32" else 4 + (compute_bytes if stage in (1, 2) else 0)
-        step_transient = counts.trainable * per_param // (hw.gpus if stage >= 1 else 1)
+        step_transient = counts.trainable * per_param // (hw.world_size if stage >= 1 else 1)
     else:
         step_transient = buffers.resident_bytes
     optimizer_step = model_states + step_transient
@@ -366,11 +368,11 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
         "cuda_context": cal.cuda_context_bytes,
         "allocator_slack": peak_reserved - peak_allocated - reduce_stream,
     }
-    accumulates = grad_accum_steps(recipe.batch.global_batch, micro_batch, hw.gpus) > 1
+    accumulates = grad_accum_steps(recipe.batch.global_batch, micro_batch, hw.world_size) > 1
     host_breakdown = {
         "baseline": cal.host_baseline_bytes * hw.gpus,
         **offload_host_bytes(counts, stage, hw.gpus, p.storage, p.master, o.optimizer, o.params,
-                             o.pin_memory, exact_pinned, accumulates),
+                             o.pin_memory, exact_pinned, accumulates, world_size=hw.world_size),
         "swap_buffers": states.host_swap_buffers,
         "offloaded_activations": acts.host_bytes * hw.gpus,
         # A local model's weights pass through host memory once while loading.
@@ -378,7 +380,7 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
     }
     nvme_breakdown = {"params": states.nvme_params, "optimizer_states": states.nvme_optimizer_states}
     return Plan(
-        recipe_name=name, gpu_name=cal.name, gpus=hw.gpus, zero_stage=stage, micro_batch=micro_batch,
+        recipe_name=name, gpu_name=cal.name, gpus=hw.gpus, nodes=hw.nodes, zero_stage=stage, micro_batch=micro_batch,
         seq_len=seq_len, params_total=counts.total, params_trainable=counts.trainable, terms=terms,
         phases=phases, peak_phase=peak_phase, peak_allocated_bytes=peak_allocated,
         peak_reserved_bytes=peak_reserved, gpu_capacity_bytes=cal.capacity_bytes,
@@ -451,13 +453,13 @@ def allocation_pattern(recipe: Recipe, stage: int) -> str:
 
 def micro_batch_candidates(recipe: Recipe) -> list[int]:
     """Micro-batches that divide the per-GPU share of the global batch, smallest first."""
-    b, gpus = recipe.batch, recipe.hardware.gpus
-    per_gpu = b.global_batch // gpus
+    b = recipe.batch
+    per_gpu = b.global_batch // recipe.hardware.world_size
     return [m for m in range(1, per_gpu + 1) if per_gpu % m == 0]
 
 
 def resolve_micro_batch(recipe: Recipe, gpu: str | None = None, exact_pinned: bool = True) -> int:
-    """The largest micro-batch dividing global_batch // gpus that fits the card (1 when none does),
+    """The largest micro-batch dividing global_batch // world_size that fits the card (1 when none does),
     at the largest allocator slack measured for such runs (a tight fit is not taken).
 
     Memory grows with the micro-batch, so the search stops at the first size that misses.

@@ -163,19 +163,22 @@ def _check_precision(loaded: LoadedRecipe) -> list[Problem]:
 
 @reads("batch", "hardware")
 def _check_batch_split(loaded: LoadedRecipe) -> list[Problem]:
-    b, gpus, src = loaded.recipe.batch, loaded.recipe.hardware.gpus, loaded.sources
+    b, hw, src = loaded.recipe.batch, loaded.recipe.hardware, loaded.sources
+    world = hw.world_size  # every process of every node takes an equal share of the global batch
+    ranks = f"nodes × gpus × micro_batch = {hw.nodes} × {hw.gpus}" if hw.nodes > 1 else f"gpus × micro_batch = {hw.gpus}"
+    processes = f"{world} processes ({hw.nodes} nodes × {hw.gpus} GPUs)" if hw.nodes > 1 else f"{world} GPUs"
     # one problem per recipe: the first of these that holds explains the others
-    if isinstance(b.micro_batch, int) and b.micro_batch * gpus > b.global_batch:
+    if isinstance(b.micro_batch, int) and b.micro_batch * world > b.global_batch:
         return [src.problem(("batch", "micro_batch"),
-                            f"gpus × micro_batch = {gpus} × {b.micro_batch} exceeds the global batch {b.global_batch}",
-                            f"lower batch.micro_batch to at most {max(1, b.global_batch // gpus)}")]
-    if isinstance(b.micro_batch, int) and b.global_batch % (b.micro_batch * gpus):
+                            f"{ranks} × {b.micro_batch} exceeds the global batch {b.global_batch}",
+                            f"lower batch.micro_batch to at most {max(1, b.global_batch // world)}")]
+    if isinstance(b.micro_batch, int) and b.global_batch % (b.micro_batch * world):
         return [src.problem(("batch", "global_batch"),
-                            f"global batch {b.global_batch} is not divisible by gpus × micro_batch = {gpus} × {b.micro_batch}",
-                            f"use a global batch that is a multiple of {b.micro_batch * gpus}")]
-    if b.global_batch % gpus:
-        return [src.problem(("batch", "global_batch"), f"global batch {b.global_batch} cannot be split over {gpus} GPUs",
-                            f"use a multiple of {gpus}")]
+                            f"global batch {b.global_batch} is not divisible by {ranks} × {b.micro_batch}",
+                            f"use a global batch that is a multiple of {b.micro_batch * world}")]
+    if b.global_batch % world:
+        return [src.problem(("batch", "global_batch"), f"global batch {b.global_batch} cannot be split over {processes}",
+                            f"use a multiple of {world}")]
     return []
 
 

@@ -263,7 +263,9 @@ def _gpu_spec(value: str) -> str:
 
 
 class Hardware(Section):
-    gpus: int = Field(1, ge=1, le=64, description="GPUs (processes) to train on.")
+    gpus: int = Field(1, ge=1, le=64, description="GPUs (processes) to train on, on each node.")
+    nodes: int = Field(1, ge=1, le=256, description="Machines the run spans, `gpus` processes on each; one "
+                       "`memtrain run` per node (--node-rank), docs/MULTINODE.md.")
     gpu: Annotated[str, AfterValidator(_gpu_spec)] = Field("rtx3090", description="Target card: a profile in configs/gpus (rtx3090, rtx4090, ...) or a size such as '24GiB'.")
     host_memory: ByteSize | None = Field(None, description="Host RAM available to the run, e.g. '64GiB' (default: what the machine has).")
     nvme_path: str | None = Field(None, description="Directory on a fast disk for the NVMe offload tiers.")
@@ -271,6 +273,11 @@ class Hardware(Section):
     expandable_segments: bool = Field(True, description="PyTorch's expandable CUDA segments: memory one phase frees is "
                                       "reused by the next whatever the sizes, so little is reserved beyond what is "
                                       "allocated (PYTORCH_CUDA_ALLOC_CONF, when set, wins).")
+
+    @property
+    def world_size(self) -> int:
+        """Processes over all nodes: ZeRO partitions over them and the global batch splits over them."""
+        return self.nodes * self.gpus
 
 
 CheckpointAction = Literal["save", "recompute", "offload"]

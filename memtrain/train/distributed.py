@@ -17,6 +17,7 @@ class Place:
     local_rank: int
     world_size: int
     device: torch.device
+    node_rank: int = 0   # torchrun's GROUP_RANK: which machine of a multi-node run
 
     @property
     def is_main(self) -> bool:
@@ -61,7 +62,7 @@ def setup_process(gpu: str, cap_memory: bool, expandable_segments: bool = True) 
         fraction, cap_bytes = gpu_cap(gpu_profile(gpu), total, cap_memory)
         if fraction is not None:
             torch.cuda.set_per_process_memory_fraction(fraction, device)
-    return Place(rank, local_rank, world_size, device), cap_bytes
+    return Place(rank, local_rank, world_size, device, int(os.environ.get("GROUP_RANK", "0"))), cap_bytes
 
 
 def gpu_cap(profile: GpuProfile, total_bytes: int, cap_memory: bool) -> tuple[float | None, int]:
@@ -96,6 +97,18 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     value = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
+
+
+def sum_by_node(number: int, node: int, nodes: int, device: torch.device) -> list[int]:
+    """Each node's sum of its ranks' `number` (e.g. host memory), in node order, the same on every rank
+    (one all-reduce of `nodes` values; every rank must call it)."""
+    import torch.distributed as dist
+
+    value = torch.zeros(nodes, device=device, dtype=torch.float64)
+    value[node] = float(number)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return [int(v) for v in value.tolist()]
 
 
 def max_over_ranks(number: int, device: torch.device) -> int:

@@ -3,8 +3,10 @@
 `prepare` checks everything that can be checked before any work, in this process, so bad input fails
 fast with exit code 2, no workers and no run directory: the fp16 support of the CPU, the test hooks
 against the model, the data, and the host memory the plan predicts. It then resolves the run once
-(`run.py`). `launch` trains it: in this process for one GPU (or the CPU), or with torchrun for
-several, each worker reading the resolved run from the run directory (`memtrain.train.worker`).
+(`run.py`). `launch` trains it: in this process for one GPU (or the CPU) on one node, or with torchrun
+for several processes or nodes, each worker reading the resolved run from the run directory
+(`memtrain.train.worker`; on nodes other than the first, from a node-local copy). One `launch` per node:
+torchrun's rendezvous joins the nodes (`memtrain.train.nodes`).
 """
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import dataclasses
 import gc
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
+from pathlib import Path
 
 import torch
 
@@ -26,6 +30,7 @@ from memtrain.train.allocator import exact_pinned_supported
 from memtrain.train.distributed import free_port
 from memtrain.train.hooks import Hooks
 from memtrain.train.loop import train
+from memtrain.train.nodes import Rendezvous
 from memtrain.train.preflight import check_dtype, check_memory
 from memtrain.train.result import EXIT_RESTART, RunResult
 from memtrain.train.run import ResolvedRun, RunOptions, resolve_run
@@ -77,33 +82,39 @@ def train_here(run: ResolvedRun, options: RunOptions, hooks: Hooks, data: RunDat
         return train(setup(run, options, hooks, stack, data, clock))
 
 
-def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report) -> int:
-    """Train a prepared run; returns the process exit code (0 done or stopped, 130 / 143 interrupted by
-    SIGINT / SIGTERM, which reach every worker: memtrain.train.signals)."""
+def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report,
+           rendezvous: Rendezvous = Rendezvous.alone()) -> int:
+    """Train a prepared run on this node; returns the process exit code (0 done or stopped, 130 / 143
+    interrupted by SIGINT / SIGTERM, which reach every worker: memtrain.train.signals; 2 when the nodes
+    do not join within the rendezvous timeout or do not agree on the run)."""
     run = prepared.run
-    gpus = run.recipe.hardware.gpus
-    if gpus == 1:
+    hw = run.recipe.hardware
+    if hw.world_size == 1:
         result = train_here(run, options, hooks, prepared.data, prepared.clock)
         while result.status == "restart":  # an OOM in ZeRO-1/2 backward: saved; resume smaller
             _release()
             result = train_here(run, dataclasses.replace(options, resume=True), hooks, prepared.data)
         report(result)
         return result.exit_code
-    _check_devices(gpus)
-    run_file = run.save()
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // gpus))))
-    while True:
-        code = run_forwarding_signals(torchrun_command(gpus, free_port(), [str(run_file), *options.to_flags()]), env)
-        if code != EXIT_RESTART:
-            return code
-        options = dataclasses.replace(options, resume=True)
+    _check_devices(hw.gpus)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // hw.gpus))))
+    with tempfile.TemporaryDirectory(prefix="memtrain-node-") as local:
+        run_file = run.save(None if rendezvous.is_first else Path(local))
+        while True:
+            # one node: a fresh local port each attempt; several: the agreed master port, where node 0's
+            # next torchrun hosts the rendezvous again
+            meet = rendezvous if rendezvous.nodes > 1 else dataclasses.replace(rendezvous, master_port=free_port())
+            code = run_forwarding_signals(torchrun_command(hw.gpus, meet, [str(run_file), *options.to_flags()]), env)
+            if code != EXIT_RESTART:
+                return code
+            options = dataclasses.replace(options, resume=True)
 
 
-def torchrun_command(nproc: int, port: int, worker_args: list[str]) -> list[str]:
-    """The torchrun command line that starts `nproc` workers on this host (torchrun dying with its launcher)."""
+def torchrun_command(nproc: int, rendezvous: Rendezvous, worker_args: list[str]) -> list[str]:
+    """The torchrun command line that starts `nproc` workers on this node and joins the others at the
+    rendezvous (torchrun dying with its launcher)."""
     return [sys.executable, "-m", "memtrain.train.signals", f"--nproc_per_node={nproc}",
-            "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={port}",
-            "-m", "memtrain.train.worker", *worker_args]
+            *rendezvous.torchrun_flags(), "-m", "memtrain.train.worker", *worker_args]
 
 
 def _release() -> None:

@@ -15,7 +15,7 @@ import psutil
 import torch
 
 from memtrain.monitor.profiler import phase
-from memtrain.train.distributed import Place, all_reduce_sum
+from memtrain.train.distributed import Place, all_reduce_sum, sum_by_node
 from memtrain.train.eval_batches import run_shrinking
 from memtrain.train.export import export_model
 from memtrain.train.guard import Guard
@@ -128,7 +128,8 @@ def train(t: Training, quiet: bool = False) -> RunResult:
             t.metrics.record("train", state.step, loss=loss_sum / (targets / world), lr=t.scheduler.get_last_lr()[0],
                              tokens=state.tokens, step_time_s=time.perf_counter() - step_start,
                              micro_batch=session.policy.micro_batch, grad_accum=micro_batches, ooms=ooms,
-                             **_memory_fields(place, t.cap_bytes), **_loss_scale_fields(t.engine, r))
+                             **_memory_fields(place, t.cap_bytes, r.hardware.nodes),
+                             **_loss_scale_fields(t.engine, r))
             progress.update(state.step, t.metrics.last_flushed)
             t.profiler.step()
             last = state.step == stop_at
@@ -173,9 +174,13 @@ def _loss_scale_fields(engine, r) -> dict:
     return {"loss_scale": float(scale) if scale is not None else None, "skipped_steps": engine.skipped_steps}
 
 
-def _memory_fields(place: Place, cap_bytes: int) -> dict:
-    fields = {"host_rss_bytes": psutil.Process().memory_info().rss,
-              "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+def _memory_fields(place: Place, cap_bytes: int, nodes: int = 1) -> dict:
+    """This rank's memory (rank 0's is what gets logged); on several nodes, each node's host memory too (every
+    rank calls this: a collective)."""
+    rss = psutil.Process().memory_info().rss
+    fields = {"host_rss_bytes": rss, "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if nodes > 1:  # the plan prices host memory per node: the sum of that node's processes
+        fields["host_rss_bytes_by_node"] = sum_by_node(rss, place.node_rank, nodes, place.device)
     if place.on_cuda:
         device = place.device
         fields.update(gpu_allocated_bytes=torch.cuda.memory_allocated(device),

@@ -31,11 +31,12 @@ def check_memory(loaded: LoadedRecipe, exact_pinned: bool) -> list[str]:
     except Exception as error:  # noqa: BLE001 — the plan advises; a model it cannot trace still trains
         return [f"memtrain plan could not model this recipe ({type(error).__name__}: {error}); no memory check"]
     capacity = host_capacity_bytes(loaded)
-    hosts = loaded.recipe.hardware.gpus  # one process per GPU on this host, each with its share
-    if plan.host_bytes * hosts > capacity:
+    # the plan's host bytes are already this node's (its `hardware.gpus` processes, each with its share of
+    # what ZeRO partitions over every node); multiplying them by the GPU count again counted them twice
+    if plan.host_bytes > capacity:
         raise UserError(loaded.sources.problem(
             ("offload",),
-            f"the run needs about {gib(plan.host_bytes * hosts):.1f} GiB of host memory "
+            f"the run needs about {gib(plan.host_bytes):.1f} GiB of host memory{' on each node' if loaded.recipe.hardware.nodes > 1 else ''} "
             f"({', '.join(f'{k} {gib(v):.1f}' for k, v in plan.host_breakdown.items() if v)} GiB), "
             f"more than the {gib(capacity):.1f} GiB available",
             "put optimizer states on NVMe (offload.optimizer=nvme, hardware.nvme_path=...), use "

@@ -71,7 +71,8 @@ class ResolvedRun:
 
     @property
     def per_rank_batch(self) -> int:
-        return self.recipe.batch.global_batch // self.recipe.hardware.gpus
+        """This rank's share of the global batch: every process of every node takes an equal one."""
+        return self.recipe.batch.global_batch // self.recipe.hardware.world_size
 
     @property
     def eval_samples(self) -> int:
@@ -90,8 +91,10 @@ class ResolvedRun:
         return cls(**{**data, "recipe": Recipe.model_validate(data["recipe"]), "run_dir": Path(data["run_dir"]),
                       "planner_prior": tuple(prior) if prior is not None else None})
 
-    def save(self) -> Path:
-        path = self.run_dir / RUN_FILE
+    def save(self, directory: Path | None = None) -> Path:
+        """Write run.json into the run directory (or `directory`: a node other than the first keeps its own
+        copy local, so the run directory holds node 0's, the one every node is compared with)."""
+        path = (directory or self.run_dir) / RUN_FILE
         write_atomically(path, self.to_json())
         return path
 
@@ -119,7 +122,7 @@ def resolve_run(recipe: Recipe, name: str, run_dir: Path, n_train_samples: int, 
     """
     recipe = with_kernels(recipe, resolve_kernels(recipe.model, kernels or KernelSupport.current()))
     recipe_micro_batch = resolve_micro_batch_of(recipe, exact_pinned)
-    per_rank_batch = recipe.batch.global_batch // recipe.hardware.gpus
+    per_rank_batch = recipe.batch.global_batch // recipe.hardware.world_size
     micro_batch = min(recipe_micro_batch, per_rank_batch)
     resolved = resolve_checkpointing(recipe, micro_batch, exact_pinned=exact_pinned)
     return ResolvedRun(name=name, recipe=resolved, run_dir=run_dir, recipe_micro_batch=recipe_micro_batch,

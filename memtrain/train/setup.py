@@ -42,6 +42,7 @@ from memtrain.recipe.schema import Recipe
 from memtrain.train.batch_policy import BatchPolicy
 from memtrain.train.checkpoint import LoopState, latest_checkpoint, load_checkpoint
 from memtrain.train.distributed import Place, setup_process
+from memtrain.train.nodes import agree_on_run
 from memtrain.train.generate_eval import GenerationEval
 from memtrain.train.hooks import Hooks
 from memtrain.train.oom import start_memory_history
@@ -197,6 +198,7 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
     clock.mark("checks")  # what came before (the run directory, resume checks; a worker's own start)
     place, cap_bytes = setup_process(r.hardware.gpu, r.hardware.cap_memory, r.hardware.expandable_segments)
     clock.mark("process")
+    agree_on_run(run, options, place)  # every node runs the same recipe, into a run directory all of them see
     data = data or build_data(r)
     clock.mark("data")
     run.run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,10 @@
   reaches the launcher alone, not every process twice) and forwards SIGINT/SIGTERM to it; torchrun
   forwards them to the workers, which save and exit, and waits for them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
   long enough for a save). The launcher then exits 128 + the signal.
+- torchrun's own failures become exit codes, not tracebacks: workers that failed pass on the first one's
+  code (2 for a UserError, whose lines the worker printed; 75 to restart after an OOM), and a rendezvous
+  that gives up (a master that cannot be reached, nodes that did not all join within the timeout) is one
+  line and exit 2.
 - No worker outlives its launcher: torchrun runs with a parent-death signal of SIGTERM (the launcher
   killed with SIGKILL: torchrun shuts the workers down as above), and each worker with SIGKILL (torchrun
   itself gone: nothing is left to coordinate the ranks; the last complete checkpoint stands).
@@ -100,14 +104,34 @@ def torchrun_main(argv: list[str]) -> int:
     it is told to stop (it shuts its workers down first)."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     die_with_parent(signal.SIGTERM, int(launcher) if launcher else None)
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import main as torchrun
 
     try:
         torchrun(argv)
     except SignalException as stop:
         return exit_code(stop.sigval)
+    except ChildFailedError as failed:  # the workers said why; their code says what the launcher does next
+        code = failed.get_first_failure()[1].exitcode
+        return exit_code(-code) if code < 0 else code
+    except (DistError, RendezvousError) as error:  # joining the other nodes gave up after the stated timeout
+        print(f"✗ the nodes did not all join ({_rendezvous_of(argv)}): {error} — start `memtrain run` on every node "
+              "with the same recipe, --nnodes, --master-addr and --master-port (each within the timeout of the "
+              "first); check that the master's address resolves and its port is open from the other nodes; "
+              "a node that stopped before joining printed why", file=sys.stderr)
+        return 2
     return 0
+
+
+def _rendezvous_of(argv: list[str]) -> str:
+    """'node R of N at HOST:PORT, timeout T s' from torchrun's arguments, for the message above."""
+    flags = dict(arg.lstrip("-").split("=", 1) for arg in argv if arg.startswith("--") and "=" in arg)
+    timeout = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("timeout=")), "?")
+    return (f"node {flags.get('node_rank', '?')} of {flags.get('nnodes', '?')} at {flags.get('master_addr', '?')}:"
+            f"{flags.get('master_port', '?')}, timeout {timeout} s")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,105 @@
+"""Two "nodes" on localhost: two `memtrain run … --nnodes 2 --node-rank 0|1` launchers, one process each,
+joined by torchrun's rendezvous over gloo, train the quickstart recipe (shrunk) as one process would."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from memtrain.train.checkpoint import complete_checkpoints
+from memtrain.train.distributed import free_port
+from tests.conftest import read_records, train_losses
+from tests.train.test_run import clean_env, run
+
+pytestmark = pytest.mark.slow
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+JOIN_TIMEOUT_S = 60
+
+
+def shrunk(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    """The quickstart with a micro model, short sequences and a few steps; global batch 8 either way."""
+    return ["model.preset=micro", "data.seq_len=32", "batch.global_batch=8", "batch.micro_batch=2",
+            "train.steps=6", "train.eval_every=100", "train.eval_batches=2", "train.save_every=2",
+            "schedule.warmup_steps=2", f"train.output_dir={tmp_path / 'runs' / name}",
+            f"data.cache_dir={tmp_path / 'cache'}", *extra]
+
+
+def start_node(rank: int, port: int, overrides: list[str], timeout_s: int = JOIN_TIMEOUT_S) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "memtrain", "run", str(QUICKSTART), *overrides, "--nnodes", "2", "--node-rank",
+         str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), "--join-timeout", str(timeout_s)],
+        env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def two_nodes(overrides: list[str], node1_overrides: list[str] | None = None,
+              timeout_s: int = JOIN_TIMEOUT_S) -> list[tuple[int, str]]:
+    port = free_port()
+    nodes = [start_node(0, port, overrides, timeout_s), start_node(1, port, node1_overrides or overrides, timeout_s)]
+    return [(node.wait(timeout=600), node.stdout.read()) for node in nodes]
+
+
+def final_eval_loss(run_dir: Path) -> float:
+    return read_records(run_dir, "eval")[-1]["loss"]
+
+
+def test_two_nodes_train_as_one_process_with_the_same_global_batch(tmp_path):
+    overrides = shrunk(tmp_path, "two-nodes")
+    for code, output in two_nodes(overrides):
+        assert code == 0, output[-3000:]
+        assert "node" in output and "Traceback" not in output
+    assert run(QUICKSTART, *shrunk(tmp_path, "one-process", "hardware.gpus=1")) == 0
+    two, one = tmp_path / "runs" / "two-nodes", tmp_path / "runs" / "one-process"
+    assert sorted(train_losses(two)) == list(range(1, 7))
+    # rank 0 logs the mean over its half of the batch; the weights after 6 steps are what must agree
+    assert final_eval_loss(two) == pytest.approx(final_eval_loss(one), abs=1e-4)
+    assert [p.name for p in complete_checkpoints(two)][-1] == "step-000006"  # written once, into the shared dir
+    assert not list(two.glob(".memtrain-shared-*"))  # the shared-directory token is gone
+
+
+def test_two_nodes_stopped_by_sigterm_resume_exactly(tmp_path):
+    overrides = shrunk(tmp_path, "killed", "train.steps=12")  # long enough to be stopped after step 2
+    run_dir = tmp_path / "runs" / "killed"
+    port = free_port()
+    nodes = [start_node(0, port, overrides), start_node(1, port, overrides)]
+    deadline = time.time() + 300
+    while time.time() < deadline and not complete_checkpoints(run_dir) and all(n.poll() is None for n in nodes):
+        time.sleep(0.2)
+    for node in nodes:  # as Slurm's scancel does: every node's launcher gets it
+        node.send_signal(signal.SIGTERM)
+    first = [(node.wait(timeout=300), node.stdout.read()) for node in nodes]
+    for code, output in first:
+        assert code == 143, output[-3000:]  # 128 + SIGTERM on both nodes, saved at the same step
+    assert complete_checkpoints(run_dir)
+    for code, output in two_nodes(overrides):
+        assert code == 0, output[-3000:]
+    assert run(QUICKSTART, *shrunk(tmp_path, "straight", "hardware.gpus=1", "train.steps=12")) == 0
+    assert sorted(train_losses(run_dir)) == list(range(1, 13))  # each step once, after the resume too
+    assert [r for r in read_records(run_dir, "run") if r.get("event") == "resume"]
+    assert final_eval_loss(run_dir) == pytest.approx(final_eval_loss(tmp_path / "runs" / "straight"), abs=1e-4)
+
+
+def test_a_different_recipe_on_node_1_stops_both_nodes_with_exit_2(tmp_path):
+    overrides = shrunk(tmp_path, "mismatch")
+    started = time.monotonic()
+    results = two_nodes(overrides, [*overrides, "optimizer.lr=0.004"])
+    elapsed = time.monotonic() - started
+    for code, output in results:
+        assert code == 2, output[-3000:]
+        assert "optimizer.lr is 0.003 on node 0, 0.004 on node 1" in output, output[-3000:]
+        assert "Traceback" not in output
+    assert elapsed < JOIN_TIMEOUT_S + 60  # refused once joined, not at the timeout
+    assert not complete_checkpoints(tmp_path / "runs" / "mismatch")
+
+
+def test_a_node_that_cannot_reach_the_master_gives_up_within_the_timeout(tmp_path):
+    started = time.monotonic()
+    node = start_node(1, free_port(), shrunk(tmp_path, "alone"), timeout_s=5)
+    output, _ = node.communicate(timeout=120)
+    assert node.returncode == 2, output[-3000:]
+    assert "did not all join" in output and "Traceback" not in output, output[-3000:]
+    assert time.monotonic() - started < 60
