@@ -287,3 +287,12 @@ train: {{steps: 4}}
     assert data["tokens_per_step"] == round(8 * train["tokens"] / train["rows"])
     assert 0 < data["target_tokens_per_step"] < data["tokens_per_step"] <= 8 * 64
     assert data["padding_share"] == pytest.approx(1 - train["tokens"] / (train["rows"] * 64))
+    assert data["length_bucketing"] is False
+    # packing off: one conversation per row, bucketed by length, each micro-batch of 4 cut to its longest row
+    result = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--data", "data.packing=false"])
+    assert result.exit_code == 0, result.output
+    unpacked = json.loads(result.stdout)["data"]
+    rows_share = 1 - unpacked["train"]["tokens"] / (unpacked["train"]["rows"] * 64)  # were every row seq_len wide
+    assert unpacked["length_bucketing"] is True and unpacked["padding_share"] < rows_share - 0.3
+    assert unpacked["token_slots_per_step"] < 8 * 64
+
