@@ -17,7 +17,7 @@ from memtrain.errors import Problem, RecipeError
 from memtrain.files import write_atomically
 from memtrain.plan.advice import Advice, advise
 from memtrain.plan.planner import TERMS, Plan, plan_recipe, resolve_micro_batch
-from memtrain.recipe.load import apply_overrides
+from memtrain.recipe.load import apply_overrides, input_paths, is_relative_path
 from memtrain.recipe.rules import check_rules, compile_unsupported
 from memtrain.recipe.sources import COMMAND_LINE, LoadedRecipe, Sources
 from memtrain.train.allocator import exact_pinned_supported
@@ -103,14 +103,21 @@ def plan_table(plan: Plan) -> Table:
 
 
 def fitted_yaml(recipe: Path, overrides: list[str], output: Path) -> str:
-    """The recipe file's own YAML with `overrides` applied; `extends` re-pointed relative to `output`."""
+    """The recipe file's own YAML with `overrides` applied; `extends` and the relative input paths (read
+    relative to the recipe file, or to the working directory when an override gave them) re-pointed relative
+    to `output`."""
     data = yaml.safe_load(recipe.read_text()) or {}
-    data, problems = apply_overrides(data, overrides, Sources(recipe_file=str(recipe)))
+    sources = Sources(recipe_file=str(recipe))
+    data, problems = apply_overrides(data, overrides, sources)
     if problems:
         raise RecipeError(problems)
     if isinstance(data.get("extends"), str) and not Path(data["extends"]).is_absolute():
         base = (recipe.parent / data["extends"]).resolve()
         data["extends"] = os.path.relpath(base, output.resolve().parent)
+    for holder, key, path in input_paths(data):
+        if is_relative_path(holder.get(key)):
+            origin = Path.cwd() if sources.where(path)[0] == COMMAND_LINE else recipe.parent
+            holder[key] = os.path.relpath(os.path.abspath(origin / holder[key]), output.resolve().parent)
     header = f"# Fitted by `memtrain plan --fit` from {recipe}: {' '.join(overrides)}\n"
     return header + yaml.safe_dump(data, sort_keys=False)
 

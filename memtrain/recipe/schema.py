@@ -15,6 +15,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
 from memtrain.configs import gpu_profile_names
 from memtrain.units import looks_like_size, parse_bytes
 
+# A spec that names bundled data or a bundled tokenizer (builtin:shakespeare, builtin:chat/validation), not a path.
+BUILTIN_PREFIX = "builtin:"
+
 
 def _byte_size(value: object) -> int:
     try:

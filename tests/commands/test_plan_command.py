@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -296,3 +297,31 @@ train: {{steps: 4}}
     assert unpacked["length_bucketing"] is True and unpacked["padding_share"] < rows_share - 0.3
     assert unpacked["token_slots_per_step"] < 8 * 64
 
+
+def test_the_chat_quickstart_loads_and_plans_from_another_directory(tmp_path, monkeypatch):
+    """model.path in recipes/quickstart-chat.yaml is relative to the recipe, not to the repository root."""
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart-chat.yaml"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "cache"))
+    result = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--data"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["data"]["train"]["samples"] > 2000
+    assert load_recipe(recipe).recipe.model.path == str(recipe.parents[1] / "memtrain" / "assets" / "models"
+                                                         / "shakespeare-mini")
+
+
+def test_fit_repoints_relative_input_paths_to_the_written_recipe(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "data").mkdir()
+    for name in ("t.txt", "v.txt"):
+        (tmp_path / "data" / name).write_text("To be, or not to be, that is the question.\n" * 50)
+    text = RECIPE.format(gpu="1GiB").replace("train: builtin:shakespeare", "train: ../data/t.txt")
+    assert "../data/t.txt" in text
+    recipe = tmp_path / "a" / "r.yaml"
+    recipe.write_text(text)
+    monkeypatch.chdir(tmp_path)
+    output = tmp_path / "b" / "c" / "fitted.yaml"
+    run(recipe, "data.validation=data/v.txt", fit=True, output=output)
+    written = yaml.safe_load(output.read_text())["data"]
+    assert written["train"] == "../../data/t.txt" and written["validation"] == "../../data/v.txt"
+    assert load_recipe(output, check=False).recipe.data.train == str(tmp_path / "data" / "t.txt")
