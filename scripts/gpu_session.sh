@@ -28,6 +28,8 @@
 #   bash scripts/gpu_session.sh families9 # session 9: held-out accuracy rows (Qwen2.5, Mistral, Gemma-2 LoRA; Phi-3-mini full; 7B chat packed)
 #   bash scripts/gpu_session.sh full9     # session 9: Qwen2.5-7B and Mistral-7B full fine-tunes (ZeRO-3, CPU, unpinned), held out
 #   bash scripts/gpu_session.sh vsfam9    # session 9: Qwen2.5-7B and Mistral-7B LoRA, memtrain vs HF Trainer + PEFT + DeepSpeed
+#   bash scripts/gpu_session.sh chat10    # session 10: 7B LoRA chat SFT packed at seq 2048 (the bundled chat data), memtrain vs HF
+#                                         # Trainer on the same templated, masked, packed rows in the same order (~3 min)
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -59,6 +61,15 @@ vsfam9)
   step vs-hf 570 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 10 --warmup 3 --timeout 140 \
     --case "qwen2.5-7b-lora-mb4x1024=recipes/llama2-7b-lora-24gb.yaml model.preset=qwen2.5-7b" \
     --case "mistral-7b-lora-mb4x1024=recipes/llama2-7b-lora-24gb.yaml model.preset=mistral-7b-v0.3"
+  ;;
+chat10)  # issue 21: the plan-accuracy case 7b-lora-chat-packed-every-mb2-s2048 as a vs-HF row; both sides train on
+  # memtrain's rows (builtin:chat is .jsonl, read without datasets/pyarrow) with position_ids that restart per sample
+  cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
+  chat="recipes/llama2-7b-lora-24gb.yaml model.lora.lean_dropout=false model.tokenizer=builtin:shakespeare-chat
+        'data.train=[{path: \"builtin:chat\", type: chat}]' data.validation=null data.template=chatml data.packing=true
+        batch.micro_batch=2 batch.global_batch=4 data.seq_len=2048 schedule.warmup_steps=2"
+  step vs-hf 240 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 110 \
+    --case "7b-lora-chat-packed-every-mb2x2048=$chat"
   ;;
 1)
   step bench 330 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 200 --title "memtrain run on the GPU machine (24 GiB cap)" \
