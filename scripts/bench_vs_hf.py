@@ -1,8 +1,10 @@
 """memtrain against Hugging Face Trainer + DeepSpeed, side by side in one invocation.
 
 For each case: `memtrain run` on the recipe, then scripts/hf_baseline.py on the same recipe (same
-shape, data, global batch, precision, checkpointing, offload tiers, memory cap). Tokens/s counts
-input tokens (global batch × seq_len per step) over the steps after the warm-up, for both.
+shape, data, global batch, precision, checkpointing, offload tiers, memory cap; for chat data the same
+templated, masked, packed rows in the same order). Tokens/s counts row positions (global batch ×
+seq_len per step) over the steps after the warm-up, for both; target tokens/s counts the positions the
+loss is computed on (for chat data, the responses), also for both, from memtrain's rows.
 Appends to benchmarks/vs_hf.csv and rewrites its Markdown view.
 
     python scripts/bench_vs_hf.py --out benchmarks/vs_hf.csv --steps 12 --warmup 3 \
@@ -32,7 +34,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_run import machine_name, run_dir_for, upsert_row  # noqa: E402
 
 BASELINES = ("hf", "hf-liger")
-COLUMNS = ["recipe", "baseline", "memtrain_tokens_per_s", "hf_tokens_per_s", "ratio", "memtrain_peak_reserved_gib",
+COLUMNS = ["recipe", "baseline", "memtrain_tokens_per_s", "hf_tokens_per_s", "ratio", "memtrain_target_tokens_per_s",
+           "hf_target_tokens_per_s", "memtrain_peak_reserved_gib",
            "hf_peak_reserved_gib", "memtrain_host_gib", "hf_host_gib", "memtrain_first_step_s", "hf_first_step_s",
            "memtrain_setup", "machine", "date", "command"]
 GiB = 1024**3
@@ -61,8 +64,11 @@ def memtrain_side(recipe: str, overrides: list[str], steps: int, warmup: int, ru
 
     recipe_obj = load_recipe(ROOT / recipe, overrides).recipe
     tokens_per_step = recipe_obj.batch.global_batch * recipe_obj.data.seq_len
+    seconds = timed[-1]["time"] - timed[0]["time"]
     return {
-        "tokens_per_s": tokens_per_step * (len(timed) - 1) / (timed[-1]["time"] - timed[0]["time"]),
+        "tokens_per_s": tokens_per_step * (len(timed) - 1) / seconds,
+        # the train records' tokens: target tokens so far (memtrain's loop adds each step's dataset.targets)
+        "target_tokens_per_s": (timed[-1]["tokens"] - timed[0]["tokens"]) / seconds,
         "peak_reserved_gib": max(r.get("gpu_peak_reserved_bytes", 0) for r in train) / GiB,
         "host_peak_rss_gib": max(r.get("host_peak_rss_bytes", 0) for r in train) / GiB,
         "first_step_s": train[0]["time"] - start["process_started"],
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"case {name}: the memtrain-only overrides change the global batch")
         args.runs.mkdir(parents=True, exist_ok=True)
         command = f"python scripts/bench_vs_hf.py --steps {args.steps} --warmup {args.warmup} " \
-                  f"--baseline {','.join(args.baseline)} --case '{case}'"
+                  f"--baseline {','.join(args.baseline)} --case '{' '.join(case.split())}'"  # a case over several lines: one line
         base = {"recipe": name, "machine": machine_name(), "date": dt.date.today().isoformat(), "command": command}
         failures = (subprocess.TimeoutExpired, FileNotFoundError, StopIteration, ValueError, ZeroDivisionError,
                     KeyError, IndexError, TypeError)
@@ -155,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(memtrain_tokens_per_s=f"{ours['tokens_per_s']:.0f}",
                            memtrain_peak_reserved_gib=f"{ours['peak_reserved_gib']:.2f}",
                            memtrain_host_gib=f"{ours['host_peak_rss_gib']:.1f}",
-                           memtrain_first_step_s=f"{ours['first_step_s']:.0f}", memtrain_setup=ours["setup"])
+                           memtrain_first_step_s=f"{ours['first_step_s']:.0f}", memtrain_setup=ours["setup"],
+                           memtrain_target_tokens_per_s=f"{ours['target_tokens_per_s']:.0f}")
                 key = (baseline, recipe, *overrides)
                 if key not in hf_results:
                     hf_results[key] = hf_side(recipe, overrides, args.steps, args.warmup,
@@ -165,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                            ratio=f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}",
                            hf_peak_reserved_gib=f"{theirs['peak_reserved_gib']:.2f}",
                            hf_host_gib=f"{theirs['host_peak_rss_gib']:.1f}",
-                           hf_first_step_s=f"{theirs['time_to_first_step_s']:.0f}")
+                           hf_first_step_s=f"{theirs['time_to_first_step_s']:.0f}",
+                           hf_target_tokens_per_s=f"{theirs['target_tokens_per_s']:.0f}")
             except failures as error:  # a side that did not finish is a row that says so
                 side = "memtrain" if "memtrain_tokens_per_s" not in row else baseline
                 log = run_dir_for(args.runs, name) if side == "memtrain" else args.runs / f"{name}.{baseline}"

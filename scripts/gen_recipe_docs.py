@@ -28,6 +28,11 @@ JSON Schema for editor completion.
 
 - **extends**: `extends: base.yaml` takes every key of another recipe (path relative to this file) as
   the default; the extending file's keys win, section by section.
+- **relative paths**: the files a recipe reads (`model.path`, `model.tokenizer`, `data.train`,
+  `data.validation` and each dataset's `path`) are relative to the recipe file that names them, as
+  `extends` is, so a recipe runs the same from any directory; on the command line they are relative to
+  the working directory. What a run writes (`train.output_dir`, `data.cache_dir`, `hardware.nvme_path`)
+  is relative to the working directory.
 - **overrides**: any key can be set on the command line after the recipe as `key.path=value`, with the
   value written as YAML: `memtrain run recipe.yaml batch.micro_batch=2 precision.fp32_modules=[lm_head]`.
 - **sizes** (`host_memory`, a `gpu` given as a size) are written like `24GiB`, `16GB` or `512MiB`.

@@ -31,6 +31,8 @@
 #   bash scripts/gpu_session.sh fam10     # session 10: held out Qwen3-8B full fine-tune and 7B DoRA; Gemma-2-9B LoRA vs HF
 #   bash scripts/gpu_session.sh speed10   # issue 23: start-up phases (fresh, then warm); 7B LoRA memtrain default vs HF eager vs HF + Liger
 #   bash scripts/gpu_session.sh speed10b  # issue 23, if time is left: start-up of the other shipped recipes (warm); memtrain without Liger
+#   bash scripts/gpu_session.sh chat10    # session 10: 7B LoRA chat SFT packed at seq 2048 (the bundled chat data), memtrain vs HF
+#                                         # Trainer on the same templated, masked, packed rows in the same order (~3 min)
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -94,6 +96,15 @@ speed10b)  # the rest of issue 23's start-up table (warm), and memtrain without 
   cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
   step vs-hf 200 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 100 \
     --case "7b-lora-mb4x1024 (session 10, memtrain model.kernels none)=recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2 :: model.kernels=none"
+  ;;
+chat10)  # issue 21: the plan-accuracy case 7b-lora-chat-packed-every-mb2-s2048 as a vs-HF row; both sides train on
+  # memtrain's rows (builtin:chat is .jsonl, read without datasets/pyarrow) with position_ids that restart per sample
+  cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
+  chat="recipes/llama2-7b-lora-24gb.yaml model.lora.lean_dropout=false model.tokenizer=builtin:shakespeare-chat
+        'data.train=[{path: \"builtin:chat\", type: chat}]' data.validation=null data.template=chatml data.packing=true
+        batch.micro_batch=2 batch.global_batch=4 data.seq_len=2048 schedule.warmup_steps=2"
+  step vs-hf 240 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 110 \
+    --case "7b-lora-chat-packed-every-mb2x2048=$chat"
   ;;
 1)
   step bench 330 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 200 --title "memtrain run on the GPU machine (24 GiB cap)" \

@@ -1,10 +1,20 @@
 """The alternative memtrain is measured against: Hugging Face Trainer + DeepSpeed on the same recipe.
 
-Same model shape and initialisation seed, same tokenised windows (memtrain's data pipeline), same
-global batch, precision, checkpointing (HF's gradient checkpointing, every layer), LoRA and ZeRO
-offload tiers (memtrain's compiled DeepSpeed config, handed to the Trainer as Axolotl and
-LLaMA-Factory do), same memory cap. Prints one JSON line: tokens/s after the warm-up steps, peak
-GPU memory, host peak RSS. Used by scripts/bench_vs_hf.py; runs on the CPU too (for its test).
+Same model shape and initialisation seed, same global batch, precision, checkpointing (HF's gradient
+checkpointing, every layer), LoRA and ZeRO offload tiers (memtrain's compiled DeepSpeed config, handed
+to the Trainer as Axolotl and LLaMA-Factory do), same memory cap. Same data, batch for batch: memtrain's
+public builder (train/setup.build_data) makes the rows (text windows, or for instruction and chat data
+the templated, response-masked rows, packed with position_ids that restart per sample), memtrain's
+sample order picks each step's rows and memtrain's collate makes each micro-batch (cut to its longest
+row when the recipe groups by length). The Trainer hands input_ids, labels and position_ids to the
+model with no attention_mask, so transformers keeps packed samples apart exactly as on memtrain's side
+(masking_utils.find_packed_sequence_indices for sdpa / eager / flex; for flash attention the rows go
+in end to end, as memtrain's TrainableLM lays them, see model/wrapper.py PACKED_ATTENTION).
+
+Prints one JSON line: tokens/s after the warm-up steps counted as memtrain's side counts them (row
+positions, global batch x seq_len per step) and target tokens/s (the positions the loss is computed on:
+responses only for chat data), peak GPU memory, host peak RSS. Used by scripts/bench_vs_hf.py; runs on
+the CPU too (for its test, tests/scripts/test_hf_baseline.py).
 
     python scripts/hf_baseline.py RECIPE [key=value ...] --steps 12 --warmup 3 --out result.json [--baseline hf-liger]
 
@@ -25,8 +35,79 @@ from pathlib import Path
 
 import psutil
 import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from memtrain.configs import gpu_profile  # noqa: E402
+from memtrain.data.loader import collate, sample_order  # noqa: E402
+from memtrain.data.rows import SampleRows  # noqa: E402
+from memtrain.ds_config.compiler import ds_config  # noqa: E402
+from memtrain.errors import UserError  # noqa: E402
+from memtrain.model.build import add_lora  # noqa: E402
+from memtrain.model.config import model_config  # noqa: E402
+from memtrain.model.wrapper import check_packed_attention, needs_one_sequence, one_sequence  # noqa: E402
+from memtrain.plan.zero import grad_accum_steps  # noqa: E402
+from memtrain.recipe.load import load_recipe  # noqa: E402
+from memtrain.recipe.schema import Recipe  # noqa: E402
+from memtrain.train.distributed import free_port  # noqa: E402
+from memtrain.train.setup import build_data  # noqa: E402
+
+
+class RowIndices(torch.utils.data.Dataset):
+    """Item i is i: the collator builds each micro-batch from memtrain's rows (`MemtrainBatches`)."""
+
+    def __init__(self, n_rows: int):
+        self.n_rows = n_rows
+
+    def __len__(self) -> int:
+        return self.n_rows
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+class MemtrainBatches:
+    """The Trainer's collate_fn: memtrain's micro-batch of these rows, as the model on memtrain's side gets it."""
+
+    def __init__(self, rows, trim: bool, attn_implementation: str):
+        self.rows, self.trim, self.attn = rows, trim, attn_implementation
+
+    def __call__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        batch = collate(self.rows, list(indices), self.trim)
+        if "position_ids" in batch and needs_one_sequence(self.attn, batch["input_ids"].shape[0]):
+            ids, labels, positions = one_sequence(batch["input_ids"], batch["labels"], batch["position_ids"])
+            batch = {"input_ids": ids, "labels": labels, "position_ids": positions}
+        return batch
+
+
+class RunOrder(torch.utils.data.Sampler):
+    """memtrain's sample order for `steps` steps: the Trainer takes micro_batch x accumulation rows per step
+    from it in turn, so every step trains on the rows memtrain's step of the same number does."""
+
+    def __init__(self, recipe: Recipe, rows, steps: int):
+        order = sample_order(recipe.data, rows, recipe.train.seed, recipe.batch.global_batch)
+        self.indices = order.indices(0, steps * recipe.batch.global_batch)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def target_tokens_per_step(recipe: Recipe, rows, steps: int) -> list[int]:
+    """Target tokens of each step's global batch, as memtrain's loop counts them (dataset.targets)."""
+    order = sample_order(recipe.data, rows, recipe.train.seed, recipe.batch.global_batch)
+    batch = recipe.batch.global_batch
+    return [rows.targets(order.indices(step * batch, batch)) for step in range(steps)]
+
+
+def per_second(counts: list[int], marks: list[float], warmup: int) -> float | None:
+    """Tokens per second over the steps after the warm-up: counts[i] of step i+1, done at marks[i]."""
+    if len(marks) - warmup < 2:
+        return None
+    return sum(counts[warmup + 1:len(marks)]) / (marks[-1] - marks[warmup])
 
 
 def hf_deepspeed_config(compiled: dict) -> dict:
@@ -46,20 +127,8 @@ def main() -> int:
     parser.add_argument("--baseline", choices=("hf", "hf-liger"), default="hf")
     args = parser.parse_args()
 
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from memtrain.configs import gpu_profile
-    from memtrain.data.dataset import build_datasets
-    from memtrain.data.tokenizer import load_tokenizer
-    from memtrain.model.build import add_lora
-    from memtrain.ds_config.compiler import ds_config
-    from memtrain.model.config import model_config
-    from memtrain.plan.zero import grad_accum_steps
-    from memtrain.recipe.load import load_recipe
-
-    from memtrain.train.distributed import free_port
-
-    recipe = load_recipe(args.recipe, args.overrides).recipe
+    loaded = load_recipe(args.recipe, args.overrides)
+    recipe = loaded.recipe
     if "RANK" not in os.environ:  # one process, no launcher: what DeepSpeed needs to start alone
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     on_cuda = torch.cuda.is_available()
@@ -70,8 +139,13 @@ def main() -> int:
     micro = recipe.batch.micro_batch if recipe.batch.micro_batch != "auto" else 1
     accum = grad_accum_steps(recipe.batch.global_batch, micro, recipe.hardware.gpus)
     config = hf_deepspeed_config(ds_config(recipe, micro))
-    tokenizer = load_tokenizer(recipe.model)
-    train_set, _ = build_datasets(recipe.data, tokenizer, recipe.train.seed)
+    with loaded.sources.located():  # problems at the recipe's file:line
+        data = build_data(recipe)  # memtrain's rows, checked against the model and the global batch
+    rows = data.train_set
+    architecture = model_config(recipe.model)  # with the attention kernel memtrain runs this architecture with
+    attn = architecture._attn_implementation
+    if isinstance(rows, SampleRows):  # position_ids go to the model: memtrain refuses a kernel that would cross them
+        check_packed_attention(attn)
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[recipe.precision.compute]
     with tempfile.TemporaryDirectory() as scratch:
@@ -88,15 +162,15 @@ def main() -> int:
             use_cpu=not on_cuda, use_liger_kernel=args.baseline == "hf-liger",
         )
         torch.manual_seed(recipe.train.seed)
-        from transformers import AutoModelForCausalLM
-
         # Under ZeRO-3 TrainingArguments made the HfDeepSpeedConfig above, so from_config partitions.
         # Otherwise the random init runs on the GPU, as memtrain's does (a 7B init on the CPU takes
         # minutes; real HF users load weights with from_pretrained, which we cannot without a hub).
         zero3 = config["zero_optimization"]["stage"] == 3
         with torch.device("cuda" if on_cuda and not zero3 else "cpu"):
-            model = AutoModelForCausalLM.from_config(model_config(recipe.model), dtype=dtype)
-        model.config.use_cache = False
+            model = AutoModelForCausalLM.from_config(architecture, dtype=dtype)
+            if data.model_vocab_size is not None:  # the template's markers were added to the tokenizer
+                model.resize_token_embeddings(data.model_vocab_size)
+        model.config.use_cache = False  # also what lets transformers see packed samples (no cache: masking_utils)
         if recipe.model.lora is not None:
             model = add_lora(model, recipe.model)
 
@@ -108,13 +182,20 @@ def main() -> int:
                     torch.cuda.synchronize()
                 marks.append(time.time())
 
-        trainer = Trainer(model=model, args=training, train_dataset=train_set, callbacks=[Clock()])
+        order = RunOrder(recipe, rows, args.steps)
+
+        class InRunOrder(Trainer):
+            def _get_train_sampler(self, train_dataset=None):
+                return order
+
+        trainer = InRunOrder(model=model, args=training, train_dataset=RowIndices(len(rows)), callbacks=[Clock()],
+                             data_collator=MemtrainBatches(rows, recipe.data.groups_by_length, attn))
         trainer.train()
-    tokens_per_step = recipe.batch.global_batch * recipe.data.seq_len
-    timed = marks[args.warmup:]
+    positions = [recipe.batch.global_batch * recipe.data.seq_len] * len(marks)  # as bench_vs_hf counts memtrain's
     result = {
         "baseline": args.baseline,
-        "tokens_per_s": tokens_per_step * (len(timed) - 1) / (timed[-1] - timed[0]) if len(timed) > 1 else None,
+        "tokens_per_s": per_second(positions, marks, args.warmup),
+        "target_tokens_per_s": per_second(target_tokens_per_step(recipe, rows, len(marks)), marks, args.warmup),
         "steps": len(marks),
         # from the launch of this process, as memtrain's side measures it
         "time_to_first_step_s": (marks[0] - psutil.Process().create_time()) if marks else None,
@@ -129,4 +210,8 @@ def main() -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except UserError as error:  # a recipe or data problem: the message, file:line and fix, not a traceback
+        print(error, file=sys.stderr)
+        raise SystemExit(error.exit_code) from None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -88,7 +87,6 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     run_dir = args.from_run
     if run_dir is None:
-        os.chdir(ROOT)  # the recipe names the task texts relative to the repository
         print(f"wrote {write_task_texts()} task texts to {TASKS}")
         code = run_command(RECIPE, [f"train.output_dir={args.run_dir}"], RunOptions(resume=False))
         if code != 0:

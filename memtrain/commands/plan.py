@@ -11,17 +11,21 @@ from rich.table import Table
 
 from memtrain.checks.environment import Environment, check_environment, current_environment
 from memtrain.checks.load import load_checked
+from memtrain.data.loader import sample_order, token_slots
 from memtrain.data.rows import DataStats
 from memtrain.errors import Problem, RecipeError
 from memtrain.files import write_atomically
 from memtrain.plan.advice import Advice, advise
 from memtrain.plan.planner import TERMS, Plan, plan_recipe, resolve_micro_batch
-from memtrain.recipe.load import apply_overrides
+from memtrain.recipe.load import apply_overrides, input_paths, is_relative_path
 from memtrain.recipe.rules import check_rules, compile_unsupported
 from memtrain.recipe.sources import COMMAND_LINE, LoadedRecipe, Sources
 from memtrain.train.allocator import exact_pinned_supported
 from memtrain.train.setup import build_data
 from memtrain.units import gib
+
+# Steps `plan --data` walks through to price bucketed batches (seconds for a million rows would be too slow to wait for).
+PRICED_STEPS = 1000
 
 LABELS = {
     "params": "model_params", "gradients": "gradients", "optimizer_states": "optimizer_states",
@@ -101,14 +105,21 @@ def plan_table(plan: Plan) -> Table:
 
 
 def fitted_yaml(recipe: Path, overrides: list[str], output: Path) -> str:
-    """The recipe file's own YAML with `overrides` applied; `extends` re-pointed relative to `output`."""
+    """The recipe file's own YAML with `overrides` applied; `extends` and the relative input paths (read
+    relative to the recipe file, or to the working directory when an override gave them) re-pointed relative
+    to `output`."""
     data = yaml.safe_load(recipe.read_text()) or {}
-    data, problems = apply_overrides(data, overrides, Sources(recipe_file=str(recipe)))
+    sources = Sources(recipe_file=str(recipe))
+    data, problems = apply_overrides(data, overrides, sources)
     if problems:
         raise RecipeError(problems)
     if isinstance(data.get("extends"), str) and not Path(data["extends"]).is_absolute():
         base = (recipe.parent / data["extends"]).resolve()
         data["extends"] = os.path.relpath(base, output.resolve().parent)
+    for holder, key, path in input_paths(data):
+        if is_relative_path(holder.get(key)):
+            origin = Path.cwd() if sources.where(path)[0] == COMMAND_LINE else recipe.parent
+            holder[key] = os.path.relpath(os.path.abspath(origin / holder[key]), output.resolve().parent)
     header = f"# Fitted by `memtrain plan --fit` from {recipe}: {' '.join(overrides)}\n"
     return header + yaml.safe_dump(data, sort_keys=False)
 
@@ -158,26 +169,42 @@ def compile_offered(loaded: LoadedRecipe) -> bool:
     return not loaded.recipe.train.compile and compile_unsupported(loaded.recipe) is None
 
 
-def data_per_step(recipe, stats: DataStats) -> dict:
+def data_per_step(recipe, train_set, micro_batch: int) -> dict:
     """What one optimizer step trains on, on average over the training rows: token slots, real tokens,
-    target tokens and the padding share (rows are seq_len long; padding costs memory and time, not loss)."""
+    target tokens and the padding share (padding costs memory and time, not loss). Rows are seq_len long;
+    with length bucketing (data.group_by_length) each micro-batch of `micro_batch` rows is cut to its longest
+    row, so the slots and the padding are those of the bucketed steps the run will take (up to
+    PRICED_STEPS of them). The memory plan still prices seq_len: the widest micro-batch reaches it."""
+    stats: DataStats = train_set.stats
     rows = recipe.batch.global_batch
     per_row = 1 / max(stats.rows, 1)
-    return {"rows_per_step": rows, "token_slots_per_step": rows * stats.seq_len,
+    slots_per_step, padding_share = rows * stats.seq_len, stats.padding_share
+    if recipe.data.groups_by_length:
+        order = sample_order(recipe.data, train_set, recipe.train.seed, rows)
+        steps = max(1, min(len(train_set) // rows, PRICED_STEPS))
+        per_rank = rows // recipe.hardware.gpus
+        slots = token_slots(order, train_set, rows, per_rank, min(micro_batch, per_rank), True, steps)
+        tokens = int(train_set.lengths[order.indices(0, steps * rows)].sum())
+        slots_per_step, padding_share = round(slots / steps), 1 - tokens / slots
+    return {"rows_per_step": rows, "token_slots_per_step": slots_per_step,
             "tokens_per_step": round(rows * stats.tokens * per_row),
             "target_tokens_per_step": round(rows * stats.target_tokens * per_row),
-            "padding_share": stats.padding_share, "train": {**dataclasses.asdict(stats)}}
+            "padding_share": padding_share, "length_bucketing": recipe.data.groups_by_length,
+            "train": {**dataclasses.asdict(stats)}}
 
 
 def _data_table(summary: dict) -> Table:
     table = Table(title="data per optimizer step (average over the training rows)", title_justify="left")
     table.add_column("rows × seq_len")
+    table.add_column("token slots", justify="right")
     table.add_column("tokens", justify="right")
     table.add_column("target tokens", justify="right")
     table.add_column("padding", justify="right")
     train = summary["train"]
-    table.add_row(f"{summary['rows_per_step']} × {train['seq_len']}", f"{summary['tokens_per_step']:,}",
-                  f"{summary['target_tokens_per_step']:,}", f"{summary['padding_share']:.1%}")
+    bucketed = " (length-bucketed)" if summary["length_bucketing"] else ""
+    table.add_row(f"{summary['rows_per_step']} × {train['seq_len']}", f"{summary['token_slots_per_step']:,}{bucketed}",
+                  f"{summary['tokens_per_step']:,}", f"{summary['target_tokens_per_step']:,}",
+                  f"{summary['padding_share']:.1%}")
     return table
 
 
@@ -212,7 +239,7 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
     per_step = None
     if with_data:
         with loaded.sources.located():
-            per_step = data_per_step(loaded.recipe, build_data(loaded.recipe).train_set.stats)
+            per_step = data_per_step(loaded.recipe, build_data(loaded.recipe).train_set, plan.micro_batch)
     if as_json:
         console.print_json(json.dumps({"plan": plan.to_json(), "verdict": verdict(plan),
                                        **({"data": per_step} if with_data else {}),

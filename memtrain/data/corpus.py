@@ -14,9 +14,9 @@ from pathlib import Path
 
 from memtrain.errors import DataError, Problem
 from memtrain.files import digest_file
+from memtrain.recipe.schema import BUILTIN_PREFIX
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-BUILTIN_PREFIX = "builtin:"
 FORMATS = ("text", "jsonl")
 # JSONL problems reported together before giving up; more would bury the first ones.
 MAX_PROBLEMS = 10

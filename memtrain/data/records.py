@@ -17,8 +17,8 @@ from pathlib import Path
 from memtrain.data.corpus import ASSETS, MAX_PROBLEMS, builtin_corpus_names, resolve_path
 from memtrain.errors import DataError, Problem
 from memtrain.files import digest_file
+from memtrain.recipe.schema import BUILTIN_PREFIX
 
-BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = ASSETS / "chat"
 # Record files by extension (after an optional .gz); a directory is a datasets save_to_disk directory.
 RECORD_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}

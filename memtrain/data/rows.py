@@ -113,6 +113,11 @@ class SampleRows(torch.utils.data.Dataset):
         return len(self.row_starts) - 1
 
     @property
+    def lengths(self) -> np.ndarray:
+        """Real tokens of each row (padding follows them), as TokenWindows.lengths: what bucketing sorts by."""
+        return self.row_tokens
+
+    @property
     def n_tokens(self) -> int:
         """Real (non-padding) tokens over all rows."""
         return int(self.row_tokens.sum())

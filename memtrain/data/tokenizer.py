@@ -8,10 +8,9 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from memtrain.errors import Problem, UserError
-from memtrain.recipe.schema import Model
+from memtrain.recipe.schema import BUILTIN_PREFIX, Model
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-BUILTIN_PREFIX = "builtin:"
 
 
 def builtin_tokenizer_names() -> list[str]:

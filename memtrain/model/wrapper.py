@@ -57,8 +57,8 @@ class TrainableLM(nn.Module):
         if position_ids is not None and attention_mask is None:
             attn = base.config._attn_implementation
             check_packed_attention(attn)
-            if PACKED_ATTENTION[attn] == "flatten" and input_ids.shape[0] > 1:
-                input_ids, labels, position_ids = _one_sequence(input_ids, labels, position_ids)
+            if needs_one_sequence(attn, input_ids.shape[0]):
+                input_ids, labels, position_ids = one_sequence(input_ids, labels, position_ids)
         hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=False).last_hidden_state
         if self.fused_loss:
@@ -68,8 +68,13 @@ class TrainableLM(nn.Module):
                               softcap=self.logit_softcap)
 
 
-def _one_sequence(input_ids: torch.Tensor, labels: torch.Tensor,
-                  position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def needs_one_sequence(attn_implementation: str, batch_size: int) -> bool:
+    """Whether rows with position_ids go to this attention kernel laid end to end (PACKED_ATTENTION "flatten")."""
+    return PACKED_ATTENTION.get(attn_implementation) == "flatten" and batch_size > 1
+
+
+def one_sequence(input_ids: torch.Tensor, labels: torch.Tensor,
+                 position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows laid end to end as a batch of one. Each row's first label becomes -100: laid end to end, the previous
     row's last token would otherwise predict it, a pair that does not exist row by row."""
     labels = labels.clone()

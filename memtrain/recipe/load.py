@@ -7,7 +7,8 @@ Nothing here prints.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import yaml
@@ -16,7 +17,7 @@ from pydantic import TypeAdapter, ValidationError
 from memtrain.errors import Problem, RecipeError
 from memtrain.recipe.messages import problems_from_validation
 from memtrain.recipe.rules import check_rules
-from memtrain.recipe.schema import Recipe
+from memtrain.recipe.schema import BUILTIN_PREFIX, Recipe
 from memtrain.recipe.sources import COMMAND_LINE, KeyPath, LoadedRecipe, Sources
 
 # ---------------------------------------------------------------- YAML with positions
@@ -198,6 +199,49 @@ def _read_with_extends(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, 
     return _deep_merge(base_data, data), _merge_sources(base_sources, sources, data), base_problems + problems
 
 
+# ---------------------------------------------------------------- relative paths
+
+
+def input_paths(data: dict) -> Iterator[tuple[dict, str, KeyPath]]:
+    """(holder, key, key path) of every value in the recipe's data that names an input file or directory:
+    model.path, model.tokenizer, data.train and data.validation (a path, or each dataset's path). Outputs
+    (train.output_dir, data.cache_dir, hardware.nvme_path) are not inputs: they stay where the run starts."""
+    model = data.get("model")
+    if isinstance(model, dict):
+        for key in ("path", "tokenizer"):
+            yield model, key, ("model", key)
+    section = data.get("data")
+    if not isinstance(section, dict):
+        return
+    for key in ("train", "validation"):
+        value = section.get(key)
+        if isinstance(value, str):
+            yield section, key, ("data", key)
+        elif isinstance(value, dict):  # one dataset written as a mapping
+            yield value, "path", ("data", key, "path")
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                if isinstance(item, dict):
+                    yield item, "path", ("data", key, str(index), "path")
+
+
+def is_relative_path(value) -> bool:
+    """A path spec that depends on the directory it is read from (not builtin:, absolute or ~)."""
+    return (isinstance(value, str) and bool(value) and not value.startswith(BUILTIN_PREFIX)
+            and not value.startswith("~") and not os.path.isabs(value))
+
+
+def resolve_input_paths(data: dict, sources: Sources) -> None:
+    """Make every relative input path (see `input_paths`) absolute against the directory of the recipe file
+    that wrote it (the recipe, or a file it extends), as `extends:` is; one given on the command line is
+    relative to the working directory, where it was typed, and is left as it is. A recipe then runs the
+    same from any directory."""
+    for holder, key, path in input_paths(data):
+        file, _ = sources.where(path)
+        if is_relative_path(holder.get(key)) and file != COMMAND_LINE and Path(file).is_file():
+            holder[key] = os.path.abspath(os.path.join(Path(file).parent, holder[key]))
+
+
 def apply_overrides(data: dict, overrides: list[str], sources: Sources) -> tuple[dict, list[Problem]]:
     """Apply `key.path=value` overrides (values parsed as YAML: 3, true, [a, b], 24GiB).
 
@@ -307,6 +351,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, check: boo
         raise RecipeError(Problem(f"'{path}' is a directory, not a recipe file", hint="give a .yaml file"))
     data, sources, problems = _read_with_extends(path)
     data, override_problems = apply_overrides(data, list(overrides or []), sources)
+    resolve_input_paths(data, sources)
     return _finish(data, sources, problems + override_problems, path, check, more_checks)
 
 

@@ -15,6 +15,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
 from memtrain.configs import gpu_profile_names
 from memtrain.units import looks_like_size, parse_bytes
 
+# A spec that names bundled data or a bundled tokenizer (builtin:shakespeare, builtin:chat/validation), not a path.
+BUILTIN_PREFIX = "builtin:"
+
 
 def _byte_size(value: object) -> int:
     try:
@@ -223,6 +226,11 @@ class Data(Section):
     packing: bool = Field(True, description="Text: pack documents end to end into seq_len windows (else pad each "
                           "document). Datasets: pack whole samples into seq_len rows, each attending only to itself "
                           "(position ids restart per sample); else one sample per row, padded.")
+    group_by_length: bool | None = Field(
+        None, description="Length bucketing: each optimizer step takes rows of similar length (sorted within a "
+        "seeded mega-batch of 50 steps, the step groups shuffled) and each micro-batch is cut to its longest row "
+        "(rounded up to 8 tokens), so padding is not computed; every row is still seen once per epoch and a "
+        "resumed run sees the same batches. null: on when packing is off, off when it is on.")
     cache_dir: str | None = Field(None, description="Token cache directory (default ~/.cache/memtrain/tokens).")
     template: str | None = Field(
         None, description="Chat template for completion, instruction and chat datasets: a shipped one (chatml, "
@@ -245,6 +253,11 @@ class Data(Section):
             raise ValueError("data.train and data.validation must both be paths (text) or both lists of datasets — "
                              "a text file in a list is {path: FILE, type: text}")
         return self
+
+    @property
+    def groups_by_length(self) -> bool:
+        """Whether steps are length-bucketed and micro-batches cut to their longest row (group_by_length resolved)."""
+        return self.group_by_length if self.group_by_length is not None else not self.packing
 
     @property
     def is_text(self) -> bool:

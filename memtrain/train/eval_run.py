@@ -78,7 +78,7 @@ def evaluate_run(run_dir: Path, *, limit: int | None = None, keep_samples: int =
     model = _model(final, recipe, run_dir, dtype).to(device)
     _, val_set = build_datasets(recipe.data, tokenizer, recipe.train.seed)
     samples = min(eval_samples, len(val_set))
-    with BatchLoader(val_set, device) as loader:
+    with BatchLoader(val_set, device, trim=recipe.data.groups_by_length) as loader:
         loss = evaluate(TrainableLM(model, recipe.precision), loader, val_set, samples, micro_batch, device, 1, 0)
     if not has_answers(recipe.data):
         return RunEvaluation(run_dir, loss, samples, None, TEXT_ONLY_NOTE)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from memtrain.data.dataset import build_datasets
-from memtrain.data.loader import BatchLoader, SampleOrder
+from memtrain.data.loader import BatchLoader, SampleOrder, sample_order
 from memtrain.data.templates import ensure_template_tokens
 from memtrain.data.tokenizer import load_tokenizer
 from memtrain.ds_config.compiler import ds_config as compile_ds_config
@@ -228,8 +228,9 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
     metrics = MetricsLog(run.run_dir / "metrics.jsonl", flush_every=r.train.log_every, enabled=place.is_main,
                          tensorboard_dir=run.run_dir / "tensorboard")
     stack.callback(metrics.close)
-    loader = stack.enter_context(BatchLoader(data.train_set, place.device))
-    val_loader = stack.enter_context(BatchLoader(data.val_set, place.device))
+    trim = r.data.groups_by_length  # micro-batches cut to their longest row (data/loader.py)
+    loader = stack.enter_context(BatchLoader(data.train_set, place.device, trim=trim))
+    val_loader = stack.enter_context(BatchLoader(data.val_set, place.device, trim=trim))
     start_memory_history(place.device)
     hooks.oom.attach(model)  # OOMs from inside a decoder layer (MEMTRAIN_INJECT_OOM=…@layerK)
     hooks.nan.attach(model)  # NaN losses (MEMTRAIN_INJECT_NAN)
@@ -238,7 +239,7 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
                       r.offload.stage == 3, options.save, state, cap_bytes)
     return Training(run=run, options=options, hooks=hooks, place=place, cap_bytes=cap_bytes, data=data, model=model,
                     engine=engine, scheduler=scheduler, state=state, resumed_from=checkpoint,
-                    order=SampleOrder(len(data.train_set), r.train.seed), loader=loader, val_loader=val_loader,
+                    order=sample_order(r.data, data.train_set, r.train.seed, r.batch.global_batch), loader=loader, val_loader=val_loader,
                     metrics=metrics, profiler=StepProfiler(run.run_dir, options.profile_steps, place.device),
                     session=session, generation=GenerationEval.for_run(r, data.tokenizer, place.is_main),
                     startup=clock)

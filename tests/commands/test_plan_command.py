@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -287,6 +288,14 @@ train: {{steps: 4}}
     assert data["tokens_per_step"] == round(8 * train["tokens"] / train["rows"])
     assert 0 < data["target_tokens_per_step"] < data["tokens_per_step"] <= 8 * 64
     assert data["padding_share"] == pytest.approx(1 - train["tokens"] / (train["rows"] * 64))
+    assert data["length_bucketing"] is False
+    # packing off: one conversation per row, bucketed by length, each micro-batch of 4 cut to its longest row
+    result = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--data", "data.packing=false"])
+    assert result.exit_code == 0, result.output
+    unpacked = json.loads(result.stdout)["data"]
+    rows_share = 1 - unpacked["train"]["tokens"] / (unpacked["train"]["rows"] * 64)  # were every row seq_len wide
+    assert unpacked["length_bucketing"] is True and unpacked["padding_share"] < rows_share - 0.3
+    assert unpacked["token_slots_per_step"] < 8 * 64
 
 
 def test_a_full_fine_tune_over_the_host_budget_is_advised_host_side_changes_that_fit_it():
@@ -305,3 +314,32 @@ def test_a_full_fine_tune_over_the_host_budget_is_advised_host_side_changes_that
     # without an NVMe directory the host levers alone do not get there, and LoRA is what is left
     no_nvme = advise(load_recipe(recipe, host))
     assert [a.overrides for a in no_nvme] == [["model.lora.r=16"]]
+
+
+def test_the_chat_quickstart_loads_and_plans_from_another_directory(tmp_path, monkeypatch):
+    """model.path in recipes/quickstart-chat.yaml is relative to the recipe, not to the repository root."""
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart-chat.yaml"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "cache"))
+    result = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--data"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["data"]["train"]["samples"] > 2000
+    assert load_recipe(recipe).recipe.model.path == str(recipe.parents[1] / "memtrain" / "assets" / "models"
+                                                         / "shakespeare-mini")
+
+
+def test_fit_repoints_relative_input_paths_to_the_written_recipe(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "data").mkdir()
+    for name in ("t.txt", "v.txt"):
+        (tmp_path / "data" / name).write_text("To be, or not to be, that is the question.\n" * 50)
+    text = RECIPE.format(gpu="1GiB").replace("train: builtin:shakespeare", "train: ../data/t.txt")
+    assert "../data/t.txt" in text
+    recipe = tmp_path / "a" / "r.yaml"
+    recipe.write_text(text)
+    monkeypatch.chdir(tmp_path)
+    output = tmp_path / "b" / "c" / "fitted.yaml"
+    run(recipe, "data.validation=data/v.txt", fit=True, output=output)
+    written = yaml.safe_load(output.read_text())["data"]
+    assert written["train"] == "../../data/t.txt" and written["validation"] == "../../data/v.txt"
+    assert load_recipe(output, check=False).recipe.data.train == str(tmp_path / "data" / "t.txt")

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from memtrain.checks.load import load_checked
 from memtrain.cli import app
 from memtrain.errors import RecipeError
 from memtrain.recipe.load import load_recipe, load_recipe_text
@@ -197,3 +198,41 @@ def test_printed_schema_rejects_what_validation_rejects(printed_schema):
         assert schema_errors(broken, printed_schema, printed_schema), (section, key, value)
     for size in ["64GiB", "16 GB", "1.5e9", 2**36]:
         assert schema_errors({**recipe, "hardware": {"host_memory": size}}, printed_schema, printed_schema) == []
+
+
+def test_input_paths_are_relative_to_the_file_that_names_them(tmp_path, monkeypatch):
+    (tmp_path / "recipes" / "base").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "recipes" / "base" / "base.yaml").write_text(textwrap.dedent("""\
+        model: {path: ../../models/m, tokenizer: builtin:shakespeare}
+        data:
+          train: [{path: ../../data/a.jsonl, type: chat}, {path: builtin:chat, type: chat}]
+          validation: {path: /abs/v.jsonl, type: chat}
+          cache_dir: cache
+        train: {output_dir: runs/x}
+        """))
+    child = tmp_path / "recipes" / "child.yaml"
+    child.write_text("extends: base/base.yaml\nmodel: {tokenizer: tok}\n")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    loaded = load_recipe(Path("..") / "recipes" / "child.yaml", ["data.train=[{path: mine.jsonl, type: chat}]"],
+                         check=False)
+    model, data = loaded.recipe.model, loaded.recipe.data
+    assert model.path == str(tmp_path / "models" / "m")            # from base.yaml: relative to it
+    assert model.tokenizer == str(tmp_path / "recipes" / "tok")     # from child.yaml: relative to it
+    assert data.validation[0].path == "/abs/v.jsonl"
+    assert data.train[0].path == "mine.jsonl"                       # typed on the command line: the working directory's
+    assert data.cache_dir == "cache" and loaded.recipe.train.output_dir == "runs/x"  # outputs: where the run starts
+    kept = load_recipe(Path("..") / "recipes" / "child.yaml", check=False).recipe.data
+    assert [d.path for d in kept.train] == [str(tmp_path / "data" / "a.jsonl"), "builtin:chat"]
+
+
+def test_a_missing_relative_model_directory_is_named_resolved_at_its_line(tmp_path, monkeypatch):
+    (tmp_path / "r").mkdir()
+    recipe = tmp_path / "r" / "recipe.yaml"
+    recipe.write_text(BASE.replace("  preset: tiny\n", "  path: ../no-such-model\n"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError) as caught:
+        load_checked(Path("r/recipe.yaml"), [])
+    problem = next(p for p in caught.value.problems if p.key == "model.path")
+    assert (problem.file, problem.line) == ("r/recipe.yaml", 2)
+    assert str(tmp_path / "no-such-model") in problem.message

@@ -57,6 +57,26 @@ def test_a_mixed_packed_chat_run_resumed_mid_epoch_equals_the_straight_run(write
     assert records[-1]["tokens"] < 8 * 8 * 63 * 0.5
 
 
+def test_an_unpacked_length_bucketed_chat_run_resumed_mid_epoch_equals_the_straight_run(write_recipe, tmp_path):
+    """packing off: one conversation per row, steps of similar lengths, micro-batches cut to their longest row
+    (data.group_by_length defaults to on); three micro-batches of 4 per step."""
+    extra = chat_recipe(tmp_path)
+    extra["data"]["packing"] = False
+    extra["batch"] = {"global_batch": 12, "micro_batch": 4}
+    straight = write_recipe("straight", extra)
+    assert run_command(straight, []) == 0
+    halves = write_recipe("halves", extra)
+    assert run_command(halves, [], RunOptions(max_steps=4)) == 0
+    assert run_command(halves, []) == 0
+    a, b = train_losses(tmp_path / "runs" / "straight"), train_losses(tmp_path / "runs" / "halves")
+    assert sorted(b) == list(range(1, 9))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], abs=1e-5), step
+    weights_a = load_file(tmp_path / "runs" / "straight" / "final" / "model.safetensors")
+    weights_b = load_file(tmp_path / "runs" / "halves" / "final" / "model.safetensors")
+    assert all(torch.allclose(weights_a[k], weights_b[k], atol=1e-6) for k in weights_a)
+
+
 def test_lora_with_added_tokens_needs_the_embeddings_in_modules_to_save(write_recipe, tmp_path):
     extra = chat_recipe(tmp_path, steps=2)
     extra["model"]["lora"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
