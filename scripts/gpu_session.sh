@@ -28,6 +28,7 @@
 #   bash scripts/gpu_session.sh families9 # session 9: held-out accuracy rows (Qwen2.5, Mistral, Gemma-2 LoRA; Phi-3-mini full; 7B chat packed)
 #   bash scripts/gpu_session.sh full9     # session 9: Qwen2.5-7B and Mistral-7B full fine-tunes (ZeRO-3, CPU, unpinned), held out
 #   bash scripts/gpu_session.sh vsfam9    # session 9: Qwen2.5-7B and Mistral-7B LoRA, memtrain vs HF Trainer + PEFT + DeepSpeed
+#   bash scripts/gpu_session.sh run10a    # session 10, one call: 7B LoRA and 7B chat LoRA vs HF and HF + Liger; start-up rows
 #   bash scripts/gpu_session.sh fam10     # session 10: held out Qwen3-8B full fine-tune and 7B DoRA; Gemma-2-9B LoRA vs HF
 #   bash scripts/gpu_session.sh speed10   # issue 23: start-up phases (fresh, then warm); 7B LoRA memtrain default vs HF eager vs HF + Liger
 #   bash scripts/gpu_session.sh speed10b  # issue 23, if time is left: start-up of the other shipped recipes (warm); memtrain without Liger
@@ -96,6 +97,20 @@ speed10b)  # the rest of issue 23's start-up table (warm), and memtrain without 
   cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
   step vs-hf 200 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 100 \
     --case "7b-lora-mb4x1024 (session 10, memtrain model.kernels none)=recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2 :: model.kernels=none"
+  ;;
+run10a)  # one call, under 9.5 minutes: 7B LoRA memtrain default vs HF eager vs HF + Liger (the first run of memtrain's
+  # Liger path, so first), then the chat recipe against both baselines, then start-up rows with what is left
+  cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
+  step vs-hf 230 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 100 \
+    --baseline hf,hf-liger --case "7b-lora-mb4x1024 (session 10)=recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2"
+  chat="recipes/llama2-7b-lora-24gb.yaml model.lora.lean_dropout=false model.tokenizer=builtin:shakespeare-chat
+        'data.train=[{path: \"builtin:chat\", type: chat}]' data.validation=null data.template=chatml data.packing=true
+        batch.micro_batch=2 batch.global_batch=4 data.seq_len=2048 schedule.warmup_steps=2"
+  step vs-hf-chat 230 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 100 \
+    --baseline hf,hf-liger --case "7b-lora-chat-packed-every-mb2x2048=$chat"
+  cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
+  step startup 200 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout 90 \
+    --recipe recipes/llama2-7b-lora-24gb.yaml --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml
   ;;
 chat10)  # issue 21: the plan-accuracy case 7b-lora-chat-packed-every-mb2-s2048 as a vs-HF row; both sides train on
   # memtrain's rows (builtin:chat is .jsonl, read without datasets/pyarrow) with position_ids that restart per sample
