@@ -66,7 +66,25 @@ fam10)
     --only qwen3-8b-zero3,7b-dora
   cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
   step vs-hf-gemma 240 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 110 \
-    --case "gemma2-9b-lora-mb1x1024=recipes/llama2-7b-lora-24gb.yaml model.preset=gemma2-9b batch.micro_batch=1 batch.global_batch=4"
+    --case "gemma2-9b-lora-mb1x1024=recipes/llama2-7b-lora-24gb.yaml model.preset=gemma2-9b batch.micro_batch=1 batch.global_batch=4 schedule.warmup_steps=2"
+  ;;
+run10d)  # held-out accuracy of the Liger path (predicted and committed first), then start-up on emptied op caches
+  cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"
+  step plan-liger 200 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 120 --parallel 1 --only liger
+  cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
+  step startup 200 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state fresh --steps 1 --timeout 120 \
+    --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml --recipe recipes/llama2-7b-lora-24gb.yaml
+  ;;
+run10c)  # the Gemma-2 row fam10 lost to the recipe's 10 warm-up steps, memtrain without Liger beside HF, start-up rows
+  cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
+  step vs-hf-gemma 200 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 100 \
+    --baseline hf,hf-liger \
+    --case "gemma2-9b-lora-mb1x1024=recipes/llama2-7b-lora-24gb.yaml model.preset=gemma2-9b batch.micro_batch=1 batch.global_batch=4 schedule.warmup_steps=2"
+  step vs-hf-eager 120 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 100 \
+    --case "7b-lora-mb4x1024 (session 10, memtrain model.kernels none)=recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2 :: model.kernels=none"
+  cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
+  step startup 150 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout 90 \
+    --recipe recipes/openllama-3b-full-offload-24gb.yaml --recipe recipes/llama2-7b-qlora-16gb.yaml
   ;;
 vsfam9)
   cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"

@@ -146,6 +146,11 @@ FAMILIES = [
                                                           "offload.pin_memory=false") + _batch(2, 1024)),
     # held out, session 10: DoRA's magnitude vectors and its per-module weight-norm transient (issue 22, item 3)
     Case("7b-dora-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("model.lora.use_dora=true",) + _batch(4, 1024)),
+    # held out, session 10: Liger's kernels (model.kernels, the default on CUDA where liger-kernel is installed),
+    # priced from its source: fused linear cross-entropy in place of the chunked loss, eager-traced layers
+    Case("7b-lora-liger-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("model.kernels=liger",) + _batch(4, 1024)),
+    Case("gemma2-9b-lora-liger-every-mb1-s1024", LORA7B,
+         PEFT_DROPOUT + ("model.preset=gemma2-9b", "model.kernels=liger") + _batch(1, 1024)),
 ]
 CASES += HELD_OUT + LEAN + STREAMS + PEAKS + FAMILIES
 
