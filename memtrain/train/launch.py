@@ -67,7 +67,9 @@ def prepare(loaded: LoadedRecipe, hooks: Hooks, clock: StartupClock | None = Non
         run = resolve_run(r, loaded.name, loaded.output_dir, len(data.train_set), exact_pinned)
     clock.mark("plan")
     if not r.data.is_text:  # instruction and chat data: what truncation, packing and masking made of it
-        notes.append(f"training data: {data.train_set.stats.describe()}")
+        cut = "; length-bucketed micro-batches are cut to their longest row, so less padding is computed " \
+              "(`memtrain plan --data` says how much)" if r.data.groups_by_length else ""
+        notes.append(f"training data: {data.train_set.stats.describe()}{cut}")
     if data.added_tokens:
         notes.append(f"added {', '.join(data.added_tokens)} to the tokenizer; the model's embeddings grow to "
                      f"{len(data.tokenizer)} rows and the new ones are trained")
