@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from memtrain.ds_config.compiler import ds_config, ds_config_for_shapes
+from memtrain.plan.planner import resolve_micro_batch
 from memtrain.plan.zero import grad_accum_steps
 from memtrain.recipe.load import load_recipe, load_recipe_text
 
@@ -18,8 +19,10 @@ GOLDEN = Path(__file__).parent / "golden"
 
 
 def compiled(path: Path) -> dict:
+    """The config a run compiles: `micro_batch: auto` resolved by the planner, as resolve_run does."""
     recipe = load_recipe(path).recipe
-    return ds_config(recipe, micro_batch=recipe.batch.micro_batch)
+    micro_batch = recipe.batch.micro_batch
+    return ds_config(recipe, micro_batch=resolve_micro_batch(recipe) if micro_batch == "auto" else micro_batch)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
