@@ -82,7 +82,8 @@ def _run_hostfile(recipe: Path, overrides: list[str], options: RunOptions, conso
         raise UserError(Problem(f"--nnodes {nodes.nnodes} but the hostfile lists {len(hosts)} hosts",
                                 file=str(nodes.hostfile), hint="drop --nnodes: the hostfile says how many nodes"))
     load_checked(recipe, [*overrides, f"hardware.nodes={len(hosts)}"])  # the world must divide the batch, …
-    check_remote_shell(nodes.remote_shell)
+    if len(hosts) > 1:
+        check_remote_shell(nodes.remote_shell)
     addr = nodes.master_addr or hosts[0].name
     env_port = os.environ.get("MASTER_PORT", "").strip()
     port = nodes.master_port or (int(env_port) if env_port.isdigit() else DEFAULT_MASTER_PORT)

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,19 +119,22 @@ def check_remote_shell(remote_shell: str) -> None:
                                      "(e.g. \"ssh -p 2222\")"))
 
 
-def run_nodes(nodes: list[NodeCommand], out: IO[str] | None = None) -> int:
+def run_nodes(nodes: list[NodeCommand], out: IO[str] | None = None, poll_s: float = 0.2) -> int:
     """Start every node's command, stream their output as `HOST: line`, and wait for all of them.
 
     SIGINT / SIGTERM are forwarded to every command (each runs in its own session, so a terminal's Ctrl-C
     reaches this launcher only): node 0's `memtrain run` passes it to its workers, which stop every node at
-    the same step; a remote shell ends its connection. Returns the worst exit code: the highest, a command
-    killed by a signal counting as 128 + the signal, a forwarded signal as 128 + the signal at least.
+    the same step; a remote shell ends its connection. A node that fails (say node 0 refusing the run
+    directory before it hosts the rendezvous) gets the others SIGTERM rather than leaving them to wait out
+    the join timeout. Returns the worst exit code: the highest of the nodes that ended by themselves (a
+    command killed by a signal counting as 128 + the signal), at least 128 + the signal forwarded.
     """
     out = out or sys.stdout
     lock = threading.Lock()
     width = max(len(node.host) for node in nodes)
     processes: list[subprocess.Popen] = []
     received: list[int] = []
+    stopped: set[int] = set()  # the nodes this launcher ended because another failed: their codes do not count
 
     def forward(signum, frame):
         received.append(signum)
@@ -148,16 +152,27 @@ def run_nodes(nodes: list[NodeCommand], out: IO[str] | None = None) -> int:
     pumps = []
     try:
         for node in nodes:
+            if received:
+                break
             processes.append(subprocess.Popen(node.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, text=True, errors="replace",
                                               start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1")))
             pumps.append(threading.Thread(target=pump, args=(node.host, processes[-1].stdout), daemon=True))
             pumps[-1].start()
-        codes = [process.wait() for process in processes]
+        while any(process.poll() is None for process in processes):
+            failed = any(process.returncode for i, process in enumerate(processes) if i not in stopped)
+            if failed and not received:
+                for i, process in enumerate(processes):
+                    if process.poll() is None and i not in stopped:
+                        stopped.add(i)
+                        process.terminate()
+            time.sleep(poll_s)
         for thread in pumps:
             thread.join(timeout=10)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    worst = max(exit_code(-code) if code < 0 else code for code in codes)
+    codes = [exit_code(-p.returncode) if p.returncode < 0 else p.returncode
+             for i, p in enumerate(processes) if i not in stopped]
+    worst = max(codes, default=0)
     return max(worst, exit_code(received[0])) if received else worst

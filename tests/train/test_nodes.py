@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,12 @@ def test_every_node_s_output_is_prefixed_with_its_host_and_the_worst_code_wins()
                       NodeCommand("bb", ["sh", "-c", "echo two; echo three >&2; exit 3"])], out)
     assert code == 3
     assert sorted(out.getvalue().splitlines()) == [" a: one", "bb: three", "bb: two"]
+
+
+def test_a_node_that_fails_stops_the_others_instead_of_leaving_them_to_wait_out_the_join_timeout():
+    out = io.StringIO()
+    started = time.monotonic()
+    code = run_nodes([NodeCommand("ws1", ["sh", "-c", "echo refused; exit 2"]),
+                      NodeCommand("ws2", ["sh", "-c", "sleep 60"])], out, poll_s=0.05)
+    assert code == 2 and time.monotonic() - started < 30  # node 0's code, not the 143 of the node it stopped
+    assert out.getvalue() == "ws1: refused\n"
