@@ -6,8 +6,8 @@ machine. memtrain reimplements no rendezvous here either: it starts, on every ho
 (docs/MULTINODE.md) — on the first host as a local process (node 0), on the others through a remote shell
 (`ssh HOST 'cd DIR && exec … python -m memtrain run …'`, like `deepspeed --launcher ssh`). Then it streams
 every node's output prefixed with its host, forwards SIGINT / SIGTERM (node 0 gets the signal, whose
-workers agree with the others' to save at the same step; the remote shells are signalled too), and exits
-with the worst code of all nodes.
+workers agree with the others' to save at the same step; the remote shells are signalled too), stops the
+other nodes when one fails, and exits with the worst code of all nodes.
 """
 from __future__ import annotations
 
