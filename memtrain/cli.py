@@ -137,14 +137,17 @@ def run(
     master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Node 0's hostname or IP, the same on every node (default: MASTER_ADDR, or the first host of the Slurm job).", rich_help_panel="Several nodes"),
     master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535, help="Node 0's rendezvous port (default: MASTER_PORT, else 29500).", rich_help_panel="Several nodes"),
     join_timeout: int = typer.Option(JOIN_TIMEOUT_S, "--join-timeout", min=1, help="Seconds the nodes wait for each other at start-up before giving up with exit 2.", rich_help_panel="Several nodes"),
+    hostfile: Optional[Path] = typer.Option(None, "--hostfile", help="DeepSpeed-style hostfile (`host slots=N` lines, this machine first): run once, here, and memtrain starts every node (the others through --remote-shell).", rich_help_panel="Several nodes"),
+    remote_shell: str = typer.Option("ssh", "--remote-shell", help="With --hostfile: the command that runs a command on another host, as REMOTE_SHELL HOST COMMAND (e.g. \"ssh -p 2222\").", rich_help_panel="Several nodes"),
 ):
     """Train a recipe on DeepSpeed (GPUs, or the CPU when there is none); on several machines, one command per node.
 
     Example: [bold]memtrain run recipes/quickstart.yaml[/]
     Two nodes: [bold]memtrain run RECIPE --nnodes 2 --node-rank 0|1 --master-addr node0 --master-port 29500[/]
+    Or once, on the first of them: [bold]memtrain run RECIPE --hostfile hostfile[/]
     """
     options = RunOptions(resume=resume, max_steps=max_steps, profile_steps=profile, save=save, overwrite=overwrite)
-    nodes = NodeFlags(nnodes, node_rank, master_addr, master_port, join_timeout)
+    nodes = NodeFlags(nnodes, node_rank, master_addr, master_port, join_timeout, hostfile, remote_shell)
     raise typer.Exit(code=run_command(recipe, list(overrides or []), options, nodes=nodes))
 
 

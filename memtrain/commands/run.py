@@ -8,9 +8,12 @@ from rich.console import Console
 
 from memtrain.checks.load import load_checked
 from memtrain.monitor.startup import StartupClock
+from memtrain.errors import Problem, UserError
 from memtrain.train.hooks import Hooks
+from memtrain.train.hostfile import (NodeCommand, check_remote_shell, local_command, read_hostfile, remote_command,
+                                     run_nodes)
 from memtrain.train.launch import launch, prepare
-from memtrain.train.nodes import NodeFlags, node_count, rendezvous_for, run_digest
+from memtrain.train.nodes import DEFAULT_MASTER_PORT, NodeFlags, node_count, rendezvous_for, run_digest
 from memtrain.train.resume import check_resume
 from memtrain.train.result import RunResult
 from memtrain.train.run import RunOptions
@@ -26,6 +29,8 @@ def run_command(recipe: Path, overrides: list[str], options: RunOptions = RunOpt
     console = console or Console(stderr=True)
     try:
         with stop_on_signals():  # until the loop takes over: Ctrl-C / SIGTERM end start-up with a line
+            if nodes.hostfile is not None:
+                return _run_hostfile(recipe, overrides, options, console, nodes)
             return _run(recipe, overrides, options, console, nodes)
     except KeyboardInterrupt as stop:  # during start-up, or a second Ctrl-C while saving
         console.print(f"[yellow]■[/] stopped by {signum_of_name(stop)} before the run could save; the run "
@@ -61,6 +66,38 @@ def _run(recipe: Path, overrides: list[str], options: RunOptions, console: Conso
         console.print(f"{mark} {result.summary()}", highlight=False, soft_wrap=True)
 
     return launch(prepared, options, hooks, report, rendezvous)
+
+
+def _run_hostfile(recipe: Path, overrides: list[str], options: RunOptions, console: Console, nodes: NodeFlags) -> int:
+    """DeepSpeed's launcher style: this is the first host of the hostfile; start the per-node `memtrain run` on
+    every host (here as node 0, elsewhere through the remote shell) and wait for all of them."""
+    assert nodes.hostfile is not None
+    if nodes.node_rank is not None:
+        raise UserError(Problem("--node-rank cannot go with --hostfile: the hostfile's order gives each node its "
+                                "rank (its first host is this node, node 0)",
+                                hint="drop --node-rank, or drop --hostfile and run one command per node"))
+    gpus = load_checked(recipe, overrides).recipe.hardware.gpus
+    hosts = read_hostfile(nodes.hostfile, gpus)
+    if nodes.nnodes is not None and nodes.nnodes != len(hosts):
+        raise UserError(Problem(f"--nnodes {nodes.nnodes} but the hostfile lists {len(hosts)} hosts",
+                                file=str(nodes.hostfile), hint="drop --nnodes: the hostfile says how many nodes"))
+    load_checked(recipe, [*overrides, f"hardware.nodes={len(hosts)}"])  # the world must divide the batch, …
+    if len(hosts) > 1:
+        check_remote_shell(nodes.remote_shell)
+    addr = nodes.master_addr or hosts[0].name
+    env_port = os.environ.get("MASTER_PORT", "").strip()
+    port = nodes.master_port or (int(env_port) if env_port.isdigit() else DEFAULT_MASTER_PORT)
+    flags = [*options.to_flags(), *(["--overwrite"] if options.overwrite else []),
+             "--join-timeout", str(nodes.join_timeout_s), "--nnodes", str(len(hosts)),
+             "--master-addr", addr, "--master-port", str(port)]
+    argv = [["run", str(recipe), *overrides, *flags, "--node-rank", str(rank)] for rank in range(len(hosts))]
+    commands = [NodeCommand(hosts[0].name, local_command(argv[0]))]
+    commands += [NodeCommand(host.name, remote_command(host.name, args, nodes.remote_shell, Path.cwd(), os.environ))
+                 for host, args in zip(hosts[1:], argv[1:])]
+    console.print(f"[dim]·[/] {len(hosts)} nodes from {nodes.hostfile}: {hosts[0].name} here (node 0, rendezvous at "
+                  f"{addr}:{port}), {', '.join(host.name for host in hosts[1:]) or 'no other'} through "
+                  f"`{nodes.remote_shell}`", highlight=False, soft_wrap=True)
+    return run_nodes(commands)
 
 
 def signum_of_name(stop: KeyboardInterrupt) -> str:

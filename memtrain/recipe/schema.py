@@ -278,7 +278,8 @@ def _gpu_spec(value: str) -> str:
 class Hardware(Section):
     gpus: int = Field(1, ge=1, le=64, description="GPUs (processes) to train on, on each node.")
     nodes: int = Field(1, ge=1, le=256, description="Machines the run spans, `gpus` processes on each; one "
-                       "`memtrain run` per node (--node-rank), docs/MULTINODE.md.")
+                       "`memtrain run` per node (--node-rank), or one with --hostfile that starts them all, "
+                       "docs/MULTINODE.md.")
     gpu: Annotated[str, AfterValidator(_gpu_spec)] = Field("rtx3090", description="Target card: a profile in configs/gpus (rtx3090, rtx4090, ...) or a size such as '24GiB'.")
     host_memory: ByteSize | None = Field(None, description="Host RAM available to the run, e.g. '64GiB' (default: what the machine has).")
     nvme_path: str | None = Field(None, description="Directory on a fast disk for the NVMe offload tiers.")

@@ -45,6 +45,8 @@ class NodeFlags:
     master_addr: str | None = None
     master_port: int | None = None
     join_timeout_s: int = JOIN_TIMEOUT_S
+    hostfile: Path | None = None    # one command on the first node starts every node (memtrain.train.hostfile)
+    remote_shell: str = "ssh"       # how it reaches the other hosts: `REMOTE_SHELL HOST COMMAND`
 
 
 @dataclass(frozen=True)

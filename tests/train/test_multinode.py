@@ -103,3 +103,44 @@ def test_a_node_that_cannot_reach_the_master_gives_up_within_the_timeout(tmp_pat
     assert node.returncode == 2, output[-3000:]
     assert "did not all join" in output and "Traceback" not in output, output[-3000:]
     assert time.monotonic() - started < 60
+
+
+def start_with_hostfile(tmp_path: Path, overrides: list[str]) -> subprocess.Popen:
+    """`memtrain run --hostfile` for two 'machines' on this one: the second host's node is started through a
+    remote shell that is a real second process (a script that runs its command here, whatever the host)."""
+    remote_shell = tmp_path / "fake-ssh"
+    remote_shell.write_text('#!/bin/sh\n# fake-ssh HOST COMMAND: run COMMAND here\nshift\nexec sh -c "$*"\n')
+    remote_shell.chmod(0o755)
+    hosts = tmp_path / "hostfile"
+    hosts.write_text("# two 'machines' on this one\nlocalhost slots=1\n127.0.0.1 slots=1\n")
+    return subprocess.Popen(
+        [sys.executable, "-m", "memtrain", "run", str(QUICKSTART), *overrides, "--hostfile", str(hosts),
+         "--remote-shell", str(remote_shell), "--master-port", str(free_port()), "--join-timeout", str(JOIN_TIMEOUT_S)],
+        env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_one_command_with_a_hostfile_starts_both_nodes_and_trains_as_one_process(tmp_path):
+    launcher = start_with_hostfile(tmp_path, shrunk(tmp_path, "hostfile"))
+    output, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, output[-3000:]
+    assert "Traceback" not in output
+    assert "localhost: " in output and "127.0.0.1: " in output  # each node's lines, prefixed with its host
+    assert "127.0.0.1: · node 1 of 2, rendezvous at localhost:" in output
+    assert run(QUICKSTART, *shrunk(tmp_path, "one-process", "hardware.gpus=1")) == 0
+    two, one = tmp_path / "runs" / "hostfile", tmp_path / "runs" / "one-process"
+    assert sorted(train_losses(two)) == list(range(1, 7))
+    assert final_eval_loss(two) == pytest.approx(final_eval_loss(one), abs=1e-4)
+
+
+def test_sigterm_to_the_hostfile_launcher_stops_every_node_at_one_checkpoint(tmp_path):
+    run_dir = tmp_path / "runs" / "hostfile-killed"
+    launcher = start_with_hostfile(tmp_path, shrunk(tmp_path, "hostfile-killed", "train.steps=12"))
+    deadline = time.time() + 300
+    while time.time() < deadline and not complete_checkpoints(run_dir) and launcher.poll() is None:
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)  # forwarded to node 0 and to the remote shell of node 1
+    output, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 143, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    saved = [p.name for p in complete_checkpoints(run_dir)]
+    assert saved and saved[-1] != "step-000012"  # stopped early, after a complete checkpoint
