@@ -13,6 +13,7 @@ import argparse
 import csv
 import datetime as dt
 import json
+import os
 import re
 import shlex
 import statistics
@@ -22,6 +23,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from memtrain.train.distributed import without_rank_variables  # noqa: E402
+
 GiB = 1024**3
 COLUMNS = ["recipe", "tokens_per_s", "peak_allocated_gib", "peak_reserved_gib", "host_peak_rss_gib",
            "time_to_first_step_s", "steps", "status", "machine", "date", "command"]
@@ -57,7 +62,8 @@ def run_case(name: str, spec: str, runs: Path, timeout_s: int, warmup_steps: int
     runs.mkdir(parents=True, exist_ok=True)
     try:
         with log.open("w") as stream:
-            done = subprocess.run(command, cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT, timeout=timeout_s)
+            done = subprocess.run(command, cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                  env=without_rank_variables(os.environ))
         status = "ok" if done.returncode == 0 else f"rc {done.returncode}"
     except subprocess.TimeoutExpired:
         status = "timeout"

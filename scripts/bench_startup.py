@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_run import machine_name, upsert_row  # noqa: E402
 from memtrain.monitor.startup import PHASES  # noqa: E402
+from memtrain.train.distributed import without_rank_variables  # noqa: E402
 
 COLUMNS = ["recipe", "machine_state", "first_step_s", *PHASES, "machine", "date", "command"]
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-startup"))
     parser.add_argument("--timeout", type=int, default=600)
     args = parser.parse_args(argv)
-    env = dict(os.environ)
+    env = without_rank_variables(os.environ)  # each run starts its own process group
     if args.machine_state == "fresh":
         caches = args.runs / "fresh-caches"
         shutil.rmtree(caches, ignore_errors=True)

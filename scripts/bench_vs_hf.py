@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_run import machine_name, run_dir_for, upsert_row  # noqa: E402
+from memtrain.train.distributed import without_rank_variables  # noqa: E402
 
 BASELINES = ("hf", "hf-liger")
 COLUMNS = ["recipe", "baseline", "memtrain_tokens_per_s", "hf_tokens_per_s", "ratio", "memtrain_target_tokens_per_s",
@@ -45,7 +47,8 @@ def _run(command: list[str], log: Path, timeout: int) -> None:
     """Run one side with its output in `log`; on failure, show the log's tail."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as stream:
-        done = subprocess.run(command, cwd=ROOT, timeout=timeout, stdout=stream, stderr=subprocess.STDOUT)
+        done = subprocess.run(command, cwd=ROOT, timeout=timeout, stdout=stream, stderr=subprocess.STDOUT,
+                              env=without_rank_variables(os.environ))
     if done.returncode != 0:
         print(f"{command[1]} exited {done.returncode}; last lines of {log}:", file=sys.stderr)
         print("\n".join(log.read_text(errors="replace").splitlines()[-15:]), file=sys.stderr)

@@ -18,6 +18,7 @@ import argparse
 import csv
 import datetime as dt
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -30,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from memtrain.plan.planner import plan_recipe  # noqa: E402
 from memtrain.recipe.load import load_recipe  # noqa: E402
+from memtrain.train.distributed import without_rank_variables  # noqa: E402
 
 GiB = 1024**3
 COLUMNS = ["recipe", "predicted_reserved_gib", "measured_reserved_gib", "predicted_allocated_gib",
@@ -162,7 +164,8 @@ def measure(case: Case, overrides: list[str], run_dir: Path, timeout_s: int) -> 
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
         with log.open("w") as stream:
-            done = subprocess.run(command, cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT, timeout=timeout_s)
+            done = subprocess.run(command, cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                  env=without_rank_variables(os.environ))
     except subprocess.TimeoutExpired:
         return "timeout"
     text = log.read_text(errors="replace")

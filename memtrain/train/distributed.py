@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,17 @@ class Place:
     @property
     def on_cuda(self) -> bool:
         return self.device.type == "cuda"
+
+
+# What a launcher (torchrun, or setup_process for a process started alone) sets for one process of a group. A
+# process started from such a process (a benchmark's `memtrain run`, a test's) must not inherit them: it would
+# try to join, or bind again, its parent's group.
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def without_rank_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` for a child process that starts its own process group."""
+    return {key: value for key, value in env.items() if key not in RANK_VARIABLES}
 
 
 def free_port() -> int:

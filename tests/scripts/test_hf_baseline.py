@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from memtrain.labels import IGNORE_INDEX
 from memtrain.model.config import model_config
 from memtrain.model.wrapper import one_sequence
 from memtrain.recipe.load import load_recipe
+from memtrain.train.distributed import without_rank_variables
 from memtrain.train.setup import build_data
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +119,7 @@ def test_the_script_trains_a_tiny_chat_recipe_on_the_cpu(tmp_path):
     out = tmp_path / "hf.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "hf_baseline.py"), str(chat_recipe(tmp_path)),
                            "--steps", "4", "--warmup", "1", "--out", str(out)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env=without_rank_variables(os.environ))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["steps"] == 4

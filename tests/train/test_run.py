@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from memtrain.commands.run import run_command
+from memtrain.train.distributed import without_rank_variables
 from memtrain.train.run import RunOptions
 from memtrain.train.preflight import cpu_fp16_supported
 from tests.conftest import read_records, train_losses
@@ -23,8 +24,7 @@ pytestmark = pytest.mark.slow
 
 def clean_env(**extra: str) -> dict:
     """The environment for a child `memtrain run`: without the rank variables in-process runs set here."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env = without_rank_variables(os.environ)
     env.update(PYTHONUNBUFFERED="1", **extra)
     return env
 
