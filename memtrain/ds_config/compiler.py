@@ -104,7 +104,7 @@ def _zero(recipe: Recipe, hidden_size: int, largest_param_numel: int) -> dict:
             stage3_max_live_parameters=o.max_live_parameters,
             stage3_max_reuse_distance=o.max_live_parameters,
             stage3_gather_16bit_weights_on_model_save=True,
-            sub_group_size=sub_group_elements(o.optimizer),
+            sub_group_size=sub_group_elements(o.optimizer, o.ratio),
         )
         if o.params != "none":
             zero["offload_param"] = _offload_block(o.params, recipe, params=True,

@@ -37,14 +37,14 @@ ZeRO-3, optimizer on NVMe:
 from __future__ import annotations
 
 from memtrain.dtypes import DTYPE_BYTES
-from memtrain.plan.model_states import SUB_GROUP_ELEMENTS, master_bytes
+from memtrain.plan.model_states import device_sub_groups, master_bytes, sub_group_elements, sub_groups
 from memtrain.plan.params import ParamCounts
 from memtrain.plan.pinned import pinned_bytes
 
 
 def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str, master: str,
                        optimizer_tier: str, params_tier: str, pin_memory: bool, exact_pinned: bool,
-                       accumulates: bool, world_size: int | None = None) -> dict[str, int]:
+                       accumulates: bool, world_size: int | None = None, ratio: float = 1.0) -> dict[str, int]:
     """Host bytes of the offloaded model states by buffer, summed over the `gpus` ranks of the machine.
 
     world_size: the ranks ZeRO partitions over, on every node (default `gpus`: one node). Each of this
@@ -53,6 +53,7 @@ def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str,
     storage: dtype of the weights on the GPU (bf16 / fp16, or fp32 under precision.mode autocast).
     master: "fp32" or "bf16" (bf16 master weights and optimizer states).
     accumulates: whether a step runs more than one micro-batch on a rank.
+    ratio: ZeRO-3's partial offload (`offload.ratio`): the first sub-groups stay on the GPU.
     """
     def pin(size: int) -> int:
         return pinned_bytes(size, exact_pinned) if pin_memory else size
@@ -65,9 +66,17 @@ def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str,
         n = counts.trainable // world if stage >= 1 else counts.trainable
         out["optimizer_states"] = gpus * 2 * n * state_bytes
         if stage == 3:
-            sub_groups = [min(SUB_GROUP_ELEMENTS, n - start) for start in range(0, n, SUB_GROUP_ELEMENTS)]
-            out["master_weights"] = gpus * n * state_bytes
-            out["gradients"] = gpus * (pin(n * weight_bytes) + sum(pin(s * state_bytes) for s in sub_groups))
+            rank_numels = [k // world for k in counts.trainable_numels]
+            size = sub_group_elements("cpu", ratio)
+            groups = sub_groups(rank_numels, size)
+            on_gpu = device_sub_groups(rank_numels, size, ratio)
+            on_host = n - sum(groups[:on_gpu])
+            out["optimizer_states"] = gpus * 2 * on_host * state_bytes
+            out["master_weights"] = gpus * on_host * state_bytes
+            # Each sub-group's gradient buffer is made on the host; a GPU sub-group's is copied to the GPU
+            # and dropped, which a pinned block survives in PyTorch's host cache and a plain one does not.
+            kept = groups if pin_memory else groups[on_gpu:]
+            out["gradients"] = gpus * (pin(n * weight_bytes) + sum(pin(s * state_bytes) for s in kept))
         else:
             out["master_weights"] = gpus * pin(n * state_bytes)
             out["gradients"] = gpus * pin(n * state_bytes)

@@ -17,25 +17,38 @@ SUB_GROUP_ELEMENTS = 1_000_000_000   # the compiled config's sub_group_size (mem
 NVME_SUB_GROUP_ELEMENTS = 100_000_000
 
 
-def sub_group_elements(optimizer_tier: str) -> int:
-    """ZeRO-3's sub_group_size for this optimizer tier (what the compiler writes)."""
-    return NVME_SUB_GROUP_ELEMENTS if optimizer_tier == "nvme" else SUB_GROUP_ELEMENTS
+def sub_group_elements(optimizer_tier: str, ratio: float = 1.0) -> int:
+    """ZeRO-3's sub_group_size for this optimizer tier (what the compiler writes). A partial offload
+    (ratio < 1) moves whole sub-groups to the GPU, so it takes the small size too: at 1e9 a 7B model has
+    7 sub-groups and a ratio of 0.9 moves none of them."""
+    return NVME_SUB_GROUP_ELEMENTS if optimizer_tier == "nvme" or ratio < 1.0 else SUB_GROUP_ELEMENTS
 
 
-def largest_sub_group(numels: tuple[int, ...] | list[int], size: int) -> int:
-    """Elements of ZeRO-3's largest sub-group: tensors are taken in order into a group until it holds
-    `size` or more (stage3.py `_create_fp16_sub_groups`); one group when they are fewer than `size`."""
+def sub_groups(numels: tuple[int, ...] | list[int], size: int) -> list[int]:
+    """Elements of each of ZeRO-3's sub-groups, in order: tensors are taken in order into a group until
+    it holds `size` or more (stage3.py `_create_fp16_sub_groups`); one group when they are fewer."""
     total = sum(numels)
     if total <= size:
-        return total
-    largest = current = 0
+        return [total] if total else []
+    groups, current = [], 0
     for numel in numels:
         current += numel
         if current >= size:
-            largest, current = max(largest, current), 0
-    return max(largest, current)
+            groups.append(current)
+            current = 0
+    return groups + ([current] if current else [])
 
 
+def largest_sub_group(numels: tuple[int, ...] | list[int], size: int) -> int:
+    """Elements of ZeRO-3's largest sub-group (see `sub_groups`)."""
+    return max(sub_groups(numels, size), default=0)
+
+
+def device_sub_groups(numels: tuple[int, ...] | list[int], size: int, ratio: float) -> int:
+    """How many sub-groups a partial optimizer offload (`offload.ratio` < 1) keeps on the GPU: the first
+    int((1 - ratio) × count) of them (stage3.py, `subgroup_to_device`); their master weights, moments
+    and gradients live there and torch's AdamW updates them. 0 when everything is offloaded."""
+    return int((1 - ratio) * len(sub_groups(numels, size))) if ratio < 1.0 else 0
 
 
 @dataclass(frozen=True)
@@ -118,8 +131,13 @@ def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str,
     if optimizer_tier == "none":
         gpu_optimizer = optimizer_bytes // partition
     elif optimizer_tier == "cpu":
-        host_optimizer = int(optimizer_bytes * ratio * (node_share if stage >= 1 else 1))
-        gpu_optimizer = int(optimizer_bytes * (1 - ratio)) // partition
+        rank_numels = [k // gpus for k in counts.trainable_numels] if stage == 3 else []
+        size = sub_group_elements(optimizer_tier, ratio)
+        on_gpu = sum(sub_groups(rank_numels, size)[:device_sub_groups(rank_numels, size, ratio)])
+        gpu_optimizer = int(on_gpu * per_param_optimizer)
+        gpu_gradients = on_gpu * grad_host_bytes
+        host_optimizer = int(optimizer_bytes * (node_share if stage >= 1 else 1)) - gpu_optimizer * local
+        host_gradients -= gpu_gradients * local
     else:
         nvme_optimizer = int(optimizer_bytes * (node_share if stage >= 1 else 1))
 
@@ -128,7 +146,8 @@ def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str,
     # them at a time), the parameters' one tensor each.
     swap = 0
     if optimizer_tier == "nvme" or nvme_params:
-        sub_group = largest_sub_group([k // gpus for k in counts.trainable_numels], sub_group_elements(optimizer_tier))
+        sub_group = largest_sub_group([k // gpus for k in counts.trainable_numels],
+                                      sub_group_elements(optimizer_tier, ratio))
         if optimizer_tier == "nvme":
             swap += max(4, buffer_count) * sub_group * grad_host_bytes * local
         if nvme_params:

@@ -372,7 +372,7 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
     host_breakdown = {
         "baseline": cal.host_baseline_bytes * hw.gpus,
         **offload_host_bytes(counts, stage, hw.gpus, p.storage, p.master, o.optimizer, o.params,
-                             o.pin_memory, exact_pinned, accumulates, world_size=hw.world_size),
+                             o.pin_memory, exact_pinned, accumulates, world_size=hw.world_size, ratio=o.ratio),
         "swap_buffers": states.host_swap_buffers,
         "offloaded_activations": acts.host_bytes * hw.gpus,
         # A local model's weights pass through host memory once while loading.

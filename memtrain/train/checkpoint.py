@@ -88,6 +88,35 @@ def remove_leftovers(run_dir: Path) -> list[Path]:
     return stale
 
 
+def _device_sub_groups(engine) -> tuple[object, dict[int, torch.Tensor]]:
+    """ZeRO-3's partial offload (`offload.ratio` < 1): the optimizer that updates the sub-groups kept on
+    the GPU, and those sub-groups' master weights by sub-group index. DeepSpeed 0.19.8 keeps their Adam
+    moments in that second optimizer (`backup_optimizer`), which its checkpoints leave out."""
+    zero = getattr(engine, "optimizer", None)
+    backup = getattr(zero, "backup_optimizer", None)
+    if backup is None:
+        return None, {}
+    return backup, {i: zero.fp32_partitioned_groups_flat[i] for i, device in zero.subgroup_to_device.items()
+                    if device != "cpu"}
+
+
+def device_sub_group_states(engine) -> dict[int, dict]:
+    """The optimizer states of the sub-groups a partial offload keeps on the GPU (empty without one)."""
+    backup, groups = _device_sub_groups(engine)
+    return {i: backup.state[master] for i, master in groups.items() if master in backup.state}
+
+
+def restore_device_sub_group_states(engine, states: dict[int, dict]) -> None:
+    """Put back what `device_sub_group_states` saved; a run that keeps other sub-groups on the GPU than
+    the checkpoint did cannot continue exactly, so it stops."""
+    backup, groups = _device_sub_groups(engine)
+    if set(states) - set(groups):
+        raise RuntimeError(f"the checkpoint's optimizer kept sub-groups {sorted(states)} on the GPU, this run "
+                           f"keeps {sorted(groups)}: resume with the offload.ratio the run started with")
+    for i, state in states.items():
+        backup.state[groups[i]] = state
+
+
 def partial_save(run_dir: Path, step: int) -> Path:
     """Where a save of `step` writes before it is complete."""
     return checkpoint_root(run_dir) / f".tmp-step-{step:06d}"
@@ -108,6 +137,9 @@ def save_checkpoint(engine, run_dir: Path, state: LoopState, rank: int, keep_las
         tmp.mkdir()
     barrier()
     engine.save_checkpoint(str(tmp), tag=DS_TAG)
+    device_states = device_sub_group_states(engine)
+    if device_states:
+        torch.save(device_states, tmp / f"device-optimizer-rank{rank}.pt")
     torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
     if fault is not None:
         fault(tmp)
@@ -131,6 +163,9 @@ def save_checkpoint(engine, run_dir: Path, state: LoopState, rank: int, keep_las
 def load_checkpoint(engine, path: Path, rank: int) -> LoopState:
     """Restore DeepSpeed's model/optimizer/scheduler state, this rank's RNG, and the loop state."""
     engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+    device_states = path / f"device-optimizer-rank{rank}.pt"
+    if device_states.is_file():
+        restore_device_sub_group_states(engine, torch.load(device_states, weights_only=False))
     rng = path / f"rng-rank{rank}.pt"
     if rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))

@@ -319,3 +319,52 @@ def test_a_profile_value_that_is_not_a_number_names_its_file_and_key(tmp_path, m
         calibration("rtx4090")
     text = str(caught.value)
     assert "zero_bucket_factor" in text and "'lots' is not a number" in text and "rtx4090.yaml" in text
+
+
+def test_sub_groups_and_the_ones_a_partial_offload_keeps_on_the_gpu():
+    from memtrain.plan.model_states import device_sub_groups, sub_groups
+
+    assert sub_groups([4, 4, 4, 4, 1], 6) == [8, 8, 1]
+    assert sub_groups([], 6) == []
+    # stage3.py: the first int((1 - ratio) × count) sub-groups stay on the GPU
+    assert device_sub_groups([4, 4, 4, 4, 1], 6, 0.5) == 1
+    assert device_sub_groups([4, 4, 4, 4, 1], 6, 0.3) == 2
+    assert device_sub_groups([4, 4, 4, 4, 1], 6, 1.0) == 0
+    # a 7B model in sub-groups of 1e9 elements is 7 of them: a ratio of 0.9 would move none, hence
+    # the compiler's 1e8 for a partial offload (55 sub-groups, as tensors overshoot the size; 5 on the GPU)
+    counts = count_parameters(Model(preset="llama2-7b"))
+    assert device_sub_groups(counts.trainable_numels, 1_000_000_000, 0.9) == 0
+    assert len(sub_groups(counts.trainable_numels, 100_000_000)) == 55
+    assert device_sub_groups(counts.trainable_numels, 100_000_000, 0.9) == 5
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_partial_offload_moves_whole_sub_groups_from_the_host_to_the_gpu(pin):
+    """ZeRO-3, optimizer on the CPU with bf16 master weights, ratio 0.9: the five sub-groups on the GPU take
+    their master weights, both moments and their gradient buffer (2 + 4 + 2 bytes per element) off the
+    host and onto the GPU; a pinned gradient buffer stays in PyTorch's host cache after its copy."""
+    from memtrain.ds_config.compiler import ds_config
+    from memtrain.plan.model_states import place_model_states, sub_groups
+
+    base = ["model.preset=llama2-7b", "offload.optimizer=cpu", "offload.zero_stage=3", "precision.master=bf16",
+            f"offload.pin_memory={str(pin).lower()}", "data.seq_len=1024", "batch.micro_batch=1"]
+    full, partial = tiny(overrides=base).recipe, tiny(overrides=[*base, "offload.ratio=0.9"]).recipe
+    assert ds_config(partial, 1)["zero_optimization"]["sub_group_size"] == 100_000_000
+    assert ds_config(partial, 1)["zero_optimization"]["offload_optimizer"]["ratio"] == 0.9
+    counts = count_parameters(partial.model)
+    on_gpu = sum(sub_groups(counts.trainable_numels, 100_000_000)[:5])
+
+    def states(ratio):
+        return place_model_states(counts, 3, 1, "bf16", "bf16", "cpu", "none", ratio=ratio)
+
+    assert states(0.9).gpu_optimizer_states - states(1.0).gpu_optimizer_states == 6 * on_gpu
+    assert states(0.9).gpu_gradients - states(1.0).gpu_gradients == 2 * on_gpu
+    host_full = plan_recipe(full, exact_pinned=True).host_breakdown
+    host_partial = plan_recipe(partial, exact_pinned=True).host_breakdown
+    assert host_full["master_weights"] - host_partial["master_weights"] == 2 * on_gpu
+    assert host_full["optimizer_states"] - host_partial["optimizer_states"] == 4 * on_gpu
+    if pin:   # the 1e8-element sub-groups are pinned one by one: the full offload's are 1e9 elements
+        assert host_partial["gradients"] == pinned_bytes(2 * counts.trainable, True) + sum(
+            pinned_bytes(2 * s, True) for s in sub_groups(counts.trainable_numels, 100_000_000))
+    else:
+        assert host_full["gradients"] - host_partial["gradients"] == 2 * on_gpu
