@@ -34,6 +34,9 @@
 #   bash scripts/gpu_session.sh speed10b  # issue 23, if time is left: start-up of the other shipped recipes (warm); memtrain without Liger
 #   bash scripts/gpu_session.sh chat10    # session 10: 7B LoRA chat SFT packed at seq 2048 (the bundled chat data), memtrain vs HF
 #                                         # Trainer on the same templated, masked, packed rows in the same order (~3 min)
+#   bash scripts/gpu_session.sh host11    # session 11, issue 26: the 7B full fine-tune on a 64 GiB host (partial offload), its
+#                                         # tokens/s and host RSS; then its two held-out plan-accuracy rows
+#   bash scripts/gpu_session.sh phi11     # session 11, issue 22: Phi-3-mini LoRA vs HF Trainer + PEFT, eager and with Liger
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -50,6 +53,20 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run when enough time is left, neve
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 quiet="train.eval_every=1000 train.save_every=1000 schedule.warmup_steps=2"
 case $part in
+host11)
+  cp benchmarks/runs.csv "$OUT/runs.csv"
+  step host64 330 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 320 --warmup-steps 2 \
+    --title "memtrain run on the GPU machine (24 GiB cap)" \
+    --case "7b-full-64gb-host (partial offload 0.7, micro-batch auto)=recipes/llama2-7b-full-64gb-host.yaml train.steps=7 $quiet"
+  cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
+  step plan-host64 400 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 200 --parallel 1 \
+    --only ratio0.7,ratio0.9
+  ;;
+phi11)
+  cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
+  step vs-hf-phi3 400 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 150 \
+    --baseline hf,hf-liger --case "phi3-mini-lora-mb4x1024=recipes/llama2-7b-lora-24gb.yaml model.preset=phi3-mini schedule.warmup_steps=2"
+  ;;
 families9)
   cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
   step plan-families 400 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 330 --parallel 3 \
