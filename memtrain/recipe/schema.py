@@ -356,7 +356,10 @@ class Offload(Section):
     zero_stage: Literal["auto", 0, 1, 2, 3] = Field("auto", description="ZeRO stage; auto: 3 when parameters are offloaded, else 2.")
     optimizer: Tier = Field("none", description="Where optimizer states (fp32 master + Adam moments) live.")
     params: Tier = Field("none", description="Where parameters live between uses (needs ZeRO-3).")
-    ratio: float = Field(1.0, gt=0, le=1, description="Share of optimizer states offloaded (ZeRO-Offload++ partial offload).")
+    ratio: float = Field(1.0, gt=0, le=1, description=(
+        "Share of optimizer states offloaded (ZeRO-3 partial offload): the first (1 - ratio) of the optimizer's "
+        "sub-groups (1e8 elements each) keep master weights, moments and gradients on the GPU and are updated there; "
+        "memtrain checkpoints their moments, which DeepSpeed's own checkpoint leaves out."))
     pin_memory: bool = Field(True, description="Page-locked host buffers for faster transfers.")
     overlap_comm: bool = Field(True, description="Overlap gradient reduction / transfers with backward.")
     buffer_count: int = Field(5, ge=1, description="Parameter buffers for NVMe/CPU parameter offload.")
