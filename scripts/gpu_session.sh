@@ -37,6 +37,7 @@
 #   bash scripts/gpu_session.sh host11    # session 11, issue 26: the 7B full fine-tune on a 64 GiB host (partial offload), its
 #                                         # tokens/s and host RSS; then its two held-out plan-accuracy rows
 #   bash scripts/gpu_session.sh phi11     # session 11, issue 22: Phi-3-mini LoRA vs HF Trainer + PEFT, eager and with Liger
+#                                         # (all linear layers: Phi-3 fuses qkv_proj and gate_up_proj)
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -57,7 +58,11 @@ host11)
   cp benchmarks/runs.csv "$OUT/runs.csv"
   step host64 330 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 320 --warmup-steps 2 \
     --title "memtrain run on the GPU machine (24 GiB cap)" \
-    --case "7b-full-64gb-host (partial offload 0.7, micro-batch auto)=recipes/llama2-7b-full-64gb-host.yaml train.steps=7 $quiet"
+    --case "7b-full-64gb-host (parameters on the CPU, partial offload 0.7, micro-batch auto)=recipes/llama2-7b-full-64gb-host.yaml offload.params=cpu offload.ratio=0.7 train.steps=7 $quiet"
+  # run as a second call in session 11 (bench_run's timeout cut it at 2 steps): the recipe's own settings since then
+  step host64-gpu-params 280 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 270 --warmup-steps 2 \
+    --title "memtrain run on the GPU machine (24 GiB cap)" \
+    --case "7b-full-64gb-host (parameters on the GPU, partial offload 0.9, micro-batch auto)=recipes/llama2-7b-full-64gb-host.yaml offload.params=none offload.ratio=0.9 train.steps=6 $quiet"
   cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
   step plan-host64 400 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 200 --parallel 1 \
     --only ratio0.7,ratio0.9
@@ -65,7 +70,7 @@ host11)
 phi11)
   cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
   step vs-hf-phi3 400 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 150 \
-    --baseline hf,hf-liger --case "phi3-mini-lora-mb4x1024=recipes/llama2-7b-lora-24gb.yaml model.preset=phi3-mini schedule.warmup_steps=2"
+    --baseline hf,hf-liger --case "phi3-mini-lora-mb4x1024 (all linear layers)=recipes/llama2-7b-lora-24gb.yaml model.preset=phi3-mini model.lora.target_modules=all-linear schedule.warmup_steps=2"
   ;;
 families9)
   cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced

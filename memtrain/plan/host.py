@@ -37,7 +37,7 @@ ZeRO-3, optimizer on NVMe:
 from __future__ import annotations
 
 from memtrain.dtypes import DTYPE_BYTES
-from memtrain.plan.model_states import device_sub_groups, master_bytes, sub_group_elements, sub_groups
+from memtrain.plan.model_states import master_bytes, split_sub_groups, sub_group_elements
 from memtrain.plan.params import ParamCounts
 from memtrain.plan.pinned import pinned_bytes
 
@@ -67,15 +67,13 @@ def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str,
         out["optimizer_states"] = gpus * 2 * n * state_bytes
         if stage == 3:
             rank_numels = [k // world for k in counts.trainable_numels]
-            size = sub_group_elements("cpu", ratio)
-            groups = sub_groups(rank_numels, size)
-            on_gpu = device_sub_groups(rank_numels, size, ratio)
-            on_host = n - sum(groups[:on_gpu])
+            gpu_groups, host_groups = split_sub_groups(rank_numels, sub_group_elements("cpu", ratio), ratio)
+            on_host = n - sum(gpu_groups)
             out["optimizer_states"] = gpus * 2 * on_host * state_bytes
             out["master_weights"] = gpus * on_host * state_bytes
             # Each sub-group's gradient buffer is made on the host; a GPU sub-group's is copied to the GPU
             # and dropped, which a pinned block survives in PyTorch's host cache and a plain one does not.
-            kept = groups if pin_memory else groups[on_gpu:]
+            kept = gpu_groups + host_groups if pin_memory else host_groups
             out["gradients"] = gpus * (pin(n * weight_bytes) + sum(pin(s * state_bytes) for s in kept))
         else:
             out["master_weights"] = gpus * pin(n * state_bytes)

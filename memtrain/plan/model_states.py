@@ -44,11 +44,13 @@ def largest_sub_group(numels: tuple[int, ...] | list[int], size: int) -> int:
     return max(sub_groups(numels, size), default=0)
 
 
-def device_sub_groups(numels: tuple[int, ...] | list[int], size: int, ratio: float) -> int:
-    """How many sub-groups a partial optimizer offload (`offload.ratio` < 1) keeps on the GPU: the first
-    int((1 - ratio) × count) of them (stage3.py, `subgroup_to_device`); their master weights, moments
-    and gradients live there and torch's AdamW updates them. 0 when everything is offloaded."""
-    return int((1 - ratio) * len(sub_groups(numels, size))) if ratio < 1.0 else 0
+def split_sub_groups(numels: tuple[int, ...] | list[int], size: int, ratio: float) -> tuple[list[int], list[int]]:
+    """ZeRO-3's sub-groups as a partial optimizer offload (`offload.ratio` < 1) places them: (on the GPU, on
+    the host). The first int((1 - ratio) × count) stay on the GPU (stage3.py, `subgroup_to_device`): their
+    master weights, moments and gradients live there and torch's AdamW updates them. None without one."""
+    groups = sub_groups(numels, size)
+    on_gpu = int((1 - ratio) * len(groups)) if ratio < 1.0 else 0
+    return groups[:on_gpu], groups[on_gpu:]
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,7 @@ def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str,
         gpu_optimizer = optimizer_bytes // partition
     elif optimizer_tier == "cpu":
         rank_numels = [k // gpus for k in counts.trainable_numels] if stage == 3 else []
-        size = sub_group_elements(optimizer_tier, ratio)
-        on_gpu = sum(sub_groups(rank_numels, size)[:device_sub_groups(rank_numels, size, ratio)])
+        on_gpu = sum(split_sub_groups(rank_numels, sub_group_elements(optimizer_tier, ratio), ratio)[0])
         gpu_optimizer = int(on_gpu * per_param_optimizer)
         gpu_gradients = on_gpu * grad_host_bytes
         host_optimizer = int(optimizer_bytes * (node_share if stage >= 1 else 1)) - gpu_optimizer * local

@@ -322,7 +322,10 @@ def test_a_profile_value_that_is_not_a_number_names_its_file_and_key(tmp_path, m
 
 
 def test_sub_groups_and_the_ones_a_partial_offload_keeps_on_the_gpu():
-    from memtrain.plan.model_states import device_sub_groups, sub_groups
+    from memtrain.plan.model_states import split_sub_groups, sub_groups
+
+    def device_sub_groups(numels, size, ratio):
+        return len(split_sub_groups(numels, size, ratio)[0])
 
     assert sub_groups([4, 4, 4, 4, 1], 6) == [8, 8, 1]
     assert sub_groups([], 6) == []
@@ -330,6 +333,7 @@ def test_sub_groups_and_the_ones_a_partial_offload_keeps_on_the_gpu():
     assert device_sub_groups([4, 4, 4, 4, 1], 6, 0.5) == 1
     assert device_sub_groups([4, 4, 4, 4, 1], 6, 0.3) == 2
     assert device_sub_groups([4, 4, 4, 4, 1], 6, 1.0) == 0
+    assert split_sub_groups([4, 4, 4, 4, 1], 6, 0.3) == ([8, 8], [1])
     # a 7B model in sub-groups of 1e9 elements is 7 of them: a ratio of 0.9 would move none, hence
     # the compiler's 1e8 for a partial offload (55 sub-groups, as tensors overshoot the size; 5 on the GPU)
     counts = count_parameters(Model(preset="llama2-7b"))
