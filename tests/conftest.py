@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,41 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# CI's machine stops the whole job at its time limit and prints nothing of pytest's summary. With a budget
+# (MEMTRAIN_TEST_BUDGET_S, set by .ci/run below that limit) the session stops starting tests once it is
+# spent, so the failures so far and the slowest tests (--durations) are still printed.
+_STARTED = time.monotonic()
+_BUDGET_S = float(os.environ.get("MEMTRAIN_TEST_BUDGET_S") or 0)
+
+
+def _loop_s() -> float:
+    """Seconds for ten million steps of a Python loop: ~0.7 s on the 2-core development machine."""
+    started = time.perf_counter()
+    sum(i * i for i in range(10_000_000))
+    return time.perf_counter() - started
+
+
+_LOOP_AT_START_S = _loop_s() if _BUDGET_S else None
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Under a budget (CI), the machine the run had, at the end of the output where CI's excerpt shows it."""
+    if _LOOP_AT_START_S is None:
+        return
+    from memtrain.train.distributed import cgroup_cpu_quota, usable_cpus
+
+    terminalreporter.write_line(
+        f"machine: os.cpu_count {os.cpu_count()}, usable {usable_cpus()} (cgroup quota {cgroup_cpu_quota()}), "
+        f"load {' '.join(Path('/proc/loadavg').read_text().split()[:3])}, python loop {_LOOP_AT_START_S:.2f} s at the "
+        f"start and {_loop_s():.2f} s at the end, {time.monotonic() - _STARTED:.0f} s in pytest")
+
+
+def pytest_runtest_teardown(item, nextitem):
+    spent = time.monotonic() - _STARTED
+    if _BUDGET_S and nextitem is not None and spent > _BUDGET_S:
+        item.session.shouldstop = (f"the test budget MEMTRAIN_TEST_BUDGET_S={_BUDGET_S:.0f} s is spent "
+                                   f"({spent:.0f} s); the tests after {item.nodeid} did not run")
 
 # A recipe small enough to train in seconds on two CPU cores, on the bundled Shakespeare.
 TINY_RECIPE = {

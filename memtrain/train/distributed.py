@@ -1,15 +1,18 @@
 """Process setup: rank environment, device, GPU memory cap, DeepSpeed's process group."""
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from memtrain.configs import GpuProfile, allocator_budget_bytes, gpu_profile
 from memtrain.train.allocator import exact_pinned_supported, use_expandable_segments
+from memtrain.train.op_locks import clear_stale_locks
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,31 @@ def without_rank_variables(env: Mapping[str, str]) -> dict[str, str]:
     return {key: value for key, value in env.items() if key not in RANK_VARIABLES}
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on: its affinity set, cut to the cgroup's CPU quota where one is set.
+
+    os.cpu_count() counts the host's cores; in a container limited by a quota it can say 64 where 2 may
+    run, and threads sized to it spin against each other."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_cpu_quota()
+    return max(1, min(cores, math.ceil(quota)) if quota else cores)
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """Cores' worth of CPU time the cgroup allows (v2 cpu.max, else v1 cfs_quota_us), None when unlimited."""
+    v2, v1 = root / "cpu.max", root / "cpu"
+    try:
+        quota, period = v2.read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota, period = ((v1 / name).read_text().strip() for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    return int(quota) / int(period)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -65,6 +93,9 @@ def setup_process(gpu: str, cap_memory: bool, expandable_segments: bool = True) 
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         device = torch.device("cpu")
+        if "OMP_NUM_THREADS" not in os.environ:  # torch sizes its pool to the affinity set, not the quota
+            torch.set_num_threads(usable_cpus())
+    clear_stale_locks()  # before DeepSpeed loads its first op (the CPU's shared-memory all-reduce, here)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)

@@ -27,7 +27,7 @@ from memtrain.monitor.startup import StartupClock
 from memtrain.plan.params import count_parameters
 from memtrain.recipe.sources import LoadedRecipe
 from memtrain.train.allocator import exact_pinned_supported
-from memtrain.train.distributed import free_port
+from memtrain.train.distributed import free_port, usable_cpus
 from memtrain.train.hooks import Hooks
 from memtrain.train.loop import train
 from memtrain.train.nodes import Rendezvous
@@ -99,7 +99,7 @@ def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report
         report(result)
         return result.exit_code
     _check_devices(hw.gpus)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // hw.gpus))))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, usable_cpus() // hw.gpus))))
     with tempfile.TemporaryDirectory(prefix="memtrain-node-") as local:
         run_file = run.save(None if rendezvous.is_first else Path(local))
         while True:
