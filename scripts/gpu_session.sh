@@ -38,6 +38,7 @@
 #                                         # tokens/s and host RSS; then its two held-out plan-accuracy rows
 #   bash scripts/gpu_session.sh phi11     # session 11, issue 22: Phi-3-mini LoRA vs HF Trainer + PEFT, eager and with Liger
 #                                         # (all linear layers: Phi-3 fuses qkv_proj and gate_up_proj)
+#   bash scripts/gpu_session.sh ongpu12   # session 12: 3B ZeRO-3 with parameters on the GPU, whole and with ratio 0.9 (held out)
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -66,6 +67,11 @@ host11)
   cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
   step plan-host64 400 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 200 --parallel 1 \
     --only ratio0.7,ratio0.9
+  ;;
+ongpu12)
+  cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
+  step plan-ongpu 500 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 240 --parallel 1 \
+    --only params-gpu
   ;;
 phi11)
   cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"

@@ -163,7 +163,15 @@ PARTIAL = [
     Case("7b-zero3-opt-cpu-ratio0.9-unpinned-mb1-s1024", HOST64, ("offload.params=none", "offload.ratio=0.9")
          + _batch(1, 1024)),
 ]
-CASES += HELD_OUT + LEAN + STREAMS + PEAKS + FAMILIES + PARTIAL
+# Held out, session 12: the ratio-0.9 row above is the only ZeRO-3 run with parameters on the GPU, and its allocated
+# peak was 1.7 GiB under the plan where the ratio-0.7 row (parameters on the CPU, 16 sub-groups moved) was 0.4 GiB
+# under: the 3B recipe with parameters on the GPU, with and without sub-groups moved, tells which term it is.
+PARAMS_ON_GPU = [
+    Case("3b-zero3-opt-cpu-params-gpu-mb4-s1024", OPEN3B, ("offload.params=none", "offload.zero_stage=3") + _batch(4, 1024)),
+    Case("3b-zero3-opt-cpu-params-gpu-ratio0.9-mb4-s1024", OPEN3B, ("offload.params=none", "offload.zero_stage=3",
+                                                                    "offload.ratio=0.9") + _batch(4, 1024)),
+]
+CASES += HELD_OUT + LEAN + STREAMS + PEAKS + FAMILIES + PARTIAL + PARAMS_ON_GPU
 
 
 def measure(case: Case, overrides: list[str], run_dir: Path, timeout_s: int) -> dict | str:
