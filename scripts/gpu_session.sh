@@ -39,6 +39,8 @@
 #   bash scripts/gpu_session.sh phi11     # session 11, issue 22: Phi-3-mini LoRA vs HF Trainer + PEFT, eager and with Liger
 #                                         # (all linear layers: Phi-3 fuses qkv_proj and gate_up_proj)
 #   bash scripts/gpu_session.sh ongpu12   # session 12: 3B ZeRO-3 with parameters on the GPU, whole and with ratio 0.9 (held out)
+#   bash scripts/gpu_session.sh host12    # session 12: the 64 GiB-host recipe at the micro-batch its plan now picks (4): tokens/s,
+#                                         # peaks and host RSS (its held-out plan row is filled from this run's peaks)
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -67,6 +69,12 @@ host11)
   cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
   step plan-host64 400 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 200 --parallel 1 \
     --only ratio0.7,ratio0.9
+  ;;
+host12)
+  cp benchmarks/runs.csv "$OUT/runs.csv"
+  step host64-mb4 330 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 320 --warmup-steps 2 \
+    --title "memtrain run on the GPU machine (24 GiB cap)" \
+    --case "7b-full-64gb-host (parameters on the GPU, partial offload 0.9, micro-batch auto = 4)=recipes/llama2-7b-full-64gb-host.yaml train.steps=5 $quiet"
   ;;
 ongpu12)
   cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced

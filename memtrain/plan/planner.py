@@ -171,6 +171,14 @@ class ZeroBuffers:
         return self.gathered_bytes + self.large_gradient_bytes
 
 
+def whole_on_one_gpu(recipe: Recipe) -> bool:
+    """ZeRO-3 on one GPU with the parameters on it: the partitions are the whole model, nothing is fetched
+    from the host or another rank. Measured there (benchmarks/plan_accuracy.csv, the params-gpu and ratio0.9
+    rows): gathered parameters stay a layer, and the side streams add no segments of their own (reserved
+    was 0.2-0.9 GiB over allocated where the side-stream model priced 2.4-3.4)."""
+    return recipe.offload.params == "none" and recipe.hardware.world_size == 1
+
+
 def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) -> ZeroBuffers:
     """DeepSpeed's GPU buffers: reduce buckets (several alive with overlap_comm), ZeRO-3's live parameters
     and its reduce stream's copies of the largest gradient."""
@@ -189,6 +197,11 @@ def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) 
         # in use, the next one being fetched and the largest tensor, gathered whole (measured on the H200:
         # 1.1B, 0.28 GiB on the all-gather stream against 0.29 planned)
         live = 2 * counts.largest_layer + counts.largest_tensor
+    elif whole_on_one_gpu(recipe):
+        # only the layer in use and the largest tensor are gathered beside their partitions at the peak
+        # (measured on the H200: 3B and 7B held 1.90 and 1.68 GiB less than the max_live_parameters term
+        # below; fitted on those three rows, session 12)
+        live = counts.largest_layer + counts.largest_tensor
     else:
         # DeepSpeed releases gathered parameters only once more than max_live_parameters are resident,
         # so up to that many plus the layer being gathered stay on the GPU (measured on the H200:
@@ -348,7 +361,7 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
     # tokens × vocabulary fp32 tensors between the layers' blocks.
     min_slack = int(cal.expandable_zero3_min_slack_loss_tensors * logits.loss_tensor_bytes)
     side = SideStreams(buffers.gathered_bytes, buffers.side_stream_bytes, min_slack) \
-        if stage == 3 and expandable else SideStreams()
+        if stage == 3 and expandable and not whole_on_one_gpu(recipe) else SideStreams()
     reserved = _reserved(phases, init_slack, cal.slack_ratio(pattern, expandable), side,
                          cal.expandable_side_stream_slack_ratio)
     peak_phase = max(PHASES, key=lambda name: reserved[name])
