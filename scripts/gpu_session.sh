@@ -72,9 +72,9 @@ host11)
   ;;
 host12)
   cp benchmarks/runs.csv "$OUT/runs.csv"
-  step host64-mb4 330 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 320 --warmup-steps 2 \
+  step host64-mb4 300 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 290 --warmup-steps 2 \
     --title "memtrain run on the GPU machine (24 GiB cap)" \
-    --case "7b-full-64gb-host (parameters on the GPU, partial offload 0.9, micro-batch auto = 4)=recipes/llama2-7b-full-64gb-host.yaml train.steps=5 $quiet"
+    --case "7b-full-64gb-host (parameters on the GPU, partial offload 0.9, micro-batch auto: 4)=recipes/llama2-7b-full-64gb-host.yaml train.steps=4 $quiet"
   ;;
 ongpu12)
   cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
