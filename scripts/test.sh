@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install memtrain with its test dependencies into .venv, check the import layers, and run the whole
 # test suite (DeepSpeed really runs, on its CPU accelerator when there is no GPU).
-#   bash scripts/test.sh                 # everything, as CI does (~15 min on 2 cores)
+#   bash scripts/test.sh                 # everything, as CI does (~20-25 min on 2 cores with empty op caches)
 #   bash scripts/test.sh -m "not slow"   # the unit tests only (what plain `pytest` runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
