@@ -170,8 +170,8 @@ PARAMS_ON_GPU = [
     Case("3b-zero3-opt-cpu-params-gpu-mb4-s1024", OPEN3B, ("offload.params=none", "offload.zero_stage=3") + _batch(4, 1024)),
     Case("3b-zero3-opt-cpu-params-gpu-ratio0.9-mb4-s1024", OPEN3B, ("offload.params=none", "offload.zero_stage=3",
                                                                     "offload.ratio=0.9") + _batch(4, 1024)),
-    # predicted after whole_on_one_gpu was fitted on the three rows above: the 64 GiB-host recipe at the micro-batch
-    # its plan now picks (4, was 1), at the recipe's global batch of 16
+    # predicted after whole_on_one_gpu was fitted on the two rows above and PARTIAL's ratio-0.9 row: the 64 GiB-host
+    # recipe at the micro-batch its plan now picks (4, was 1), at the recipe's global batch of 16
     Case("7b-zero3-opt-cpu-ratio0.9-unpinned-mb4-s1024", HOST64, ("offload.params=none", "offload.ratio=0.9",
                                                                   "batch.micro_batch=4", "data.seq_len=1024")),
 ]

@@ -35,7 +35,7 @@ def pytest_terminal_summary(terminalreporter):
     """Under a budget (CI), the machine the run had, at the end of the output where CI's excerpt shows it."""
     if _LOOP_AT_START_S is None:
         return
-    from memtrain.train.distributed import cgroup_cpu_quota, usable_cpus
+    from memtrain.train.distributed import cgroup_cpu_quota, usable_cpus  # noqa: PLC0415 — only under a budget, at the end
 
     terminalreporter.write_line(
         f"machine: os.cpu_count {os.cpu_count()}, usable {usable_cpus()} (cgroup quota {cgroup_cpu_quota()}), "

@@ -176,7 +176,7 @@ def whole_on_one_gpu(recipe: Recipe) -> bool:
     from the host or another rank. Measured there (benchmarks/plan_accuracy.csv, the params-gpu and ratio0.9
     rows): gathered parameters stay a layer, and the side streams add no segments of their own (reserved
     was 0.2-0.9 GiB over allocated where the side-stream model priced 2.4-3.4)."""
-    return recipe.offload.params == "none" and recipe.hardware.world_size == 1
+    return recipe.offload.stage == 3 and recipe.offload.params == "none" and recipe.hardware.world_size == 1
 
 
 def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) -> ZeroBuffers:
