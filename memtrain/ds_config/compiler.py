@@ -14,7 +14,8 @@ What it decides:
   buckets, 0.9·hidden² for ZeRO-3 prefetch, 10·hidden for the persistence threshold).
 - The LR schedule is not in the config: memtrain hands DeepSpeed its own LambdaLR
   (`memtrain.train.schedule`), whose state DeepSpeed checkpoints with the optimizer.
-- Precision: DeepSpeed's bf16 / fp16 blocks (dynamic loss scaling for fp16). Per-module fp32
+- Precision: DeepSpeed's bf16 / fp16 blocks (dynamic loss scaling for fp16); none with
+  `optimizer.step_in_backward`, whose bf16 weights are their own master copy. Per-module fp32
   islands are applied to the model by `memtrain.model.precision`, not here.
 - Activation checkpointing is applied to the model with non-reentrant torch.utils.checkpoint by
   `memtrain.model.checkpointing`; DeepSpeed's own `activation_checkpointing` block only configures
@@ -32,13 +33,18 @@ NEVER_PRINT = 2**31 - 1
 
 
 def uses_client_optimizer(recipe: Recipe) -> bool:
-    """Whether the optimizer is a bitsandbytes one built outside DeepSpeed's config (8-bit / paged AdamW)."""
-    return recipe.optimizer.name != "adamw"
+    """Whether the optimizer is built outside DeepSpeed's config: a bitsandbytes one (8-bit / paged AdamW), or
+    any stepped during backward (`optimizer.step_in_backward`)."""
+    return recipe.optimizer.name != "adamw" or recipe.optimizer.step_in_backward
 
 
 def _precision(recipe: Recipe) -> dict:
     p = recipe.precision
     config: dict = {}
+    if recipe.optimizer.step_in_backward:
+        # the bf16 weights are updated in place by the hooks (train/in_backward.py): DeepSpeed's bf16 block would
+        # wrap the optimizer in one that keeps fp32 master weights, the memory this mode exists to save
+        return config
     if p.mode == "autocast":  # fp32 weights; DeepSpeed autocasts nn.Linear to bf16 and reduces their grads in bf16
         return {"torch_autocast": {"enabled": True, "dtype": "bfloat16",
                                    "lower_precision_safe_modules": ["torch.nn.Linear"]}}

@@ -81,21 +81,23 @@ def master_bytes(storage: str, master: str) -> int:
     return 4 if master == "fp32" or storage == "fp32" else 2
 
 
-def optimizer_bytes_per_param(compute: str, master: str, eight_bit: bool = False) -> float:
+def optimizer_bytes_per_param(compute: str, master: str, eight_bit: bool = False, in_backward: bool = False) -> float:
     """Bytes of optimizer state per trainable parameter: a master copy (unless compute is fp32) + Adam's two moments.
 
     eight_bit: bitsandbytes' 8-bit AdamW keeps each moment in one byte plus a block scale (the
     master copy stays DeepSpeed's).
+    in_backward: optimizer.step_in_backward updates the weights in place: no master copy.
     """
     state = master_bytes(compute, master)
-    master_copy = 0 if compute == "fp32" else state
+    master_copy = 0 if compute == "fp32" or in_backward else state
     moment = 1 + 4 / EIGHT_BIT_BLOCK if eight_bit else state
     return master_copy + 2 * moment
 
 
 def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str, master: str,
                        optimizer_tier: str, params_tier: str, ratio: float = 1.0,
-                       buffer_count: int = 5, eight_bit: bool = False, local_ranks: int | None = None) -> StateBytes:
+                       buffer_count: int = 5, eight_bit: bool = False, local_ranks: int | None = None,
+                       in_backward: bool = False, paged: bool = False) -> StateBytes:
     """Bytes of parameters, gradients and optimizer states on each tier.
 
     gpus: the ranks ZeRO partitions over (every node's); local_ranks: those on this machine (default
@@ -104,12 +106,20 @@ def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str,
     ZeRO-1 partitions optimizer states over ranks, ZeRO-2 also gradients, ZeRO-3 also parameters.
     An offloaded optimizer keeps its fp32 (or bf16) gradient partition beside it on the host; the
     GPU then only streams gradients through the reduce buckets (priced as DeepSpeed buffers).
+
+    in_backward (optimizer.step_in_backward, one GPU, no offload): each gradient is freed as soon as its
+    parameter is updated, so one tensor's gradient at a time, and no master copy.
+    paged: bitsandbytes' paged optimizers keep their states in CUDA unified memory, outside PyTorch's
+    allocator: on the host here (where they go when the card is full; the card holds what fits beside
+    PyTorch's reserved memory), not in the GPU's reserved bytes.
     """
     compute_bytes = DTYPE_BYTES[compute]
     grad_host_bytes = master_bytes(compute, master)
-    per_param_optimizer = optimizer_bytes_per_param(compute, master, eight_bit)
+    per_param_optimizer = optimizer_bytes_per_param(compute, master, eight_bit, in_backward)
     params_bytes = counts.total * compute_bytes
     grads_bytes = counts.trainable * compute_bytes
+    if in_backward:
+        grads_bytes = min(counts.trainable, max(counts.trainable_numels, default=counts.trainable)) * compute_bytes
     optimizer_bytes = int(counts.trainable * per_param_optimizer)
 
     local = local_ranks or gpus
@@ -130,7 +140,9 @@ def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str,
 
     gpu_optimizer = host_optimizer = nvme_optimizer = 0
     partition = gpus if stage >= 1 else 1
-    if optimizer_tier == "none":
+    if optimizer_tier == "none" and paged:
+        host_optimizer = optimizer_bytes * local // partition
+    elif optimizer_tier == "none":
         gpu_optimizer = optimizer_bytes // partition
     elif optimizer_tier == "cpu":
         rank_numels = [k // gpus for k in counts.trainable_numels] if stage == 3 else []

@@ -295,7 +295,9 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
     stage = o.stage
     # ZeRO partitions over every rank of every node; host and NVMe hold this node's `hw.gpus` ranks
     states = place_model_states(counts, stage, hw.world_size, p.storage, p.master, o.optimizer, o.params, o.ratio,
-                                o.buffer_count, eight_bit=recipe.optimizer.name.endswith("8bit"), local_ranks=hw.gpus)
+                                o.buffer_count, eight_bit=recipe.optimizer.name.endswith("8bit"), local_ranks=hw.gpus,
+                                in_backward=recipe.optimizer.step_in_backward,
+                                paged=recipe.optimizer.name.startswith("paged"))
     states = with_quantized_params(states, counts, DTYPE_BYTES[p.storage])
     # Liger's RMSNorm, SwiGLU and RoPE (model.kernels) keep fewer tensors than the eager modules traced here
     # (RMSNorm its input and one fp32 rstd per row, not fp32 copies; SwiGLU gate and up, not silu(gate)), so the
@@ -340,7 +342,9 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
     else:
         backward_extra = max(acts.backward_extra_bytes, logits.backward_bytes)
     backward_start = model_states + buffers.resident_bytes + saved + backward_extra
-    if o.optimizer == "none":
+    if recipe.optimizer.step_in_backward:  # each parameter updated during backward: no step afterwards
+        step_transient = 0
+    elif o.optimizer == "none":
         # fp32 gradients for the step; ZeRO-1/2 builds them from a flat compute-dtype copy of the
         # gradient partition that is alive at the same time (stage_1_and_2.py: flatten, then .to(fp32))
         per_param = 0 if p.compute == "fp32" else 4 + (compute_bytes if stage in (1, 2) else 0)
@@ -387,6 +391,8 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
         **offload_host_bytes(counts, stage, hw.gpus, p.storage, p.master, o.optimizer, o.params,
                              o.pin_memory, exact_pinned, accumulates, world_size=hw.world_size, ratio=o.ratio),
         "swap_buffers": states.host_swap_buffers,
+        # bitsandbytes' paged states (CUDA unified memory): priced where they go when the card is full
+        "paged_optimizer_states": states.host_optimizer_states if o.optimizer == "none" else 0,
         "offloaded_activations": acts.host_bytes * hw.gpus,
         # A local model's weights pass through host memory once while loading.
         "model_copy_at_load": module_bytes if recipe.model.path else 0,

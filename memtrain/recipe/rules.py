@@ -297,6 +297,43 @@ def _check_client_optimizer(loaded: LoadedRecipe) -> list[Problem]:
     return problems
 
 
+@reads("optimizer", "offload", "precision", "batch", "hardware")
+def _check_step_in_backward(loaded: LoadedRecipe) -> list[Problem]:
+    """Each parameter is updated the moment its gradient exists (train/in_backward.py): nothing may need the
+    whole step's gradients afterwards, and the weights must be their own (bf16) master copy."""
+    r, src = loaded.recipe, loaded.sources
+    if not r.optimizer.step_in_backward:
+        return []
+    why = "with optimizer.step_in_backward each parameter is updated as soon as its gradient exists, so "
+    problems = []
+    b = r.batch
+    if b.micro_batch != b.global_batch or b.policy != "fixed":
+        problems.append(src.problem(("batch", "micro_batch"), why + "every micro-batch is an optimizer step: there "
+                                    f"is no gradient to accumulate (micro_batch {b.micro_batch}, global_batch "
+                                    f"{b.global_batch}, policy {b.policy})",
+                                    f"set batch.micro_batch={b.global_batch} (= batch.global_batch) and "
+                                    "batch.policy=fixed, or turn step_in_backward off"))
+    if r.optimizer.grad_clip > 0:
+        problems.append(src.problem(("optimizer", "grad_clip"), why + "the global gradient norm is known only after "
+                                    "the first parameters were updated: it cannot clip them",
+                                    "set optimizer.grad_clip=0"))
+    if r.hardware.world_size > 1:
+        problems.append(src.problem(("hardware", "gpus"), why + "the gradients are never reduced over processes",
+                                    "run on one GPU, or turn step_in_backward off and use ZeRO"))
+    o = r.offload
+    if o.zero_stage != 0 or o.optimizer != "none" or o.params != "none":
+        problems.append(src.problem(("offload", "zero_stage"), why + "the optimizer steps beside the weights on the "
+                                    "GPU, outside DeepSpeed's ZeRO partitioning and offload",
+                                    "set offload.zero_stage=0, offload.optimizer=none and offload.params=none "
+                                    "(paged_adamw_8bit pages its states to the host instead)"))
+    p = r.precision
+    if p.mode != "cast" or (p.master != "bf16" and p.compute != "fp32"):  # fp32 weights are their own master too
+        problems.append(src.problem(("precision", "master"), why + "there is no separate master copy: the weights "
+                                    "are updated in place in precision.compute",
+                                    "set precision.master=bf16 and precision.mode=cast"))
+    return problems
+
+
 @reads("train", "data", "offload")
 def _check_eval_generate(loaded: LoadedRecipe) -> list[Problem]:
     r, src = loaded.recipe, loaded.sources

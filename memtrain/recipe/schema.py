@@ -412,6 +412,12 @@ class Optimizer(Section):
     # each update multiplies the weights by (1 - lr × weight_decay): far above 1 they flip sign and blow up
     weight_decay: float = Field(0.0, ge=0, le=1, description="Decoupled weight decay (AdamW), usually 0-0.1.")
     grad_clip: float = Field(1.0, ge=0, description="Max gradient norm; 0 disables clipping.")
+    step_in_backward: bool = Field(
+        False, description="Update each parameter as soon as backward has its gradient, and free the gradient "
+        "(torchtune's optimizer-in-backward): a full fine-tune never holds the model's gradients. Needs one "
+        "micro-batch per step (batch.micro_batch = batch.global_batch), optimizer.grad_clip=0, one GPU, "
+        "offload.zero_stage=0 and precision.master=bf16 (the bf16 weights are their own master copy); with "
+        "paged_adamw_8bit the states page between the card and the host.")
 
 
 class Schedule(Section):

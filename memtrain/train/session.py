@@ -98,6 +98,8 @@ class Session:
                     any_rank=(lambda flag: any_rank(flag, device)) if self.place.world_size > 1 else None)
                 remaining = []
             except OomDuringStep as oom:
+                if self.r.optimizer.step_in_backward:
+                    raise self._oom_stepping_in_backward(oom) from None
                 ooms += 1
                 self._shrink_after_oom(oom, dump_memory_snapshot(self.run_dir, step) if ooms == 1 else None)
                 if oom.in_backward and not self.zero3:
@@ -121,6 +123,20 @@ class Session:
                     remaining = remaining[sum(len(b) for b in batches[:oom.done]):]
         self.hooks.nan.arm(-1)
         return loss_sum, micro_batches, ooms
+
+    def _oom_stepping_in_backward(self, oom: OomDuringStep) -> UserError:
+        """No retry when each micro-batch is an optimizer step: smaller pieces would be more, smaller steps, and
+        a backward that ran out of memory has already updated part of the model. The last checkpoint stands."""
+        step = self.state.step
+        self.metrics.event("oom", step, micro_batch=self.policy.micro_batch, in_backward=oom.in_backward, fatal=True)
+        self.metrics.event("run", step, event="end", status="oom")
+        self.metrics.close()
+        where = "backward (part of the model was already updated)" if oom.in_backward else "forward"
+        return UserError(Problem(
+            f"out of memory in the {where} of step {step + 1} at micro-batch {self.policy.micro_batch}; with "
+            "optimizer.step_in_backward each micro-batch is an optimizer step, so memtrain cannot retry it smaller",
+            key="batch.global_batch", hint="lower batch.global_batch and batch.micro_batch together, or recompute "
+            "more layers (checkpointing); `memtrain plan` prices them, and a new run resumes from the last checkpoint"))
 
     def _shrink_after_oom(self, oom: OomDuringStep, snapshot: Path | None) -> None:
         step = self.state.step

@@ -45,6 +45,7 @@ from memtrain.train.distributed import Place, setup_process
 from memtrain.train.nodes import agree_on_run
 from memtrain.train.generate_eval import GenerationEval
 from memtrain.train.hooks import Hooks
+from memtrain.train.in_backward import StepInBackward
 from memtrain.train.oom import start_memory_history
 from memtrain.train.resume import follow_recipe, optimizer_settings
 from memtrain.train.rundir import start_metrics
@@ -148,16 +149,23 @@ def load_cpu_adam(recipe: Recipe) -> None:
 
 
 def client_optimizer(recipe: Recipe, trainable: list[torch.nn.Parameter] | list[dict]):
-    """A bitsandbytes AdamW (8-bit and/or paged states) for DeepSpeed to wrap, or None for the config's AdamW."""
+    """The optimizer DeepSpeed is handed: a bitsandbytes AdamW (8-bit and/or paged states), one optimizer per
+    parameter stepped during backward (optimizer.step_in_backward), or None for the config's AdamW."""
     if not uses_client_optimizer(recipe):
         return None
-    require_bitsandbytes()
-    import bitsandbytes as bnb  # noqa: PLC0415 — optional dependency (memtrain[qlora])
-
-    kinds = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw": bnb.optim.PagedAdamW,
-             "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}
     o = recipe.optimizer
-    return kinds[o.name](trainable, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    settings = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    if o.name == "adamw":
+        kind = torch.optim.AdamW
+    else:
+        require_bitsandbytes()
+        import bitsandbytes as bnb  # noqa: PLC0415 — optional dependency (memtrain[qlora])
+
+        kind = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw": bnb.optim.PagedAdamW,
+                "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}[o.name]
+    if o.step_in_backward:
+        return StepInBackward(trainable, settings, make=lambda group: kind(group, **settings))
+    return kind(trainable, **settings)
 
 
 @dataclass

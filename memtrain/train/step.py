@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from memtrain.monitor.profiler import phase
+from memtrain.train.in_backward import StepInBackward
 from memtrain.train.oom import abandon_failed_frames, is_oom
 
 
@@ -69,6 +70,8 @@ def run_micro_batches(engine, loader, batches: list[list[int]], normaliser: floa
             loss = token_loss_sum * normaliser
             if in_backward is not None:  # test hook: raise from inside autograd's backward pass
                 loss.register_hook(lambda grad, i=done, n=len(indices): in_backward(i, n) or grad)
+            if isinstance(engine.optimizer, StepInBackward):  # updates happen in this backward: not on a NaN loss
+                engine.optimizer.arm(loss)
             engine.set_gradient_accumulation_boundary(done + 1 == len(batches))
             with phase("backward"):
                 engine.backward(loss, scale_wrt_gas=False)
