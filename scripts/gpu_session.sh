@@ -41,6 +41,10 @@
 #   bash scripts/gpu_session.sh ongpu12   # session 12: 3B ZeRO-3 with parameters on the GPU, whole and with ratio 0.9 (held out)
 #   bash scripts/gpu_session.sh host12    # session 12: the 64 GiB-host recipe at the micro-batch its plan now picks (4): tokens/s,
 #                                         # peaks and host RSS (its held-out plan row is filled from this run's peaks)
+#   bash scripts/gpu_session.sh inbwd13   # session 13, issue 26: the 7B full fine-tune with paged 8-bit AdamW stepped in backward
+#                                         # (recipes/llama2-7b-full-32gb-host.yaml), mb 8 and 16, beside a process holding all
+#                                         # but 24 GiB of the card; tokens/s, peaks, machine-wide host memory; then the 64 GiB-host
+#                                         # recipe the same way, for the side-by-side
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -56,7 +60,30 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run when enough time is left, neve
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 quiet="train.eval_every=1000 train.save_every=1000 schedule.warmup_steps=2"
+held() {  # held NAME MAX_SECONDS COMMAND...: a step run beside hold_gpu_memory.py (the card physically 24 GiB) and a
+  # machine-wide host memory sampler ($OUT/host-NAME.json), both stopped after it
+  local name=$1; shift
+  python3 scripts/hold_gpu_memory.py > "$OUT/hold-$name.txt" 2>&1 &
+  local holder=$!
+  for _ in $(seq 60); do grep -q holding "$OUT/hold-$name.txt" && break; sleep 1; done
+  cat "$OUT/hold-$name.txt"
+  python3 scripts/sample_host_memory.py "$OUT/host-$name.json" &
+  local sampler=$!
+  step "$name" "$@"
+  kill $sampler $holder; wait $sampler $holder 2>/dev/null
+  cat "$OUT/host-$name.json"; echo
+}
 case $part in
+inbwd13)
+  cp benchmarks/runs.csv "$OUT/runs.csv"
+  title="memtrain run on the GPU machine (24 GiB cap)"
+  held inbwd-mb8 200 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 190 --warmup-steps 2 --title "$title" \
+    --case "7b-full-32gb-host (paged 8-bit AdamW in backward, mb 8, card held to 24 GiB)=recipes/llama2-7b-full-32gb-host.yaml train.steps=8 $quiet"
+  held inbwd-mb16 200 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 190 --warmup-steps 2 --title "$title" \
+    --case "7b-full-32gb-host (paged 8-bit AdamW in backward, mb 16, card held to 24 GiB)=recipes/llama2-7b-full-32gb-host.yaml batch.global_batch=16 batch.micro_batch=16 train.steps=6 $quiet"
+  held host64 260 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 250 --warmup-steps 2 --title "$title" \
+    --case "7b-full-64gb-host (as shipped, card held to 24 GiB)=recipes/llama2-7b-full-64gb-host.yaml train.steps=4 $quiet"
+  ;;
 host11)
   cp benchmarks/runs.csv "$OUT/runs.csv"
   step host64 330 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 320 --warmup-steps 2 \

@@ -175,7 +175,15 @@ PARAMS_ON_GPU = [
     Case("7b-zero3-opt-cpu-ratio0.9-unpinned-mb4-s1024", HOST64, ("offload.params=none", "offload.ratio=0.9",
                                                                   "batch.micro_batch=4", "data.seq_len=1024")),
 ]
-CASES += HELD_OUT + LEAN + STREAMS + PEAKS + FAMILIES + PARTIAL + PARAMS_ON_GPU
+# Session 13, issue 26, predicted before they ran: the 7B full fine-tune with paged 8-bit AdamW stepped in backward
+# (recipes/llama2-7b-full-32gb-host.yaml), one micro-batch per step, run beside scripts/hold_gpu_memory.py so that
+# the unified-memory states page as on a 24 GB card (PyTorch's reserved memory is what the plan predicts).
+HOST32 = "recipes/llama2-7b-full-32gb-host.yaml"
+IN_BACKWARD = [
+    Case("7b-full-in-backward-paged8bit-mb8-s1024", HOST32, ("batch.micro_batch=8", "batch.global_batch=8")),
+    Case("7b-full-in-backward-paged8bit-mb16-s1024", HOST32, ("batch.micro_batch=16", "batch.global_batch=16")),
+]
+CASES += HELD_OUT + LEAN + STREAMS + PEAKS + FAMILIES + PARTIAL + PARAMS_ON_GPU + IN_BACKWARD
 
 
 def measure(case: Case, overrides: list[str], run_dir: Path, timeout_s: int) -> dict | str:
