@@ -81,7 +81,7 @@ inbwd13)
     --case "7b-full-32gb-host (paged 8-bit AdamW in backward, mb 8, card held to 24 GiB)=recipes/llama2-7b-full-32gb-host.yaml train.steps=8 $quiet"
   held inbwd-mb16 200 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 190 --warmup-steps 2 --title "$title" \
     --case "7b-full-32gb-host (paged 8-bit AdamW in backward, mb 16, card held to 24 GiB)=recipes/llama2-7b-full-32gb-host.yaml batch.global_batch=16 batch.micro_batch=16 train.steps=6 $quiet"
-  held host64 260 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 250 --warmup-steps 2 --title "$title" \
+  [ "${SKIP_HOST64:-0}" = 1 ] || held host64 260 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 250 --warmup-steps 2 --title "$title" \
     --case "7b-full-64gb-host (as shipped, card held to 24 GiB)=recipes/llama2-7b-full-64gb-host.yaml train.steps=4 $quiet"
   ;;
 host11)

@@ -128,12 +128,14 @@ class Session:
         """No retry when each micro-batch is an optimizer step: smaller pieces would be more, smaller steps, and
         a backward that ran out of memory has already updated part of the model. The last checkpoint stands."""
         step = self.state.step
-        self.metrics.event("oom", step, micro_batch=self.policy.micro_batch, in_backward=oom.in_backward, fatal=True)
+        said = str(oom.error).splitlines()[0] if str(oom.error) else type(oom.error).__name__  # PyTorch's numbers
+        self.metrics.event("oom", step, micro_batch=self.policy.micro_batch, in_backward=oom.in_backward, fatal=True,
+                           error=said)
         self.metrics.event("run", step, event="end", status="oom")
         self.metrics.close()
         where = "backward (part of the model was already updated)" if oom.in_backward else "forward"
         return UserError(Problem(
-            f"out of memory in the {where} of step {step + 1} at micro-batch {self.policy.micro_batch}; with "
+            f"out of memory in the {where} of step {step + 1} at micro-batch {self.policy.micro_batch} ({said}); with "
             "optimizer.step_in_backward each micro-batch is an optimizer step, so memtrain cannot retry it smaller",
             key="batch.global_batch", hint="lower batch.global_batch and batch.micro_batch together, or recompute "
             "more layers (checkpointing); `memtrain plan` prices them, and a new run resumes from the last checkpoint"))
