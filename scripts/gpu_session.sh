@@ -45,6 +45,10 @@
 #                                         # (recipes/llama2-7b-full-32gb-host.yaml), mb 8 and 16, beside a process holding all
 #                                         # but 24 GiB of the card; tokens/s, peaks, machine-wide host memory; then the 64 GiB-host
 #                                         # recipe the same way, for the side-by-side
+#   bash scripts/gpu_session.sh side13    # session 13, issue 26: the 32 GiB- and 64 GiB-host recipes as shipped, one after the
+#                                         # other in one call, each beside hold_gpu_memory.py (the side-by-side row)
+#   bash scripts/gpu_session.sh conv13    # session 13, issue 26: convergence of bf16 / 8-bit / in-backward against fp32 AdamW
+#                                         # on the 1.1B shape (scripts/convergence.py, benchmarks/convergence.csv)
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -74,6 +78,20 @@ held() {  # held NAME MAX_SECONDS COMMAND...: a step run beside hold_gpu_memory.
   cat "$OUT/host-$name.json"; echo
 }
 case $part in
+side13)
+  cp benchmarks/runs.csv "$OUT/runs.csv"
+  title="memtrain run on the GPU machine (24 GiB cap)"
+  held side-32gb 200 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 190 --warmup-steps 2 --title "$title" \
+    --case "7b-full-32gb-host (as shipped: paged 8-bit AdamW in backward, mb 16; card held to 24 GiB; side by side)=recipes/llama2-7b-full-32gb-host.yaml train.steps=8 $quiet"
+  held side-64gb 300 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 290 --warmup-steps 2 --title "$title" \
+    --case "7b-full-64gb-host (as shipped; card held to 24 GiB; side by side)=recipes/llama2-7b-full-64gb-host.yaml train.steps=5 $quiet"
+  ;;
+conv13)
+  touch benchmarks/convergence.csv; cp benchmarks/convergence.csv "$OUT/convergence.csv"
+  step conv-1.1b 560 python3 scripts/convergence.py --out "$OUT/convergence.csv" --label gpu-1.1b --timeout 150 \
+    --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml --set train.steps=100 train.eval_every=100 \
+    schedule.warmup_steps=10 optimizer.lr=3.0e-4 batch.global_batch=4 batch.micro_batch=4 data.seq_len=1024
+  ;;
 inbwd13)
   cp benchmarks/runs.csv "$OUT/runs.csv"
   title="memtrain run on the GPU machine (24 GiB cap)"

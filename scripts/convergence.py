@@ -1,0 +1,110 @@
+"""Do the precision and optimizer choices that change the math still learn as fp32 AdamW does?
+
+Each variant trains the same recipe on the same data, in the same order, for the same steps, from the same
+initial weights; the validation loss at the end is compared with the reference (fp32 master weights and
+fp32 AdamW states). Rows go to a CSV (command, machine, date) and a Markdown view beside it.
+
+    python scripts/convergence.py --out benchmarks/convergence.csv --label cpu-quickstart \\
+        --recipe recipes/quickstart.yaml --set batch.global_batch=16 batch.micro_batch=16
+    python scripts/convergence.py --out benchmarks/convergence.csv --label gpu-1.1b \\
+        --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml --set train.steps=150 ...
+
+Every variant sets one micro-batch per step and no clipping (optimizer.step_in_backward needs both), so
+the only differences are the ones named.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_run import machine_name, run_dir_for, upsert_row  # noqa: E402
+
+from memtrain.train.distributed import without_rank_variables  # noqa: E402  (bench_run put the project on the path)
+
+TOLERANCE = 0.02   # a variant converges alike when its final validation loss is within 2 % of the reference's
+COLUMNS = ["label", "variant", "eval_loss", "vs_reference", "within_2pct", "steps", "seconds", "status",
+           "machine", "date", "command"]
+REFERENCE = "fp32 master + fp32 AdamW"
+# name -> overrides; the reference keeps the recipe's compute dtype with fp32 master weights and states
+VARIANTS = {
+    REFERENCE: ["precision.master=fp32", "offload.optimizer=none"],
+    "bf16 master + bf16 states (DeepSpeed CPU Adam)": ["precision.compute=bf16", "precision.master=bf16",
+                                                       "offload.optimizer=cpu"],
+    "bf16 weights, AdamW in backward (bf16 states)": ["precision.compute=bf16", "precision.master=bf16",
+                                                      "offload.optimizer=none", "offload.zero_stage=0",
+                                                      "optimizer.step_in_backward=true"],
+    "bf16 weights, paged 8-bit AdamW in backward": ["precision.compute=bf16", "precision.master=bf16",
+                                                    "offload.optimizer=none", "offload.zero_stage=0",
+                                                    "optimizer.step_in_backward=true",
+                                                    "optimizer.name=paged_adamw_8bit"],
+}
+COMMON = ["optimizer.grad_clip=0", "offload.params=none", "batch.policy=fixed"]
+
+
+def final_eval_loss(run_dir: Path) -> float | None:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    evals = [json.loads(line) for line in metrics.read_text().splitlines() if '"eval"' in line]
+    evals = [r for r in evals if r.get("kind") == "eval"]
+    return evals[-1]["loss"] if evals else None
+
+
+def run_variant(label: str, name: str, recipe: str, settings: list[str], runs: Path, timeout_s: int) -> dict:
+    run_dir = run_dir_for(runs, f"{label}-{name}")
+    overrides = [*settings, *COMMON, *VARIANTS[name], f"train.output_dir={run_dir}"]
+    command = [sys.executable, "-m", "memtrain", "run", recipe, *overrides, "--no-resume", "--no-save"]
+    shown = "memtrain run " + " ".join(shlex.quote(c) for c in [recipe, *overrides[:-1]])
+    started = time.time()
+    runs.mkdir(parents=True, exist_ok=True)
+    try:
+        with (runs / f"{run_dir.name}.log").open("w") as log:
+            done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                  env=without_rank_variables(os.environ))
+        status = "ok" if done.returncode == 0 else f"rc {done.returncode}"
+    except subprocess.TimeoutExpired:
+        status = "timeout"
+    loss = final_eval_loss(run_dir)
+    steps = sum(1 for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"kind": "train"' in line) \
+        if (run_dir / "metrics.jsonl").exists() else 0
+    return {"label": label, "variant": name, "eval_loss": f"{loss:.4f}" if loss is not None else "", "steps": steps,
+            "seconds": f"{time.time() - started:.0f}", "status": status, "machine": machine_name(),
+            "date": dt.date.today().isoformat(), "command": shown}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--label", required=True, help="names this comparison's rows (e.g. cpu-quickstart)")
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--set", nargs="*", default=[], help="overrides every variant shares")
+    parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-convergence"))
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    parser.add_argument("--only", default="", help="comma-separated substrings of variant names (reference always runs)")
+    args = parser.parse_args()
+    wanted = [n for n in VARIANTS if n == REFERENCE or not args.only or any(s in n for s in args.only.split(","))]
+    rows = [run_variant(args.label, name, args.recipe, args.set, args.runs, args.timeout) for name in wanted]
+    reference = rows[0]["eval_loss"]
+    for row in rows:
+        if reference and row["eval_loss"]:
+            ratio = float(row["eval_loss"]) / float(reference) - 1
+            row.update(vs_reference=f"{ratio:+.2%}", within_2pct="yes" if abs(ratio) <= TOLERANCE else "no")
+        print(json.dumps(row), flush=True)
+        upsert_row(args.out, row, COLUMNS, "Convergence of the precision and optimizer choices (final validation loss)",
+                   keys=("label", "variant"))
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
