@@ -124,6 +124,7 @@ def _trace_layer(model_json: str, compute: str, micro_batch: int, seq_len: int) 
     hidden = model.config.hidden_size
     saved: list[tuple[SavedTensor, weakref.ref]] = []
     inputs: dict[str, tuple[int, int]] = {}
+    outputs: dict[str, int] = {}  # submodule -> storage id of its output
     stack: list[str] = [""]
     names = {module: name for name, module in layer.named_modules()}
     modules = {name: module for module, name in names.items()}
@@ -138,6 +139,8 @@ def _trace_layer(model_json: str, compute: str, micro_batch: int, seq_len: int) 
 
     def post_hook(module, args, kwargs, output):
         stack.pop()
+        if isinstance(output, torch.Tensor):
+            outputs[names[module]] = output.untyped_storage()._cdata
 
     handles = []
     for module in names:
@@ -171,6 +174,8 @@ def _trace_layer(model_json: str, compute: str, micro_batch: int, seq_len: int) 
             # detached (DoRA's weight norm goes through lora_B(lora_A(eye))) is freed during forward, and the
             # address of a freed storage may be reused by a later one, which would merge two tensors into one.
             kept = tuple(tensor for tensor, alive in saved if alive() is not None)
+            if recipe_model.kernels == "liger":
+                kept = _as_liger_keeps(kept, modules, inputs, outputs, rows=micro_batch * seq_len)
             del output
             shared_bytes = sum(t.untyped_storage().nbytes() for t in position_embeddings or ())
     finally:
@@ -178,6 +183,30 @@ def _trace_layer(model_json: str, compute: str, micro_batch: int, seq_len: int) 
             handle.remove()
     return LayerTrace(saved=kept, inputs=inputs,
                       layer_input_bytes=micro_batch * seq_len * hidden * dtype.itemsize, shared_bytes=shared_bytes)
+
+
+def _as_liger_keeps(saved: tuple[SavedTensor, ...], modules: dict[str, torch.nn.Module], inputs: dict[str, tuple[int, int]],
+                    outputs: dict[str, int], rows: int) -> tuple[SavedTensor, ...]:
+    """What a layer keeps for backward with Liger's modules (model.kernels: liger) instead of the eager ones traced.
+
+    Liger's kernels cannot run under the fake CPU tensors of the trace, so the eager trace is edited by what their
+    autograd functions save (liger_kernel/ops, 0.8.5): an RMSNorm keeps its input and one fp32 rstd per row, not
+    the eager norm's fp32 copy of the input and its bf16 normalised copy; the fused SiLU/GELU-and-multiply keeps
+    the gate and up projections, not the activation's output. (Measured on the GPU: a 7B layer kept ~90 KiB less
+    per token than the eager trace, 182 KiB; these two account for 53.5 KiB of it.)"""
+    norms = [name for name, module in modules.items() if name and type(module).__name__.endswith("RMSNorm")]
+    activations = {outputs[name] for name, module in modules.items()
+                   if name in outputs and type(module).__module__.startswith("transformers.activations")}
+
+    def inside_norm(module: str) -> bool:
+        return any(module == n or module.startswith(n + ".") for n in norms)
+
+    kept = [t for t in saved if not inside_norm(t.module) and t.storage_id not in activations]
+    for norm in norms:
+        if norm in inputs:
+            storage_id, nbytes = inputs[norm]
+            kept += [SavedTensor(storage_id, nbytes, norm), SavedTensor(-len(kept) - 1, rows * 4, norm)]  # rstd
+    return tuple(kept)
 
 
 @dataclass(frozen=True)
@@ -223,7 +252,9 @@ def estimate_activations(model: Model, checkpointing: Checkpointing, compute: st
     """
     trace = trace_layer(model, compute, micro_batch, seq_len)
     full = trace.full_bytes
-    gradient_transient = 2 * max(trace.largest_saved_bytes, trace.layer_input_bytes)
+    # the gradients of the largest intermediates: two new ones with eager modules; Liger's fused SiLU/GELU-and-multiply
+    # writes the gate's and up projection's gradients into their saved outputs in place, leaving one (its output's)
+    gradient_transient = (1 if model.kernels == "liger" else 2) * max(trace.largest_saved_bytes, trace.layer_input_bytes)
     strategy = checkpointing.strategy
     host = 0
     if strategy == "none":

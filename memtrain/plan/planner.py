@@ -460,12 +460,13 @@ def allocation_pattern(recipe: Recipe, stage: int) -> str:
     """What churns through the caching allocator during a step, which sets how much reserved memory
     sits unused at the peak (calibration.slack_ratio): ZeRO-3 gathers and frees every layer's
     parameters; a full fine-tune allocates and frees a gradient per weight; quantised weights are
-    dequantised per matmul; LoRA on a plain frozen base churns only activations."""
+    dequantised per matmul; LoRA on a plain frozen base churns only activations, and so does a full fine-tune
+    stepping in backward (one weight's gradient at a time, freed at once)."""
     if stage == 3:
         return "zero3"
     if recipe.model.quant_type:
         return "quantized"
-    if recipe.model.lora is not None:
+    if recipe.model.lora is not None or recipe.optimizer.step_in_backward:
         return "frozen"
     return "full"
 
