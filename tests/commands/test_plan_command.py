@@ -308,12 +308,17 @@ def test_a_full_fine_tune_over_the_host_budget_is_advised_host_side_changes_that
     plan = plan_recipe(loaded.recipe)
     assert plan.headroom_bytes > 0 and plan.host_bytes > 64 * GiB and not plan.fits
     advice = advise(loaded)
-    assert advice[0].overrides == ["offload.optimizer=nvme", "offload.zero_stage=3", "precision.master=fp32"]
+    # first the full fine-tune on the GPU, stepped in backward by paged 8-bit AdamW (the 32 GiB-host recipe's way)
+    in_backward = advice[0]
+    assert "optimizer.step_in_backward=true" in in_backward.overrides
+    assert "batch.micro_batch=16" in in_backward.overrides  # the recipe's global batch, one micro-batch per step
+    assert in_backward.plan.zero_stage == 0 and in_backward.plan.host_bytes < 16 * GiB
+    assert advice[1].overrides == ["offload.optimizer=nvme", "offload.zero_stage=3", "precision.master=fp32"]
     assert all(a.plan.fits and a.plan.host_bytes <= 64 * GiB for a in advice)
-    assert advice[0].plan.nvme_bytes > 70 * GiB  # fp32 master weights and both moments of 6.7B parameters
-    # without an NVMe directory the host levers alone do not get there, and LoRA is what is left
+    assert advice[1].plan.nvme_bytes > 70 * GiB  # fp32 master weights and both moments of 6.7B parameters
+    # without an NVMe directory: stepping in backward, else LoRA
     no_nvme = advise(load_recipe(recipe, host))
-    assert [a.overrides for a in no_nvme] == [["model.lora.r=16"]]
+    assert [a.overrides for a in no_nvme] == [in_backward.overrides, ["model.lora.r=16"]]
 
 
 def test_the_chat_quickstart_loads_and_plans_from_another_directory(tmp_path, monkeypatch):
