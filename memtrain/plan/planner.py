@@ -299,9 +299,7 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
                                 in_backward=recipe.optimizer.step_in_backward,
                                 paged=recipe.optimizer.name.startswith("paged"))
     states = with_quantized_params(states, counts, DTYPE_BYTES[p.storage])
-    # Liger's RMSNorm, SwiGLU and RoPE (model.kernels) keep fewer tensors than the eager modules traced here
-    # (RMSNorm its input and one fp32 rstd per row, not fp32 copies; SwiGLU gate and up, not silu(gate)), so the
-    # eager trace stays their price: an upper bound until the saving is measured on the GPU.
+    # with model.kernels resolved to liger the trace is edited by what Liger's RMSNorm and SwiGLU keep (activations.py)
     acts = estimate_activations(recipe.model, recipe.checkpointing, p.compute, micro_batch, seq_len, counts.num_layers,
                                 counts.layers_name)
     tokens = micro_batch * seq_len

@@ -4,8 +4,8 @@ Each trainable parameter gets its own optimizer (torch's AdamW or a bitsandbytes
 hook the moment autograd has finished that parameter's gradient; the gradient is freed right after.
 A full fine-tune then never holds the whole model's gradients — for a 7B model, 12.5 GiB of bf16
 gradients that never exist — and with bitsandbytes' paged 8-bit AdamW the states live in CUDA unified
-memory, which pages them to the host when the card is full. The weights are bf16 and are their own
-master copy: nothing in fp32 anywhere.
+memory, which pages them to the host when the card is full. The weights (bf16, or fp32) are their own
+master copy: there is no other.
 
 To DeepSpeed (ZeRO stage 0, no mixed-precision wrapper) this is an ordinary client optimizer whose
 `step()` finds nothing left to do; the LR schedule sets the outer parameter groups' rates, which each
@@ -37,12 +37,11 @@ class StepInBackward(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.armed = True
         self._inner: dict[torch.nn.Parameter, tuple[torch.optim.Optimizer, int]] = {}
-        self._hooks = []
         for index, group in enumerate(self.param_groups):
             settings = {key: group[key] for key in FOLLOWED}
             for parameter in group["params"]:
                 self._inner[parameter] = (make([{"params": [parameter], **settings}]), index)
-                self._hooks.append(parameter.register_post_accumulate_grad_hook(self._update))
+                parameter.register_post_accumulate_grad_hook(self._update)
 
     def _update(self, parameter: torch.nn.Parameter) -> None:
         inner, index = self._inner[parameter]
@@ -75,8 +74,3 @@ class StepInBackward(torch.optim.Optimizer):
         super().load_state_dict({key: value for key, value in state_dict.items() if key != "inner"})
         for (optimizer, _), saved in zip(self._inner.values(), inner):
             optimizer.load_state_dict(saved)
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
