@@ -10,8 +10,11 @@ from __future__ import annotations
 import psutil
 import torch
 
+from memtrain.checks.environment import check_environment, current_environment
 from memtrain.errors import UserError
+from memtrain.plan.advice import advise, with_overrides
 from memtrain.plan.planner import plan_recipe
+from memtrain.recipe.rules import check_rules
 from memtrain.recipe.sources import LoadedRecipe
 from memtrain.units import gib
 
@@ -38,15 +41,27 @@ def check_memory(loaded: LoadedRecipe, exact_pinned: bool) -> list[str]:
             ("offload",),
             f"the run needs about {gib(plan.host_bytes):.1f} GiB of host memory{' on each node' if loaded.recipe.hardware.nodes > 1 else ''} "
             f"({', '.join(f'{k} {gib(v):.1f}' for k, v in plan.host_breakdown.items() if v)} GiB), "
-            f"more than the {gib(capacity):.1f} GiB available",
-            "put optimizer states on NVMe (offload.optimizer=nvme, hardware.nvme_path=...), use "
-            "precision.master=bf16, or train LoRA adapters; `memtrain plan` shows the breakdown"))
+            f"more than the {gib(capacity):.1f} GiB available", _cheapest_host_change(loaded, capacity, exact_pinned)))
     warnings = []
     if not plan.fits and plan.host_fits:
         warnings.append(f"memtrain plan predicts {gib(plan.peak_reserved_bytes):.1f} GiB peak on a "
                         f"{gib(plan.gpu_capacity_bytes):.0f} GiB card; the batch policy will shrink on OOM — "
                         "`memtrain plan --fit` finds a recipe that fits")
     return warnings
+
+
+def _cheapest_host_change(loaded: LoadedRecipe, capacity: int, exact_pinned: bool) -> str:
+    """The hint of a host-memory refusal: the cheapest change `memtrain plan --fit` finds for this host (seconds of
+    planning, only when the run is refused anyway), or the usual levers when none fits."""
+    at_capacity = with_overrides(loaded, [f"hardware.host_memory={capacity}"])
+    environment = current_environment()
+    advice = advise(at_capacity, limit=1, exact_pinned=exact_pinned,
+                    checks=lambda candidate: check_rules(candidate) + check_environment(candidate, environment))
+    if advice:
+        return (f"the cheapest change that fits: {' '.join(advice[0].overrides)} ({advice[0].reason}); "
+                "`memtrain plan --fit -o FILE` writes it")
+    return ("put optimizer states on NVMe (offload.optimizer=nvme, hardware.nvme_path=...), use precision.master=bf16, "
+            "or train LoRA adapters; `memtrain plan` shows the breakdown")
 
 
 def cpu_fp16_supported() -> bool:

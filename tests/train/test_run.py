@@ -367,6 +367,8 @@ def test_a_host_too_small_for_the_offloaded_states_is_refused_before_any_work(wr
     result = CliRunner().invoke(app, ["run", str(recipe)])
     assert result.exit_code == 2, result.output
     assert "host memory" in result.output and "16.0 GiB" in result.output and "Traceback" not in result.output
+    # the hint is the cheapest change `memtrain plan --fit` finds for 16 GiB: the step in backward (14.9 GiB planned)
+    assert "the cheapest change that fits: optimizer.step_in_backward=true" in " ".join(result.output.split())
     assert not run_dir_of(recipe).exists()
 
 
