@@ -49,6 +49,8 @@
 #                                         # other in one call, each beside hold_gpu_memory.py (the side-by-side row)
 #   bash scripts/gpu_session.sh conv13    # session 13, issue 26: convergence of bf16 / 8-bit / in-backward against fp32 AdamW
 #                                         # on the 1.1B shape (scripts/convergence.py, benchmarks/convergence.csv)
+#   bash scripts/gpu_session.sh ckpt13    # session 13, issue 26: the 32 GiB-host recipe stopped after 2 steps (checkpoint), then
+#                                         # resumed to its 3rd and exported, beside the holder and the host sampler
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -78,6 +80,14 @@ held() {  # held NAME MAX_SECONDS COMMAND...: a step run beside hold_gpu_memory.
   cat "$OUT/host-$name.json"; echo
 }
 case $part in
+ckpt13)
+  # ran once in session 13, before the resume fix: the save took 27.4 GiB of host memory machine-wide and the resume
+  # ran out of GPU memory loading the checkpoint (DeepSpeed put the saved weights back on the card); not run since
+  common="recipes/llama2-7b-full-32gb-host.yaml $quiet train.steps=3 train.save_every=2 train.output_dir=/tmp/ckpt13"
+  held ckpt 380 bash -c "python3 -m memtrain run $common --max-steps 2; echo rc=\$?; du -sh /tmp/ckpt13/checkpoints/*; \
+    python3 -m memtrain run $common; echo rc=\$?; du -sh /tmp/ckpt13/final; \
+    grep -h -E '\"(train|checkpoint|startup)\"|resume' /tmp/ckpt13/metrics.jsonl | cut -c1-400"
+  ;;
 side13)
   cp benchmarks/runs.csv "$OUT/runs.csv"
   title="memtrain run on the GPU machine (24 GiB cap)"

@@ -18,6 +18,7 @@ import random
 import re
 import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -160,9 +161,29 @@ def save_checkpoint(engine, run_dir: Path, state: LoopState, rank: int, keep_las
     return final
 
 
+@contextmanager
+def _loaded_to_host(engine):
+    """Without ZeRO (stage 0: optimizer.step_in_backward), DeepSpeed loads the saved weights and optimizer states
+    back onto the device they were saved from, beside the model's own weights: a second copy of a 7B model does
+    not fit a 24 GB card (measured: out of memory at 22.8 GiB on resume). Loaded on the host instead, the weights
+    are copied into the model's parameters and the optimizer places its states (train/in_backward.py). ZeRO
+    stages load their partitions their own way and are left alone."""
+    if engine.zero_optimization_stage() != 0:
+        yield
+        return
+    checkpoints = engine.checkpoint_engine
+    load = checkpoints.load
+    checkpoints.load = lambda path, map_location=None: load(path, map_location=torch.device("cpu"))
+    try:
+        yield
+    finally:
+        checkpoints.load = load
+
+
 def load_checkpoint(engine, path: Path, rank: int) -> LoopState:
     """Restore DeepSpeed's model/optimizer/scheduler state, this rank's RNG, and the loop state."""
-    engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+    with _loaded_to_host(engine):
+        engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
     device_states = path / f"device-optimizer-rank{rank}.pt"
     if device_states.is_file():
         restore_device_sub_group_states(engine, torch.load(device_states, weights_only=False))

@@ -72,5 +72,28 @@ class StepInBackward(torch.optim.Optimizer):
             raise ValueError(f"the checkpoint's optimizer holds {len(inner or [])} per-parameter optimizers and this "
                              f"model has {len(self._inner)} trainable parameters")
         super().load_state_dict({key: value for key, value in state_dict.items() if key != "inner"})
-        for (optimizer, _), saved in zip(self._inner.values(), inner):
+        for (parameter, (optimizer, _)), saved in zip(self._inner.items(), inner):
             optimizer.load_state_dict(saved)
+            state = optimizer.state[parameter]
+            for key, value in state.items():
+                if torch.is_tensor(value) and key != "step":
+                    state[key] = _placed(optimizer, parameter, key, value)
+
+
+PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages the moments of parameters this large (Optimizer8bit.get_state_buffer)
+
+
+def _placed(optimizer: torch.optim.Optimizer, parameter: torch.nn.Parameter, key: str, value: torch.Tensor):
+    """A loaded state tensor where the optimizer keeps it while training: a paged optimizer's moments of a large
+    parameter in a fresh unified-memory buffer (as bitsandbytes creates them), the rest on the parameter's device.
+    bitsandbytes' own load_state_dict leaves the moments where the checkpoint put them (the host, since memtrain
+    loads checkpoints of this mode there: a second copy on the card would not fit)."""
+    if getattr(optimizer, "is_paged", False) and parameter.is_cuda and key.startswith("state") \
+            and parameter.numel() >= PAGED_MIN_NUMEL:
+        import bitsandbytes.functional as F  # noqa: PLC0415, N812 — optional dependency, only for paged optimizers
+
+        paged = F.get_paged(*value.shape, dtype=value.dtype, device=parameter.device)
+        paged.copy_(value)
+        optimizer.page_mng.paged_tensors.append(paged)
+        return paged
+    return value.to(parameter.device)

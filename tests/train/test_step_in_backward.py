@@ -147,6 +147,36 @@ def test_no_gradient_outlives_the_backward_in_deepspeeds_engine(process_group, w
     assert all(torch.equal(p, after_backward[name]) for name, p in engine.module.named_parameters())
 
 
+def test_a_checkpoint_of_this_mode_loads_on_the_host(process_group, write_recipe, tmp_path):
+    """DeepSpeed would load stage 0's saved weights back onto the device they came from, beside the model's own (a
+    7B resume ran out of memory so on a 24 GiB card): memtrain loads them on the host and copies them in."""
+    from memtrain.ds_config.compiler import ds_config
+    from memtrain.train.checkpoint import LoopState, load_checkpoint, save_checkpoint
+    from memtrain.train.setup import build_engine, build_policy_model
+
+    recipe = load_recipe(write_recipe("host-load", IN_BACKWARD)).recipe
+    config = ds_config(recipe, micro_batch=8)
+
+    def engine():
+        return build_engine(recipe, build_policy_model(recipe, process_group, config), config, total_steps=8)[0]
+
+    saved = engine()
+    ids = shakespeare_batches(1)[0]
+    loss_sum, targets = saved(input_ids=ids, labels=ids)
+    saved.optimizer.arm(loss_sum)
+    saved.set_gradient_accumulation_boundary(True)
+    saved.backward(loss_sum / targets, scale_wrt_gas=False)
+    path = save_checkpoint(saved, tmp_path, LoopState(step=1), rank=0, keep_last=1)
+    loaded, places = engine(), []
+    load = loaded.checkpoint_engine.load
+    loaded.checkpoint_engine.load = lambda file, map_location=None: places.append(map_location) or load(
+        file, map_location=map_location)
+    assert load_checkpoint(loaded, path, rank=0).step == 1
+    assert places and all(place == torch.device("cpu") for place in places)
+    assert all(torch.equal(a, b) for a, b in zip(saved.module.parameters(), loaded.module.parameters()))
+    assert all(p.device == loaded.device for p in loaded.module.parameters())
+
+
 @pytest.mark.slow
 def test_a_run_stepping_in_backward_matches_an_ordinary_run(write_recipe):
     """fp32 weights are their own master copy, as bf16 ones are in this mode: same losses as torch's AdamW
