@@ -9,13 +9,18 @@ import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from memtrain.errors import UserError
+from memtrain.train.distributed import barrier
 from memtrain.train.hooks import Hooks
 from memtrain.train.launch import train_here
 from memtrain.train.run import ResolvedRun, RunOptions
 from memtrain.train.signals import die_with_parent, exit_code, signum_of, stop_on_signals
+
+
+NON_HOST_EXIT_DELAY_S = 2.0  # torchrun's agents notice their workers' exit within 0.1 s (its monitor interval)
 
 
 def parse_options(argv: list[str]) -> tuple[Path, RunOptions]:
@@ -29,9 +34,12 @@ def parse_options(argv: list[str]) -> tuple[Path, RunOptions]:
 def main(argv: list[str]) -> int:
     die_with_parent(signal.SIGKILL)  # torchrun gone: nothing coordinates the ranks any more
     run_file, options = parse_options(argv)
+    run = ResolvedRun.from_json(run_file.read_text())
     try:
         with stop_on_signals():
-            result = train_here(ResolvedRun.from_json(run_file.read_text()), options, Hooks.from_env())
+            result = train_here(run, options, Hooks.from_env())
+        if run.recipe.hardware.nodes > 1:
+            leave_after_node_0()
     except UserError as error:
         for problem in error.problems:
             print(f"✗ {problem.format()}", file=sys.stderr)
@@ -41,6 +49,20 @@ def main(argv: list[str]) -> int:
     if os.environ.get("RANK", "0") == "0":  # one line per run, not one per process
         print(f"{'✓' if result.finished else '■'} {result.summary()}", file=sys.stderr)
     return result.exit_code
+
+
+def leave_after_node_0() -> None:
+    """After a multi-node run: every rank meets once more (rank 0 may still have been exporting), then the workers
+    of the other nodes wait a moment before they exit.
+
+    torchrun's agents meet in an exit barrier on the store that node 0's agent hosts. When node 0 arrives there last,
+    its agent sets the barrier's key and exits at once, closing the store, while another node's agent may not have
+    started waiting for the key yet: that agent then logs a DistNetworkError traceback although the run succeeded
+    (seen on two CPU "nodes" of one machine under load). With node 0 arriving first, it waits for the others and
+    leaves last."""
+    barrier()
+    if int(os.environ.get("GROUP_RANK", "0")) > 0:
+        time.sleep(NON_HOST_EXIT_DELAY_S)
 
 
 if __name__ == "__main__":
