@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from memtrain.train.distributed import barrier
+from memtrain.train.in_backward import StepInBackward
 
 DS_TAG = "state"
 STATE_FILE = "memtrain_state.json"
@@ -163,12 +164,12 @@ def save_checkpoint(engine, run_dir: Path, state: LoopState, rank: int, keep_las
 
 @contextmanager
 def _loaded_to_host(engine):
-    """Without ZeRO (stage 0: optimizer.step_in_backward), DeepSpeed loads the saved weights and optimizer states
-    back onto the device they were saved from, beside the model's own weights: a second copy of a 7B model does
-    not fit a 24 GB card (measured: out of memory at 22.8 GiB on resume). Loaded on the host instead, the weights
-    are copied into the model's parameters and the optimizer places its states (train/in_backward.py). ZeRO
-    stages load their partitions their own way and are left alone."""
-    if engine.zero_optimization_stage() != 0:
+    """With optimizer.step_in_backward (ZeRO stage 0), DeepSpeed loads the saved weights and optimizer states back
+    onto the device they were saved from, beside the model's own weights: a second copy of a 7B model does not fit
+    a 24 GB card (measured: out of memory at 22.8 GiB on resume). Loaded on the host instead, the weights are
+    copied into the model's parameters and the per-parameter optimizers place their states (train/in_backward.py).
+    Every other run loads as DeepSpeed does (ZeRO stages load their partitions their own way)."""
+    if not isinstance(engine.optimizer, StepInBackward):
         yield
         return
     checkpoints = engine.checkpoint_engine
