@@ -15,7 +15,6 @@ the only differences are the ones named.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import json
 import os
@@ -30,7 +29,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_run import machine_name, run_dir_for, upsert_row  # noqa: E402
 
-from memtrain.train.distributed import without_rank_variables  # noqa: E402  (bench_run put the project on the path)
+from memtrain.monitor.metrics import METRICS_FILE, read_metrics  # noqa: E402  (bench_run put the project on the path)
+from memtrain.train.distributed import without_rank_variables  # noqa: E402
 
 TOLERANCE = 0.02   # a variant converges alike when its final validation loss is within 2 % of the reference's
 COLUMNS = ["label", "variant", "eval_loss", "vs_reference", "within_2pct", "steps", "seconds", "status",
@@ -52,15 +52,6 @@ VARIANTS = {
 COMMON = ["optimizer.grad_clip=0", "offload.params=none", "batch.policy=fixed"]
 
 
-def final_eval_loss(run_dir: Path) -> float | None:
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.exists():
-        return None
-    evals = [json.loads(line) for line in metrics.read_text().splitlines() if '"eval"' in line]
-    evals = [r for r in evals if r.get("kind") == "eval"]
-    return evals[-1]["loss"] if evals else None
-
-
 def run_variant(label: str, name: str, recipe: str, settings: list[str], runs: Path, timeout_s: int) -> dict:
     run_dir = run_dir_for(runs, f"{label}-{name}")
     overrides = [*settings, *COMMON, *VARIANTS[name], f"train.output_dir={run_dir}"]
@@ -75,9 +66,11 @@ def run_variant(label: str, name: str, recipe: str, settings: list[str], runs: P
         status = "ok" if done.returncode == 0 else f"rc {done.returncode}"
     except subprocess.TimeoutExpired:
         status = "timeout"
-    loss = final_eval_loss(run_dir)
-    steps = sum(1 for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"kind": "train"' in line) \
-        if (run_dir / "metrics.jsonl").exists() else 0
+    metrics = run_dir / METRICS_FILE
+    records = read_metrics(metrics) if metrics.exists() else []
+    evals = [r["loss"] for r in records if r["kind"] == "eval"]
+    loss = evals[-1] if evals else None
+    steps = sum(1 for r in records if r["kind"] == "train")
     return {"label": label, "variant": name, "eval_loss": f"{loss:.4f}" if loss is not None else "", "steps": steps,
             "seconds": f"{time.time() - started:.0f}", "status": status, "machine": machine_name(),
             "date": dt.date.today().isoformat(), "command": shown}

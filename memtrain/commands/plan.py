@@ -9,8 +9,8 @@ from pathlib import Path
 import yaml
 from rich.table import Table
 
-from memtrain.checks.environment import Environment, check_environment, current_environment
-from memtrain.checks.load import load_checked
+from memtrain.checks.environment import Environment, current_environment
+from memtrain.checks.load import load_checked, recipe_checks
 from memtrain.data.loader import sample_order, token_slots
 from memtrain.data.rows import DataStats
 from memtrain.errors import Problem, RecipeError
@@ -18,7 +18,7 @@ from memtrain.files import write_atomically
 from memtrain.plan.advice import Advice, advise
 from memtrain.plan.planner import TERMS, Plan, plan_recipe, resolve_micro_batch
 from memtrain.recipe.load import apply_overrides, input_paths, is_relative_path
-from memtrain.recipe.rules import check_rules, compile_unsupported
+from memtrain.recipe.rules import compile_unsupported
 from memtrain.recipe.sources import COMMAND_LINE, LoadedRecipe, Sources
 from memtrain.train.allocator import exact_pinned_supported
 from memtrain.train.setup import build_data
@@ -219,10 +219,7 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
     loaded = load_for_plan(recipe, overrides, env)
     plan = planner.plan(loaded)
 
-    def checks(candidate: LoadedRecipe) -> list[Problem]:
-        return check_rules(candidate) + check_environment(candidate, env)
-
-    advice = [] if plan.fits else advise(loaded, gpu, exact_pinned=planner.exact_pinned, checks=checks)
+    advice = [] if plan.fits else advise(loaded, gpu, exact_pinned=planner.exact_pinned, checks=recipe_checks(env))
     written = None
     if fit and not plan.fits and advice and output is not None:
         # Later overrides of the same key win; keep one of each, in order.

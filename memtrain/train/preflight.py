@@ -10,11 +10,11 @@ from __future__ import annotations
 import psutil
 import torch
 
-from memtrain.checks.environment import check_environment, current_environment
+from memtrain.checks.environment import current_environment
+from memtrain.checks.load import recipe_checks
 from memtrain.errors import UserError
 from memtrain.plan.advice import advise, with_overrides
 from memtrain.plan.planner import plan_recipe
-from memtrain.recipe.rules import check_rules
 from memtrain.recipe.sources import LoadedRecipe
 from memtrain.units import gib
 
@@ -54,9 +54,7 @@ def _cheapest_host_change(loaded: LoadedRecipe, capacity: int, exact_pinned: boo
     """The hint of a host-memory refusal: the cheapest change `memtrain plan --fit` finds for this host (seconds of
     planning, only when the run is refused anyway), or the usual levers when none fits."""
     at_capacity = with_overrides(loaded, [f"hardware.host_memory={capacity}"])
-    environment = current_environment()
-    advice = advise(at_capacity, limit=1, exact_pinned=exact_pinned,
-                    checks=lambda candidate: check_rules(candidate) + check_environment(candidate, environment))
+    advice = advise(at_capacity, limit=1, exact_pinned=exact_pinned, checks=recipe_checks(current_environment()))
     if advice:
         return (f"the cheapest change that fits: {' '.join(advice[0].overrides)} ({advice[0].reason}); "
                 "`memtrain plan --fit -o FILE` writes it")

@@ -168,7 +168,7 @@ def client_optimizer(recipe: Recipe, trainable: list[torch.nn.Parameter] | list[
         kind = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw": bnb.optim.PagedAdamW,
                 "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}[o.name]
     if o.step_in_backward:
-        return StepInBackward(trainable, settings, make=lambda group: kind(group, **settings))
+        return StepInBackward(trainable, settings, make=kind)  # each parameter's group carries the settings
     return kind(trainable, **settings)
 
 
