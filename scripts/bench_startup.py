@@ -8,7 +8,8 @@ recipe in benchmarks/startup.csv (rows keyed by recipe and machine state), and i
         --recipe recipes/llama2-7b-lora-24gb.yaml --recipe "recipes/tinyllama-1.1b-full-offload-24gb.yaml"
 
 --machine-state fresh starts the invocation with empty compiled-op caches (TORCH_EXTENSIONS_DIR for DeepSpeed's
-CPU Adam, TRITON_CACHE_DIR for Triton kernels such as Liger's) kept under --runs for the whole invocation:
+CPU Adam, TRITON_CACHE_DIR for Triton kernels such as Liger's, TORCHINDUCTOR_CACHE_DIR for compiled layers' graphs)
+kept under --runs for the whole invocation:
 the first recipe runs on a fresh machine and is labelled `fresh`, the later ones find what it built and
 are labelled `warm`. --machine-state warm uses the caches as they are and labels every row `warm`.
 A recipe may carry overrides after it ("RECIPE key=value ...").
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.machine_state == "fresh":
         caches = args.runs / "fresh-caches"
         shutil.rmtree(caches, ignore_errors=True)
-        env.update(TORCH_EXTENSIONS_DIR=str(caches / "torch_extensions"), TRITON_CACHE_DIR=str(caches / "triton"))
+        env.update(TORCH_EXTENSIONS_DIR=str(caches / "torch_extensions"), TRITON_CACHE_DIR=str(caches / "triton"),
+                   TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"))
     failed = 0
     for index, spec in enumerate(args.recipe):
         state = "fresh" if args.machine_state == "fresh" and index == 0 else "warm"

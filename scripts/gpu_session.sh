@@ -51,6 +51,11 @@
 #                                         # on the 1.1B shape (scripts/convergence.py, benchmarks/convergence.csv)
 #   bash scripts/gpu_session.sh ckpt13    # session 13, issue 26: the 32 GiB-host recipe stopped after 2 steps (checkpoint), then
 #                                         # resumed to its 3rd and exported, beside the holder and the host sampler
+#   bash scripts/gpu_session.sh speed14   # session 14, issue 23, one call: 7B LoRA with compiled layers (with and without Liger's
+#                                         # kernels) vs HF eager vs HF + Liger; its start-up fresh (empty op, Triton and
+#                                         # inductor caches) and then warm
+#   bash scripts/gpu_session.sh speed14b  # session 14, issue 23: the chat recipe compiled vs both baselines; QLoRA and the
+#                                         # 1.1B offload recipe compiled vs eager (memtrain only)
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -206,6 +211,33 @@ speed10b)  # the rest of issue 23's start-up table (warm), and memtrain without 
   cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
   step vs-hf 200 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 100 \
     --case "7b-lora-mb4x1024 (session 10, memtrain model.kernels none)=recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2 :: model.kernels=none"
+  ;;
+speed14)  # one call, under 9.5 minutes (estimates: fresh start-up 90 s, vs-HF 4 runs 260 s, warm start-up 60 s)
+  cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
+  step startup-fresh 130 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state fresh --steps 1 \
+    --timeout 120 --recipe "recipes/llama2-7b-lora-24gb.yaml train.compile=true"
+  cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
+  step vs-hf 330 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 110 \
+    --baseline hf,hf-liger \
+    --case "7b-lora-mb4x1024 (session 14, compiled layers)=recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2 :: train.compile=true" \
+    --case "7b-lora-mb4x1024 (session 14, compiled layers, model.kernels none)=recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2 :: train.compile=true model.kernels=none"
+  step startup-warm 90 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 \
+    --timeout 85 --recipe "recipes/llama2-7b-lora-24gb.yaml train.compile=true"
+  ;;
+speed14b)  # under 9.5 minutes: the chat recipe (packed 2 x 2048) compiled vs both baselines; then memtrain alone,
+  # compiled vs eager, on QLoRA and on the 1.1B optimizer-offload recipe
+  cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
+  chat="recipes/llama2-7b-lora-24gb.yaml model.tokenizer=builtin:shakespeare-chat
+        'data.train=[{path: \"builtin:chat\", type: chat}]' data.validation=null data.template=chatml data.packing=true
+        batch.micro_batch=2 batch.global_batch=4 data.seq_len=2048 schedule.warmup_steps=2"
+  step vs-hf-chat 250 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 110 \
+    --baseline hf,hf-liger --case "7b-lora-chat-packed-every-mb2x2048 (session 14, compiled layers)=$chat :: train.compile=true"
+  step compiled-or-not 300 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 100 \
+    --title "memtrain run on the GPU machine (24 GiB cap)" \
+    --case "7b-qlora-nf4 (session 14, eager)=recipes/llama2-7b-qlora-16gb.yaml train.steps=8 $quiet train.compile=false" \
+    --case "7b-qlora-nf4 (session 14, compiled layers)=recipes/llama2-7b-qlora-16gb.yaml train.steps=8 $quiet train.compile=true" \
+    --case "1.1b-full-opt-offload (session 14, eager)=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=10 $quiet train.compile=false" \
+    --case "1.1b-full-opt-offload (session 14, compiled layers)=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=10 $quiet train.compile=true"
   ;;
 run10a)  # one call, under 9.5 minutes: 7B LoRA memtrain default vs HF eager vs HF + Liger (the first run of memtrain's
   # Liger path, so first), then the chat recipe against both baselines, then start-up rows with what is left

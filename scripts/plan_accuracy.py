@@ -187,7 +187,20 @@ IN_BACKWARD = [
     Case("7b-full-in-backward-paged8bit-mb16-s1024", HOST32, ("model.kernels=liger", "batch.micro_batch=16",
                                                               "batch.global_batch=16")),
 ]
-CASES += HELD_OUT + LEAN + STREAMS + PEAKS + FAMILIES + PARTIAL + PARAMS_ON_GPU + IN_BACKWARD
+# Session 14, issue 23, predicted before they ran: the 7B LoRA recipe as shipped with compiled decoder layers
+# (train.compile), with and without Liger's kernels. The planner prices the eager layers (an upper bound for compiled
+# ones); the peaks are those of the side-by-side runs (bash scripts/gpu_session.sh speed14, benchmarks/vs_hf.csv).
+COMPILED = [
+    Case("7b-lora-compiled-liger-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("train.compile=true", "model.kernels=liger")
+         + _batch(4, 1024)),
+    Case("7b-lora-compiled-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("train.compile=true", "model.kernels=none")
+         + _batch(4, 1024)),
+    Case("7b-lora-chat-packed-compiled-liger-every-mb2-s2048", LORA7B,
+         PEFT_DROPOUT + CHAT + ("train.compile=true", "model.kernels=liger") + _batch(2, 2048)),
+    # the QLoRA recipe as shipped (bash scripts/gpu_session.sh speed14b, benchmarks/runs.csv)
+    Case("7b-qlora-nf4-compiled-liger-every-mb8-s1024", QLORA7B, ("train.compile=true", "model.kernels=liger")),
+]
+CASES += HELD_OUT + LEAN + STREAMS + PEAKS + FAMILIES + PARTIAL + PARAMS_ON_GPU + IN_BACKWARD + COMPILED
 
 
 def measure(case: Case, overrides: list[str], run_dir: Path, timeout_s: int) -> dict | str:
