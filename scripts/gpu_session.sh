@@ -54,8 +54,9 @@
 #   bash scripts/gpu_session.sh speed14   # session 14, issue 23, one call: 7B LoRA with compiled layers (with and without Liger's
 #                                         # kernels) vs HF eager vs HF + Liger; its start-up fresh (empty op, Triton and
 #                                         # inductor caches) and then warm
-#   bash scripts/gpu_session.sh speed14b  # session 14, issue 23: the chat recipe compiled vs both baselines; QLoRA and the
-#                                         # 1.1B offload recipe compiled vs eager (memtrain only)
+#   bash scripts/gpu_session.sh speed14b  # session 14, issue 23: memtrain's new default (compiled layers, Liger's loss) on
+#                                         # the 7B LoRA and chat recipes vs HF eager and HF + Liger; warm start-up
+#   bash scripts/gpu_session.sh speed14c  # session 14, issue 23: compiled or not on QLoRA, Mistral-7B and Qwen2.5-7B LoRA
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -224,20 +225,29 @@ speed14)  # one call, under 9.5 minutes (estimates: fresh start-up 90 s, vs-HF 4
   step startup-warm 90 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 \
     --timeout 85 --recipe "recipes/llama2-7b-lora-24gb.yaml train.compile=true"
   ;;
-speed14b)  # under 9.5 minutes: the chat recipe (packed 2 x 2048) compiled vs both baselines; then memtrain alone,
-  # compiled vs eager, on QLoRA and on the 1.1B optimizer-offload recipe
+speed14b)  # under 9.5 minutes: memtrain's new default (train.compile auto: compiled layers, Liger's loss only) on the 7B
+  # LoRA recipe and the chat recipe (packed 2 x 2048), each against HF eager and HF + Liger; warm start-up between
   cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
+  cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
+  step vs-hf 230 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 110 \
+    --baseline hf,hf-liger --case "7b-lora-mb4x1024 (session 14, memtrain default)=recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2"
+  step startup-warm 70 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 \
+    --timeout 65 --recipe "recipes/llama2-7b-lora-24gb.yaml"
   chat="recipes/llama2-7b-lora-24gb.yaml model.tokenizer=builtin:shakespeare-chat
         'data.train=[{path: \"builtin:chat\", type: chat}]' data.validation=null data.template=chatml data.packing=true
         batch.micro_batch=2 batch.global_batch=4 data.seq_len=2048 schedule.warmup_steps=2"
   step vs-hf-chat 250 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 110 \
-    --baseline hf,hf-liger --case "7b-lora-chat-packed-every-mb2x2048 (session 14, compiled layers)=$chat :: train.compile=true"
-  step compiled-or-not 300 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 100 \
+    --baseline hf,hf-liger --case "7b-lora-chat-packed-every-mb2x2048 (session 14, memtrain default)=$chat"
+  ;;
+speed14c)  # under 9.5 minutes, memtrain alone: compiled layers or not on QLoRA and two other 7B families' LoRA
+  step compiled-or-not 540 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 100 \
     --title "memtrain run on the GPU machine (24 GiB cap)" \
     --case "7b-qlora-nf4 (session 14, eager)=recipes/llama2-7b-qlora-16gb.yaml train.steps=8 $quiet train.compile=false" \
     --case "7b-qlora-nf4 (session 14, compiled layers)=recipes/llama2-7b-qlora-16gb.yaml train.steps=8 $quiet train.compile=true" \
-    --case "1.1b-full-opt-offload (session 14, eager)=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=10 $quiet train.compile=false" \
-    --case "1.1b-full-opt-offload (session 14, compiled layers)=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=10 $quiet train.compile=true"
+    --case "mistral-7b-lora (session 14, eager)=recipes/llama2-7b-lora-24gb.yaml model.preset=mistral-7b-v0.3 train.steps=8 $quiet train.compile=false" \
+    --case "mistral-7b-lora (session 14, compiled layers)=recipes/llama2-7b-lora-24gb.yaml model.preset=mistral-7b-v0.3 train.steps=8 $quiet train.compile=true" \
+    --case "qwen2.5-7b-lora (session 14, eager)=recipes/llama2-7b-lora-24gb.yaml model.preset=qwen2.5-7b train.steps=8 $quiet train.compile=false" \
+    --case "qwen2.5-7b-lora (session 14, compiled layers)=recipes/llama2-7b-lora-24gb.yaml model.preset=qwen2.5-7b train.steps=8 $quiet train.compile=true"
   ;;
 run10a)  # one call, under 9.5 minutes: 7B LoRA memtrain default vs HF eager vs HF + Liger (the first run of memtrain's
   # Liger path, so first), then the chat recipe against both baselines, then start-up rows with what is left

@@ -195,10 +195,13 @@ COMPILED = [
          + _batch(4, 1024)),
     Case("7b-lora-compiled-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("train.compile=true", "model.kernels=none")
          + _batch(4, 1024)),
-    Case("7b-lora-chat-packed-compiled-liger-every-mb2-s2048", LORA7B,
-         PEFT_DROPOUT + CHAT + ("train.compile=true", "model.kernels=liger") + _batch(2, 2048)),
-    # the QLoRA recipe as shipped (bash scripts/gpu_session.sh speed14b, benchmarks/runs.csv)
-    Case("7b-qlora-nf4-compiled-liger-every-mb8-s1024", QLORA7B, ("train.compile=true", "model.kernels=liger")),
+    # the default since (train.compile auto: compiled layers, Liger's fused loss only), the 7B LoRA and chat recipes
+    # (bash scripts/gpu_session.sh speed14b) and the QLoRA recipe compiled (speed14c, benchmarks/runs.csv)
+    Case("7b-lora-compiled-ligerloss-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("train.compile=true",
+                                                                             "model.kernels=liger_loss") + _batch(4, 1024)),
+    Case("7b-lora-chat-packed-compiled-ligerloss-every-mb2-s2048", LORA7B,
+         PEFT_DROPOUT + CHAT + ("train.compile=true", "model.kernels=liger_loss") + _batch(2, 2048)),
+    Case("7b-qlora-nf4-compiled-ligerloss-every-mb8-s1024", QLORA7B, ("train.compile=true", "model.kernels=liger_loss")),
 ]
 CASES += HELD_OUT + LEAN + STREAMS + PEAKS + FAMILIES + PARTIAL + PARAMS_ON_GPU + IN_BACKWARD + COMPILED
 
