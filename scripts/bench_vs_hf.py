@@ -87,8 +87,8 @@ def _setup(start: dict, recipe: dict) -> str:
 
     checkpointing = describe_checkpointing(Checkpointing.model_validate(recipe["checkpointing"]))
     allocator = "expandable" if recipe["hardware"].get("expandable_segments") else "caching"
-    compiled = ", compiled layers" if recipe.get("train", {}).get("compile") else ""
-    liger = ", liger kernels" if recipe.get("model", {}).get("kernels") == "liger" else ""
+    compiled = ", compiled layers" if recipe.get("train", {}).get("compile") is True else ""
+    liger = {"liger": ", liger kernels", "liger_loss": ", liger loss"}.get(recipe.get("model", {}).get("kernels"), "")
     return f"mb {start.get('micro_batch')}, {checkpointing}, {allocator}{compiled}{liger}"
 
 

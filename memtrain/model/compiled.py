@@ -1,16 +1,42 @@
-"""`train.compile`: torch.compile each decoder layer of the model ("regional" compilation).
+"""`train.compile`: torch.compile each decoder layer of the model ("regional" compilation), and when `auto` does.
 
 The matmuls already run in cuBLAS; what compiling a layer buys is the element-wise work between them —
 RMSNorm's fp32 upcast, the rotary embedding, SwiGLU's SiLU and product, LoRA's dropout, scaling and
 addition — fused into a few kernels, in forward, in backward and in checkpointed recomputation alike.
 All decoder layers share one code object, so one compilation serves them all. Activation
 checkpointing stays outside: transformers' checkpoint wrapper calls the compiled layer.
+
+`auto` compiles where it was measured to win (docs/BENCHMARKS.md, session 14: the 7B LoRA recipe 11,583
+tokens/s compiled against 7,701 for HF eager and 8,268 for HF + Liger in one invocation): LoRA on an
+unquantised base of a measured family, on a CUDA GPU. Compiled layers are built without Liger's layer
+kernels (the same run with them: 8,021 tokens/s — dynamo cannot trace their Triton launches and splits
+the layer around them), so `model.kernels: auto` then keeps only Liger's fused loss
+(memtrain.model.kernels.resolve_kernels).
 """
 from __future__ import annotations
 
 from torch import nn
 
+from memtrain.model.config import model_architecture
 from memtrain.model.layers import decoder_layer_names, hf_model
+from memtrain.recipe.rules import compile_unsupported
+from memtrain.recipe.schema import Recipe
+
+# model_type of the families whose compiled layers were measured on the GPU (benchmarks/vs_hf.csv)
+MEASURED_FAMILIES = ("llama",)
+
+
+def resolve_compile(recipe: Recipe, cuda: bool) -> bool:
+    """`train.compile` made concrete for this machine. `true` / `false` stand (the recipe checks refused a
+    `true` that cannot work); `auto` compiles LoRA on an unquantised base of a measured family on CUDA,
+    where nothing rules compilation out (ZeRO-3, activation offload) and lean LoRA dropout is off (its
+    autograd function is not fused: measured slower compiled, docs/BENCHMARKS.md)."""
+    if recipe.train.compile != "auto":
+        return recipe.train.compile
+    lora = recipe.model.lora
+    return (cuda and lora is not None and not lora.lean_dropout and recipe.model.quantize is None
+            and model_architecture(recipe.model).model_type in MEASURED_FAMILIES
+            and compile_unsupported(recipe) is None)
 
 
 def compile_layers(model: nn.Module) -> int:

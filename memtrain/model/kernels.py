@@ -55,42 +55,52 @@ def liger_family(model: Model) -> str | None:
     return model_type if model_type in LIGER_FAMILIES else None
 
 
-def resolve_kernels(model: Model, support: KernelSupport) -> str:
-    """`model.kernels` made concrete for this machine: 'liger' or 'none'.
+def resolve_kernels(model: Model, support: KernelSupport, compiled: bool = False) -> str:
+    """`model.kernels` made concrete for this machine: 'liger', 'liger_loss' or 'none'. `compiled`: the run's
+    decoder layers are compiled (train.compile resolved), so `auto` takes Liger's fused loss only
+    (memtrain.model.compiled: torch.compile fuses the layers better than it runs Liger's kernels inside them).
 
-    Raises UserError (key model.kernels) when the recipe asks for `liger` and it cannot run here.
+    Raises UserError (key model.kernels) when the recipe asks for Liger and it cannot run here.
     """
     if model.kernels == "none":
         return "none"
     family = liger_family(model)
     if model.kernels == "auto":
-        return "liger" if support.liger and support.cuda and family is not None else "none"
+        usable = support.liger and support.cuda and family is not None
+        return ("liger_loss" if compiled else "liger") if usable else "none"
     problems = []
     if family is None:
         problems.append(Problem(
             f"Liger has no kernels for the model type '{model_architecture(model).model_type}'", key="model.kernels",
             hint=f"it patches {', '.join(LIGER_FAMILIES)}; set model.kernels: auto or none"))
     if not support.liger:
-        problems.append(Problem("model.kernels: liger needs liger-kernel, which is not installed", key="model.kernels",
+        problems.append(Problem(f"model.kernels: {model.kernels} needs liger-kernel, which is not installed",
+                                key="model.kernels",
                                 hint="pip install 'memtrain[liger]', or set model.kernels: auto (uses it where installed)"))
     if not support.cuda:
-        problems.append(Problem("model.kernels: liger needs a CUDA GPU (Liger's kernels are Triton kernels)",
+        problems.append(Problem(f"model.kernels: {model.kernels} needs a CUDA GPU (Liger's kernels are Triton kernels)",
                                 key="model.kernels", hint="set model.kernels: auto or none on this machine"))
     if problems:
         raise UserError(problems)
-    return "liger"
+    return model.kernels
+
+
+def patches_layers(model: Model) -> bool:
+    """Whether Liger's RMSNorm, gated MLP and RoPE replace transformers' (model.kernels resolved to liger)."""
+    return model.kernels == "liger"
 
 
 def uses_fused_loss(model: Model, precision: Precision, zero_stage: int) -> bool:
     """Whether the loss is Liger's fused linear cross-entropy instead of the chunked loss: one owner for the
-    run (memtrain.train.setup) and the planner. Needs `model.kernels` resolved ('auto' counts as no).
+    run (memtrain.train.setup) and the planner. Needs `model.kernels` resolved ('auto' counts as no; liger
+    and liger_loss both use it).
 
     Not under ZeRO-3 (the fused loss reads the head's weight directly; ZeRO-3 gathers it only inside the
     head's own forward), not under precision.mode autocast or with fp32_modules naming the head (the head's
     weight and the hidden states must share the compute dtype), and not when LoRA trains a copy of a module
     (PEFT's modules_to_save wrapper stands where the head was).
     """
-    if model.kernels != "liger" or zero_stage == 3 or precision.mode != "cast":
+    if model.kernels not in ("liger", "liger_loss") or zero_stage == 3 or precision.mode != "cast":
         return False
     if any(name_matches(HEAD_NAME, glob) for glob in precision.fp32_modules):
         return False
@@ -99,7 +109,7 @@ def uses_fused_loss(model: Model, precision: Precision, zero_stage: int) -> bool
 
 def apply_liger_kernels(model: Model) -> None:
     """Patch transformers' classes of this model's family with Liger's RMSNorm, gated MLP and RoPE
-    (process-wide, idempotent). Call only with `model.kernels` resolved to 'liger'."""
+    (process-wide, idempotent). Call only where `patches_layers`."""
     family = liger_family(model)
     if family is None:  # resolve_kernels refused it already; a guard for other callers
         raise UserError(Problem("Liger has no kernels for this model type", key="model.kernels"))

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memtrain.dtypes import DTYPES
 from memtrain.model.build import add_lora
 from memtrain.model.config import model_config
+from memtrain.model.kernels import patches_layers
 from memtrain.model.layers import decoder_layers, hf_model
 from memtrain.recipe.schema import Checkpointing, Model
 
@@ -174,7 +175,7 @@ def _trace_layer(model_json: str, compute: str, micro_batch: int, seq_len: int) 
             # detached (DoRA's weight norm goes through lora_B(lora_A(eye))) is freed during forward, and the
             # address of a freed storage may be reused by a later one, which would merge two tensors into one.
             kept = tuple(tensor for tensor, alive in saved if alive() is not None)
-            if recipe_model.kernels == "liger":
+            if patches_layers(recipe_model):
                 kept = _as_liger_keeps(kept, modules, inputs, outputs, rows=micro_batch * seq_len)
             del output
             shared_bytes = sum(t.untyped_storage().nbytes() for t in position_embeddings or ())
@@ -254,7 +255,7 @@ def estimate_activations(model: Model, checkpointing: Checkpointing, compute: st
     full = trace.full_bytes
     # the gradients of the largest intermediates: two new ones with eager modules; Liger's fused SiLU/GELU-and-multiply
     # writes the gate's and up projection's gradients into their saved outputs in place, leaving one (its output's)
-    gradient_transient = (1 if model.kernels == "liger" else 2) * max(trace.largest_saved_bytes, trace.layer_input_bytes)
+    gradient_transient = (1 if patches_layers(model) else 2) * max(trace.largest_saved_bytes, trace.layer_input_bytes)
     strategy = checkpointing.strategy
     host = 0
     if strategy == "none":

@@ -68,8 +68,9 @@ def _checkpointing_options(r: Recipe) -> list[Option]:
 
 def _lora_dropout_options(r: Recipe) -> list[Option]:
     lora = r.model.lora
-    if lora is None or lora.dropout == 0 or lora.lean_dropout or r.train.compile:
-        return [KEEP]  # with compiled layers it is slower (docs/BENCHMARKS.md: its autograd function is not fused)
+    if lora is None or lora.dropout == 0 or lora.lean_dropout or r.train.compile is True:
+        return [KEEP]  # slower compiled (docs/BENCHMARKS.md: its autograd function is not fused); under auto it
+        # turns compilation off, a trade of speed for memory that advice offers only where the recipe does not fit
     return [KEEP, Option(("model.lora.lean_dropout=true",), 0.1,
                          "regenerate LoRA dropout masks in backward instead of keeping the dropped inputs")]
 

@@ -234,7 +234,7 @@ def compile_unsupported(r) -> tuple[str, str] | None:
 
 @reads("train", "offload", "checkpointing")
 def _check_compile(loaded: LoadedRecipe) -> list[Problem]:
-    unsupported = compile_unsupported(loaded.recipe) if loaded.recipe.train.compile else None
+    unsupported = compile_unsupported(loaded.recipe) if loaded.recipe.train.compile is True else None
     return [loaded.sources.problem(("train", "compile"), *unsupported)] if unsupported else []
 
 

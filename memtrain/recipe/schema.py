@@ -138,12 +138,14 @@ class Model(Section):
         "sdpa", description="Attention kernel; sdpa has no seq_len^2 activation term. Where an architecture "
         "cannot run sdpa correctly (Gemma-2's soft-capped attention) memtrain uses eager and says so."
     )
-    kernels: Literal["auto", "liger", "none"] = Field(
+    kernels: Literal["auto", "liger", "liger_loss", "none"] = Field(
         "auto", description="Liger's Triton kernels (pip install 'memtrain[liger]'): RMSNorm, SwiGLU (GEGLU for "
         "Gemma-2) and RoPE patched into the model, and Liger's fused linear cross-entropy as the loss (never the "
         "full logits; not under ZeRO-3, precision.mode autocast, an fp32 lm_head or LoRA modules_to_save, where the "
-        "chunked loss stays). auto: where liger-kernel is installed, a CUDA GPU is present and the model is Llama, "
-        "Mistral, Qwen2, Qwen3, Gemma-2 or Phi-3; liger: always (an error where it cannot run); none: never.")
+        "chunked loss stays). liger_loss: the fused loss only, the layers as transformers writes them (what auto "
+        "picks for compiled layers: torch.compile fuses them, and cannot trace through Liger's layer kernels). "
+        "auto: where liger-kernel is installed, a CUDA GPU is present and the model is Llama, Mistral, Qwen2, "
+        "Qwen3, Gemma-2 or Phi-3; liger / liger_loss: always (an error where it cannot run); none: never.")
     lora: Lora | None = Field(None, description="Train LoRA adapters instead of all weights.")
     quantize: Quantize | None = Field(
         None, description="Store the frozen base weights quantised (QLoRA; needs lora and bitsandbytes: "
@@ -442,11 +444,14 @@ class Train(Section):
     max_bad_steps: int = Field(
         3, ge=1, le=1000, description="Steps in a row whose loss or gradient norm is not finite (NaN/inf) before the "
         "run stops; each such step's update is skipped, and no checkpoint is saved from that state.")
-    compile: bool = Field(
-        False, description="torch.compile each decoder layer: fuses the element-wise work around the matmuls "
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each decoder layer: fuses the element-wise work around the matmuls "
         "(norms, rotary embedding, SwiGLU, LoRA scaling and dropout) into fewer kernels. The first step waits "
-        "for the compiler (one layer is compiled, the others reuse it). ZeRO stage 0-2; `memtrain plan` "
-        "keeps the uncompiled activation estimate, an upper bound.")
+        "for the compiler (one layer is compiled, the others reuse it; its cache makes later runs start sooner). "
+        "ZeRO stage 0-2, no activation offload rules. auto: on a CUDA GPU for LoRA on a bf16/fp16 base of a "
+        "family it was measured on (Llama; memtrain.model.compiled), not with lean LoRA dropout or a quantised "
+        "base; true: wherever allowed; false: never. `memtrain plan` prices the uncompiled layers (measured "
+        "within 3 % of compiled ones).")
     output_dir: str = Field("runs/{name}", description="Run directory; {name} is the recipe file's stem.")
 
 

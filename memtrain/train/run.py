@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from memtrain.files import write_atomically
+from memtrain.model.compiled import resolve_compile
 from memtrain.model.kernels import KernelSupport, resolve_kernels
 from memtrain.plan.planner import plan_recipe, resolve_checkpointing, resolve_micro_batch
 from memtrain.recipe.schema import Recipe
@@ -60,7 +61,7 @@ class ResolvedRun:
     """The recipe as it will run on this machine."""
 
     name: str
-    recipe: Recipe                    # checkpointing and model.kernels 'auto' made concrete; the rest as written
+    recipe: Recipe                    # checkpointing, train.compile and model.kernels 'auto' made concrete
     run_dir: Path
     recipe_micro_batch: int           # batch.micro_batch with 'auto' resolved by the planner
     micro_batch: int                  # the starting micro-batch: at most this rank's share of the global batch
@@ -117,10 +118,13 @@ def resolve_run(recipe: Recipe, name: str, run_dir: Path, n_train_samples: int, 
                 kernels: KernelSupport | None = None) -> ResolvedRun:
     """Resolve a validated recipe for this machine: kernels, micro-batch, recomputed layers, steps, the plan's figures.
 
-    kernels: what this machine offers Liger's kernels (default: asked of this machine). They are resolved
-    first, so the planner prices the loss and layers the run will build.
+    kernels: what this machine offers Liger's kernels and compilation (default: asked of this machine). Compiled
+    layers, then the kernels (which depend on them) are resolved first, so the planner prices the loss and layers
+    the run will build.
     """
-    recipe = with_kernels(recipe, resolve_kernels(recipe.model, kernels or KernelSupport.current()))
+    support = kernels or KernelSupport.current()
+    recipe = with_compile(recipe, resolve_compile(recipe, support.cuda))
+    recipe = with_kernels(recipe, resolve_kernels(recipe.model, support, compiled=recipe.train.compile))
     recipe_micro_batch = resolve_micro_batch_of(recipe, exact_pinned)
     per_rank_batch = recipe.batch.global_batch // recipe.hardware.world_size
     micro_batch = min(recipe_micro_batch, per_rank_batch)
@@ -129,6 +133,13 @@ def resolve_run(recipe: Recipe, name: str, run_dir: Path, n_train_samples: int, 
                        micro_batch=micro_batch, total_steps=total_steps(recipe, n_train_samples),
                        exact_pinned=exact_pinned, plan_peak_reserved_bytes=_planned_peak(resolved, exact_pinned),
                        planner_prior=_planner_prior(resolved, exact_pinned))
+
+
+def with_compile(recipe: Recipe, compiled: bool) -> Recipe:
+    """The recipe with train.compile set (the same object when it already says so)."""
+    if recipe.train.compile is compiled:
+        return recipe
+    return recipe.model_copy(update={"train": recipe.train.model_copy(update={"compile": compiled})})
 
 
 def with_kernels(recipe: Recipe, kernels: str) -> Recipe:

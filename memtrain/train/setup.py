@@ -29,7 +29,7 @@ from memtrain.model.build import build_model
 from memtrain.model.checkpointing import apply_checkpointing
 from memtrain.model.compiled import compile_layers
 from memtrain.model.config import meta_model, model_config
-from memtrain.model.kernels import apply_liger_kernels, uses_fused_loss
+from memtrain.model.kernels import apply_liger_kernels, patches_layers, uses_fused_loss
 from memtrain.model.loraplus import lora_param_groups
 from memtrain.model.precision import apply_precision
 from memtrain.model.quantize import require_bitsandbytes
@@ -109,14 +109,14 @@ def check_new_rows_train(recipe: Recipe, added: tuple[str, ...]) -> None:
 def build_policy_model(recipe: Recipe, place: Place, ds_config: dict, vocab_size: int | None = None) -> torch.nn.Module:
     """The causal LM on its device with the recipe's checkpointing, precision map and compiled layers
     (its embeddings grown to `vocab_size` when tokens were added to the tokenizer), built from Liger's
-    modules when `model.kernels` resolved to liger."""
-    if recipe.model.kernels == "liger":
+    modules when `model.kernels` resolved to liger (not liger_loss: its loss is chosen in build_engine)."""
+    if patches_layers(recipe.model):
         apply_liger_kernels(recipe.model)  # transformers' module-level classes: before the model is built
     model = build_model(recipe.model, recipe.precision.storage, place.device, ds_config, seed=recipe.train.seed,
                         vocab_size=vocab_size)
     apply_checkpointing(model, recipe.checkpointing)
     apply_precision(model, recipe.precision)
-    if recipe.train.compile:
+    if recipe.train.compile is True:  # resolved (memtrain.train.run); an unresolved 'auto' builds eager layers
         compile_layers(model)
     return model
 

@@ -112,3 +112,36 @@ def test_liger_layers_keep_what_their_autograd_functions_save():
         return {block: nbytes for block, (_, nbytes) in trace.inputs.items()}
 
     assert liger.layer_input_bytes == eager.layer_input_bytes and input_sizes(liger) == input_sizes(eager)
+
+
+def test_compiled_layers_take_liger_s_loss_only():
+    """Compiled layers are built without Liger's layer kernels (dynamo splits a layer around their Triton launches:
+    8,021 against 11,583 tokens/s without them, docs/BENCHMARKS.md), so auto keeps only the fused loss."""
+    llama = Model(preset="llama2-7b")
+    assert resolve_kernels(llama, GPU_MACHINE, compiled=True) == "liger_loss"
+    assert resolve_kernels(llama, KernelSupport(liger=False, cuda=True), compiled=True) == "none"
+    assert resolve_kernels(Model(preset="llama2-7b", kernels="liger"), GPU_MACHINE, compiled=True) == "liger"  # as asked
+    assert resolve_kernels(Model(preset="llama2-7b", kernels="liger_loss"), GPU_MACHINE) == "liger_loss"
+    with pytest.raises(UserError, match="liger_loss needs a CUDA GPU"):
+        resolve_kernels(Model(preset="llama2-7b", kernels="liger_loss"), KernelSupport(liger=True, cuda=False))
+    assert uses_fused_loss(Model(preset="llama2-7b", kernels="liger_loss"), Precision(), zero_stage=2)
+
+
+def test_the_liger_loss_plan_prices_the_fused_loss_and_eager_layers():
+    recipe = load_recipe(ROOT / "recipes/llama2-7b-lora-24gb.yaml").recipe
+    eager, loss_only, liger = (plan_recipe(with_kernels(recipe, kernels)) for kernels in ("none", "liger_loss", "liger"))
+    assert loss_only.logits_loss == liger.logits_loss < eager.logits_loss
+    assert loss_only.activations == eager.activations > liger.activations
+
+
+def test_the_7b_lora_recipe_resolves_to_compiled_layers_and_liger_s_loss_on_a_gpu_machine():
+    recipe = load_recipe(ROOT / "recipes/llama2-7b-lora-24gb.yaml").recipe
+    assert recipe.train.compile == "auto" and recipe.model.kernels == "auto"
+    resolved = resolve_run(recipe, "lora", Path("/tmp/unused"), 10_000, exact_pinned=True, kernels=GPU_MACHINE)
+    assert resolved.recipe.train.compile is True and resolved.recipe.model.kernels == "liger_loss"
+    on_cpu = resolve_run(recipe, "lora", Path("/tmp/unused"), 10_000, exact_pinned=True,
+                         kernels=KernelSupport(liger=True, cuda=False))
+    assert on_cpu.recipe.train.compile is False and on_cpu.recipe.model.kernels == "none"
+    # run.json holds the resolved values, which a worker reads back
+    from memtrain.train.run import ResolvedRun
+    assert ResolvedRun.from_json(resolved.to_json()).recipe == resolved.recipe
