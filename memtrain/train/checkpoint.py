@@ -166,7 +166,8 @@ def save_checkpoint(engine, run_dir: Path, state: LoopState, rank: int, keep_las
 def _loaded_to_host(engine):
     """With optimizer.step_in_backward (ZeRO stage 0), DeepSpeed loads the saved weights and optimizer states back
     onto the device they were saved from, beside the model's own weights: a second copy of a 7B model does not fit
-    a 24 GB card (measured: out of memory at 22.8 GiB on resume). Loaded on the host instead, the weights are
+    a 24 GB card (measured: out of memory at 22.8 GiB on resume). Loaded on the host instead (measured on the GPU
+    in session 14: the 7B run resumed and went on), memory-mapped, the weights are
     copied into the model's parameters and the per-parameter optimizers place their states (train/in_backward.py).
     Every other run loads as DeepSpeed does (ZeRO stages load their partitions their own way)."""
     if not isinstance(engine.optimizer, StepInBackward):
@@ -174,7 +175,11 @@ def _loaded_to_host(engine):
         return
     checkpoints = engine.checkpoint_engine
     load = checkpoints.load
-    checkpoints.load = lambda path, map_location=None: load(path, map_location=torch.device("cpu"))
+    # memory-mapped: the files' pages are read as the weights and states are copied out of them, and stay page
+    # cache the kernel can drop. Read whole (DeepSpeed's torch.load), the 7B resume peaked at 40.2 GiB of host
+    # memory machine-wide (benchmarks/host_memory.csv), over the 32 GiB host the recipe is for.
+    checkpoints.load = lambda path, map_location=None: torch.load(path, map_location=torch.device("cpu"), mmap=True,
+                                                                  weights_only=False)
     try:
         yield
     finally:
