@@ -56,6 +56,7 @@
 #                                         # inductor caches) and then warm
 #   bash scripts/gpu_session.sh speed14b  # session 14, issue 23: memtrain's new default (compiled layers, Liger's loss) on
 #                                         # the 7B LoRA and chat recipes vs HF eager and HF + Liger; warm start-up
+#   bash scripts/gpu_session.sh qlora14   # session 14: the error that stops QLoRA with compiled layers
 #   bash scripts/gpu_session.sh speed14c  # session 14, issue 23: compiled or not on QLoRA, Mistral-7B and Qwen2.5-7B LoRA
 set -u
 part=${1:?part}
@@ -248,6 +249,10 @@ speed14c)  # under 9.5 minutes, memtrain alone: compiled layers or not on QLoRA 
     --case "mistral-7b-lora (session 14, compiled layers)=recipes/llama2-7b-lora-24gb.yaml model.preset=mistral-7b-v0.3 train.steps=8 $quiet train.compile=true" \
     --case "qwen2.5-7b-lora (session 14, eager)=recipes/llama2-7b-lora-24gb.yaml model.preset=qwen2.5-7b train.steps=8 $quiet train.compile=false" \
     --case "qwen2.5-7b-lora (session 14, compiled layers)=recipes/llama2-7b-lora-24gb.yaml model.preset=qwen2.5-7b train.steps=8 $quiet train.compile=true"
+  ;;
+qlora14)  # session 14: why compiled layers stop a QLoRA run (rc 1 in speed14c), the traceback's end
+  step qlora-compiled 100 bash -c "python3 -m memtrain run recipes/llama2-7b-qlora-16gb.yaml train.steps=1 $quiet \
+    train.compile=true train.output_dir=/tmp/qlora14 --no-save 2>&1 | grep -v -E 'triton_kernel_wrap|^.rank0.:W' | tail -n 25"
   ;;
 run10a)  # one call, under 9.5 minutes: 7B LoRA memtrain default vs HF eager vs HF + Liger (the first run of memtrain's
   # Liger path, so first), then the chat recipe against both baselines, then start-up rows with what is left

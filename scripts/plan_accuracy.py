@@ -187,21 +187,26 @@ IN_BACKWARD = [
     Case("7b-full-in-backward-paged8bit-mb16-s1024", HOST32, ("model.kernels=liger", "batch.micro_batch=16",
                                                               "batch.global_batch=16")),
 ]
-# Session 14, issue 23, predicted before they ran: the 7B LoRA recipe as shipped with compiled decoder layers
-# (train.compile), with and without Liger's kernels. The planner prices the eager layers (an upper bound for compiled
-# ones); the peaks are those of the side-by-side runs (bash scripts/gpu_session.sh speed14, benchmarks/vs_hf.csv).
+# Session 14, issue 23, predicted before they ran (03f965c, cf43321): the 7B LoRA recipe as shipped with compiled decoder
+# layers (train.compile), with and without Liger's kernels, and the chat and QLoRA recipes compiled. The predictions
+# priced eager layers (15.57 / 15.80 / 15.80 / 15.81 / 9.53 GiB); the compiled rows ran 0.41-0.46 GiB over the eager
+# pricing, which COMPILED_RECOMPUTE_SHARE (plan/activations.py) was then fitted on. The peaks are those of the
+# side-by-side runs (bash scripts/gpu_session.sh speed14 / speed14b, benchmarks/vs_hf.csv).
 COMPILED = [
     Case("7b-lora-compiled-liger-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("train.compile=true", "model.kernels=liger")
          + _batch(4, 1024)),
     Case("7b-lora-compiled-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("train.compile=true", "model.kernels=none")
          + _batch(4, 1024)),
-    # the default since (train.compile auto: compiled layers, Liger's fused loss only), the 7B LoRA and chat recipes
-    # (bash scripts/gpu_session.sh speed14b) and the QLoRA recipe compiled (speed14c, benchmarks/runs.csv)
     Case("7b-lora-compiled-ligerloss-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("train.compile=true",
                                                                              "model.kernels=liger_loss") + _batch(4, 1024)),
     Case("7b-lora-chat-packed-compiled-ligerloss-every-mb2-s2048", LORA7B,
          PEFT_DROPOUT + CHAT + ("train.compile=true", "model.kernels=liger_loss") + _batch(2, 2048)),
     Case("7b-qlora-nf4-compiled-ligerloss-every-mb8-s1024", QLORA7B, ("train.compile=true", "model.kernels=liger_loss")),
+    # not predicted before they ran (speed14c measured them for speed, benchmarks/runs.csv) and not used in the fit
+    Case("mistral-7b-lora-compiled-ligerloss-every-mb4-s1024", LORA7B,
+         PEFT_DROPOUT + ("model.preset=mistral-7b-v0.3", "train.compile=true", "model.kernels=liger_loss") + _batch(4, 1024)),
+    Case("qwen2.5-7b-lora-compiled-ligerloss-every-mb4-s1024", LORA7B,
+         PEFT_DROPOUT + ("model.preset=qwen2.5-7b", "train.compile=true", "model.kernels=liger_loss") + _batch(4, 1024)),
 ]
 CASES += HELD_OUT + LEAN + STREAMS + PEAKS + FAMILIES + PARTIAL + PARAMS_ON_GPU + IN_BACKWARD + COMPILED
 
@@ -303,9 +308,10 @@ def write_tables(out: Path, view: Path, rows: list[dict], expandable: bool = Tru
 
 def case_overrides(case: Case, gpu: str, runs: Path, nvme_path: Path, expandable: bool = True) -> list[str]:
     """The case's overrides plus what every accuracy run sets: the card and its cap, the CUDA allocator's
-    mode, 3 short steps, its own dirs, and the eager kernels every row before session 10 was measured with
-    (a case may ask for model.kernels=liger: its own override comes last and wins)."""
-    overrides = ["model.kernels=none", *case.overrides, f"hardware.gpu={gpu}", "hardware.cap_memory=true",
+    mode, 3 short steps, its own dirs, the eager kernels every row before session 10 was measured with and the
+    eager layers every row before session 14 was (a case may ask for model.kernels=liger or train.compile=true: its
+    own override comes later and wins)."""
+    overrides = ["model.kernels=none", "train.compile=false", *case.overrides, f"hardware.gpu={gpu}", "hardware.cap_memory=true",
                  f"hardware.expandable_segments={str(expandable).lower()}", "train.steps=3",
                  "schedule.warmup_steps=1", "train.eval_every=1000", "train.save_every=1000", "train.log_every=1",
                  f"train.output_dir={runs / case.name}"]

@@ -7,8 +7,9 @@ All decoder layers share one code object, so one compilation serves them all. Ac
 checkpointing stays outside: transformers' checkpoint wrapper calls the compiled layer.
 
 `auto` compiles where it was measured to win (docs/BENCHMARKS.md, session 14: the 7B LoRA recipe 11,583
-tokens/s compiled against 7,701 for HF eager and 8,268 for HF + Liger in one invocation): LoRA on an
-unquantised base of a measured family, on a CUDA GPU. Compiled layers are built without Liger's layer
+tokens/s compiled against 7,701 for HF eager and 8,268 for HF + Liger in one invocation; Mistral-7B and
+Qwen2.5-7B LoRA 1.17x and 1.21x their eager runs): LoRA on an unquantised base of a measured family, on a
+CUDA GPU. A quantised base cannot be compiled (memtrain.recipe.rules.compile_unsupported). Compiled layers are built without Liger's layer
 kernels (the same run with them: 8,021 tokens/s — dynamo cannot trace their Triton launches and splits
 the layer around them), so `model.kernels: auto` then keeps only Liger's fused loss
 (memtrain.model.kernels.resolve_kernels).
@@ -23,18 +24,18 @@ from memtrain.recipe.rules import compile_unsupported
 from memtrain.recipe.schema import Recipe
 
 # model_type of the families whose compiled layers were measured on the GPU (benchmarks/vs_hf.csv)
-MEASURED_FAMILIES = ("llama",)
+MEASURED_FAMILIES = ("llama", "mistral", "qwen2")
 
 
 def resolve_compile(recipe: Recipe, cuda: bool) -> bool:
     """`train.compile` made concrete for this machine. `true` / `false` stand (the recipe checks refused a
-    `true` that cannot work); `auto` compiles LoRA on an unquantised base of a measured family on CUDA,
-    where nothing rules compilation out (ZeRO-3, activation offload) and lean LoRA dropout is off (its
+    `true` that cannot work); `auto` compiles LoRA of a measured family on CUDA, where nothing rules
+    compilation out (ZeRO-3, activation offload, a quantised base) and lean LoRA dropout is off (its
     autograd function is not fused: measured slower compiled, docs/BENCHMARKS.md)."""
     if recipe.train.compile != "auto":
         return recipe.train.compile
     lora = recipe.model.lora
-    return (cuda and lora is not None and not lora.lean_dropout and recipe.model.quantize is None
+    return (cuda and lora is not None and not lora.lean_dropout
             and model_architecture(recipe.model).model_type in MEASURED_FAMILIES
             and compile_unsupported(recipe) is None)
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from memtrain.configs import allocator_budget_bytes
 from memtrain.errors import Problem, RecipeError
+from memtrain.model.compiled import resolve_compile
 from memtrain.model.config import model_architecture
 from memtrain.model.kernels import uses_fused_loss
 from memtrain.plan.activations import estimate_activations
@@ -300,8 +301,9 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
                                 paged=recipe.optimizer.name.startswith("paged"))
     states = with_quantized_params(states, counts, DTYPE_BYTES[p.storage])
     # with model.kernels resolved to liger the trace is edited by what Liger's RMSNorm and SwiGLU keep (activations.py)
+    # compiled layers as the run would build them on a CUDA GPU (train.compile auto resolved for the plan's card)
     acts = estimate_activations(recipe.model, recipe.checkpointing, p.compute, micro_batch, seq_len, counts.num_layers,
-                                counts.layers_name)
+                                counts.layers_name, compiled=resolve_compile(recipe, cuda=True))
     tokens = micro_batch * seq_len
     head = _head_bytes(counts, compute_bytes, tokens) + packed_attention_mask_bytes(recipe, micro_batch)
     if uses_fused_loss(recipe.model, p, stage):  # Liger's fused linear cross-entropy (model.kernels resolved to liger)

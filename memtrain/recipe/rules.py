@@ -225,6 +225,11 @@ def compile_unsupported(r) -> tuple[str, str] | None:
         return ("train.compile works with ZeRO stage 0-2; ZeRO-3 gathers each layer's weights in hooks that "
                 "torch.compile would have to trace through",
                 "set train.compile=false, or offload.params=none and offload.zero_stage=2")
+    if r.model.quantize is not None:
+        return ("train.compile cannot compile layers with bitsandbytes' quantised weights: the QLoRA recipe stopped in "
+                "torch.compile's partitioner ('Node ... was invalid, but is output'; PyTorch 2.11, bitsandbytes 0.50, "
+                "docs/BENCHMARKS.md)",
+                "remove train.compile (auto leaves a quantised base eager), or set train.compile=false")
     if "offload" in r.checkpointing.rules.values():
         return ("train.compile cannot be combined with activation offload rules (their saved-tensor hooks do "
                 "not run inside compiled layers)",

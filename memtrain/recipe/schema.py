@@ -448,10 +448,10 @@ class Train(Section):
         "auto", description="torch.compile each decoder layer: fuses the element-wise work around the matmuls "
         "(norms, rotary embedding, SwiGLU, LoRA scaling and dropout) into fewer kernels. The first step waits "
         "for the compiler (one layer is compiled, the others reuse it; its cache makes later runs start sooner). "
-        "ZeRO stage 0-2, no activation offload rules. auto: on a CUDA GPU for LoRA on a bf16/fp16 base of a "
-        "family it was measured on (Llama; memtrain.model.compiled), not with lean LoRA dropout or a quantised "
-        "base; true: wherever allowed; false: never. `memtrain plan` prices the uncompiled layers (measured "
-        "within 3 % of compiled ones).")
+        "ZeRO stage 0-2, no activation offload rules, no quantised base. auto: on a CUDA GPU for LoRA of a "
+        "family it was measured on (Llama, Mistral, Qwen2; memtrain.model.compiled), not with lean LoRA dropout; "
+        "true: wherever allowed; false: never. `memtrain plan` prices compiled layers where the run on a GPU "
+        "would compile them.")
     output_dir: str = Field("runs/{name}", description="Run directory; {name} is the recipe file's stem.")
 
 
