@@ -73,7 +73,8 @@ def plan_table(plan: Plan) -> Table:
     """The article's breakdown per GPU, then the phases, host, NVMe, capacity and verdict."""
     machines = f"{plan.nodes} nodes × " if plan.nodes > 1 else ""
     table = Table(title=f"{plan.recipe_name} on {machines}{plan.gpus} × {plan.gpu_name} — ZeRO-{plan.zero_stage}, "
-                        f"micro-batch {plan.micro_batch} × {plan.seq_len} tokens, checkpointing {plan.checkpointing}",
+                        f"micro-batch {plan.micro_batch} × {plan.seq_len} tokens, checkpointing {plan.checkpointing}"
+                        + (", compiled layers" if plan.compiled_layers else ""),
                   title_justify="left")
     table.add_column("per GPU", style="bold")
     table.add_column("GiB", justify="right")

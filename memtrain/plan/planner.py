@@ -63,6 +63,7 @@ class Plan:
     nodes: int = 1                   # machines with `gpus` ranks each; host and NVMe bytes are each node's
     checkpointing: str = "every_layer"  # the strategy planned ('auto' shows as the first_n_layers it resolved to)
     recomputed_layers: int = 0        # whole decoder layers recomputed in backward
+    compiled_layers: bool = False     # the decoder layers are compiled on a GPU (train.compile, auto resolved)
 
     @property
     def gpu_required_bytes(self) -> int:
@@ -302,8 +303,9 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
     states = with_quantized_params(states, counts, DTYPE_BYTES[p.storage])
     # with model.kernels resolved to liger the trace is edited by what Liger's RMSNorm and SwiGLU keep (activations.py)
     # compiled layers as the run would build them on a CUDA GPU (train.compile auto resolved for the plan's card)
+    compiled = resolve_compile(recipe, cuda=True)
     acts = estimate_activations(recipe.model, recipe.checkpointing, p.compute, micro_batch, seq_len, counts.num_layers,
-                                counts.layers_name, compiled=resolve_compile(recipe, cuda=True))
+                                counts.layers_name, compiled=compiled)
     tokens = micro_batch * seq_len
     head = _head_bytes(counts, compute_bytes, tokens) + packed_attention_mask_bytes(recipe, micro_batch)
     if uses_fused_loss(recipe.model, p, stage):  # Liger's fused linear cross-entropy (model.kernels resolved to liger)
@@ -410,6 +412,7 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
         pinned_exact=exact_pinned, peak_reserved_high_bytes=peak_reserved_high,
         checkpointing=describe_checkpointing(recipe.checkpointing), recomputed_layers=recomputed_layers(recipe.checkpointing,
                                                                                           counts.num_layers),
+        compiled_layers=compiled,
     )
 
 

@@ -66,3 +66,20 @@ def test_the_plan_prices_the_compiled_recompute_on_top_of_the_eager_layer():
     assert compiled.activations - eager.activations == int(COMPILED_RECOMPUTE_SHARE * layer)
     assert auto.activations == compiled.activations
     assert compiled.peak_reserved_bytes > eager.peak_reserved_bytes
+    assert auto.compiled_layers and not eager.compiled_layers  # the plan's title says so
+
+
+def test_the_plan_command_names_compiled_layers(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from memtrain.commands.plan import plan_command
+
+    def printed(*overrides):
+        console = Console(file=io.StringIO(), width=300, color_system=None)
+        assert plan_command(LORA, list(overrides), console=console, gpu=None, fit=False, output=None, as_json=False) == 0
+        return " ".join(console.file.getvalue().split())  # the title wraps at the table's width
+
+    assert "checkpointing every_layer, compiled layers" in printed()
+    assert "compiled layers" not in printed("train.compile=false")
