@@ -9,10 +9,10 @@ checkpointing stays outside: transformers' checkpoint wrapper calls the compiled
 `auto` compiles where it was measured to win (docs/BENCHMARKS.md, session 14: the 7B LoRA recipe 11,583
 tokens/s compiled against 7,701 for HF eager and 8,268 for HF + Liger in one invocation; Mistral-7B and
 Qwen2.5-7B LoRA 1.17x and 1.21x their eager runs): LoRA on an unquantised base of a measured family, on a
-CUDA GPU. A quantised base cannot be compiled (memtrain.recipe.rules.compile_unsupported). Compiled layers are built without Liger's layer
-kernels (the same run with them: 8,021 tokens/s — dynamo cannot trace their Triton launches and splits
-the layer around them), so `model.kernels: auto` then keeps only Liger's fused loss
-(memtrain.model.kernels.resolve_kernels).
+CUDA GPU. A quantised base cannot be compiled (memtrain.recipe.rules.compile_unsupported). Compiled
+layers are built without Liger's layer kernels (the same run with them: 8,021 tokens/s — dynamo cannot
+trace their Triton launches and splits the layer around them), so `model.kernels: auto` then keeps only
+Liger's fused loss (memtrain.model.kernels.resolve_kernels).
 """
 from __future__ import annotations
 

@@ -237,7 +237,7 @@ def compile_unsupported(r) -> tuple[str, str] | None:
     return None
 
 
-@reads("train", "offload", "checkpointing")
+@reads("train", "offload", "checkpointing", "model")
 def _check_compile(loaded: LoadedRecipe) -> list[Problem]:
     unsupported = compile_unsupported(loaded.recipe) if loaded.recipe.train.compile is True else None
     return [loaded.sources.problem(("train", "compile"), *unsupported)] if unsupported else []
