@@ -41,7 +41,14 @@ def resolve_compile(recipe: Recipe, cuda: bool) -> bool:
 
 
 def compile_layers(model: nn.Module) -> int:
-    """Compile every decoder layer in place (nn.Module.compile); returns how many were compiled."""
+    """Compile every decoder layer in place (nn.Module.compile); returns how many were compiled.
+
+    A layer the compiler fails on runs eager, with PyTorch's warning saying why (dynamo's suppress_errors, set for
+    the process: compilation is the default now, and a model, PyTorch or driver it was not measured on should cost
+    speed, not the run). The QLoRA failure measured on the GPU is refused before anything is built instead."""
+    import torch._dynamo  # noqa: PLC0415 — heavy; only runs that compile their layers need it
+
+    torch._dynamo.config.suppress_errors = True
     modules = dict(hf_model(model).named_modules())
     names = decoder_layer_names(model)
     for name in names:

@@ -450,8 +450,8 @@ class Train(Section):
         "for the compiler (one layer is compiled, the others reuse it; its cache makes later runs start sooner). "
         "ZeRO stage 0-2, no activation offload rules, no quantised base. auto: on a CUDA GPU for LoRA of a "
         "family it was measured on (Llama, Mistral, Qwen2; memtrain.model.compiled), not with lean LoRA dropout; "
-        "true: wherever allowed; false: never. `memtrain plan` prices compiled layers where the run on a GPU "
-        "would compile them.")
+        "true: wherever allowed; false: never. A layer the compiler fails on runs eager (PyTorch's warning says "
+        "why). `memtrain plan` prices compiled layers where the run on a GPU would compile them.")
     output_dir: str = Field("runs/{name}", description="Run directory; {name} is the recipe file's stem.")
 
 

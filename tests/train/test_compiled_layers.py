@@ -61,3 +61,32 @@ def test_compiled_layers_train_like_eager_ones(write_recipe, extra):
         with safe_open(run_dir / "final" / weights, "pt") as exported:
             keys.append(sorted(exported.keys()))
     assert keys[0] == keys[1] and not any("_orig_mod" in k for k in keys[1])
+
+
+def test_a_layer_the_compiler_cannot_compile_runs_eager(monkeypatch):
+    """The default compiles layers (train.compile: auto); a compiler failure on some model, PyTorch or driver it was
+    not measured on falls back to the eager layer (PyTorch's warning says why) instead of stopping the run."""
+    import copy
+
+    import torch._dynamo
+    import torch._inductor.compile_fx
+
+    def broken_compiler(*args, **kwargs):
+        raise RuntimeError("planted compiler failure")
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", broken_compiler)
+    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", False)  # restored after the test
+    eager = _tiny_lora()
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    try:
+        assert compile_layers(compiled) == 3
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+        losses = [m(input_ids=ids, labels=ids).loss for m in (eager, compiled)]
+        for loss in losses:
+            loss.backward()
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(losses[0], losses[1])
+    grads = [[p.grad for p in m.parameters() if p.requires_grad] for m in (eager, compiled)]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
