@@ -15,7 +15,6 @@ from memtrain.data.loader import sample_order, token_slots
 from memtrain.data.rows import DataStats
 from memtrain.errors import Problem, RecipeError
 from memtrain.files import write_atomically
-from memtrain.model.compiled import resolve_compile
 from memtrain.plan.advice import Advice, advise
 from memtrain.plan.planner import TERMS, Plan, plan_recipe, resolve_micro_batch
 from memtrain.recipe.load import apply_overrides, input_paths, is_relative_path
@@ -164,11 +163,11 @@ def fewer_recomputed_layers(loaded: LoadedRecipe, planner: Planner, plan: Plan) 
     return fewer if fewer.fits and fewer.recomputed_layers < plan.recomputed_layers else None
 
 
-def compile_offered(loaded: LoadedRecipe) -> bool:
-    """Whether `train.compile=true` is worth offering: the run would not compile on a CUDA GPU (false, or an
+def compile_offered(loaded: LoadedRecipe, plan: Plan) -> bool:
+    """Whether `train.compile=true` is worth offering: the planned run does not compile its layers (false, or an
     `auto` that leaves this recipe eager), and it is allowed (ZeRO 0-2, no activation offload rules).
     docs/BENCHMARKS.md: 7B LoRA on 24 GB, 1.50x HF eager compiled; the first step waits for the compiler."""
-    return not resolve_compile(loaded.recipe, cuda=True) and compile_unsupported(loaded.recipe) is None
+    return not plan.compiled_layers and compile_unsupported(loaded.recipe) is None
 
 
 def data_per_step(recipe, train_set, micro_batch: int) -> dict:
@@ -234,7 +233,7 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
     code = 0 if plan.fits or written is not None else 1
     faster = larger_micro_batch(loaded, planner, plan)
     recompute_less = fewer_recomputed_layers(loaded, planner, plan)
-    offer_compile = plan.fits and compile_offered(loaded)
+    offer_compile = plan.fits and compile_offered(loaded, plan)
     per_step = None
     if with_data:
         with loaded.sources.located():

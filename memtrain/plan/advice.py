@@ -2,7 +2,8 @@
 
 Levers, in the tree's order: activation checkpointing → lean LoRA dropout → precision (chunked loss, bf16 master and
 optimizer states) → micro-batch (gradient accumulation keeps the global batch) → optimizer offload (or, for a
-full fine-tune on one GPU, the optimizer step in backward with paged 8-bit states) → parameter offload / NVMe → fewer parameters kept gathered (ZeRO-3) → LoRA → quantised base weights (QLoRA);
+full fine-tune on one GPU, the optimizer step in backward with paged 8-bit states) → parameter offload / NVMe
+→ fewer parameters kept gathered (ZeRO-3) → LoRA → quantised base weights (QLoRA);
 and, when the host cannot hold the offloaded states (`hardware.host_memory`), pageable buffers, parameters back
 on the GPU and optimizer states on NVMe. Every combination of one
 option per lever is planned (the plan is arithmetic on cached traces, so this takes seconds);
