@@ -297,9 +297,8 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
     stage = o.stage
     # ZeRO partitions over every rank of every node; host and NVMe hold this node's `hw.gpus` ranks
     states = place_model_states(counts, stage, hw.world_size, p.storage, p.master, o.optimizer, o.params, o.ratio,
-                                o.buffer_count, eight_bit=recipe.optimizer.name.endswith("8bit"), local_ranks=hw.gpus,
-                                in_backward=recipe.optimizer.step_in_backward,
-                                paged=recipe.optimizer.name.startswith("paged"))
+                                o.buffer_count, eight_bit=recipe.optimizer.eight_bit, local_ranks=hw.gpus,
+                                in_backward=recipe.optimizer.step_in_backward, paged=recipe.optimizer.paged)
     states = with_quantized_params(states, counts, DTYPE_BYTES[p.storage])
     # with model.kernels resolved to liger the trace is edited by what Liger's RMSNorm and SwiGLU keep (activations.py)
     # compiled layers as the run would build them on a CUDA GPU (train.compile auto resolved for the plan's card)

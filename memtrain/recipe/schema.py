@@ -421,6 +421,16 @@ class Optimizer(Section):
         "offload.zero_stage=0 and precision.master=bf16 (the bf16 weights are their own master copy); with "
         "paged_adamw_8bit the states page between the card and the host.")
 
+    @property
+    def eight_bit(self) -> bool:
+        """bitsandbytes' 8-bit moments (adamw_8bit, paged_adamw_8bit)."""
+        return self.name.endswith("8bit")
+
+    @property
+    def paged(self) -> bool:
+        """bitsandbytes' states in CUDA unified memory (paged_adamw, paged_adamw_8bit)."""
+        return self.name.startswith("paged")
+
 
 class Schedule(Section):
     warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from 0 to the peak LR.")

@@ -17,6 +17,7 @@ from memtrain.data.loader import BatchLoader
 from memtrain.errors import Problem, UserError
 from memtrain.monitor.forecast import PeakForecast
 from memtrain.monitor.metrics import MetricsLog
+from memtrain.plan.model_states import optimizer_bytes_per_param
 from memtrain.recipe.schema import Recipe
 from memtrain.train.batch_policy import BatchPolicy, GiveUp
 from memtrain.train.checkpoint import LoopState, partial_save, save_checkpoint
@@ -53,7 +54,9 @@ class Session:
         self.state.batch_policy = self.policy.state_dict()
         self.state.recipe = self.r.model_dump(mode="json")  # what a resume compares its recipe with
         step, main = self.state.step, self.place.is_main
-        needed = expected_checkpoint_bytes(self.run_dir, self.engine.module)
+        p, o = self.r.precision, self.r.optimizer
+        needed = expected_checkpoint_bytes(self.run_dir, self.engine.module, optimizer_bytes_per_param(
+            p.storage, p.master, eight_bit=o.eight_bit, in_backward=o.step_in_backward))
         free, warning = space_warning(self.run_dir, needed) if main else (None, None)
         if warning:
             self.metrics.event("disk", step, free_bytes=free, needed_bytes=needed, message=warning)

@@ -1,7 +1,9 @@
 """Disk space for checkpoints: warn before a save that may not fit; end cleanly when one does not.
 
 A checkpoint is about as large as the previous one (the model, the optimizer states and a few small
-files), or before the first save, as the parameters and the optimizer's fp32 master and Adam moments.
+files), or before the first save, as the parameters and the optimizer's states as the planner counts them
+(memtrain.plan.model_states.optimizer_bytes_per_param: a master copy unless the weights are their own, and
+Adam's two moments, 8-bit where the optimizer keeps them so).
 Before each save the free space of the run directory's disk is compared with that; below
 `WARN_BELOW_SAVES` checkpoints' worth a warning goes out (an event in metrics.jsonl and a line), early
 enough to make room. A save that still runs out of space (ENOSPC, or torch's C++ writer failing on a
@@ -20,7 +22,6 @@ from memtrain.errors import Problem, UserError
 from memtrain.train.checkpoint import latest_checkpoint
 
 WARN_BELOW_SAVES = 2.0      # warn when the disk holds fewer than this many more checkpoints
-ADAM_BYTES_PER_PARAM = 12   # fp32 master weights and two fp32 moments per trainable parameter
 _FULL_DISK_FRAGMENTS = ("no space left", "file write failed", "unexpected pos")  # torch's writer on a full disk
 
 
@@ -36,16 +37,19 @@ def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def expected_checkpoint_bytes(run_dir: Path, model) -> int:
-    """The previous checkpoint's size, else the parameters plus the trainable ones' optimizer states."""
+def expected_checkpoint_bytes(run_dir: Path, model, optimizer_bytes_per_param: float) -> int:
+    """The previous checkpoint's size, else the parameters plus the trainable ones' optimizer states
+    (`optimizer_bytes_per_param` per trainable element). A flat 12 bytes (fp32 master and moments) put the 7B
+    full fine-tune with paged 8-bit AdamW in backward at ~94 GB; its checkpoint took 26 GiB (4.03 bytes per
+    parameter priced: ~27 GB)."""
     previous = latest_checkpoint(run_dir)
     if previous is not None:
         return directory_bytes(previous)
-    total = 0
+    total = 0.0
     for p in model.parameters():
         numel = getattr(p, "ds_numel", p.numel())  # ZeRO-3 keeps the full size here
-        total += numel * (p.element_size() + (ADAM_BYTES_PER_PARAM if p.requires_grad else 0))
-    return total
+        total += numel * (p.element_size() + (optimizer_bytes_per_param if p.requires_grad else 0))
+    return int(total)
 
 
 def space_warning(run_dir: Path, needed: int) -> tuple[int, str | None]:
