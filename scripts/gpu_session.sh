@@ -58,6 +58,9 @@
 #                                         # the 7B LoRA and chat recipes vs HF eager and HF + Liger; warm start-up
 #   bash scripts/gpu_session.sh qlora14   # session 14: the error that stops QLoRA with compiled layers
 #   bash scripts/gpu_session.sh speed14c  # session 14, issue 23: compiled or not on QLoRA, Mistral-7B and Qwen2.5-7B LoRA
+#   bash scripts/gpu_session.sh startup15 # session 15, issue 23: where the offload recipes' start goes: import times, pinning
+#                                         # speed per allocator setting, cProfile of a warm 1.1B and 3B start; then the
+#                                         # Mistral-7B ZeRO-3 accuracy row again (issue 22)
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -87,6 +90,24 @@ held() {  # held NAME MAX_SECONDS COMMAND...: a step run beside hold_gpu_memory.
   cat "$OUT/host-$name.json"; echo
 }
 case $part in
+startup15)
+  python3 -X importtime -c "import memtrain.commands.run" 2>/dev/null  # the first import writes the bytecode
+  python3 -X importtime -c "import memtrain.commands.run" 2> "$OUT/importtime.txt"
+  sort -t'|' -k2 -n -r "$OUT/importtime.txt" | head -n 25
+  step pinned 100 python3 scripts/bench_pinned.py --gib 4 --out "$OUT/pinned.csv"
+  step cpu-adam 120 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+  for r in tinyllama-1.1b-full-offload-24gb openllama-3b-full-offload-24gb; do
+    step "profile-$r" 150 bash -c "python3 -m cProfile -o $OUT/$r.pstats -m memtrain run recipes/$r.yaml $quiet \
+      train.output_dir=/tmp/s15-$r --max-steps 1 --no-save > $OUT/$r.log 2>&1; echo rc=\$?; \
+      grep -h startup /tmp/s15-$r/metrics.jsonl | tee $OUT/$r-startup.json; \
+      python3 -c 'import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats(\"cumulative\").print_stats(80)' \
+      $OUT/$r.pstats > $OUT/$r-cumulative.txt; python3 -c 'import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats(\"tottime\").print_stats(40)' \
+      $OUT/$r.pstats > $OUT/$r-tottime.txt"
+  done
+  cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
+  step plan-mistral-again 300 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 280 --parallel 1 \
+    --only mistral-7b-zero3-cpu-unpinned-mb2-s1024-again
+  ;;
 ckpt13)
   # ran once in session 13, before the resume fix: the save took 27.4 GiB of host memory machine-wide and the resume
   # ran out of GPU memory loading the checkpoint (DeepSpeed put the saved weights back on the card); not run since
