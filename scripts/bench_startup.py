@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run (the first is the one timed)")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-startup"))
     parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--label", default="", help="added to each row's recipe name in parentheses (a session, a setting)")
     args = parser.parse_args(argv)
     env = without_rank_variables(os.environ)  # each run starts its own process group
     if args.machine_state == "fresh":
@@ -84,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     for index, spec in enumerate(args.recipe):
         state = "fresh" if args.machine_state == "fresh" and index == 0 else "warm"
         name = " ".join(Path(part).stem if i == 0 else part for i, part in enumerate(shlex.split(spec)))
+        name += f" ({args.label})" if args.label else ""
         command = f"python scripts/bench_startup.py --machine-state {args.machine_state} --steps {args.steps} " \
-                  f"--recipe '{spec}'"
+                  f"--recipe '{spec}'" + (f" --label '{args.label}'" if args.label else "")
         try:
             startup = run_once(spec, args.steps, args.runs / f"run-{index}", env, args.timeout)
         except (RuntimeError, subprocess.TimeoutExpired, StopIteration, FileNotFoundError) as error:

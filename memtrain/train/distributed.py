@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from memtrain.configs import GpuProfile, allocator_budget_bytes, gpu_profile
-from memtrain.train.allocator import exact_pinned_supported, use_expandable_segments
+from memtrain.train.allocator import exact_pinned_supported, use_expandable_segments, use_parallel_pinning
 from memtrain.train.op_locks import clear_stale_locks
 
 
@@ -76,7 +76,7 @@ def free_port() -> int:
 
 def setup_process(gpu: str, cap_memory: bool, expandable_segments: bool = True) -> tuple[Place, int]:
     """Join (or, alone, create) the process group; pick the device; set the allocators up (expandable
-    CUDA segments, pinned sizes); cap GPU memory to the target card.
+    CUDA segments, pinned sizes, pinning threads); cap GPU memory to the target card.
 
     Returns the place and the GPU memory cap in bytes (0 on the CPU).
     """
@@ -87,6 +87,7 @@ def setup_process(gpu: str, cap_memory: bool, expandable_segments: bool = True) 
     world_size = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         exact_pinned_supported()  # sets the threshold, before DeepSpeed pins its offload buffers
+        use_parallel_pinning(usable_cpus())  # those buffers' pages faulted in by several threads
         use_expandable_segments(expandable_segments)  # before the first CUDA allocation
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

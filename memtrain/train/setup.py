@@ -41,15 +41,16 @@ from memtrain.monitor.startup import StartupClock
 from memtrain.recipe.schema import Recipe
 from memtrain.train.batch_policy import BatchPolicy
 from memtrain.train.checkpoint import LoopState, latest_checkpoint, load_checkpoint
+from memtrain.train.cpu_adam import CpuAdamLoad
 from memtrain.train.distributed import Place, setup_process
-from memtrain.train.nodes import agree_on_run
 from memtrain.train.generate_eval import GenerationEval
 from memtrain.train.hooks import Hooks
 from memtrain.train.in_backward import StepInBackward
+from memtrain.train.nodes import agree_on_run
 from memtrain.train.oom import start_memory_history
 from memtrain.train.resume import follow_recipe, optimizer_settings
-from memtrain.train.rundir import start_metrics
 from memtrain.train.run import ResolvedRun, RunOptions
+from memtrain.train.rundir import start_metrics
 from memtrain.train.schedule import lr_scheduler_factory
 from memtrain.train.session import Session
 
@@ -142,16 +143,6 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, ds_config: dict, total_
     return engine, scheduler
 
 
-def load_cpu_adam(recipe: Recipe) -> None:
-    """Load (building it on first use) DeepSpeed's CPU Adam op before deepspeed.initialize, which then finds it
-    loaded: the start-up record shows the op's build or load apart from the engine's own start."""
-    if recipe.offload.optimizer == "none" or uses_client_optimizer(recipe):
-        return
-    from deepspeed.ops.op_builder import CPUAdamBuilder  # noqa: PLC0415 — heavy; DeepSpeed caches the loaded op
-
-    CPUAdamBuilder().load()
-
-
 def client_optimizer(recipe: Recipe, trainable: list[torch.nn.Parameter] | list[dict]):
     """The optimizer DeepSpeed is handed: a bitsandbytes AdamW (8-bit and/or paged states), one optimizer per
     parameter stepped during backward (optimizer.step_in_backward), or None for the config's AdamW."""
@@ -209,6 +200,7 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
     clock = clock or StartupClock()
     clock.mark("checks")  # what came before (the run directory, resume checks; a worker's own start)
     place, cap_bytes = setup_process(r.hardware.gpu, r.hardware.cap_memory, r.hardware.expandable_segments)
+    cpu_adam = CpuAdamLoad(r).start()  # built or loaded while the data and the model are built
     clock.mark("process")
     agree_on_run(run, options, place)  # every node runs the same recipe, into a run directory all of them see
     data = data or build_data(r)
@@ -217,8 +209,8 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
     ds_config = compile_ds_config(r, run.micro_batch)
     model = build_policy_model(r, place, ds_config, data.model_vocab_size)
     clock.mark("model")
-    load_cpu_adam(r)
-    clock.mark("cpu_adam_op")
+    cpu_adam.wait()  # before deepspeed.initialize, which then finds the op loaded
+    clock.mark("cpu_adam_op")  # what is left of its build or load when the model is ready
     engine, scheduler = build_engine(r, model, ds_config, run.total_steps)
     clock.mark("deepspeed_init")  # includes the pinned host buffers of an offloaded optimizer
 

@@ -1,11 +1,20 @@
-"""Allocator settings: memtrain adds its own (expandable segments, the pinned rounding threshold)
+"""Allocator settings: memtrain adds its own (expandable segments, the pinned rounding threshold, parallel pinning)
 unless the user chose the key, and a PyTorch that does not know a key is no error."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from memtrain.train.allocator import set_allocator_setting, use_expandable_segments
+from memtrain.train.allocator import (
+    pinning_threads,
+    set_allocator_setting,
+    use_expandable_segments,
+    use_parallel_pinning,
+)
 
 
 @pytest.fixture
@@ -43,3 +52,31 @@ def test_the_users_alloc_conf_wins(settings, monkeypatch, user, asked, on):
 def test_a_key_this_pytorch_does_not_know_is_not_in_force(settings):
     assert set_allocator_setting("unknown_key", "1") is False
     assert settings == []
+
+
+@pytest.mark.parametrize("cpus, threads", [(1, 1), (2, 2), (3, 2), (12, 8), (16, 16), (128, 16)])
+def test_pinning_threads_are_a_power_of_two_within_the_usable_cores(cpus, threads):
+    assert pinning_threads(cpus) == threads
+
+
+def test_parallel_pinning_registers_pages_faulted_by_several_threads(settings):
+    assert use_parallel_pinning(12) is True
+    assert settings == ["pinned_use_cuda_host_register:True", "pinned_num_register_threads:8"]
+
+
+def test_the_users_pinning_choice_wins(settings, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_use_cuda_host_register:False")
+    assert use_parallel_pinning(12) is False
+    assert settings == []
+
+
+def test_this_pytorch_knows_the_pinning_keys_and_their_values():
+    """The real allocator config (in a child, which may keep the settings): a misspelt key or a thread count
+    PyTorch refuses would leave pinning serial without a word."""
+    code = ("import torch; from memtrain.train.allocator import pinning_threads, use_parallel_pinning; "
+            "print(use_parallel_pinning(12)); "
+            "[torch._C._accelerator_setAllocatorSettings(f'pinned_num_register_threads:{pinning_threads(n)}') "
+            "for n in (1, 3, 12, 64)]; print('accepted')")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout.split() == ["True", "accepted"], done.stderr[-2000:]
