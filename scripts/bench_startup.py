@@ -43,7 +43,8 @@ def run_once(spec: str, steps: int, run_dir: Path, env: dict, timeout: int) -> d
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "memtrain", "run", recipe, *overrides, f"train.output_dir={run_dir}",
-               "train.eval_every=100000", "train.save_every=100000", "train.log_every=1", "--max-steps", str(steps),
+               "train.eval_every=100000", "train.save_every=100000", "train.log_every=1", "train.eval_batches=1",
+               "--max-steps", str(steps),
                "--no-resume", "--no-save"]
     log = run_dir.parent / f"{run_dir.name}.log"
     with log.open("w") as stream:

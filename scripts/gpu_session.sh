@@ -63,6 +63,8 @@
 #                                         # Mistral-7B ZeRO-3 accuracy row again (issue 22)
 #   bash scripts/gpu_session.sh startup15b # session 15, issue 23: start-up after parallel pinning and the background CPU Adam
 #                                         # load: 1.1B fresh, then warm 1.1B, 3B (and 3B with serial pinning), QLoRA, 7B full
+#   bash scripts/gpu_session.sh startup15c # session 15, issue 23: whether Python keeps bytecode there, import time; warm 1.1B
+#                                         # and 3B start-up (each run twice), 3B with serial pinning
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -77,10 +79,11 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run when enough time is left, neve
   timeout "$allowed" "$@" 2>&1 | grep -v -E "^\[20..-..-.. .*(INFO|WARNING)" | tail -n 40
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-# The GPU machine's image keeps PyTorch and transformers in a read-only environment without bytecode, so every Python
+# The GPU machine's image keeps no bytecode beside PyTorch and transformers and did not write any, so every Python
 # start there compiled ~5,000 modules again (11 s of each start, cProfile in session 15); pip writes the bytecode at
-# install on a user's machine. Bytecode goes to a writable folder instead (runs before session 15 paid that cost).
+# install on a user's machine. Bytecode is written, to a folder of its own (runs before session 15 paid that cost).
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
+unset PYTHONDONTWRITEBYTECODE
 quiet="train.eval_every=1000 train.save_every=1000 schedule.warmup_steps=2"
 held() {  # held NAME MAX_SECONDS COMMAND...: a step run beside hold_gpu_memory.py (the card physically 24 GiB) and a
   # machine-wide host memory sampler ($OUT/host-NAME.json), both stopped after it
@@ -96,6 +99,18 @@ held() {  # held NAME MAX_SECONDS COMMAND...: a step run beside hold_gpu_memory.
   cat "$OUT/host-$name.json"; echo
 }
 case $part in
+startup15c)
+  python3 -c "import sys; print('dont_write_bytecode:', sys.flags.dont_write_bytecode)"
+  for i in 1 2 3; do /usr/bin/time -f "import memtrain.commands.run: %e s" python3 -c "import memtrain.commands.run"; done
+  step cpu-adam 90 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+  cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
+  step warm-offload 260 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout 80 \
+    --label "session 15" --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml \
+    --recipe recipes/openllama-3b-full-offload-24gb.yaml --recipe recipes/openllama-3b-full-offload-24gb.yaml
+  PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:False step serial-pinning 90 python3 scripts/bench_startup.py \
+    --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout 85 --label "session 15, serial pinning" \
+    --recipe recipes/openllama-3b-full-offload-24gb.yaml
+  ;;
 startup15b)
   python3 -c "import os, glob, torch; d = os.path.dirname(torch.__file__); print('torch dir writable:', os.access(d, os.W_OK), \
     'bytecode files beside it:', len(glob.glob(d + '/**/__pycache__/*.pyc', recursive=True)))"

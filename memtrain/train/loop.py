@@ -157,7 +157,8 @@ def train(t: Training, quiet: bool = False) -> RunResult:
         exported = export_model(t.engine, t.model, t.data.tokenizer, run.run_dir / "final", rank, r.offload.stage == 3)
     t.metrics.event("run", state.step, event="end", status=status)
     return RunResult(status=status, step=state.step, run_dir=run.run_dir, final_eval_loss=eval_loss, exported=exported,
-                     signum=interrupted.signum, warning=guard.warning)
+                     signum=interrupted.signum, warning=guard.warning,
+                     saved=t.options.save)
 
 
 def _data_fields(train_set) -> dict:

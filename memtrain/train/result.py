@@ -18,6 +18,7 @@ class RunResult:
     exported: Path | None = None   # the Hugging Face export, when one was written
     signum: int = signal.SIGINT    # "interrupted": the signal that asked (exit 128 + it: 130 SIGINT, 143 SIGTERM)
     warning: str | None = None     # something to say even though it trained to the end (the loss diverged)
+    saved: bool = True             # False under --no-save: no checkpoint was written
 
     @property
     def exit_code(self) -> int:
@@ -36,6 +37,9 @@ class RunResult:
         if self.status == "restart":
             return f"out of memory in backward at step {self.step + 1}; saved, restarting smaller"
         checkpoints = self.run_dir / "checkpoints"
+        if not self.saved:
+            why = "as asked (--max-steps)" if self.status == "stopped" else ""
+            return f"{self.status} at step {self.step} {why}; nothing saved (--no-save)".replace(" ;", ";")
         if self.status == "stopped":
             return (f"stopped at step {self.step} as asked (--max-steps); checkpoint in {checkpoints} — "
                     "run without --max-steps to continue")

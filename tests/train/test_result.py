@@ -1,0 +1,20 @@
+"""The line a run ends with says where its checkpoint is, and says nothing was saved when --no-save kept it from
+being written (it used to point at a checkpoint that did not exist)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from memtrain.train.result import RunResult
+
+
+def test_a_stopped_or_interrupted_run_points_at_its_checkpoint():
+    run_dir = Path("/runs/a")
+    assert "checkpoint in /runs/a/checkpoints" in RunResult("stopped", 3, run_dir).summary()
+    assert "checkpoint in /runs/a/checkpoints" in RunResult("interrupted", 3, run_dir).summary()
+
+
+def test_under_no_save_it_says_nothing_was_saved():
+    stopped = RunResult("stopped", 3, Path("/runs/a"), saved=False).summary()
+    interrupted = RunResult("interrupted", 3, Path("/runs/a"), saved=False).summary()
+    assert stopped == "stopped at step 3 as asked (--max-steps); nothing saved (--no-save)"
+    assert interrupted == "interrupted at step 3; nothing saved (--no-save)"
