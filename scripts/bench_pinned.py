@@ -39,6 +39,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     rows = []
+    import torch  # noqa: PLC0415 — only for the machine's name
+    machine = f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores, PyTorch {torch.__version__.split('+')[0]}"
     for setting in SETTINGS:
         env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": setting} if setting else dict(os.environ)
         done = subprocess.run([sys.executable, "-c", CHILD, str(args.gib)], env=env, capture_output=True, text=True,
@@ -48,7 +50,8 @@ def main() -> int:
             continue
         result = json.loads(done.stdout.strip().splitlines()[-1])
         row = {"setting": setting or "default", "gib": args.gib, **{k: f"{v:.2f}" for k, v in result.items()},
-               "date": dt.date.today().isoformat()}
+               "machine": machine, "date": dt.date.today().isoformat(),
+               "command": f"python scripts/bench_pinned.py --gib {args.gib:g} --out {args.out}"}
         print(row)
         rows.append(row)
     with args.out.open("w", newline="") as stream:
