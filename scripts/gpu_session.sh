@@ -65,6 +65,8 @@
 #                                         # load: 1.1B fresh, then warm 1.1B, 3B (and 3B with serial pinning), QLoRA, 7B full
 #   bash scripts/gpu_session.sh startup15c # session 15, issue 23: whether Python keeps bytecode there, import time; warm 1.1B
 #                                         # and 3B start-up (each run twice), 3B with serial pinning
+#   bash scripts/gpu_session.sh heldout15 # not run yet: the Llama-7B ZeRO-3 row unpinned (predicted 5.27 GiB in session 15),
+#                                         # does pinning change the GPU's reserved bytes (issue 22's Mistral row, +6.1 %)?
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -99,6 +101,11 @@ held() {  # held NAME MAX_SECONDS COMMAND...: a step run beside hold_gpu_memory.
   cat "$OUT/host-$name.json"; echo
 }
 case $part in
+heldout15)
+  cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
+  step plan-unpinned 300 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 280 --parallel 1 \
+    --only 7b-zero3-cpu-bf16master-unpinned
+  ;;
 startup15c)
   python3 -c "import sys; print('dont_write_bytecode:', sys.flags.dont_write_bytecode)"
   for i in 1 2 3; do /usr/bin/time -f "import memtrain.commands.run: %e s" python3 -c "import memtrain.commands.run"; done
