@@ -35,6 +35,7 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
     table.add_row("steps", f"{summary['steps']:,}")
     table.add_row("tokens", f"{summary['tokens']:,}" if summary["tokens"] is not None else "-")
     table.add_row("wall time", _duration(summary["wall_time_s"]))
+    table.add_row("command to first step", _startup(summary))
     table.add_row("speed (median)", f"{summary['median_tokens_per_s']:,.0f} tokens/s" if summary["median_tokens_per_s"] else "-")
     table.add_row("final train loss", _number(summary["final_loss"], "{:.4f}", f" (step {summary['final_loss_step']})"))
     table.add_row("best validation perplexity",
@@ -66,6 +67,15 @@ def _peak_vs_plan(summary: dict[str, Any]) -> str:
     if summary["gpu_cap_bytes"]:
         text += f", cap {_gib(summary['gpu_cap_bytes'])}"
     return text
+
+
+def _startup(summary: dict[str, Any], shown: int = 3) -> str:
+    """The latest start's seconds to its first optimizer step, with its longest phases (metrics' `startup`)."""
+    if summary["first_step_s"] is None:
+        return "-"
+    longest = sorted(summary["startup_phases_s"].items(), key=lambda item: -item[1])[:shown]
+    phases = ", ".join(f"{name.replace('_', ' ')} {seconds:.1f} s" for name, seconds in longest)
+    return f"{summary['first_step_s']:.1f} s" + (f" (longest: {phases})" if phases else "")
 
 
 def _gib(value: float | None) -> str:

@@ -48,6 +48,7 @@ def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int 
     plan_peak = _last_value(starts, "plan_peak_reserved_bytes")
     peak_reserved = _max_positive(records, "train", ("gpu_peak_reserved_bytes", "gpu_reserved_bytes"))
     ooms = [r for r in records if r["kind"] == "oom"]
+    startup = next((r for r in reversed(records) if r["kind"] == "startup"), None)  # the latest start's
     return {
         "run_dir": str(run_dir),
         "name": _last_value(starts, "recipe") or _last_value(starts, "name"),
@@ -79,6 +80,8 @@ def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int 
         "final_loss_scale": loss_scales[-1] if loss_scales else None,
         "checkpoints": [str(r["path"]) for r in records if r["kind"] == "checkpoint" and r.get("path")],
         "unreadable_lines": unreadable_lines,
+        "first_step_s": startup.get("first_step_s") if startup else None,
+        "startup_phases_s": dict(startup.get("phases_s", {})) if startup else {},
     }
 
 

@@ -25,6 +25,7 @@ from memtrain.monitor.metrics import MetricsLog, read_metrics
 from memtrain.monitor.plots import FIGURE_SIZE_INCHES, DPI, PLOT_FILES, series, throughput
 from memtrain.commands.report import report_command
 from memtrain.monitor.report import summarize
+from memtrain.monitor.startup import StartupClock
 
 ASSETS = Path(__file__).resolve().parents[2] / "memtrain" / "assets"
 SEQ_LEN = 32
@@ -200,6 +201,30 @@ def test_resumed_run_keeps_the_newest_record_of_each_step(tiny_run, tmp_path):
     assert losses[4] == 1.25
     summary = summarize(run_dir)
     assert summary["starts"] == 2 and summary["steps"] == STEPS
+
+
+def _startup_record(log: MetricsLog, step: int, phase_ends_s: dict[str, float]) -> None:
+    """A start-up record as the loop writes it, from a clock whose phases end at the given seconds."""
+    ticks = iter(phase_ends_s.values())
+    clock = StartupClock(origin_s=0.0, now=lambda: next(ticks))
+    for name in phase_ends_s:
+        clock.mark(name)
+    log.event("startup", step, **clock.record())
+
+
+def test_the_latest_start_up_is_reported_with_its_longest_phases(tiny_run, tmp_path):
+    run_dir = _copy(tiny_run, tmp_path)
+    [line] = [line for line in _report(run_dir).splitlines() if "command to first step" in line]
+    assert summarize(run_dir)["first_step_s"] is None and line.strip(" │┃|").endswith("-")
+    with MetricsLog(run_dir / "metrics.jsonl", flush_every=1) as log:
+        _startup_record(log, 1, {"launch": 9.0, "model": 20.0, "deepspeed_init": 41.0, "first_step": 50.0})
+        log.event("run", 4, event="resume", recipe="tiny-test", device="cpu")  # a resumed run starts again
+        _startup_record(log, 5, {"launch": 7.0, "model": 9.5, "loaders": 16.5, "deepspeed_init": 18.0, "first_step": 21.0})
+    summary = summarize(run_dir)
+    assert summary["first_step_s"] == 21.0
+    assert summary["startup_phases_s"] == {"launch": 7.0, "model": 2.5, "loaders": 7.0, "deepspeed_init": 1.5,
+                                           "first_step": 3.0}
+    assert "21.0 s (longest: launch 7.0 s, loaders 7.0 s, first step 3.0 s)" in _report(run_dir)
 
 
 def test_oom_snapshots_are_named_in_the_report(tiny_run, tmp_path):
