@@ -38,8 +38,8 @@ class RunResult:
             return f"out of memory in backward at step {self.step + 1}; saved, restarting smaller"
         checkpoints = self.run_dir / "checkpoints"
         if not self.saved:
-            why = "as asked (--max-steps)" if self.status == "stopped" else ""
-            return f"{self.status} at step {self.step} {why}; nothing saved (--no-save)".replace(" ;", ";")
+            why = " as asked (--max-steps)" if self.status == "stopped" else ""
+            return f"{self.status} at step {self.step}{why}; nothing saved (--no-save)"
         if self.status == "stopped":
             return (f"stopped at step {self.step} as asked (--max-steps); checkpoint in {checkpoints} — "
                     "run without --max-steps to continue")
