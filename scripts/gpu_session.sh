@@ -100,6 +100,16 @@ held() {  # held NAME MAX_SECONDS COMMAND...: a step run beside hold_gpu_memory.
   kill $sampler $holder; wait $sampler $holder 2>/dev/null
   cat "$OUT/host-$name.json"; echo
 }
+offload_startup15() {  # MAX_S RUN_TIMEOUT_S SERIAL_MAX_S SERIAL_TIMEOUT_S: warm start-up of the two offload recipes, each
+  # run twice (the first fills the default Triton cache for its shapes, the second is the warm row), then 3B with serial pinning
+  step warm-offload "$1" python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 \
+    --timeout "$2" --label "session 15" --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml \
+    --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml --recipe recipes/openllama-3b-full-offload-24gb.yaml \
+    --recipe recipes/openllama-3b-full-offload-24gb.yaml
+  PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:False step serial-pinning "$3" python3 scripts/bench_startup.py \
+    --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout "$4" --label "session 15, serial pinning" \
+    --recipe recipes/openllama-3b-full-offload-24gb.yaml
+}
 case $part in
 heldout15)
   cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
@@ -111,12 +121,7 @@ startup15c)
   for i in 1 2 3; do /usr/bin/time -f "import memtrain.commands.run: %e s" python3 -c "import memtrain.commands.run"; done
   step cpu-adam 90 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
   cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
-  step warm-offload 260 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout 80 \
-    --label "session 15" --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml \
-    --recipe recipes/openllama-3b-full-offload-24gb.yaml --recipe recipes/openllama-3b-full-offload-24gb.yaml
-  PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:False step serial-pinning 90 python3 scripts/bench_startup.py \
-    --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout 85 --label "session 15, serial pinning" \
-    --recipe recipes/openllama-3b-full-offload-24gb.yaml
+  offload_startup15 260 80 90 85
   ;;
 startup15b)
   python3 -c "import os, glob, torch; d = os.path.dirname(torch.__file__); print('torch dir writable:', os.access(d, os.W_OK), \
@@ -126,13 +131,7 @@ startup15b)
   step fresh 120 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state fresh --steps 1 --timeout 110 \
     --label "session 15" --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml
   step cpu-adam 90 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
-  # each recipe twice: the first run fills the default Triton cache for its shapes, the second is the warm row
-  step warm-offload 200 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout 90 \
-    --label "session 15" --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml \
-    --recipe recipes/openllama-3b-full-offload-24gb.yaml --recipe recipes/openllama-3b-full-offload-24gb.yaml
-  PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:False step serial-pinning 80 python3 scripts/bench_startup.py \
-    --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout 75 --label "session 15, serial pinning" \
-    --recipe recipes/openllama-3b-full-offload-24gb.yaml
+  offload_startup15 200 90 80 75
   step warm-other 200 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout 90 \
     --label "session 15" --recipe recipes/llama2-7b-qlora-16gb.yaml --recipe recipes/llama2-7b-qlora-16gb.yaml \
     --recipe recipes/llama2-7b-full-32gb-host.yaml
