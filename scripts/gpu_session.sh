@@ -67,6 +67,10 @@
 #                                         # and 3B start-up (each run twice), 3B with serial pinning
 #   bash scripts/gpu_session.sh heldout15 # not run yet: the Llama-7B ZeRO-3 row unpinned (predicted 5.27 GiB in session 15),
 #                                         # does pinning change the GPU's reserved bytes (issue 22's Mistral row, +6.1 %)?
+#   bash scripts/gpu_session.sh startup16a # not run yet, issue 23: warm start-up (bytecode kept) of the shipped LoRA recipes:
+#                                         # 7B LoRA, 7B and 13B QLoRA, each run twice (the second is the warm row)
+#   bash scripts/gpu_session.sh startup16b # not run yet, issue 23: warm start-up of the shipped 7B full fine-tunes (32 / 64 GiB
+#                                         # hosts, ZeRO-3 offload on one GPU), after one run that fills the caches
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -111,6 +115,21 @@ offload_startup15() {  # MAX_S RUN_TIMEOUT_S SERIAL_MAX_S SERIAL_TIMEOUT_S: warm
     --recipe recipes/openllama-3b-full-offload-24gb.yaml
 }
 case $part in
+startup16a)  # ~6 min: 6 runs of ~25-40 s to the first step, plus one evaluation batch and teardown each
+  cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
+  step warm-lora 540 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout 85 \
+    --label "session 16" --recipe recipes/llama2-7b-lora-24gb.yaml --recipe recipes/llama2-7b-lora-24gb.yaml \
+    --recipe recipes/llama2-7b-qlora-16gb.yaml --recipe recipes/llama2-7b-qlora-16gb.yaml \
+    --recipe recipes/llama2-13b-qlora-24gb.yaml --recipe recipes/llama2-13b-qlora-24gb.yaml
+  ;;
+startup16b)  # ~9 min; the CPU Adam op is built first, outside the rows
+  step cpu-adam 90 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+  cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
+  step warm-full 470 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout 110 \
+    --label "session 16" --recipe recipes/llama2-7b-full-32gb-host.yaml --recipe recipes/llama2-7b-full-32gb-host.yaml \
+    --recipe recipes/llama2-7b-full-64gb-host.yaml --recipe "recipes/llama2-7b-full-offload-2x24gb.yaml hardware.gpus=1"
+  # not recipes/llama2-7b-nvme-24gb.yaml: its plan puts 87.9 GiB on NVMe, the GPU machine has a 64 GB disk
+  ;;
 heldout15)
   cp benchmarks/plan_accuracy.csv "$OUT/plan_accuracy.csv"  # the predictions committed before this run are replaced
   step plan-unpinned 300 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 280 --parallel 1 \
