@@ -11,11 +11,14 @@ Pinned host memory (DeepSpeed pins an offloaded optimizer's fp32 weights and gra
 partitions, while the run starts): by default PyTorch takes each buffer with one cudaHostAlloc, whose one thread
 faults in every page. With `pinned_use_cuda_host_register` it allocates ordinary memory, faults it in from several
 threads and registers it with CUDA: 4 GiB pinned in 0.57 s instead of 2.96 on the GPU machine (16 threads,
-benchmarks/pinned.csv), the same buffers, the same copy speed.
+benchmarks/pinned.csv), the same buffers, the same copy speed. Not under WSL: there the driver registers host
+memory from a page-locking pool of about half the RAM (and GPU-offload recipes there are not measured), so
+memtrain leaves PyTorch's default.
 """
 from __future__ import annotations
 
 import os
+import platform
 from functools import lru_cache
 
 import torch
@@ -75,10 +78,16 @@ def pinning_threads(usable_cpus: int) -> int:
     return threads
 
 
-def use_parallel_pinning(usable_cpus: int) -> bool:
+def under_wsl(kernel_release: str | None = None) -> bool:
+    """Whether this Linux is Windows' WSL (its kernel release names Microsoft)."""
+    release = platform.release() if kernel_release is None else kernel_release
+    return "microsoft" in release.lower() or "wsl" in release.lower()
+
+
+def use_parallel_pinning(usable_cpus: int, kernel_release: str | None = None) -> bool:
     """Pin host buffers by registering memory that several threads fault in (see the module's docstring), before
-    anything is pinned. Returns whether it is in force (the user's PYTORCH_CUDA_ALLOC_CONF wins)."""
-    if not set_allocator_setting("pinned_use_cuda_host_register", "True"):
+    anything is pinned; not under WSL. Returns whether it is in force (the user's PYTORCH_CUDA_ALLOC_CONF wins)."""
+    if under_wsl(kernel_release) or not set_allocator_setting("pinned_use_cuda_host_register", "True"):
         return False
     set_allocator_setting("pinned_num_register_threads", str(pinning_threads(usable_cpus)))
     return True

@@ -60,13 +60,19 @@ def test_pinning_threads_are_a_power_of_two_within_the_usable_cores(cpus, thread
 
 
 def test_parallel_pinning_registers_pages_faulted_by_several_threads(settings):
-    assert use_parallel_pinning(12) is True
+    assert use_parallel_pinning(12, kernel_release="6.8.0-49-generic") is True
     assert settings == ["pinned_use_cuda_host_register:True", "pinned_num_register_threads:8"]
+
+
+def test_wsl_keeps_pytorchs_pinning(settings):
+    assert use_parallel_pinning(12, kernel_release="5.15.167.4-microsoft-standard-WSL2") is False
+    assert settings == []
+    assert use_parallel_pinning(12, kernel_release="6.8.0-49-generic") is True
 
 
 def test_the_users_pinning_choice_wins(settings, monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_use_cuda_host_register:False")
-    assert use_parallel_pinning(12) is False
+    assert use_parallel_pinning(12, kernel_release="6.8.0-49-generic") is False
     assert settings == []
 
 
@@ -74,7 +80,7 @@ def test_this_pytorch_knows_the_pinning_keys_and_their_values():
     """The real allocator config (in a child, which may keep the settings): a misspelt key or a thread count
     PyTorch refuses would leave pinning serial without a word."""
     code = ("import torch; from memtrain.train.allocator import pinning_threads, use_parallel_pinning; "
-            "print(use_parallel_pinning(12)); "
+            "print(use_parallel_pinning(12, kernel_release='6.8.0-generic')); "
             "[torch._C._accelerator_setAllocatorSettings(f'pinned_num_register_threads:{pinning_threads(n)}') "
             "for n in (1, 3, 12, 64)]; print('accepted')")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
