@@ -8,6 +8,9 @@ record of metrics.jsonl after the first step (scripts/bench_startup.py reads it)
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 import time
 
 import psutil
@@ -43,3 +46,36 @@ class StartupClock:
         """The `startup` record's fields: first_step_s and phases_s (rounded to milliseconds)."""
         return {"first_step_s": round(self.elapsed_s, 3),
                 "phases_s": {name: round(seconds, 3) for name, seconds in self.phases_s.items()}}
+
+
+# Measured on the GPU machine, whose image sets PYTHONDONTWRITEBYTECODE=1 and ships no bytecode: `import
+# memtrain.commands.run` took 27.3 s compiling, 6.2-6.8 s once bytecode was kept (docs/BENCHMARKS.md, session 15).
+HEAVY_PACKAGES = ("torch", "transformers")
+
+
+def packages_without_bytecode(names: tuple[str, ...] = HEAVY_PACKAGES) -> list[str]:
+    """Imported packages whose __init__ has no bytecode where this Python looks for it: they were compiled at this
+    start and will be again at the next (PYTHONDONTWRITEBYTECODE, or a folder Python may not write to)."""
+    missing = []
+    for name in names:
+        source = getattr(sys.modules.get(name), "__file__", None) or ""
+        if not source.endswith(".py"):
+            continue
+        try:
+            cached = importlib.util.cache_from_source(source)
+        except NotImplementedError:  # an interpreter without bytecode caching
+            continue
+        if not os.path.exists(cached):
+            missing.append(name)
+    return missing
+
+
+def bytecode_note(names: tuple[str, ...] = HEAVY_PACKAGES) -> str | None:
+    """A line for people when the heavy packages are compiled again at every start, else None."""
+    missing = packages_without_bytecode(names)
+    if not missing:
+        return None
+    why = "PYTHONDONTWRITEBYTECODE is set" if sys.flags.dont_write_bytecode else "their folders are not writable"
+    return (f"Python keeps no bytecode for {', '.join(missing)} here ({why}), so every start compiles them again "
+            "(measured: 27 s instead of 6-7 s for memtrain's imports); unset PYTHONDONTWRITEBYTECODE, or set "
+            "PYTHONPYCACHEPREFIX to a writable folder")

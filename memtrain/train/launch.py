@@ -23,7 +23,7 @@ import torch
 
 from memtrain.errors import Problem, UserError
 from memtrain.model.config import model_architecture
-from memtrain.monitor.startup import StartupClock
+from memtrain.monitor.startup import StartupClock, bytecode_note
 from memtrain.plan.params import count_parameters
 from memtrain.recipe.sources import LoadedRecipe
 from memtrain.train.allocator import exact_pinned_supported
@@ -55,6 +55,7 @@ def prepare(loaded: LoadedRecipe, hooks: Hooks, clock: StartupClock | None = Non
     clock = clock or StartupClock()
     check_dtype(loaded)
     notes = list(model_architecture(r.model).notes)
+    notes += [note for note in (bytecode_note(),) if note]  # a slow start that is the environment's
     if hooks.oom.layers:  # @layerK points must name layers the model has, before a run directory exists
         hooks.oom.check_layers(count_parameters(r.model).num_layers)
     clock.mark("checks")

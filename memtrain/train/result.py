@@ -33,7 +33,7 @@ class RunResult:
         """One line saying how the run ended and what to do next."""
         if self.status == "done":
             where = f"model in {self.exported}" if self.exported else f"metrics in {self.run_dir} (--no-save)"
-            return f"trained {self.step} steps; {where}" + (f"; but {self.warning}" if self.warning else "")
+            return f"trained {self.step} step{'s' if self.step != 1 else ''}; {where}" + (f"; but {self.warning}" if self.warning else "")
         if self.status == "restart":
             return f"out of memory in backward at step {self.step + 1}; saved, restarting smaller"
         checkpoints = self.run_dir / "checkpoints"

@@ -18,3 +18,9 @@ def test_under_no_save_it_says_nothing_was_saved():
     interrupted = RunResult("interrupted", 3, Path("/runs/a"), saved=False).summary()
     assert stopped == "stopped at step 3 as asked (--max-steps); nothing saved (--no-save)"
     assert interrupted == "interrupted at step 3; nothing saved (--no-save)"
+
+
+def test_a_finished_run_counts_its_steps_in_words():
+    assert RunResult("done", 1, Path("/runs/a"), saved=False).summary() == "trained 1 step; metrics in /runs/a (--no-save)"
+    assert RunResult("done", 2, Path("/runs/a"), exported=Path("/runs/a/final")).summary() == \
+        "trained 2 steps; model in /runs/a/final"
