@@ -71,6 +71,9 @@
 #                                         # 7B LoRA, 7B and 13B QLoRA, each run twice (the second is the warm row)
 #   bash scripts/gpu_session.sh startup16b # not run yet, issue 23: warm start-up of the shipped 7B full fine-tunes (32 / 64 GiB
 #                                         # hosts, ZeRO-3 offload on one GPU), after one run that fills the caches
+#   bash scripts/gpu_session.sh cpuadam16  # not run yet, issue 23: offload.cpu_adam=torch (PyTorch's fused AdamW, nothing to
+#                                         # build) against DeepSpeed's CPU Adam: step time on 16 cores, the 1.1B and 3B
+#                                         # offload recipes' tokens/s, and a fresh start with nothing to build
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -115,6 +118,20 @@ offload_startup15() {  # MAX_S RUN_TIMEOUT_S SERIAL_MAX_S SERIAL_TIMEOUT_S: warm
     --recipe recipes/openllama-3b-full-offload-24gb.yaml
 }
 case $part in
+cpuadam16)  # ~9 min
+  cp benchmarks/cpu_adam.csv "$OUT/cpu_adam.csv" 2>/dev/null
+  step cpu-adam-step 120 python3 scripts/bench_cpu_adam.py --millions 300 1100 --steps 5 --out "$OUT/cpu_adam.csv"
+  cp benchmarks/runs.csv "$OUT/runs.csv"
+  step tokens 300 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 140 --warmup-steps 2 \
+    --title "memtrain run on the GPU machine (24 GiB cap)" \
+    --case "1.1b-full-opt-offload (session 16, DeepSpeed's CPU Adam)=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=8 $quiet" \
+    --case "1.1b-full-opt-offload (session 16, offload.cpu_adam=torch)=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=8 $quiet offload.cpu_adam=torch" \
+    --case "3b-full-offload (session 16, offload.cpu_adam=torch)=recipes/openllama-3b-full-offload-24gb.yaml train.steps=5 $quiet offload.cpu_adam=torch"
+  cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
+  step fresh-torch-adam 100 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state fresh --steps 1 \
+    --timeout 90 --label "session 16, offload.cpu_adam=torch" \
+    --recipe "recipes/tinyllama-1.1b-full-offload-24gb.yaml offload.cpu_adam=torch"
+  ;;
 startup16a)  # ~6 min: 6 runs of ~25-40 s to the first step, plus one evaluation batch and teardown each
   cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
   step warm-lora 540 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout 85 \

@@ -146,7 +146,9 @@ def ds_config_for_shapes(recipe: Recipe, hidden_size: int, micro_batch: int,
     An optimizer that stays on the device is torch's fused AdamW (`torch_adam`), not DeepSpeed's
     FusedAdam: the same single-kernel update, but nothing to JIT-compile at start-up (FusedAdam's
     nvcc build is most of the time to first step on a fresh machine), and it runs on the CPU
-    accelerator too. Offloaded optimizers use DeepSpeed's CPU Adam. The bitsandbytes optimizers
+    accelerator too. Offloaded optimizers use DeepSpeed's CPU Adam, or with `offload.cpu_adam: torch` the same
+    torch fused AdamW stepping on the CPU (nothing to build; DeepSpeed accepts it from its config's optimizer block,
+    not as a client optimizer). The bitsandbytes optimizers
     (8-bit / paged AdamW) are built by the loop and handed to `deepspeed.initialize` as client
     optimizers, so the config has no "optimizer" block for them (`uses_client_optimizer`).
     """
@@ -154,7 +156,7 @@ def ds_config_for_shapes(recipe: Recipe, hidden_size: int, micro_batch: int,
     ranks = recipe.hardware.world_size  # every process of every node
     uses_nvme = "nvme" in (recipe.offload.optimizer, recipe.offload.params)
     optimizer_params = {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay}
-    if recipe.offload.optimizer == "none":
+    if recipe.offload.optimizer == "none" or recipe.offload.cpu_adam == "torch":
         optimizer_params.update(torch_adam=True, fused=True)
     accum = grad_accum_steps(b.global_batch, micro_batch, ranks)
     config = {

@@ -129,6 +129,30 @@ def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
     return problems
 
 
+@reads("offload", "precision")
+def _check_cpu_adam(loaded: LoadedRecipe) -> list[Problem]:
+    """offload.cpu_adam=torch: PyTorch's fused AdamW steps the offloaded optimizer, where DeepSpeed accepts another
+    optimizer than its own CPU Adam (measured on DeepSpeed 0.19.8's CPU accelerator: ZeRO-2 and ZeRO-3 train as with
+    it; partial offload stops at "Hybrid Optimizer Only Supports DeepSpeedCPUAdam")."""
+    r, src = loaded.recipe, loaded.sources
+    o = r.offload
+    if o.cpu_adam != "torch":
+        return []
+    if o.optimizer != "cpu":
+        return [src.problem(("offload", "cpu_adam"), f"offload.cpu_adam=torch chooses how an optimizer offloaded to the "
+                            f"CPU steps, and offload.optimizer is {o.optimizer}",
+                            "set offload.optimizer=cpu, or remove offload.cpu_adam")]
+    problems = []
+    if r.precision.master == "bf16":
+        problems.append(src.problem(("offload", "cpu_adam"), "DeepSpeed keeps bf16 master weights on the host only "
+                                    "with its own CPU Adam (it stops in deepspeed.initialize otherwise)",
+                                    "set offload.cpu_adam=deepspeed, or precision.master=fp32"))
+    if o.ratio < 1.0:
+        problems.append(src.problem(("offload", "cpu_adam"), "DeepSpeed's partial offload (offload.ratio below 1) steps "
+                                    "only with its own CPU Adam", "set offload.cpu_adam=deepspeed, or remove offload.ratio"))
+    return problems
+
+
 @reads("offload")
 def _check_zenflow(loaded: LoadedRecipe) -> list[Problem]:
     # DeepSpeed's ZenFlow at ZeRO-1/2 flattens every weight matrix transposed but hands the model views of the

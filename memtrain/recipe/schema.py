@@ -363,6 +363,10 @@ class Offload(Section):
         "sub-groups (1e8 elements each) keep master weights, moments and gradients on the GPU and are updated there; "
         "memtrain checkpoints their moments, which DeepSpeed's own checkpoint leaves out."))
     pin_memory: bool = Field(True, description="Page-locked host buffers for faster transfers.")
+    cpu_adam: Literal["deepspeed", "torch"] = Field("deepspeed", description=(
+        "The AdamW that steps an optimizer offloaded to the CPU: deepspeed, DeepSpeed's CPU Adam (a C++ op built with "
+        "the machine's compiler on first use); torch, PyTorch's fused AdamW on the CPU (nothing to build; fp32 master "
+        "weights only, offload.optimizer=cpu)."))
     overlap_comm: bool = Field(True, description="Overlap gradient reduction / transfers with backward.")
     buffer_count: int = Field(5, ge=1, description="Parameter buffers for NVMe/CPU parameter offload.")
     max_live_parameters: int = Field(1_000_000_000, ge=0, description="ZeRO-3: parameters resident on the GPU at once.")

@@ -38,8 +38,10 @@ def share_cpu_info() -> None:
 
 
 def needs_cpu_adam(recipe: Recipe) -> bool:
-    """Whether DeepSpeed builds its CPU Adam for this recipe (an offloaded optimizer it creates itself)."""
-    return recipe.offload.optimizer != "none" and not uses_client_optimizer(recipe)
+    """Whether DeepSpeed builds its CPU Adam for this recipe (an offloaded optimizer it creates itself, unless
+    offload.cpu_adam says PyTorch's)."""
+    o = recipe.offload
+    return o.optimizer != "none" and o.cpu_adam == "deepspeed" and not uses_client_optimizer(recipe)
 
 
 class CpuAdamLoad:
