@@ -132,8 +132,9 @@ def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
 @reads("offload", "precision")
 def _check_cpu_adam(loaded: LoadedRecipe) -> list[Problem]:
     """offload.cpu_adam=torch: PyTorch's fused AdamW steps the offloaded optimizer, where DeepSpeed accepts another
-    optimizer than its own CPU Adam (measured on DeepSpeed 0.19.8's CPU accelerator: ZeRO-2 and ZeRO-3 train as with
-    it; partial offload stops at "Hybrid Optimizer Only Supports DeepSpeedCPUAdam")."""
+    optimizer than its own CPU Adam (tried on DeepSpeed 0.19.8's CPU accelerator: ZeRO-2 and ZeRO-3 train as with
+    it; bf16 master weights stop in deepspeed.initialize at "Master weights feature requires ZeRO-2 Offload with
+    DeepSpeedCPUAdam", ZeRO-3 likewise; partial offload at "Hybrid Optimizer Only Supports DeepSpeedCPUAdam")."""
     r, src = loaded.recipe, loaded.sources
     o = r.offload
     if o.cpu_adam != "torch":
