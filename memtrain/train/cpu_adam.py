@@ -5,7 +5,7 @@ machine) and loaded on every start (2.4 s there, nearly all of it py-cpuinfo: De
 CPU's architecture and vector width, and DeepSpeedCPUAdam asks again; each answer is a fresh Python subprocess,
 1.2 s). Neither the build nor the load needs the model, so `CpuAdamLoad.start` begins them in a thread as soon as
 the process is set up, while the data and the model are built, and `wait` joins it before deepspeed.initialize,
-which finds the op loaded. A build error is raised there, as it was when the load ran inline.
+which finds the op loaded. A failed build is said there, with the ways around it.
 
 `share_cpu_info` answers every get_cpu_info() of this process with its first answer: the CPU does not change
 while a run starts.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 
 from memtrain.ds_config.compiler import uses_client_optimizer
+from memtrain.errors import Problem, UserError
 from memtrain.recipe.schema import Recipe
 
 
@@ -72,11 +73,20 @@ class CpuAdamLoad:
         return self
 
     def wait(self) -> None:
-        """Block until the op is loaded; raise what building or loading it raised."""
+        """Block until the op is loaded. A build or load that failed is a UserError naming the way around it (the
+        machine's compiler, or PyTorch's AdamW); anything else it raised is raised as it was."""
         if self._thread is None:
             self.start()
         if self._thread is not None:
             self._thread.join()
-        if self._error is not None:
-            error, self._error = self._error, None
+        if self._error is None:
+            return
+        error, self._error = self._error, None
+        if not isinstance(error, Exception):
             raise error
+        said = (str(error).strip().splitlines() or [""])[0]
+        raise UserError(Problem(
+            f"DeepSpeed's CPU Adam, which steps the optimizer offloaded to the CPU, could not be built or loaded "
+            f"({type(error).__name__}: {said})", key="offload.cpu_adam",
+            hint="DeepSpeed builds it on first use with this machine's C++ compiler and ninja (install g++, or point CXX "
+                 "at a working one); or set offload.cpu_adam=torch: PyTorch's fused AdamW, nothing to build")) from error

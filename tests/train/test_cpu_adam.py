@@ -1,5 +1,6 @@
 """DeepSpeed's CPU Adam loaded in a background thread while the run starts (memtrain/train/cpu_adam.py): it starts
-without blocking, its errors come out where the run waits for it, and py-cpuinfo is asked once per process."""
+without blocking, a failed build is said where the run waits for it (with the ways around it), and py-cpuinfo is
+asked once per process."""
 from __future__ import annotations
 
 import threading
@@ -8,6 +9,7 @@ import cpuinfo
 import pytest
 from deepspeed.ops.op_builder import CPUAdamBuilder
 
+from memtrain.errors import UserError
 from memtrain.recipe.schema import Recipe
 from memtrain.train import cpu_adam
 from memtrain.train.cpu_adam import CpuAdamLoad, needs_cpu_adam
@@ -25,21 +27,25 @@ def test_only_recipes_whose_optimizer_deepspeed_offloads_need_the_op():
                                                      "optimizer": {"name": "paged_adamw_8bit"}}))
 
 
-def test_start_returns_while_the_op_loads_and_wait_raises_what_loading_raised(monkeypatch):
+def test_start_returns_while_the_op_loads_and_a_failed_build_is_said_with_the_ways_around_it(monkeypatch):
     started, may_finish = threading.Event(), threading.Event()
 
     def planted_load(self):
         started.set()
         if not may_finish.wait(timeout=30):
             raise AssertionError("start() waited for the load")
-        raise RuntimeError("planted build error")
+        raise RuntimeError("Error building extension 'cpu_adam'\n(the compiler's output)")
 
     monkeypatch.setattr(CPUAdamBuilder, "load", planted_load)
     load = CpuAdamLoad(_recipe(optimizer="cpu")).start()
     assert started.wait(timeout=30)  # the load runs...
     may_finish.set()                 # ...while this thread goes on
-    with pytest.raises(RuntimeError, match="planted build error"):
+    with pytest.raises(UserError) as raised:
         load.wait()
+    [problem] = raised.value.problems
+    assert problem.key == "offload.cpu_adam" and "Error building extension 'cpu_adam')" in problem.message
+    assert "offload.cpu_adam=torch" in problem.hint and "compiler" in problem.hint
+    load.wait()  # said once
 
 
 def test_a_recipe_without_the_op_starts_no_thread(monkeypatch):
