@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import platform
 import statistics
 import sys
 import time
@@ -21,21 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_run import upsert_row  # noqa: E402
+from bench_run import cpu_name, upsert_row  # noqa: E402
 
 COLUMNS = ["implementation", "params_millions", "ms_per_step", "gb_per_s", "threads", "machine", "date", "command"]
 BYTES_PER_PARAM_TOUCHED = 4 * 7  # read param, grad, two moments; write param, two moments (fp32)
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux), else the architecture."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def optimizer(name: str, param):
@@ -72,7 +60,7 @@ def main() -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the op is the same; no GPU needed
     import torch  # noqa: PLC0415
 
-    machine = f"{cpu_model()}, {os.cpu_count()} cores, PyTorch {torch.__version__.split('+')[0]}"
+    machine = f"{cpu_name()}, {os.cpu_count()} cores, PyTorch {torch.__version__.split('+')[0]}"
     command = f"python scripts/bench_cpu_adam.py --millions {' '.join(map(str, args.millions))} --steps {args.steps}"
     for millions in args.millions:
         for name in ("deepspeed", "torch"):

@@ -9,7 +9,6 @@ Each setting runs in a fresh process (PyTorch reads its allocator settings once)
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import json
 import os
@@ -17,6 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_run import machine_name, upsert_row  # noqa: E402
+
+COLUMNS = ["setting", "gib", "pin_memory_s", "empty_pinned_s", "h2d_gbps", "machine", "date", "command"]
 SETTINGS = ("", "pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
             "pinned_use_cuda_host_register:True,pinned_num_register_threads:16")
 
@@ -38,9 +43,9 @@ def main() -> int:
     parser.add_argument("--gib", type=float, default=4.0, help="size of each pinned tensor")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    rows = []
-    import torch  # noqa: PLC0415 — only for the machine's name
-    machine = f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores, PyTorch {torch.__version__.split('+')[0]}"
+    import torch  # noqa: PLC0415 — only for the machine's description
+
+    machine = f"{machine_name()}, {os.cpu_count()} CPU cores, PyTorch {torch.__version__.split('+')[0]}"
     for setting in SETTINGS:
         env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": setting} if setting else dict(os.environ)
         done = subprocess.run([sys.executable, "-c", CHILD, str(args.gib)], env=env, capture_output=True, text=True,
@@ -49,15 +54,12 @@ def main() -> int:
             print(f"{setting or 'default'}: exit {done.returncode}\n{done.stderr[-2000:]}")
             continue
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        row = {"setting": setting or "default", "gib": args.gib, **{k: f"{v:.2f}" for k, v in result.items()},
+        row = {"setting": setting or "default", "gib": str(args.gib), **{k: f"{v:.2f}" for k, v in result.items()},
                "machine": machine, "date": dt.date.today().isoformat(),
                "command": f"python scripts/bench_pinned.py --gib {args.gib:g} --out {args.out}"}
         print(row)
-        rows.append(row)
-    with args.out.open("w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=list(rows[0]) if rows else ["setting"])
-        writer.writeheader()
-        writer.writerows(rows)
+        upsert_row(args.out, row, COLUMNS, "Seconds to pin host memory, per PyTorch pinned-allocator setting",
+                   keys=("setting", "gib", "machine"))
     return 0
 
 

@@ -40,9 +40,20 @@ def machine_name() -> str:
             return f"{torch.cuda.get_device_name(0)}"
     except ImportError:
         pass
+    return f"{cpu_name()} CPU"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what platform knows of it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
     import platform
 
-    return f"{platform.processor() or platform.machine()} CPU"
+    return platform.processor() or platform.machine()
 
 
 def run_dir_for(runs: Path, name: str) -> Path:
