@@ -19,6 +19,7 @@ from memtrain.commands.compile import compile_command
 from memtrain.commands.eval import eval_command
 from memtrain.commands.export import export_command
 from memtrain.commands.plan import plan_command
+from memtrain.commands.prepare import prepare_command
 from memtrain.commands.report import report_command
 from memtrain.commands.run import run_command
 from memtrain.errors import UserError
@@ -120,6 +121,21 @@ def plan(
     code = plan_command(recipe, list(overrides or []), gpu=gpu, fit=fit, output=output, as_json=as_json, console=console,
                         with_data=data)
     raise typer.Exit(code=code)
+
+
+@app.command()
+@report_user_errors
+def prepare(
+    recipe: Path = RecipeArg,
+    overrides: Optional[list[str]] = OverridesArg,
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+):
+    """Do a run's one-time work ahead of it: tokenise the data into the cache and build the DeepSpeed ops it loads.
+
+    For a Docker image's build, a CPU node, or while the GPU is busy; a run then starts from the caches.
+    Example: [bold]memtrain prepare recipes/tinyllama-1.1b-full-offload-24gb.yaml[/]
+    """
+    raise typer.Exit(code=prepare_command(recipe, list(overrides or []), as_json, console))
 
 
 @app.command()

@@ -12,6 +12,9 @@ CPU Adam, TRITON_CACHE_DIR for Triton kernels such as Liger's, TORCHINDUCTOR_CAC
 kept under --runs for the whole invocation:
 the first recipe runs on a fresh machine and is labelled `fresh`, the later ones find what it built and
 are labelled `warm`. --machine-state warm uses the caches as they are and labels every row `warm`.
+The token cache (MEMTRAIN_CACHE) is emptied with them since session 16; earlier fresh rows found the data tokenised.
+--prepare runs `memtrain prepare` on the first recipe before it (the one-time work done ahead, as in a Docker
+image's build) and gives its seconds in the `prepare_s` column, outside first_step_s.
 A recipe may carry overrides after it ("RECIPE key=value ...").
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +38,7 @@ from bench_run import machine_name, upsert_row  # noqa: E402
 from memtrain.monitor.startup import PHASES  # noqa: E402
 from memtrain.train.distributed import without_rank_variables  # noqa: E402
 
-COLUMNS = ["recipe", "machine_state", "first_step_s", *PHASES, "machine", "date", "command"]
+COLUMNS = ["recipe", "machine_state", "first_step_s", "prepare_s", *PHASES, "machine", "date", "command"]
 
 
 def run_once(spec: str, steps: int, run_dir: Path, env: dict, timeout: int) -> dict:
@@ -56,12 +60,22 @@ def run_once(spec: str, steps: int, run_dir: Path, env: dict, timeout: int) -> d
     return next(r for r in records if r["kind"] == "startup")
 
 
-def row_of(name: str, state: str, startup: dict, command: str) -> dict:
+def prepare(spec: str, env: dict, timeout: int) -> float:
+    """`memtrain prepare RECIPE`: its wall-clock seconds."""
+    recipe, *overrides = shlex.split(spec)
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "memtrain", "prepare", recipe, *overrides], cwd=ROOT, env=env,
+                   timeout=timeout, check=True, stdout=sys.stderr)
+    return time.perf_counter() - started
+
+
+def row_of(name: str, state: str, startup: dict, command: str, prepare_s: float | None = None) -> dict:
     phases = startup["phases_s"]
     unknown = sorted(set(phases) - set(PHASES))
     if unknown:
         raise ValueError(f"phases {unknown} have no column: add them to memtrain.monitor.startup.PHASES")
     return {"recipe": name, "machine_state": state, "first_step_s": f"{startup['first_step_s']:.1f}",
+            "prepare_s": "" if prepare_s is None else f"{prepare_s:.1f}",
             **{phase: f"{phases[phase]:.1f}" if phase in phases else "" for phase in PHASES},
             "machine": machine_name(), "date": dt.date.today().isoformat(), "command": command}
 
@@ -74,31 +88,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run (the first is the one timed)")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-startup"))
     parser.add_argument("--timeout", type=int, default=600)
-    parser.add_argument("--label", default="", help="added to each row's recipe name in parentheses (a session, a setting)")
+    parser.add_argument("--label", default="",
+                        help="added to each row's recipe name in parentheses (a session, a setting)")
+    parser.add_argument("--prepare", action="store_true", help="run `memtrain prepare` on the first recipe before it")
     args = parser.parse_args(argv)
     env = without_rank_variables(os.environ)  # each run starts its own process group
     if args.machine_state == "fresh":
         caches = args.runs / "fresh-caches"
         shutil.rmtree(caches, ignore_errors=True)
         env.update(TORCH_EXTENSIONS_DIR=str(caches / "torch_extensions"), TRITON_CACHE_DIR=str(caches / "triton"),
-                   TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"))
+                   TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), MEMTRAIN_CACHE=str(caches / "tokens"))
+    prepare_s = prepare(args.recipe[0], env, args.timeout) if args.prepare else None
     failed = 0
     for index, spec in enumerate(args.recipe):
         state = "fresh" if args.machine_state == "fresh" and index == 0 else "warm"
         name = " ".join(Path(part).stem if i == 0 else part for i, part in enumerate(shlex.split(spec)))
         name += f" ({args.label})" if args.label else ""
         command = f"python scripts/bench_startup.py --machine-state {args.machine_state} --steps {args.steps} " \
-                  f"--recipe '{spec}'" + (f" --label '{args.label}'" if args.label else "")
+                  f"--recipe '{spec}'" + (f" --label '{args.label}'" if args.label else "") + \
+                  (" --prepare" if args.prepare and index == 0 else "")
         try:
             startup = run_once(spec, args.steps, args.runs / f"run-{index}", env, args.timeout)
         except (RuntimeError, subprocess.TimeoutExpired, StopIteration, FileNotFoundError) as error:
             print(f"{name}: no startup record ({type(error).__name__}: {error})", file=sys.stderr, flush=True)
             failed += 1
             continue  # the next recipe still runs
-        row = row_of(name, state, startup, command)
+        row = row_of(name, state, startup, command, prepare_s if index == 0 else None)
         print(json.dumps(row), flush=True)
         upsert_row(args.out, row, COLUMNS, "memtrain start-up: command to first optimizer step, per phase (s)",
-                   keys=("recipe", "machine_state"))
+                   keys=("recipe", "machine_state"), defaults={"prepare_s": ""})
     return 1 if failed else 0
 
 

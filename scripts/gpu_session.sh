@@ -71,6 +71,8 @@
 #                                         # 7B LoRA, 7B and 13B QLoRA, each run twice (the second is the warm row)
 #   bash scripts/gpu_session.sh startup16b # not run yet, issue 23: warm start-up of the shipped 7B full fine-tunes (32 / 64 GiB
 #                                         # hosts, ZeRO-3 offload on one GPU), after one run that fills the caches
+#   bash scripts/gpu_session.sh prepare16  # not run yet, issue 23: the 1.1B offload recipe's first start on empty caches,
+#                                         # as it comes and after `memtrain prepare` (DeepSpeed's CPU Adam built ahead)
 #   bash scripts/gpu_session.sh cpuadam16  # not run yet, issue 23: offload.cpu_adam=torch (PyTorch's fused AdamW, nothing to
 #                                         # build) against DeepSpeed's CPU Adam: step time on 16 cores, the 1.1B and 3B
 #                                         # offload recipes' tokens/s, and a fresh start with nothing to build
@@ -131,6 +133,13 @@ cpuadam16)  # ~9 min
   step fresh-torch-adam 100 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state fresh --steps 1 \
     --timeout 90 --label "session 16, offload.cpu_adam=torch" \
     --recipe "recipes/tinyllama-1.1b-full-offload-24gb.yaml offload.cpu_adam=torch"
+  ;;
+prepare16)  # ~5 min: two fresh starts of ~60-90 s, the second after prepare's build (~40 s)
+  cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
+  step fresh 150 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state fresh --steps 1 --timeout 140 \
+    --label "session 16" --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml
+  step fresh-prepared 200 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state fresh --steps 1 \
+    --timeout 120 --prepare --label "session 16, after memtrain prepare" --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml
   ;;
 startup16a)  # ~6 min: 6 runs of ~25-40 s to the first step, plus one evaluation batch and teardown each
   cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null

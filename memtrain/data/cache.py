@@ -31,6 +31,11 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "memtrain" / "tokens"
 
 
+def cache_dir_of(cache_dir: str | None) -> Path:
+    """The token cache a recipe's data.cache_dir names, else the default one."""
+    return Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+
+
 def cache_key(spec: str, fmt: str, field: str, tokenizer: PreTrainedTokenizerBase) -> str:
     """sha256 of the data's content fingerprint and the tokenizer's fingerprint."""
     parts = (CACHE_VERSION, source_fingerprint(spec, fmt, field), tokenizer_fingerprint(tokenizer))
@@ -40,7 +45,7 @@ def cache_key(spec: str, fmt: str, field: str, tokenizer: PreTrainedTokenizerBas
 def cache_paths(spec: str, fmt: str, field: str, tokenizer: PreTrainedTokenizerBase,
                 cache_dir: str | None) -> tuple[Path, Path]:
     """(tokens file, document-ends file) for this data and tokenizer; they may not exist yet."""
-    directory = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    directory = cache_dir_of(cache_dir)
     key = cache_key(spec, fmt, field, tokenizer)
     return directory / f"{key}.tokens.npy", directory / f"{key}.doc_ends.npy"
 

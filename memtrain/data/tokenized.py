@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from memtrain.data.cache import default_cache_dir, save_atomic
+from memtrain.data.cache import cache_dir_of, save_atomic
 from memtrain.data.conversation import document_text, to_conversation
 from memtrain.data.corpus import MAX_PROBLEMS, read_documents
 from memtrain.data.records import dataset_fingerprint, read_records, record_format
@@ -72,7 +72,7 @@ def tokenized_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rul
     Raises DataError for unreadable data or bad records (up to MAX_PROBLEMS reported together), UserError
     when the cache directory cannot be written.
     """
-    directory = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    directory = cache_dir_of(cache_dir)
     key = _cache_key(spec, tokenizer, rules)
     paths = {name: directory / f"{key}.{name}.npy" for name in ("ends", "targets", "tokens")}
     cached = _load(paths)

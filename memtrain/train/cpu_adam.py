@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import threading
 
-from memtrain.ds_config.compiler import uses_client_optimizer
-from memtrain.errors import Problem, UserError
 from memtrain.recipe.schema import Recipe
+from memtrain.train.deepspeed_ops import CPU_ADAM, needs_cpu_adam, op_failure
 
 
 def share_cpu_info() -> None:
@@ -36,13 +35,6 @@ def share_cpu_info() -> None:
 
     get_cpu_info.shared_by_memtrain = True
     cpuinfo.get_cpu_info = get_cpu_info
-
-
-def needs_cpu_adam(recipe: Recipe) -> bool:
-    """Whether DeepSpeed builds its CPU Adam for this recipe (an offloaded optimizer it creates itself, unless
-    offload.cpu_adam says PyTorch's)."""
-    o = recipe.offload
-    return o.optimizer != "none" and o.cpu_adam == "deepspeed" and not uses_client_optimizer(recipe)
 
 
 class CpuAdamLoad:
@@ -84,9 +76,4 @@ class CpuAdamLoad:
         error, self._error = self._error, None
         if not isinstance(error, Exception):
             raise error
-        said = (str(error).strip().splitlines() or [""])[0]
-        raise UserError(Problem(
-            f"DeepSpeed's CPU Adam, which steps the optimizer offloaded to the CPU, could not be built or loaded "
-            f"({type(error).__name__}: {said})", key="offload.cpu_adam",
-            hint="DeepSpeed builds it on first use with this machine's C++ compiler and ninja (install g++, or point CXX "
-                 "at a working one); or set offload.cpu_adam=torch: PyTorch's fused AdamW, nothing to build")) from error
+        raise op_failure(CPU_ADAM, error) from error

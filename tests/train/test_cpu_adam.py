@@ -12,7 +12,8 @@ from deepspeed.ops.op_builder import CPUAdamBuilder
 from memtrain.errors import UserError
 from memtrain.recipe.schema import Recipe
 from memtrain.train import cpu_adam
-from memtrain.train.cpu_adam import CpuAdamLoad, needs_cpu_adam
+from memtrain.train.cpu_adam import CpuAdamLoad
+from memtrain.train.deepspeed_ops import needs_cpu_adam
 
 
 def _recipe(**offload) -> Recipe:

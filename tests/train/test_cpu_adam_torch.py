@@ -8,7 +8,7 @@ import torch
 from memtrain.commands.run import run_command
 from memtrain.recipe.load import load_recipe_text
 from memtrain.recipe.rules import check_rules
-from memtrain.train.cpu_adam import needs_cpu_adam
+from memtrain.train.deepspeed_ops import needs_cpu_adam
 from memtrain.train.run import RunOptions
 from tests.conftest import train_losses
 

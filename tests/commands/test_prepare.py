@@ -1,0 +1,125 @@
+"""`memtrain prepare`: the data tokenised into the cache and DeepSpeed's ops built ahead of a run, which then
+tokenises and builds nothing; bad input and machines that cannot build an op exit 2 with the way around it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from memtrain.cli import app
+from memtrain.recipe.load import load_recipe_text
+from memtrain.train import deepspeed_ops
+from memtrain.train.deepspeed_ops import ASYNC_IO, CPU_ADAM, SHARED_MEMORY, ops_for
+from memtrain.train.distributed import without_rank_variables
+
+
+def _recipe(**offload):
+    text = "model: {preset: micro, tokenizer: 'builtin:shakespeare'}\ndata: {train: 'builtin:shakespeare'}\n"
+    if offload:
+        nvme = "hardware: {nvme_path: /tmp}\n" if "nvme" in offload.values() else ""
+        text += f"offload: {json.dumps(offload)}\n{nvme}"
+    return load_recipe_text(text, "r.yaml", check=False).recipe
+
+
+def test_the_ops_a_run_loads_follow_the_offload_tiers_and_the_machine():
+    assert ops_for(_recipe(), on_gpu=True) == []
+    assert ops_for(_recipe(), on_gpu=False) == [SHARED_MEMORY]  # DeepSpeed's CPU collectives
+    assert ops_for(_recipe(optimizer="cpu"), on_gpu=True) == [CPU_ADAM]
+    assert ops_for(_recipe(optimizer="cpu", cpu_adam="torch"), on_gpu=True) == []
+    assert ops_for(_recipe(optimizer="nvme", params="cpu"), on_gpu=True) == [CPU_ADAM, ASYNC_IO]
+
+
+def _prepare(recipe: Path, *args: str) -> dict:
+    result = CliRunner().invoke(app, ["prepare", str(recipe), *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_prepare_tokenises_once_and_says_so(write_recipe, tmp_path):
+    recipe = write_recipe()
+    first = _prepare(recipe)
+    cache = tmp_path / "cache"
+    assert first["data"]["cache_dir"] == str(cache) and first["data"]["tokenised_now"] == 2  # train and validation
+    entries = {path: path.stat().st_mtime_ns for path in cache.glob("*.npy")}
+    assert len(entries) == 4  # tokens and document ends of each
+    assert first["machine"] == "cpu" and [op["name"] for op in first["ops"]] == ["deepspeed_shm_comm"]
+    assert first["data"]["train"].startswith(f"{first['data']['train'].split()[0]} samples in ")
+    second = _prepare(recipe)
+    assert second["data"]["tokenised_now"] == 0
+    assert second["ops"][0]["state"] in ("already built", "installed with DeepSpeed")
+    assert {path: path.stat().st_mtime_ns for path in cache.glob("*.npy")} == entries
+    assert not (tmp_path / "runs").exists()  # nothing but the caches
+
+
+def test_an_op_this_machine_cannot_build_is_said_with_its_key_and_the_way_around_it(write_recipe, monkeypatch):
+    class Builder:  # every op loads, but async I/O finds no libaio
+        def __init__(self, op):
+            self.op = op
+
+        def is_compatible(self, verbose=False):
+            return self.op is not ASYNC_IO
+
+        def load(self):
+            return None
+
+    monkeypatch.setattr(deepspeed_ops, "_builder", Builder)
+    recipe = write_recipe("nvme", {"offload": {"optimizer": "nvme"}, "hardware": {"nvme_path": "/tmp"}})
+    result = CliRunner().invoke(app, ["prepare", str(recipe)])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "DeepSpeed's async_io op, which reads and writes the NVMe tiers, cannot be built on this machine" in said
+    assert "libaio-dev" in said and "offload.optimizer=cpu" in said and "Traceback" not in said
+
+
+def test_a_failed_build_is_one_line_naming_the_compiler_or_torch_adam(write_recipe, monkeypatch):
+    class BrokenCompiler:
+        def is_compatible(self, verbose=False):
+            return True
+
+        def load(self):
+            raise RuntimeError("Error building extension 'cpu_adam'\n(the compiler's output)")
+
+    monkeypatch.setattr(deepspeed_ops, "_builder", lambda op: BrokenCompiler())
+    monkeypatch.setattr("memtrain.commands.prepare.machine_has_gpu", lambda: True)  # CPU Adam alone
+    recipe = write_recipe("offload", {"offload": {"optimizer": "cpu"}})
+    result = CliRunner().invoke(app, ["prepare", str(recipe)])
+    assert result.exit_code == 2, result.output
+    assert "Error building extension 'cpu_adam'" in result.output and "offload.cpu_adam=torch" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_bad_recipe_exits_2_before_any_work(write_recipe, tmp_path):
+    result = CliRunner().invoke(app, ["prepare", str(write_recipe()), "data.seq_len=-1"])
+    assert result.exit_code == 2 and "data.seq_len" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.slow
+def test_a_run_after_prepare_builds_and_tokenises_nothing(write_recipe, tmp_path):
+    """On empty caches: prepare builds the CPU collectives and CPU Adam; the run that follows (its own process,
+    as a user's would be) finds both and the tokens, and rewrites none of them."""
+    recipe = write_recipe("offload", {"offload": {"optimizer": "cpu"}})
+    extensions = tmp_path / "torch_extensions"
+    env = {**without_rank_variables(os.environ), "TORCH_EXTENSIONS_DIR": str(extensions)}
+    prepared = subprocess.run([sys.executable, "-m", "memtrain", "prepare", str(recipe), "--json"], env=env,
+                              capture_output=True, text=True, timeout=600)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    summary = json.loads(prepared.stdout)
+    assert {op["name"]: op["state"] for op in summary["ops"]} == {"deepspeed_shm_comm": "built now",
+                                                                 "cpu_adam": "built now"}
+    written = {path: path.stat().st_mtime_ns for path in [*extensions.glob("*/*.so"), *(tmp_path / "cache").glob("*")]}
+    assert len(written) == 2 + 4
+    ran = subprocess.run([sys.executable, "-m", "memtrain", "run", str(recipe), "--max-steps", "1", "--no-save"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert {path: path.stat().st_mtime_ns for path in [*extensions.glob("*/*.so"), *(tmp_path / "cache").glob("*")]} \
+        == written
+    again = json.loads(subprocess.run([sys.executable, "-m", "memtrain", "prepare", str(recipe), "--json"], env=env,
+                                      capture_output=True, text=True, timeout=600, check=True).stdout)
+    assert [op["state"] for op in again["ops"]] == ["already built", "already built"]
+    assert again["data"]["tokenised_now"] == 0
