@@ -23,7 +23,7 @@ from rich.table import Table
 from memtrain.checks.load import load_checked
 from memtrain.data.cache import cache_dir_of
 from memtrain.recipe.sources import LoadedRecipe
-from memtrain.train.deepspeed_ops import Built, build, machine_has_gpu, ops_for
+from memtrain.train.deepspeed_ops import Built, build, check_buildable, machine_has_gpu, ops_for
 from memtrain.train.op_locks import clear_stale_locks, extensions_root
 from memtrain.train.setup import build_data
 
@@ -49,6 +49,9 @@ def prepare_command(recipe: Path, overrides: list[str], as_json: bool, console: 
 
 def _prepare(loaded: LoadedRecipe, console: Console) -> tuple[DataPrepared, list[Built], bool]:
     r = loaded.recipe
+    on_gpu = machine_has_gpu()
+    with loaded.sources.located():
+        check_buildable(r, on_gpu)  # before the tokenising: an op this machine cannot build is said first
     cache_dir = cache_dir_of(r.data.cache_dir)
     entries_before = _entries(cache_dir)
     started = time.perf_counter()
@@ -56,7 +59,6 @@ def _prepare(loaded: LoadedRecipe, console: Console) -> tuple[DataPrepared, list
         data = build_data(r)
     prepared = DataPrepared(cache_dir, len(_entries(cache_dir) - entries_before), time.perf_counter() - started,
                             data.train_set.stats.describe())
-    on_gpu = machine_has_gpu()
     clear_stale_locks()
     built = []
     for op in ops_for(r, on_gpu):

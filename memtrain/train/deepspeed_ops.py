@@ -12,6 +12,7 @@ Built once, each later load takes a second or two; `build` says which were built
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ class Op:
 COMPILER = "DeepSpeed builds it with this machine's C++ compiler and ninja (install g++, or point CXX at a working one)"
 CPU_ADAM = Op("cpu_adam", "CPUAdamBuilder", "steps the offloaded optimizer", "offload.cpu_adam",
               f"{COMPILER}; or set offload.cpu_adam=torch: PyTorch's fused AdamW, nothing to build")
-ASYNC_IO = Op("async_io", "AsyncIOBuilder", "reads and writes the NVMe tiers", "offload",
+ASYNC_IO = Op("async_io", "AsyncIOBuilder", "reads and writes the NVMe tiers", "offload.optimizer",
               "it needs libaio: apt-get install libaio-dev (or the distribution's libaio-devel); or keep the tiers "
               "on the CPU (offload.optimizer=cpu, offload.params=cpu)")
 SHARED_MEMORY = Op("deepspeed_shm_comm", "ShareMemCommBuilder", "the collectives of a run on the CPU", "hardware",
@@ -56,7 +57,7 @@ def ops_for(recipe: Recipe, on_gpu: bool) -> list[Op]:
     if needs_cpu_adam(recipe):
         ops.append(CPU_ADAM)
     if "nvme" in (o.optimizer, o.params):
-        ops.append(ASYNC_IO)
+        ops.append(dataclasses.replace(ASYNC_IO, key="offload.optimizer" if o.optimizer == "nvme" else "offload.params"))
     return ops
 
 
@@ -73,6 +74,21 @@ def _builder(op: Op):
     return get_accelerator().create_op_builder(op.builder)
 
 
+def check_buildable(recipe: Recipe, on_gpu: bool) -> None:
+    """Raise a UserError, before anything is built, for an op of the run that this machine cannot build (async
+    I/O without libaio): DeepSpeed would find it out in deepspeed.initialize, after the model is built."""
+    for op in ops_for(recipe, on_gpu):
+        _checked_builder(op)
+
+
+def _checked_builder(op: Op):
+    builder = _builder(op)
+    if builder is None or not builder.is_compatible(verbose=False):
+        raise UserError(Problem(f"DeepSpeed's {op.name} op, which {op.why}, cannot be built on this machine",
+                                key=op.key, hint=op.hint))
+    return builder
+
+
 def _built_at(op: Op) -> int | None:
     """When the op's library in the extension cache was last written (ns), None when it is not there."""
     library = extensions_root() / op.name / f"{op.name}.so"
@@ -84,10 +100,7 @@ def build(op: Op) -> Built:
     is a UserError naming the way around it."""
     from deepspeed.git_version_info import installed_ops  # noqa: PLC0415 — heavy; only when ops are built
 
-    builder = _builder(op)
-    if builder is None or not builder.is_compatible(verbose=False):
-        raise UserError(Problem(f"DeepSpeed's {op.name} op, which {op.why}, cannot be built on this machine",
-                                key=op.key, hint=op.hint))
+    builder = _checked_builder(op)
     before, started = _built_at(op), time.perf_counter()
     try:
         builder.load()

@@ -27,6 +27,7 @@ from memtrain.monitor.startup import StartupClock, bytecode_note
 from memtrain.plan.params import count_parameters
 from memtrain.recipe.sources import LoadedRecipe
 from memtrain.train.allocator import exact_pinned_supported
+from memtrain.train.deepspeed_ops import check_buildable, machine_has_gpu
 from memtrain.train.distributed import free_port, usable_cpus
 from memtrain.train.hooks import Hooks
 from memtrain.train.loop import train
@@ -54,6 +55,8 @@ def prepare(loaded: LoadedRecipe, hooks: Hooks, clock: StartupClock | None = Non
     r = loaded.recipe
     clock = clock or StartupClock()
     check_dtype(loaded)
+    with loaded.sources.located():
+        check_buildable(r, machine_has_gpu())  # e.g. async I/O without libaio: said now, not after the model is built
     notes = list(model_architecture(r.model).notes)
     notes += [note for note in (bytecode_note(),) if note]  # a slow start that is the environment's
     if hooks.oom.layers:  # @layerK points must name layers the model has, before a run directory exists

@@ -32,6 +32,8 @@ def test_the_ops_a_run_loads_follow_the_offload_tiers_and_the_machine():
     assert ops_for(_recipe(optimizer="cpu"), on_gpu=True) == [CPU_ADAM]
     assert ops_for(_recipe(optimizer="cpu", cpu_adam="torch"), on_gpu=True) == []
     assert ops_for(_recipe(optimizer="nvme", params="cpu"), on_gpu=True) == [CPU_ADAM, ASYNC_IO]
+    [*_, params_on_nvme] = ops_for(_recipe(optimizer="cpu", params="nvme"), on_gpu=True)
+    assert params_on_nvme.name == "async_io" and params_on_nvme.key == "offload.params"
 
 
 def _prepare(recipe: Path, *args: str) -> dict:
@@ -56,24 +58,28 @@ def test_prepare_tokenises_once_and_says_so(write_recipe, tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing but the caches
 
 
-def test_an_op_this_machine_cannot_build_is_said_with_its_key_and_the_way_around_it(write_recipe, monkeypatch):
+@pytest.mark.parametrize("command", ["prepare", "run"])
+def test_an_op_this_machine_cannot_build_is_said_at_its_key_before_anything_is_built(command, write_recipe, tmp_path,
+                                                                                    monkeypatch):
     class Builder:  # every op loads, but async I/O finds no libaio
         def __init__(self, op):
             self.op = op
 
         def is_compatible(self, verbose=False):
-            return self.op is not ASYNC_IO
+            return self.op.name != "async_io"
 
         def load(self):
             return None
 
     monkeypatch.setattr(deepspeed_ops, "_builder", Builder)
-    recipe = write_recipe("nvme", {"offload": {"optimizer": "nvme"}, "hardware": {"nvme_path": "/tmp"}})
-    result = CliRunner().invoke(app, ["prepare", str(recipe)])
+    recipe = write_recipe("nvme", {"offload": {"params": "nvme", "optimizer": "nvme"},
+                                   "hardware": {"nvme_path": str(tmp_path / "nvme")}})
+    result = CliRunner().invoke(app, [command, str(recipe)])
     assert result.exit_code == 2, result.output
     said = " ".join(result.output.split())
     assert "DeepSpeed's async_io op, which reads and writes the NVMe tiers, cannot be built on this machine" in said
-    assert "libaio-dev" in said and "offload.optimizer=cpu" in said and "Traceback" not in said
+    assert "offload.optimizer" in said and "libaio-dev" in said and "Traceback" not in said
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()  # said before any work
 
 
 def test_a_failed_build_is_one_line_naming_the_compiler_or_torch_adam(write_recipe, monkeypatch):
