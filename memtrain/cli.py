@@ -132,7 +132,7 @@ def prepare(
 ):
     """Do a run's one-time work ahead of it: tokenise the data into the cache and build the DeepSpeed ops it loads.
 
-    For a Docker image's build, a CPU node, or while the GPU is busy; a run then starts from the caches.
+    Run it on the machine that will train (while its GPU is busy, say); the run then starts from the caches.
     Example: [bold]memtrain prepare recipes/tinyllama-1.1b-full-offload-24gb.yaml[/]
     """
     raise typer.Exit(code=prepare_command(recipe, list(overrides or []), as_json, console))

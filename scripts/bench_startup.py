@@ -13,8 +13,8 @@ kept under --runs for the whole invocation:
 the first recipe runs on a fresh machine and is labelled `fresh`, the later ones find what it built and
 are labelled `warm`. --machine-state warm uses the caches as they are and labels every row `warm`.
 The token cache (MEMTRAIN_CACHE) is emptied with them since session 16; earlier fresh rows found the data tokenised.
---prepare runs `memtrain prepare` on the first recipe before it (the one-time work done ahead, as in a Docker
-image's build) and gives its seconds in the `prepare_s` column, outside first_step_s.
+--prepare runs `memtrain prepare` on the first recipe before it (the one-time work done ahead, as in a
+container's set-up) and gives its seconds in the `prepare_s` column, outside first_step_s.
 A recipe may carry overrides after it ("RECIPE key=value ...").
 """
 from __future__ import annotations

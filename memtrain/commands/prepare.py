@@ -2,8 +2,9 @@
 
 Two things make a run's first start slow, and neither needs the GPU: tokenising the data (into the token
 cache, data/cache.py and data/tokenized.py) and building DeepSpeed's C++ ops (train/deepspeed_ops.py).
-`prepare` does both for a recipe, so that they can be done in a Docker image's build, on a CPU node, or
-while the GPU is busy, and a run of the recipe then starts from the caches. It checks the recipe as
+`prepare` does both for a recipe, on the machine that will train (while its GPU is busy, or in a container's
+set-up), and a run of the recipe then starts from the caches. The ops are built for this machine: without a
+GPU, DeepSpeed's CPU builds, which a run on a GPU does not load. It checks the recipe as
 `run` does (exit 2 on a problem) and writes nothing but the caches.
 """
 from __future__ import annotations
