@@ -1,4 +1,4 @@
-"""`memtrain prepare`: a run's one-time work, done ahead of it and without a GPU.
+"""`memtrain prepare`: a run's one-time work, done ahead of it and without GPU time.
 
 Two things make a run's first start slow, and neither needs the GPU: tokenising the data (into the token
 cache, data/cache.py and data/tokenized.py) and building DeepSpeed's C++ ops (train/deepspeed_ops.py).
