@@ -8,6 +8,10 @@ after it stops at start-up, silent, forever.
 
 The holder keeps the lock file open from the moment it creates it until it removes it, so a lock that no
 process has open, twice a second apart, was left by a process that is gone: it is removed, with a line.
+
+PyTorch 2.14 replaced that lock file with an advisory lock (filelock) that the kernel releases when its holder
+dies; its file stays on disk after every build and blocks nothing. With such a PyTorch there is nothing to
+clear, and a file found there says nothing about a killed build.
 """
 from __future__ import annotations
 
@@ -59,8 +63,19 @@ def stale_locks(root: Path, recheck_s: float = 1.0) -> list[Path]:
     return [lock for lock in candidates if lock.exists() and lock.resolve() not in held]
 
 
+def builds_leave_lock_files() -> bool:
+    """Whether torch's extension loader locks a build with a file whose existence blocks (PyTorch < 2.14's
+    FileBaton), which a killed build leaves behind."""
+    from torch.utils import cpp_extension  # noqa: PLC0415 — heavy; only when ops are loaded
+
+    return hasattr(cpp_extension, "FileBaton")
+
+
 def clear_stale_locks(root: Path | None = None) -> list[Path]:
-    """Remove the locks killed builds left; returns them, after saying so on stderr."""
+    """Remove the locks killed builds left; returns them, after saying so on stderr. Nothing to do where torch
+    locks builds with advisory locks."""
+    if not builds_leave_lock_files():
+        return []
     root = root or extensions_root()
     removed = []
     for lock in stale_locks(root):  # a root not there yet globs to nothing

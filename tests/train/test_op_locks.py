@@ -5,9 +5,20 @@ import os
 import subprocess
 import sys
 
+import pytest
+from torch.utils import cpp_extension
+
+from memtrain.train import op_locks
 from memtrain.train.op_locks import clear_stale_locks, stale_locks
 
 
+@pytest.fixture
+def torch_with_lock_files(monkeypatch):
+    """These tests are about PyTorch < 2.14's lock files, whichever PyTorch runs them."""
+    monkeypatch.setattr(op_locks, "builds_leave_lock_files", lambda: True)
+
+
+@pytest.mark.usefixtures("torch_with_lock_files")
 def test_a_lock_no_process_holds_is_removed_and_said(tmp_path, capsys):
     (tmp_path / "cpu_adam").mkdir()
     (tmp_path / "cpu_adam" / "lock").write_bytes(b"")  # as a build killed between O_EXCL create and release
@@ -16,6 +27,7 @@ def test_a_lock_no_process_holds_is_removed_and_said(tmp_path, capsys):
     assert "cpu_adam op was killed" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("torch_with_lock_files")
 def test_a_lock_held_open_by_a_live_build_stays(tmp_path):
     lock = tmp_path / "async_io" / "lock"
     lock.parent.mkdir()
@@ -32,6 +44,7 @@ def test_a_lock_held_open_by_a_live_build_stays(tmp_path):
     assert stale_locks(tmp_path, recheck_s=0.1) == [lock]  # its holder gone, the same file is stale
 
 
+@pytest.mark.usefixtures("torch_with_lock_files")
 def test_a_lock_released_during_the_recheck_is_not_reported(tmp_path):
     lock = tmp_path / "pin_memory" / "lock"
     lock.parent.mkdir()
@@ -40,3 +53,18 @@ def test_a_lock_released_during_the_recheck_is_not_reported(tmp_path):
     remover = subprocess.Popen([sys.executable, "-c", f"import os, time; time.sleep(0.2); os.remove({str(lock)!r})"])
     assert stale_locks(tmp_path, recheck_s=1.0) == []
     remover.wait()
+
+
+def test_a_torch_with_advisory_locks_has_nothing_to_clear_and_says_nothing(tmp_path, capsys, monkeypatch):
+    """PyTorch >= 2.14 keeps its (released) lock file after every build: it is no sign of a killed one."""
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "lock").write_bytes(b"")
+    monkeypatch.delattr(cpp_extension, "FileBaton", raising=False)  # as in 2.14, whose loader imports FileLock
+    assert clear_stale_locks(tmp_path) == [] and (tmp_path / "cpu_adam" / "lock").exists()
+    assert capsys.readouterr().err == ""
+
+
+def test_this_torch_is_told_apart_by_its_loader():
+    assert op_locks.builds_leave_lock_files() == hasattr(cpp_extension, "FileBaton")
+    if hasattr(cpp_extension, "FileLock"):  # 2.14 and later: the advisory lock
+        assert not op_locks.builds_leave_lock_files()
