@@ -6,6 +6,7 @@ renamed onto the target only when the writing finished, and removed when it fail
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -13,20 +14,31 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from memtrain.errors import Problem, UserError
+
 
 @contextmanager
 def atomic_path(path: Path, directory: bool = False) -> Iterator[Path]:
     """A temporary file (or, with `directory`, an empty directory) beside `path` to write into;
     it replaces `path` when the block ends and is removed if the block raises."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     prefix, suffix = f".{path.name}.", ".tmp"
-    if directory:
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=suffix))
-    else:
-        handle, name = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=suffix)
-        os.close(handle)
-        tmp = Path(name)
+    made = [folder for folder in path.parents if not folder.exists()]  # nearest first
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if directory:
+            tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=suffix))
+        else:
+            handle, name = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=suffix)
+            os.close(handle)
+            tmp = Path(name)
+    except OSError as error:  # nothing written yet: say what is in the way instead of a traceback
+        for folder in made:  # and leave no empty folders behind
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        raise UserError(cannot_create(path, error)) from None
     try:
         yield tmp
         if directory:
@@ -43,6 +55,26 @@ def atomic_path(path: Path, directory: bool = False) -> Iterator[Path]:
         else:
             tmp.unlink(missing_ok=True)
         raise
+
+
+def cannot_create(path: Path, error: OSError) -> Problem:
+    """What stops `path` from being created (its folders, or a temporary file beside it), and what to do."""
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        return Problem(f"cannot create '{path}': '{blocker}' is a file, where a directory is needed",
+                       hint=f"choose a path whose folders are directories, or move '{blocker}' aside")
+    folder = next((p for p in path.parents if p.is_dir()), path.parent)
+    if isinstance(error, PermissionError):
+        return Problem(f"cannot create '{path}': no permission to create files in '{folder}'",
+                       hint="choose a directory you can write to, or change its permissions")
+    if error.errno == errno.EROFS:
+        return Problem(f"cannot create '{path}': '{folder}' is on a read-only filesystem",
+                       hint="choose a path on a writable filesystem")
+    if error.errno == errno.ENOSPC:
+        return Problem(f"cannot create '{path}': no space left on the filesystem of '{folder}'",
+                       hint="free some space there, or choose a path on another filesystem")
+    return Problem(f"cannot create '{path}' in '{folder}': {error.strerror or error}",
+                   hint="choose a path in an ordinary writable directory")
 
 
 def write_atomically(path: Path, content: str | bytes) -> None:

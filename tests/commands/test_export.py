@@ -17,3 +17,28 @@ def test_a_directory_that_is_not_a_finished_run_is_a_user_error(tmp_path):
     unfinished = CliRunner().invoke(app, ["export", str(tmp_path / "run"), "--merge"])
     assert unfinished.exit_code == 2 and "final" in unfinished.output, unfinished.output
     assert not (tmp_path / "run" / "merged").exists()
+
+
+def _full_run(tmp_path):
+    """A finished full fine-tune as `memtrain export` sees it: recipe.json and a whole model in final/."""
+    from memtrain.recipe.schema import Data, Model, Recipe
+
+    run_dir = tmp_path / "run"
+    (run_dir / "final").mkdir(parents=True)
+    recipe = Recipe(model=Model(preset="micro"), data=Data(train="builtin:shakespeare"))
+    (run_dir / "recipe.json").write_text(recipe.model_dump_json())
+    (run_dir / "final" / "config.json").write_text("{}")
+    (run_dir / "final" / "model.safetensors").write_bytes(b"weights")
+    return run_dir
+
+
+def test_an_output_that_cannot_be_created_says_why(tmp_path):
+    run_dir = _full_run(tmp_path)
+    (tmp_path / "chat.yaml").write_text("mine")
+    through_file = CliRunner().invoke(app, ["export", str(run_dir), "-o", str(tmp_path / "chat.yaml" / "out")])
+    assert through_file.exit_code == 2, through_file.output
+    assert "is a file, where a directory is needed" in through_file.output
+    assert "already exists" not in through_file.output and "Traceback" not in through_file.output
+    proc = CliRunner().invoke(app, ["export", str(run_dir), "-o", "/proc/memtrain-export-test"])
+    assert proc.exit_code == 2, proc.output
+    assert "cannot create '/proc/memtrain-export-test'" in proc.output and "Traceback" not in proc.output

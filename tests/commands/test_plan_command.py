@@ -348,3 +348,12 @@ def test_fit_repoints_relative_input_paths_to_the_written_recipe(tmp_path, monke
     written = yaml.safe_load(output.read_text())["data"]
     assert written["train"] == "../../data/t.txt" and written["validation"] == "../../data/v.txt"
     assert load_recipe(output, check=False).recipe.data.train == str(tmp_path / "data" / "t.txt")
+
+
+def test_fit_output_through_a_file_is_a_user_error_not_a_traceback(tmp_path):
+    (tmp_path / "chat.yaml").write_text("mine")
+    result = CliRunner().invoke(app, ["plan", str(write(tmp_path, gpu="1GiB")), "--fit",
+                                      "-o", str(tmp_path / "chat.yaml" / "f.yaml")])
+    assert result.exit_code == 2, result.output
+    assert "is a file, where a directory is needed" in result.output and "Traceback" not in result.output
+    assert (tmp_path / "chat.yaml").read_text() == "mine"

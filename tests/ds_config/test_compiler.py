@@ -162,3 +162,16 @@ def test_an_optimizer_on_the_device_is_torch_fused_adamw():
     assert type(inner) is torch.optim.AdamW and inner.defaults["fused"] is True
     offloaded = ds_config_for_shapes(recipe_with(overrides=["offload.optimizer=cpu"]), 256, 4)
     assert "torch_adam" not in offloaded["optimizer"]["params"]  # DeepSpeed's CPU Adam
+
+
+def test_an_output_path_through_a_file_is_a_user_error_not_a_traceback(tmp_path):
+    from typer.testing import CliRunner
+
+    from memtrain.cli import app
+
+    (tmp_path / "chat.yaml").write_text("mine")
+    result = CliRunner().invoke(app, ["compile", str(ROOT / "recipes" / "quickstart.yaml"),
+                                      "-o", str(tmp_path / "chat.yaml" / "ds.json")])
+    assert result.exit_code == 2, result.output
+    assert "is a file, where a directory is needed" in result.output and "Traceback" not in result.output
+    assert (tmp_path / "chat.yaml").read_text() == "mine"
