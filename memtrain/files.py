@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ def atomic_path(path: Path, directory: bool = False) -> Iterator[Path]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if directory:
-            tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=suffix))
+            tmp = _new_directory(path.parent, prefix, suffix)
         else:
             handle, name = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=suffix)
             os.close(handle)
@@ -55,6 +56,19 @@ def atomic_path(path: Path, directory: bool = False) -> Iterator[Path]:
         else:
             tmp.unlink(missing_ok=True)
         raise
+
+
+def _new_directory(parent: Path, prefix: str, suffix: str) -> Path:
+    """An empty directory of a fresh name in `parent`, made as os.makedirs makes one (0777 less the umask):
+    it becomes the target (final/, merged/, an export), which others may need to read; mkdtemp makes 0700."""
+    for _ in range(100):
+        candidate = parent / f"{prefix}{secrets.token_hex(6)}{suffix}"
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(parent))
 
 
 def cannot_create(path: Path, error: OSError) -> Problem:

@@ -7,6 +7,7 @@ import tempfile
 
 import pytest
 
+from memtrain import files
 from memtrain.errors import UserError
 from memtrain.files import atomic_path, directory_atomically, write_atomically
 
@@ -32,7 +33,7 @@ def test_a_temporary_that_cannot_be_made_says_why_and_leaves_no_folders(tmp_path
         raise (PermissionError if code == errno.EACCES else OSError)(code, os.strerror(code))
 
     monkeypatch.setattr(tempfile, "mkstemp", refuse)
-    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(files, "_new_directory", refuse)
     for directory in (False, True):
         with pytest.raises(UserError, match=says) as caught:
             with atomic_path(tmp_path / "new" / "deeper" / "out", directory=directory):
@@ -47,3 +48,16 @@ def test_errors_while_writing_are_not_rewritten(tmp_path):
         with atomic_path(tmp_path / "f.json") as tmp:
             raise OSError("disk full")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_directories_get_the_usual_permissions_as_os_makedirs_gives(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        with directory_atomically(tmp_path / "merged") as tmp:
+            (tmp / "config.json").write_text("{}")
+        os.makedirs(tmp_path / "reference")
+    finally:
+        os.umask(old)
+    mode = (tmp_path / "merged").stat().st_mode & 0o777
+    assert mode == 0o777 & ~umask == (tmp_path / "reference").stat().st_mode & 0o777
