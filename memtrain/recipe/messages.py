@@ -6,9 +6,10 @@ did-you-mean from the keys the section knows; a union such as `int | 'auto'` rea
 from __future__ import annotations
 
 import difflib
-from typing import Any, get_args, get_origin
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Tag, ValidationError
 
 from memtrain.errors import Problem
 from memtrain.recipe.schema import Recipe
@@ -21,36 +22,104 @@ def _section_class(annotation: Any) -> type[BaseModel] | None:
     return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
 
 
-def _model_at(path: KeyPath) -> type[BaseModel] | None:
-    """The pydantic section class at a key path, for did-you-mean suggestions."""
-    model: type[BaseModel] | None = Recipe
+def _bare(annotation: Any) -> Any:
+    """The annotation without Annotated[...] wrappers and without `| None`."""
+    while True:
+        if get_origin(annotation) is Annotated:
+            annotation = get_args(annotation)[0]
+            continue
+        if get_origin(annotation) in (Union, UnionType):
+            members = [a for a in get_args(annotation) if a is not type(None)]
+            if len(members) == 1:
+                annotation = members[0]
+                continue
+        return annotation
+
+
+def _union_members(annotation: Any) -> list[Any]:
+    """The members of a union of two or more types (None left out), or [] for anything else."""
+    annotation = _bare(annotation)
+    if get_origin(annotation) not in (Union, UnionType):
+        return []
+    return [a for a in get_args(annotation) if a is not type(None)]
+
+
+def _tag_of(member: Any) -> str | None:
+    """The Tag('...') of a discriminated union's member, if it has one."""
+    if get_origin(member) is Annotated:
+        return next((m.tag for m in member.__metadata__ if isinstance(m, Tag)), None)
+    return None
+
+
+def _child(annotation: Any, part: str) -> Any:
+    """The annotation of `part` (a key, or a list position as digits) inside a value of `annotation`; None
+    when there is none (a leaf, or a key the section does not have)."""
+    members = _union_members(annotation)
+    if members:  # `str | list[DatasetSpec]`, `list[str] | 'all-linear'`: the member that can hold `part`
+        children = [_child(member, part) for member in members]
+        return next((c for c in children if c is not None), None)
+    annotation = _bare(annotation)
+    origin, args = get_origin(annotation), get_args(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        info = annotation.model_fields.get(part)
+        return info.annotation if info is not None else None
+    if origin is dict and args:
+        return args[1]
+    if origin in (list, set, frozenset) and args and part.isdigit():
+        return args[0]
+    if origin is tuple and args and part.isdigit():
+        if len(args) == 2 and args[1] is Ellipsis:
+            return args[0]
+        return args[int(part)] if int(part) < len(args) else None
+    return None
+
+
+def _annotation_at(path: KeyPath) -> Any:
+    """The annotation of the value at a key path (list positions as digits), or None when there is none."""
+    annotation: Any = Recipe
     for part in path:
-        if model is None or part not in model.model_fields:
+        if annotation is None:
             return None
-        model = _section_class(model.model_fields[part].annotation)
-    return model
+        annotation = _child(annotation, part)
+    return annotation
+
+
+def _model_at(path: KeyPath) -> type[BaseModel] | None:
+    """The pydantic section class at a key path (data.train.0 is a DatasetSpec), for did-you-mean suggestions."""
+    annotation = _bare(_annotation_at(path))
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _union_member_named(annotation: Any, tag: str) -> Any:
+    """The member of a union that pydantic names `tag` in an error's location: a discriminated union's Tag
+    ('datasets'), or a smart union's label ('list[str]', 'int', "literal['auto']"). None: a leaf member."""
+    members = _union_members(annotation)
+    tagged = next((m for m in members if _tag_of(m) == tag), None)
+    if tagged is not None:
+        return tagged
+    for member in members:
+        bare = _bare(member)
+        if isinstance(bare, type) and issubclass(bare, BaseModel) and bare.__name__ == tag:
+            return bare
+        origin = get_origin(bare)
+        if origin is not None and isinstance(origin, type) and tag.startswith(f"{origin.__name__}["):
+            return bare
+    return None
 
 
 def _clean_loc(loc: tuple) -> KeyPath:
-    """Drop the union-member tags pydantic appends below leaf fields ('int', "literal['auto']")."""
+    """pydantic's error location as the recipe's key path: the union-member tags pydantic puts in it
+    ('datasets', 'list[str]', 'int', "literal['auto']") dropped, list positions kept as digits."""
     path: list[str] = []
-    current: Any = Recipe  # a section class, "dict", or "leaf"
+    annotation: Any = Recipe  # the type of the value at `path`; None below a leaf or an unknown key
     for part in loc:
-        if isinstance(part, int):
-            path.append(str(part))
+        if annotation is not None and isinstance(part, str) and _union_members(annotation):
+            annotation = _union_member_named(annotation, part)  # a tag, not a key
             continue
-        if current == "leaf":
-            continue
+        if annotation is None and not isinstance(part, int):
+            continue  # pydantic's labels below a leaf, e.g. 'function-after[...]'
         path.append(str(part))
-        if current == "dict":
-            current = "leaf"
-            continue
-        if part not in current.model_fields:
-            current = "leaf"
-            continue
-        annotation = current.model_fields[part].annotation
-        nested = _section_class(annotation)
-        current = nested or ("dict" if dict in (get_origin(annotation), *map(get_origin, get_args(annotation))) else "leaf")
+        annotation = _child(annotation, str(part)) if annotation is not None else None
     return tuple(path)
 
 
@@ -93,8 +162,9 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _explain(error: dict, path: KeyPath) -> tuple[str, str, bool]:
-    """(phrase, hint, whether to show the input) for one pydantic error."""
+def _explain(error: dict, path: KeyPath, written: KeyPath) -> tuple[str, str, bool]:
+    """(phrase, hint, whether to show the input) for one pydantic error at `path` (as validated: list positions
+    included), which the recipe wrote as `written`."""
     kind = error["type"]
     if kind == "extra_forbidden":
         key = path[-1] if path else ""
@@ -104,7 +174,10 @@ def _explain(error: dict, path: KeyPath) -> tuple[str, str, bool]:
         hint = f"did you mean '{close[0]}'?" if close else (f"known keys here: {', '.join(options)}" if options else "")
         return "unknown key", hint, False
     if kind == "missing":
-        return "required key is missing", f"add '{path[-1]}' to the recipe" if path else "", False
+        if not path:
+            return "required key is missing", "", False
+        owner = ".".join(written[:-1]) or "the recipe"
+        return "required key is missing", f"add '{path[-1]}' to {owner}: {_field_help(path)}", False
     if kind in ("model_type", "model_attributes_type") and error.get("input") is None:
         return "is an empty section", "give its keys, or remove the line to use the defaults", False
     if kind in _PHRASES:
@@ -122,7 +195,7 @@ def problems_from_validation(err: ValidationError, sources) -> list[Problem]:
     grouped: dict[KeyPath, list[tuple[str, str, bool, Any]]] = {}
     for error in err.errors():
         path = _clean_loc(error["loc"])
-        grouped.setdefault(path, []).append((*_explain(error, path), error.get("input")))
+        grouped.setdefault(path, []).append((*_explain(error, path, _as_written(path, sources)), error.get("input")))
     problems = []
     for path, explained in grouped.items():
         phrases = list(dict.fromkeys(phrase for phrase, _, _, _ in explained))
@@ -135,8 +208,20 @@ def problems_from_validation(err: ValidationError, sources) -> list[Problem]:
         if show:
             message += f", got {_shown(show[0])}"
         hints = [hint for _, hint, _, _ in explained if hint]
-        problems.append(sources.problem(path, message, hints[0] if hints else _field_help(path)))
+        problems.append(sources.problem(_as_written(path, sources), message, hints[0] if hints else _field_help(path)))
     return problems
+
+
+def _as_written(path: KeyPath, sources) -> KeyPath:
+    """The key path as the recipe wrote it: a dataset written as a mapping (`train: {path: ..., type: chat}`)
+    is validated as a list of one, but its keys are data.train.type, not data.train.0.type."""
+    for index, part in enumerate(path):
+        if part != "0" or path[: index + 1] in sources.origin:
+            continue
+        above = path[:index]
+        if any(len(key) == index + 1 and key[:index] == above and not key[index].isdigit() for key in sources.origin):
+            return path[:index] + path[index + 1:]
+    return path
 
 
 def _field_help(path: KeyPath) -> str:

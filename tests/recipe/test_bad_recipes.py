@@ -103,3 +103,14 @@ def test_a_real_process_exits_2_without_a_traceback():
     assert proc.returncode == 2
     assert "Traceback" not in proc.stdout + proc.stderr
     assert len(problem_lines(proc.stderr)) == 4
+
+
+def test_dataset_entries_are_named_by_their_own_keys_and_described_by_dataset_spec():
+    result = CliRunner().invoke(app, ["validate", str(BAD_DIR / "33_dataset_entries.yaml")])
+    lines = {line.split(": ", 2)[1]: line for line in problem_lines(result.output)}
+    assert "unknown key — did you mean 'weight'?" in lines["data.train.0.weigth"]
+    assert "got 'chatt' — text: documents trained on whole" in lines["data.train.0.type"]
+    assert "got 'robot' — chat: extra role names" in lines["data.train.0.roles.bot"]
+    assert "required key is missing — add 'type' to data.train.1: text: documents" in lines["data.train.1.type"]
+    assert "got '' — text: the field holding the document" in lines["data.validation.field"]
+    assert "Training data" not in result.output  # data.train's own description is not the hint for its items
