@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import argparse
+import inspect
 import sys
 import typing
 from pathlib import Path
@@ -47,7 +49,7 @@ def _type_name(annotation) -> str:
         return "size (`24GiB` or bytes)"
     if origin is typing.Annotated:
         metadata = [m for item in args[1:] for m in (getattr(item, "metadata", None) or [item])]
-        return _type_name(args[0]) + _limits(metadata)
+        return _type_name(args[0]) + _limits(metadata, args[0])
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         names = [_type_name(a) for a in args if a is not type(None)]
         return " \\| ".join(names) + (" \\| null" if type(None) in args else "")
@@ -73,44 +75,83 @@ def _default(info) -> str:
     return f"`{value}`"
 
 
-def _limits(metadata: list) -> str:
-    words = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<", "min_length": "items ≥"}
+def _limits(metadata: list, annotation=None) -> str:
+    """The bounds in a field's metadata, in words: `≥ 1`, `< 1`, `at least 1 character`, `at most 4 items`."""
+    signs = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
+    unit = "character" if annotation is str else "item"
+    lengths = {"min_length": "at least", "max_length": "at most"}
     found = []
     for meta in metadata:
-        for name, sign in words.items():
+        for name, sign in signs.items():
             if getattr(meta, name, None) is not None:
                 found.append(f"{sign} {getattr(meta, name)}")
+        for name, words in lengths.items():
+            count = getattr(meta, name, None)
+            if count is not None:
+                found.append(f"{words} {count} {unit}{'' if count == 1 else 's'}")
     return f" ({', '.join(found)})" if found else ""
 
 
-def _section(model: type[BaseModel], key_path: str, out: list[str], seen: set) -> None:
-    out += ["", f"## {model.__name__}", "", f"Key: `{key_path}`" if key_path else "The top level of a recipe.", ""]
+def _nested_sections(annotation, in_list: bool = False) -> list[tuple[type[BaseModel], bool]]:
+    """The sections a field holds, however deep in unions, Annotated[...] and lists, each with whether it is
+    an item of a list (data.train: `str | list[DatasetSpec]` holds DatasetSpec items)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [(annotation, in_list)]
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _nested_sections(args[0], in_list)
+    found = []
+    for arg in args:
+        found += _nested_sections(arg, in_list or origin in (list, tuple, set, frozenset, dict))
+    return found
+
+
+def _key_paths(model: type[BaseModel], prefix: str, found: dict) -> dict:
+    """Every key path at which each section appears (DatasetSpec: items of data.train and data.validation)."""
+    for name, info in model.model_fields.items():
+        path = f"{prefix}.{name}" if prefix else name
+        for sub, in_list in _nested_sections(info.annotation):
+            first_time = sub not in found
+            found.setdefault(sub, []).append(f"each item of `{path}`" if in_list else f"`{path}`")
+            if first_time:
+                _key_paths(sub, path, found)
+    return found
+
+
+def _section(model: type[BaseModel], out: list[str], seen: set, key_paths: dict) -> None:
+    where = f"Key: {', '.join(key_paths[model])}" if model in key_paths else "The top level of a recipe."
+    out += ["", f"## {model.__name__}", "", where, ""]
     if model.__doc__ and model is not Recipe:
-        out += [model.__doc__.strip(), ""]
+        out += [inspect.cleandoc(model.__doc__), ""]
     out += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
     nested = []
     for name, info in model.model_fields.items():
         description = (info.description or "").replace("|", "\\|")
-        out.append(f"| `{name}` | {_type_name(info.annotation)}{_limits(info.metadata)} | {_default(info)} | {description} |")
-        sub = next((a for a in (info.annotation, *typing.get_args(info.annotation))
-                    if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        if sub is not None and sub not in seen:
-            seen.add(sub)
-            nested.append((sub, f"{key_path}.{name}" if key_path else name))
-    for sub, path in nested:
-        _section(sub, path, out, seen)
+        limits = _limits(info.metadata, info.annotation)
+        out.append(f"| `{name}` | {_type_name(info.annotation)}{limits} | {_default(info)} | {description} |")
+        for sub, _ in _nested_sections(info.annotation):
+            if sub not in seen:
+                seen.add(sub)
+                nested.append(sub)
+    for sub in nested:
+        _section(sub, out, seen, key_paths)
 
 
 def render() -> str:
     """The Markdown reference of every section and key: type, limits, default and description."""
     out = [INTRO.rstrip()]
-    _section(Recipe, "", out, {Recipe})
+    _section(Recipe, out, {Recipe}, _key_paths(Recipe, "", {}))
     return "\n".join(out) + "\n"
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="Write docs/RECIPES.md, the recipe reference, from the schema "
+                                     "(memtrain/recipe/schema.py).")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if the committed docs/RECIPES.md differs from what would be written")
+    args = parser.parse_args(argv)
     text = render()
-    if "--check" in argv:
+    if args.check:
         if not DOC.is_file() or DOC.read_text() != text:
             print(f"{DOC} is out of date: run python scripts/gen_recipe_docs.py", file=sys.stderr)
             return 1
