@@ -11,13 +11,20 @@ two differ by the quantisation error, about as large as what a small adapter cha
 loaded quantised exactly as training loaded it, dequantised back to `dtype` (transformers'
 `PreTrainedModel.dequantize`), and the adapter is merged onto those weights: the merged model computes
 what the trained one did, in full precision, with no bitsandbytes needed to load it.
+
+Every model memtrain saves for use (a run's final/, a merged export) goes through `set_inference_config`:
+use_cache on (training turns it off), the special-token ids the tokenizer's, and a generation config that
+stops at the tokenizer's eos and at the chat template's end-of-turn token (<|im_end|> for chatml), so that
+`generate()` ends an answer where training taught it to, as TRL / Axolotl exports do. A run's final/
+carries those stop ids in its generation_config.json (an adapter's too), and the merge keeps them.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from memtrain.errors import Problem, UserError
 from memtrain.files import directory_atomically
@@ -33,6 +40,8 @@ def merge_adapter(adapter_dir: Path, base: Path | PreTrainedModel, out_dir: Path
     base: the base model's directory (loaded in `dtype` on the CPU), or a loaded model — which the merge
     changes in place. quantize: the run's `model.quantize` for a QLoRA adapter (see the module docstring).
     tokenizer_dir: where the tokenizer is (default: the adapter directory, else the base directory).
+    The merged model stops generating at the tokenizer's eos and at the ids the adapter directory's
+    generation_config.json lists (a run's end-of-turn token), with use_cache on (`set_inference_config`).
     `out_dir` is written whole or not at all; it must not exist yet (or be empty).
     """
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
@@ -43,10 +52,64 @@ def merge_adapter(adapter_dir: Path, base: Path | PreTrainedModel, out_dir: Path
     tokenizer = _tokenizer(tokenizer_dir, adapter_dir, base)
     model = base if isinstance(base, PreTrainedModel) else load_base(Path(base), dtype, quantize)
     merged = _merged(model, adapter_dir).to(dtype)
+    set_inference_config(merged, tokenizer, _stop_ids(adapter_dir))
     with directory_atomically(out_dir) as tmp:
         merged.save_pretrained(tmp)  # safetensors, with config.json and generation_config.json
         tokenizer.save_pretrained(tmp)  # tokenizer files and the chat template
     return out_dir
+
+
+def set_inference_config(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+                         stop_ids: Iterable[int] = ()) -> GenerationConfig:
+    """Make `model` (a Hugging Face model, or a PEFT model around one) ready to be saved for inference; returns
+    its generation config, which save_pretrained writes as generation_config.json (a PEFT adapter's does not:
+    the caller saves it beside the adapter).
+
+    config.use_cache: on. bos / pad ids: the tokenizer's (bos kept where the tokenizer has none). eos: the
+    tokenizer's, after `stop_ids` (the chat template's end-of-turn token) in the generation config, plus
+    the ids the configs already list that are the tokenizer's special tokens (Llama-3.1's three end tokens
+    stay; a preset's default eos 2, a plain character, goes).
+    """
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = lm.config
+    generation = lm.generation_config if getattr(lm, "generation_config", None) is not None \
+        else GenerationConfig.from_model_config(config)
+    kept = _end_tokens(tokenizer)
+    eos = tokenizer.eos_token_id
+    for target, first in ((config, []), (generation, list(stop_ids))):
+        if tokenizer.bos_token_id is not None:
+            target.bos_token_id = tokenizer.bos_token_id
+        target.pad_token_id = tokenizer.pad_token_id
+        ids = first + [eos] + [i for i in _ids(target.eos_token_id) if i in kept]
+        ids = [i for n, i in enumerate(ids) if i is not None and i not in ids[:n]]
+        target.eos_token_id = ids[0] if len(ids) == 1 else ids or None
+    config.use_cache = True
+    generation.use_cache = True
+    generation._from_model_config = False  # its own values, not to be re-derived from config.json
+    lm.generation_config = generation
+    return generation
+
+
+def _ids(value) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def _end_tokens(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Ids that may end generation: the tokenizer's special tokens other than its pad (and its bos, unless
+    bos is also eos)."""
+    special = set(tokenizer.all_special_ids)
+    special.update(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+    special.discard(tokenizer.pad_token_id)
+    if tokenizer.bos_token_id != tokenizer.eos_token_id:
+        special.discard(tokenizer.bos_token_id)
+    return special
+
+
+def _stop_ids(adapter_dir: Path) -> list[int]:
+    """The eos ids of the generation config a run saved beside its adapter (none for an adapter without one)."""
+    if not (adapter_dir / "generation_config.json").is_file():
+        return []
+    return _ids(GenerationConfig.from_pretrained(adapter_dir).eos_token_id)
 
 
 def load_base(base_dir: Path, dtype: torch.dtype, quantize: Quantize | None = None) -> PreTrainedModel:
