@@ -8,7 +8,10 @@ and on TASK_RECORDS synthetic task conversations written as plain text, one mess
 synthetic with its own seed; none asks a question of the chat validation set). It has never seen a ChatML
 marker: at the chat quickstart's step 0 it does not answer in the chat format at all, and fine-tuning on the
 chat data teaches it to. Its weights are stored in bf16 (3.7 MB; training loads them in its own dtype) with
-the chat tokenizer beside them.
+the chat tokenizer beside them, and its special-token ids in config.json / generation_config.json: bos and eos
+<|endoftext|> (0, the document separator; the tokenizer prepends nothing), pad <|pad|> (1), no end-of-turn
+token (the base knows no chat format). A preset's configs carry Llama's default ids (bos 1, eos 2), which in
+this tokenizer are <|pad|> and "!": store() replaces them (memtrain.model.merge.set_inference_config).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from memtrain.commands.run import run_command
 from memtrain.data.synthetic import CHAT_DIR, make_records, shakespeare_words
 from memtrain.data.tokenizer import load_tokenizer
 from memtrain.files import atomic_path, write_atomically
+from memtrain.model.merge import set_inference_config
 from memtrain.recipe.schema import Model
 from memtrain.train.run import RunOptions
 
@@ -61,11 +65,13 @@ def write_task_texts(path: Path = TASKS, count: int = TASK_RECORDS, seed: int = 
 
 
 def store(run_dir: Path, out: Path, tasks: int) -> None:
-    """The run's final model in bf16 with the chat tokenizer, written to `out` whole or not at all."""
+    """The run's final model in bf16 with the chat tokenizer and its special-token ids (a base model: it stops at
+    <|endoftext|> only), written to `out` whole or not at all."""
     import math
 
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final", local_files_only=True).to(torch.bfloat16)
     tokenizer = load_tokenizer(Model(preset="mini", tokenizer="builtin:shakespeare-chat"))
+    set_inference_config(model, tokenizer)  # the preset's default ids (bos 1, eos 2) are not this tokenizer's
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in records if r["kind"] == "eval"]
     steps = max(r["step"] for r in records if r["kind"] == "train")
