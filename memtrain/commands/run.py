@@ -1,6 +1,7 @@
 """`memtrain run`: check the recipe and its inputs, resolve the run, train it, say how it ended."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from memtrain.train.nodes import DEFAULT_MASTER_PORT, NodeFlags, node_count, ren
 from memtrain.train.resume import check_resume
 from memtrain.train.result import RunResult
 from memtrain.train.run import RunOptions
-from memtrain.train.rundir import claim_run_dir
+from memtrain.train.rundir import RunDirLock, claim_run_dir
 from memtrain.train.signals import exit_code, signum_of, stop_on_signals
 
 
@@ -55,17 +56,20 @@ def _run(recipe: Path, overrides: list[str], options: RunOptions, console: Conso
         console.print(f"[dim]·[/] {note}", highlight=False)
     for warning in prepared.warnings:
         console.print(f"[yellow]![/] {warning}", highlight=False)
-    if rendezvous.is_first:  # node 0 owns the run directory; the workers check that the others see it
-        notes = claim_run_dir(prepared.run.run_dir, options)  # refuses to mix two runs in one directory
-        resuming = check_resume(prepared.run, options)       # refuses a recipe the checkpoint cannot follow
-        for note in notes + (resuming.lines() if resuming else []):
-            console.print(note, highlight=False, soft_wrap=True)
+    with contextlib.ExitStack() as stack:
+        if rendezvous.is_first:  # node 0 owns the run directory; the workers check that the others see it
+            with loaded.sources.located():  # train.output_dir's file:line
+                lock = stack.enter_context(RunDirLock(prepared.run.run_dir))  # one run at a time trains into it
+                notes = claim_run_dir(prepared.run.run_dir, options, lock)  # refuses to mix two runs in it
+            resuming = check_resume(prepared.run, options)  # refuses a recipe the checkpoint cannot follow
+            for note in notes + (resuming.lines() if resuming else []):
+                console.print(note, highlight=False, soft_wrap=True)
 
-    def report(result: RunResult) -> None:
-        mark = "[green]✓[/]" if result.finished else "[yellow]■[/]"
-        console.print(f"{mark} {result.summary()}", highlight=False, soft_wrap=True)
+        def report(result: RunResult) -> None:
+            mark = "[green]✓[/]" if result.finished else "[yellow]■[/]"
+            console.print(f"{mark} {result.summary()}", highlight=False, soft_wrap=True)
 
-    return launch(prepared, options, hooks, report, rendezvous)
+        return launch(prepared, options, hooks, report, rendezvous)
 
 
 def _run_hostfile(recipe: Path, overrides: list[str], options: RunOptions, console: Console, nodes: NodeFlags) -> int:

@@ -1,7 +1,10 @@
 """A run directory belongs to one run.
 
-Its checkpoints, metrics and final model describe one sequence of optimizer steps. Three rules keep
+Its checkpoints, metrics and final model describe one sequence of optimizer steps. Four rules keep
 it so:
+- One process trains into it at a time: `RunDirLock` holds an advisory lock on `.memtrain-run.lock` inside
+  it for the whole run (the kernel releases it when the process ends, however it ends), and a second
+  `memtrain run` into it, or an `--overwrite` of it, is refused while the first holds it.
 - `--no-resume` into a directory that holds a run (a complete checkpoint or a final model) is refused:
   the new run's checkpoints would be pruned in favour of the old run's higher step numbers, and a
   later resume would pick the old run up again. `--overwrite` moves the old run aside first
@@ -12,11 +15,13 @@ it so:
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import time
 from pathlib import Path
+from typing import IO
 
 from memtrain.errors import Problem, UserError
 from memtrain.files import write_atomically
@@ -26,6 +31,73 @@ from memtrain.train.run import RunOptions
 
 FINAL_DIR = "final"
 TENSORBOARD_DIR = "tensorboard"
+LOCK_FILE = ".memtrain-run.lock"
+
+
+class RunDirLock:
+    """This process's hold on a run directory, from `acquire` to `release` (or the process's end)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> RunDirLock:
+        """Take the directory (creating it), or raise a UserError naming the process that holds it."""
+        self.release()
+        path = self.run_dir / LOCK_FILE
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            file = open(path, "a+")  # noqa: SIM115 — held open for the run's life, closed by release()
+        except (FileExistsError, NotADirectoryError):
+            raise UserError(Problem(f"{self.run_dir} cannot be a run directory: a file is in the way",
+                                    key="train.output_dir", hint="choose another train.output_dir")) from None
+        except OSError as error:
+            raise UserError(Problem(f"cannot create the run directory {self.run_dir} ({error.strerror})",
+                                    key="train.output_dir",
+                                    hint="choose a train.output_dir you may write to")) from None
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "another process"
+            file.close()
+            raise UserError(Problem(
+                f"{self.run_dir} is in use: {holder} is training into it", key="train.output_dir",
+                hint="wait for that run to end (or stop it: Ctrl-C saves, then this command resumes it), or train "
+                     "somewhere else (train.output_dir=runs/NEW)")) from None
+        except OSError:  # a filesystem without locks (some network mounts): run unguarded rather than not at all
+            pass
+        file.seek(0)
+        file.truncate()
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        file.write(f"memtrain run (pid {os.getpid()} on {os.uname().nodename}, since {since})\n")
+        file.flush()
+        self._file = file
+        return self
+
+    def release(self) -> None:
+        """Let the directory go; a directory the run left with nothing else in it is removed."""
+        if self._file is None:
+            return
+        self._file.close()
+        self._file = None
+        if self.run_dir.is_dir() and [path.name for path in self.run_dir.iterdir()] == [LOCK_FILE]:  # leave nothing
+            (self.run_dir / LOCK_FILE).unlink(missing_ok=True)
+            try:
+                self.run_dir.rmdir()
+            except OSError:
+                pass
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _contents(run_dir: Path) -> list[Path]:
+    """What a run directory holds, but its lock."""
+    return [path for path in run_dir.iterdir() if path.name != LOCK_FILE]
 
 
 def holds_a_run(run_dir: Path) -> bool:
@@ -45,18 +117,22 @@ def archive_run(run_dir: Path) -> Path:
     return target
 
 
-def claim_run_dir(run_dir: Path, options: RunOptions) -> list[str]:
+def claim_run_dir(run_dir: Path, options: RunOptions, lock: RunDirLock | None = None) -> list[str]:
     """Make `run_dir` this run's before anything is written; return what was done, for people.
 
-    Raises UserError for `--no-resume` into a directory that holds a run, unless `--overwrite`.
+    Raises UserError for `--no-resume` into a directory that holds a run, unless `--overwrite`. `lock`, held on
+    `run_dir`, is taken again on the new directory when --overwrite moves the old one (and its lock file) aside.
     """
     run_dir = Path(run_dir)
     if not run_dir.exists() or not (options.overwrite or not options.resume):
         return []
     if options.overwrite:
-        if not any(run_dir.iterdir()):
+        if not _contents(run_dir):
             return []
         moved = archive_run(run_dir)
+        if lock is not None:
+            lock.acquire()
+            (moved / LOCK_FILE).unlink(missing_ok=True)
         return [f"moved the previous run in {run_dir} to {moved} (--overwrite); delete it when you no longer need it"]
     if holds_a_run(run_dir):
         found = complete_checkpoints(run_dir)

@@ -1,16 +1,22 @@
-"""A run directory belongs to one run; resume compares the recipe with the checkpoint's (unit tests)."""
+"""A run directory belongs to one run, trained by one process at a time; resume compares the recipe with the
+checkpoint's (unit tests)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from memtrain.cli import app
 from memtrain.errors import UserError
 from memtrain.train.checkpoint import STATE_FILE, remove_leftovers
 from memtrain.train.resume import differences, flatten
 from memtrain.train.run import RunOptions
-from memtrain.train.rundir import claim_run_dir, start_metrics
+from memtrain.train.rundir import LOCK_FILE, RunDirLock, claim_run_dir, start_metrics
 
 
 def fake_checkpoint(run_dir: Path, step: int) -> Path:
@@ -91,3 +97,56 @@ def test_recipe_changes_are_split_into_breaking_and_safe():
                                      "train.steps"]
     assert str(safe[2]) == "optimizer.lr 0.003 → 0.001"
     assert flatten({"a": {"b": [1, 2], "c": {}}}) == {"a.b": [1, 2], "a.c": {}}
+
+
+def _hold_in_another_process(run_dir: Path) -> subprocess.Popen:
+    """A process holding `run_dir` as a running `memtrain run` does, until it is killed."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom memtrain.train.rundir import RunDirLock\n"
+                               f"held = RunDirLock({str(run_dir)!r}).acquire()\nprint('held', flush=True)\ntime.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_run_into_a_directory_in_use_is_refused_naming_the_holder(write_recipe, tmp_path):
+    recipe = write_recipe()
+    run_dir = tmp_path / "runs" / "tiny"
+    holder = _hold_in_another_process(run_dir)
+    try:
+        for flags in ([], ["--overwrite"], ["--no-resume"]):
+            result = CliRunner().invoke(app, ["run", str(recipe), *flags])
+            assert result.exit_code == 2, result.output
+            said = " ".join(result.output.split())
+            assert f"{run_dir} is in use: memtrain run (pid {holder.pid}" in said and "train.output_dir" in said
+            assert [path.name for path in run_dir.iterdir()] == [LOCK_FILE]  # nothing written, nothing moved
+            assert not list(tmp_path.glob("runs/tiny.previous-*"))
+    finally:
+        holder.kill()
+        holder.wait()
+    # its holder gone (killed: the kernel released the lock), the directory is free
+    with RunDirLock(run_dir):
+        assert (run_dir / LOCK_FILE).read_text().startswith(f"memtrain run (pid {os.getpid()} ")
+    assert not run_dir.exists()  # the lock was all it held: nothing is left
+
+
+def test_overwrite_takes_the_new_directory_and_leaves_the_lock_behind(tmp_path):
+    run_dir = tmp_path / "run"
+    fake_checkpoint(run_dir, 60)
+    with RunDirLock(run_dir) as lock:
+        claim_run_dir(run_dir, RunOptions(resume=False, overwrite=True), lock)
+        [moved] = tmp_path.glob("run.previous-*")
+        assert not (moved / LOCK_FILE).exists() and (moved / "checkpoints").is_dir()
+        assert (run_dir / LOCK_FILE).is_file()  # the new directory is held
+        refused = subprocess.run([sys.executable, "-c", "from memtrain.train.rundir import RunDirLock\n"
+                                  f"RunDirLock({str(run_dir)!r}).acquire()"], capture_output=True, text=True)
+        assert refused.returncode != 0 and "is in use" in refused.stderr
+
+
+def test_an_output_dir_where_a_file_is_is_refused_at_its_key(tmp_path):
+    (tmp_path / "chat.yaml").write_text("not a directory")
+    for run_dir in (tmp_path / "chat.yaml", tmp_path / "chat.yaml" / "run"):
+        with pytest.raises(UserError) as refused:
+            RunDirLock(run_dir).acquire()
+        [problem] = refused.value.problems
+        assert problem.key == "train.output_dir" and "a file is in the way" in problem.message
+    assert (tmp_path / "chat.yaml").read_text() == "not a directory"
