@@ -211,7 +211,8 @@ def _data_table(summary: dict) -> Table:
 
 def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool, output: Path | None,
                  as_json: bool, console, with_data: bool = False) -> int:
-    """Print the plan (rich table or --json); 0 when it fits or --fit wrote a fitting recipe, else 1."""
+    """Print the plan (rich table or --json); 0 when it fits or --fit wrote a fitting recipe, else 1.
+    --fit -o writes a recipe that fits either way: with the cheapest change, or as it is (overrides applied)."""
     if output is not None and not fit:
         raise RecipeError(Problem("-o/--output writes the fitted recipe, so it needs --fit", file=COMMAND_LINE,
                                   hint="add --fit, or drop -o"))
@@ -221,14 +222,19 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
     plan = planner.plan(loaded)
 
     advice = [] if plan.fits else advise(loaded, gpu, exact_pinned=planner.exact_pinned, checks=recipe_checks(env))
-    written = None
-    if fit and not plan.fits and advice and output is not None:
-        # Later overrides of the same key win; keep one of each, in order.
-        chosen = list({item.partition("=")[0]: item for item in list(overrides) + advice[0].overrides}.values())
-        write_atomically(output, fitted_yaml(recipe, chosen, output))
-        fitted = planner.plan(load_for_plan(output, [], env))
-        if not fitted.fits:  # the advice was planned on the same recipe; a mismatch is a bug, say so
-            raise RuntimeError(f"fitted recipe {output} does not fit: {verdict(fitted)}")
+    written, replaced = None, False
+    if fit and output is not None and (plan.fits or advice):
+        # A recipe that fits is written as it is (with the command line's overrides), so that
+        # `plan --fit -o F && memtrain run F` works either way. Later overrides of the same key win.
+        changes = [] if plan.fits else advice[0].overrides
+        chosen = list({item.partition("=")[0]: item for item in list(overrides) + changes}.values())
+        replaced = output.exists()
+        if not (plan.fits and not chosen and output.resolve() == recipe.resolve()):  # not the recipe onto itself
+            write_atomically(output, fitted_yaml(recipe, chosen, output))
+        if not plan.fits:
+            fitted = planner.plan(load_for_plan(output, [], env))
+            if not fitted.fits:  # the advice was planned on the same recipe; a mismatch is a bug, say so
+                raise RuntimeError(f"fitted recipe {output} does not fit: {verdict(fitted)}")
         written = output
     code = 0 if plan.fits or written is not None else 1
     faster = larger_micro_batch(loaded, planner, plan)
@@ -265,11 +271,13 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
     if advice:
         console.print(_advice_table(advice))
         if written is not None:
-            console.print(f"[green]✓[/] wrote {written} ({verdict(advice[0].plan)})")
+            console.print(f"[green]✓[/] {'replaced' if replaced else 'wrote'} {written} ({verdict(advice[0].plan)})")
         elif fit and output is None:
             console.print("[yellow]--fit needs -o FILE to write the fitted recipe[/]")
         else:
             console.print(f"apply: memtrain plan {recipe} {' '.join(list(overrides) + advice[0].overrides)}")
+    elif written is not None:
+        console.print(f"[green]✓[/] fits as it is; {'replaced' if replaced else 'wrote'} {written} (no change)")
     elif not plan.fits:
         console.print("[red]no combination of checkpointing, precision, micro-batch, offload and LoRA fits this card[/]")
     return code

@@ -357,3 +357,32 @@ def test_fit_output_through_a_file_is_a_user_error_not_a_traceback(tmp_path):
     assert result.exit_code == 2, result.output
     assert "is a file, where a directory is needed" in result.output and "Traceback" not in result.output
     assert (tmp_path / "chat.yaml").read_text() == "mine"
+
+
+def test_fit_writes_a_recipe_that_already_fits_as_it_is_with_the_overrides(tmp_path):
+    """`plan --fit -o F && memtrain run F` works whether or not the recipe needed a change."""
+    output = tmp_path / "fitted.yaml"
+    code, text = run(write(tmp_path), "train.steps=7", fit=True, output=output)
+    assert code == 0 and f"fits as it is; wrote {output} (no change)" in text
+    fitted = load_recipe(output)
+    assert fitted.recipe.train.steps == 7 and fitted.recipe.hardware.gpu == "24GiB" and plan_recipe(fitted.recipe).fits
+    code, text = run(write(tmp_path), fit=True, output=output)
+    assert code == 0 and f"fits as it is; replaced {output} (no change)" in text
+    assert load_recipe(output).recipe.train.steps == 10
+    as_json = CliRunner().invoke(app, ["plan", str(write(tmp_path)), "--fit", "-o", str(output), "--json"])
+    assert as_json.exit_code == 0 and json.loads(as_json.stdout)["fitted_recipe"] == str(output)
+
+
+def test_fit_says_when_it_replaced_a_file(tmp_path):
+    output = tmp_path / "fitted.yaml"
+    output.write_text("old: true\n")
+    code, text = run(write(tmp_path, gpu="1GiB"), fit=True, output=output)
+    assert code == 0 and f"replaced {output} (fits with" in text
+    assert plan_recipe(load_recipe(output).recipe).fits
+
+
+def test_fit_onto_the_recipe_itself_leaves_a_fitting_recipe_untouched(tmp_path):
+    path = write(tmp_path)
+    before = path.read_text()
+    code, text = run(path, fit=True, output=path)
+    assert code == 0 and "fits as it is" in text and path.read_text() == before  # comments and all
