@@ -20,7 +20,7 @@ from memtrain.dtypes import DTYPE_BYTES
 from memtrain.errors import Problem, UserError
 from memtrain.plan.params import count_parameters
 from memtrain.recipe.rules import Registry, gpu_profile_of
-from memtrain.recipe.sources import LoadedRecipe
+from memtrain.recipe.sources import COMMAND_LINE, LoadedRecipe
 from memtrain.units import gib
 
 
@@ -109,7 +109,7 @@ def _check_data_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
                                         "[{path: DIR, type: text}]"))
         elif not Path(value).is_file():
             problems.append(src.problem(("data", key), f"data file '{value}' does not exist",
-                                        "paths are relative to the directory you run memtrain from"))
+                                        f"check the path; {relative_paths_start(loaded, ('data', key))}"))
     return problems
 
 
@@ -122,8 +122,20 @@ def _dataset_path_problem(loaded: LoadedRecipe, key: tuple[str, ...], path: str)
     if exists:
         return None
     return loaded.sources.problem(key, f"dataset '{path}' does not exist",
-                                  "give a .jsonl, .json, .parquet or .txt file or a datasets directory; relative "
-                                  "paths start at the directory you run memtrain from")
+                                  "give a .jsonl, .json, .parquet or .txt file or a datasets directory; "
+                                  f"{relative_paths_start(loaded, key)}")
+
+
+def relative_paths_start(loaded: LoadedRecipe, key: tuple[str, ...]) -> str:
+    """Where a relative input path at `key` was looked for, as `memtrain.recipe.load.resolve_input_paths` decides:
+    written in a recipe file, at that file's directory; typed on the command line (or in recipe text that has no
+    file), at the directory memtrain runs in."""
+    file, _ = loaded.sources.where(key)
+    if file == COMMAND_LINE:
+        return f"a relative path given on the command line starts at the directory memtrain runs in ({Path.cwd()})"
+    if not Path(file).is_file():
+        return f"a relative path starts at the directory memtrain runs in ({Path.cwd()})"
+    return f"a relative path in a recipe starts at the directory of the recipe file that names it ({Path(file).parent})"
 
 
 @reads("data", "model")

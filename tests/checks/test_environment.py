@@ -1,10 +1,12 @@
 """The second validation phase: what a recipe names outside itself, with the environment handed in as data."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from memtrain.checks.environment import Environment
-from memtrain.checks.load import load_checked_text
+from memtrain.checks.load import load_checked, load_checked_text
 from memtrain.errors import RecipeError
 
 CHAT = """
@@ -27,7 +29,7 @@ def problems(text: str, env: Environment = Environment()) -> list[str]:
 def test_each_dataset_path_of_a_list_is_checked_at_its_own_key_and_line(tmp_path):
     assert problems(CHAT % "missing.jsonl") == [
         "chat.yaml:6: data.train.1.path: dataset 'missing.jsonl' does not exist — give a .jsonl, .json, .parquet or "
-        ".txt file or a datasets directory; relative paths start at the directory you run memtrain from"]
+        f".txt file or a datasets directory; a relative path starts at the directory memtrain runs in ({Path.cwd()})"]
     [unknown] = problems(CHAT % '"builtin:wikipedia"')
     assert unknown.startswith("chat.yaml:6: data.train.1.path: there is no builtin dataset 'wikipedia'")
     present = tmp_path / "alpaca.jsonl"
@@ -46,3 +48,38 @@ train: {steps: 4}
     found = problems(qlora, Environment(bitsandbytes=False))
     assert [p.split(": ")[1] for p in found] == ["model.quantize", "optimizer.name"]
     assert all("bitsandbytes" in p for p in found)
+
+
+def test_missing_paths_say_where_relative_paths_start_as_they_were_resolved(tmp_path, monkeypatch):
+    recipe = tmp_path / "recipes" / "r.yaml"
+    recipe.parent.mkdir()
+    recipe.write_text(CHAT % "missing.jsonl")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(RecipeError) as caught:
+        load_checked(recipe, env=Environment())
+    [in_file] = [p.format() for p in caught.value.problems]
+    # written in the recipe: looked for beside the recipe, not in the directory memtrain runs in
+    assert f"dataset '{recipe.parent / 'missing.jsonl'}' does not exist" in in_file
+    assert f"a relative path in a recipe starts at the directory of the recipe file that names it ({recipe.parent})" \
+        in in_file
+    assert "run memtrain from" not in in_file and str(elsewhere) not in in_file
+    with pytest.raises(RecipeError) as caught:
+        load_checked(recipe, ["data.train=gone.txt", "data.validation=gone.txt"], env=Environment())
+    typed = [p.format() for p in caught.value.problems]
+    assert typed and all(p.startswith("<command line>: data.") for p in typed)
+    assert all("a relative path given on the command line starts at the directory memtrain runs in "
+               f"({elsewhere})" in p for p in typed)
+
+
+def test_a_missing_text_file_in_a_recipe_is_looked_for_beside_the_recipe(tmp_path, monkeypatch):
+    recipe = tmp_path / "recipes" / "r.yaml"
+    recipe.parent.mkdir()
+    recipe.write_text("model: {preset: micro}\ndata: {train: no/train.txt, seq_len: 64}\ntrain: {steps: 4}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError) as caught:
+        load_checked(recipe, env=Environment())
+    [problem] = [p.format() for p in caught.value.problems]
+    assert f"data file '{recipe.parent / 'no/train.txt'}' does not exist" in problem
+    assert f"starts at the directory of the recipe file that names it ({recipe.parent})" in problem
