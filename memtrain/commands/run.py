@@ -15,10 +15,10 @@ from memtrain.train.hostfile import (NodeCommand, check_remote_shell, local_comm
                                      run_nodes)
 from memtrain.train.launch import launch, prepare
 from memtrain.train.nodes import DEFAULT_MASTER_PORT, NodeFlags, node_count, rendezvous_for, run_digest
-from memtrain.train.resume import check_resume
+from memtrain.train.resume import ResumePlan, check_resume
 from memtrain.train.result import RunResult
-from memtrain.train.run import RunOptions
-from memtrain.train.rundir import RunDirLock, claim_run_dir
+from memtrain.train.run import ResolvedRun, RunOptions
+from memtrain.train.rundir import FINAL_DIR, RunDirLock, claim_run_dir
 from memtrain.train.signals import exit_code, signum_of, stop_on_signals
 
 
@@ -62,6 +62,11 @@ def _run(recipe: Path, overrides: list[str], options: RunOptions, console: Conso
                 lock = stack.enter_context(RunDirLock(prepared.run.run_dir))  # one run at a time trains into it
                 notes = claim_run_dir(prepared.run.run_dir, options, lock)  # refuses to mix two runs in it
             resuming = check_resume(prepared.run, options)  # refuses a recipe the checkpoint cannot follow
+            if finished(prepared.run, resuming):
+                console.print(f"[green]✓[/] already trained: {resuming.step} of {prepared.run.total_steps} steps, "
+                              f"model in {prepared.run.run_dir / FINAL_DIR}; nothing to do (--overwrite trains it "
+                              "again from step 0, the old run moved aside)", highlight=False, soft_wrap=True)
+                return 0
             for note in notes + (resuming.lines() if resuming else []):
                 console.print(note, highlight=False, soft_wrap=True)
 
@@ -70,6 +75,12 @@ def _run(recipe: Path, overrides: list[str], options: RunOptions, console: Conso
             console.print(f"{mark} {result.summary()}", highlight=False, soft_wrap=True)
 
         return launch(prepared, options, hooks, report, rendezvous)
+
+
+def finished(run: ResolvedRun, resuming: ResumePlan | None) -> bool:
+    """Whether the run in its directory has done all its steps and saved its model (a resume would redo nothing
+    but rebuild the engine and write final/ again)."""
+    return resuming is not None and resuming.step >= run.total_steps and (run.run_dir / FINAL_DIR).is_dir()
 
 
 def _run_hostfile(recipe: Path, overrides: list[str], options: RunOptions, console: Console, nodes: NodeFlags) -> int:

@@ -150,3 +150,19 @@ def test_an_output_dir_where_a_file_is_is_refused_at_its_key(tmp_path):
         [problem] = refused.value.problems
         assert problem.key == "train.output_dir" and "a file is in the way" in problem.message
     assert (tmp_path / "chat.yaml").read_text() == "not a directory"
+
+
+@pytest.mark.slow
+def test_running_a_finished_run_again_does_nothing_and_says_where_its_model_is(write_recipe, tmp_path):
+    recipe = write_recipe()
+    run_dir = tmp_path / "runs" / "tiny"
+    assert CliRunner().invoke(app, ["run", str(recipe)]).exit_code == 0
+    written = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*") if path.name != LOCK_FILE}
+    again = CliRunner().invoke(app, ["run", str(recipe)])
+    assert again.exit_code == 0, again.output
+    said = " ".join(again.output.split())
+    assert f"already trained: 10 of 10 steps, model in {run_dir / 'final'}; nothing to do" in said
+    assert "resuming" not in said
+    assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*") if path.name != LOCK_FILE} == written
+    longer = CliRunner().invoke(app, ["run", str(recipe), "train.steps=12"])  # more steps: it resumes
+    assert longer.exit_code == 0 and "resuming from step 10" in " ".join(longer.output.split())
