@@ -265,6 +265,9 @@ def apply_overrides(data: dict, overrides: list[str], sources: Sources) -> tuple
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
+                # a section the override brings into being is the command line's: an error about it
+                # (nonexistent.key=1: 'nonexistent' is unknown) points there, not at the recipe file
+                sources.origin.setdefault(tuple(parts[: depth + 1]), (COMMAND_LINE, None))
             if not isinstance(child, dict):
                 prefix = ".".join(parts[: depth + 1])
                 problems.append(Problem(f"cannot set '{key}': '{prefix}' is a value, not a section",

@@ -94,6 +94,13 @@ def test_overrides_win_over_the_file_and_report_the_command_line(tmp_path):
     assert {(p.file, p.key) for p in problems} == {(COMMAND_LINE, "optimizer.lr"), (COMMAND_LINE, "train.steps")}
 
 
+def test_an_unknown_section_made_by_an_override_is_reported_at_the_command_line(tmp_path):
+    recipe = write(tmp_path / "r.yaml", BASE)
+    problems = problems_of(lambda: load_recipe(recipe, ["nonexistent.key=1", "model.nothing.deeper=2"]))
+    assert {(p.file, p.line, p.key) for p in problems} == {(COMMAND_LINE, None, "nonexistent"),
+                                                           (COMMAND_LINE, None, "model.nothing")}
+
+
 def test_an_override_replacing_a_section_forgets_the_file_lines_below_it(tmp_path):
     recipe = write(tmp_path / "r.yaml", BASE)
     [problem] = problems_of(lambda: load_recipe(recipe, ["optimizer={lr: 2}"]))
