@@ -11,6 +11,7 @@ from rich.table import Table
 
 from memtrain.checks.environment import Environment, current_environment
 from memtrain.checks.load import load_checked, recipe_checks
+from memtrain.configs import gpu_profile, gpu_profile_names
 from memtrain.data.loader import sample_order, token_slots
 from memtrain.data.rows import DataStats
 from memtrain.errors import Problem, RecipeError
@@ -209,6 +210,19 @@ def _data_table(summary: dict) -> Table:
     return table
 
 
+def check_gpu_option(gpu: str) -> None:
+    """--gpu names a profile or a card of a positive size; said at the flag, not at the recipe's hardware.gpu."""
+    hint = f"give a profile ({', '.join(gpu_profile_names())}) or the card's memory, such as '24GiB'"
+    try:
+        card = gpu_profile(gpu)
+    except ValueError:
+        raise RecipeError(Problem(f"'{gpu}' is neither a GPU profile nor a size", key="--gpu", file=COMMAND_LINE,
+                                  hint=hint)) from None
+    if card.memory_bytes <= 0:
+        raise RecipeError(Problem(f"a card of '{gpu}' has no memory to plan against: the size must be positive",
+                                  key="--gpu", file=COMMAND_LINE, hint=hint))
+
+
 def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool, output: Path | None,
                  as_json: bool, console, with_data: bool = False) -> int:
     """Print the plan (rich table or --json); 0 when it fits or --fit wrote a fitting recipe, else 1.
@@ -216,6 +230,8 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
     if output is not None and not fit:
         raise RecipeError(Problem("-o/--output writes the fitted recipe, so it needs --fit", file=COMMAND_LINE,
                                   hint="add --fit, or drop -o"))
+    if gpu is not None:
+        check_gpu_option(gpu)
     env = current_environment()
     planner = Planner(gpu, exact_pinned=exact_pinned_supported())
     loaded = load_for_plan(recipe, overrides, env)

@@ -386,3 +386,12 @@ def test_fit_onto_the_recipe_itself_leaves_a_fitting_recipe_untouched(tmp_path):
     before = path.read_text()
     code, text = run(path, fit=True, output=path)
     assert code == 0 and "fits as it is" in text and path.read_text() == before  # comments and all
+
+
+@pytest.mark.parametrize("gpu, says", [("0GiB", "has no memory to plan against"), ("0", "has no memory to plan against"),
+                                       ("potato", "neither a GPU profile nor a size")])
+def test_gpu_option_must_name_a_card_with_memory(tmp_path, gpu, says):
+    result = CliRunner().invoke(app, ["plan", str(write(tmp_path)), "--gpu", gpu])
+    assert result.exit_code == 2, result.output
+    assert f"<command line>: --gpu: " in result.output and says in result.output and "Traceback" not in result.output
+    assert "hardware.gpu" not in result.output  # the flag is wrong, not the recipe's key
