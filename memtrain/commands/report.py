@@ -33,10 +33,13 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
     table.add_row("status", summary["status"] + (f" (started {summary['starts']} times)" if summary["starts"] > 1 else ""))
     table.add_row("device", str(summary["device"] or "?"))
     table.add_row("steps", f"{summary['steps']:,}")
-    table.add_row("tokens", f"{summary['tokens']:,}" if summary["tokens"] is not None else "-")
+    # the loop counts the positions the loss is computed on: with chat data and its prompts masked, a fraction of
+    # the tokens the model reads (`memtrain plan --data` gives both per step)
+    table.add_row("target tokens (the loss's)", f"{summary['tokens']:,}" if summary["tokens"] is not None else "-")
     table.add_row("wall time", _duration(summary["wall_time_s"]))
     table.add_row("command to first step", _startup(summary))
-    table.add_row("speed (median)", f"{summary['median_tokens_per_s']:,.0f} tokens/s" if summary["median_tokens_per_s"] else "-")
+    table.add_row("speed (median)", f"{summary['median_tokens_per_s']:,.0f} target tokens/s"
+                  if summary["median_tokens_per_s"] else "-")
     table.add_row("final train loss", _number(summary["final_loss"], "{:.4f}", f" (step {summary['final_loss_step']})"))
     table.add_row("best validation perplexity",
                   _number(summary["best_eval_perplexity"], "{:.3f}", f" (step {summary['best_eval_step']})"))

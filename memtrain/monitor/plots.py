@@ -113,12 +113,12 @@ def plot_loss(figure: Figure, records: list[dict]) -> None:
 
 def plot_speed(figure: Figure, records: list[dict]) -> None:
     """Training throughput in tokens per second by step, with the median as a reference line."""
-    axes = _step_axes(figure, "throughput (tokens/s)", "Training speed")
+    axes = _step_axes(figure, "throughput (target tokens/s)", "Training speed")
     steps, speeds = throughput(records)
     if not steps:
         _no_data(axes, "no throughput recorded yet")
         return
-    axes.plot(steps, speeds, color=TRAIN_COLOR, linewidth=1.2, label="tokens/s")
+    axes.plot(steps, speeds, color=TRAIN_COLOR, linewidth=1.2, label="target tokens/s")
     middle = median(speeds[1:] or speeds)  # the first step carries warm-up and compilation
     axes.axhline(middle, color="gray", linestyle="--", linewidth=1, label=f"median {middle:,.0f} tokens/s")
     axes.set_ylim(0, max(speeds) * 1.15)
