@@ -226,6 +226,13 @@ def _check_adaptive(loaded: LoadedRecipe) -> list[Problem]:
 def _check_length(loaded: LoadedRecipe) -> list[Problem]:
     t, src = loaded.recipe.train, loaded.sources
     if t.steps is None and t.epochs is None:
+        # a key written with no value (train.steps= on the command line, `steps:` in a file) is where to look
+        emptied = next((("train", k) for k in ("steps", "epochs") if ("train", k) in src.origin), None)
+        if emptied is not None:
+            example, other = ("train.steps=1000", "train.epochs") if emptied[1] == "steps" else \
+                ("train.epochs=3", "train.steps")
+            return [src.problem(emptied, "has no value, so nothing says how long to train",
+                                f"give it one, for example {example}, or set {other} instead")]
         return [src.problem(("train",), "say how long to train: train.steps or train.epochs",
                             "for example train.steps=1000")]
     if t.steps is not None and t.epochs is not None:

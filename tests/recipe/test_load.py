@@ -243,3 +243,14 @@ def test_a_missing_relative_model_directory_is_named_resolved_at_its_line(tmp_pa
     problem = next(p for p in caught.value.problems if p.key == "model.path")
     assert (problem.file, problem.line) == ("r/recipe.yaml", 2)
     assert str(tmp_path / "no-such-model") in problem.message
+
+
+def test_an_emptied_run_length_is_reported_at_the_key_that_was_emptied(tmp_path):
+    recipe = write(tmp_path / "r.yaml", BASE)
+    [problem] = problems_of(lambda: load_recipe(recipe, ["train.steps="]))
+    assert (problem.file, problem.key) == (COMMAND_LINE, "train.steps")
+    assert "has no value" in problem.message and "train.steps=1000" in problem.hint
+    [problem] = problems_of(lambda: load_recipe_text(BASE.replace("steps: 10", "epochs:")))
+    assert (problem.key, problem.line) == ("train.epochs", 10) and "train.epochs=3" in problem.hint
+    [problem] = problems_of(lambda: load_recipe_text(BASE.replace("  steps: 10\n", "  seed: 1\n")))
+    assert problem.key == "train" and "say how long to train" in problem.message  # nothing written: the section
