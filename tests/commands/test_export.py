@@ -42,3 +42,15 @@ def test_an_output_that_cannot_be_created_says_why(tmp_path):
     proc = CliRunner().invoke(app, ["export", str(run_dir), "-o", "/proc/memtrain-export-test"])
     assert proc.exit_code == 2, proc.output
     assert "cannot create '/proc/memtrain-export-test'" in proc.output and "Traceback" not in proc.output
+
+
+def test_merge_of_a_full_fine_tune_says_there_was_no_adapter_and_the_model_was_copied(tmp_path):
+    run_dir = _full_run(tmp_path)
+    result = CliRunner().invoke(app, ["export", str(run_dir), "--merge"])
+    assert result.exit_code == 0, result.output
+    merged = run_dir / "merged"
+    assert (merged / "model.safetensors").read_bytes() == b"weights"
+    said = " ".join(result.output.split())  # rich wraps the line
+    assert f"model in {merged}" in said and "no adapter to merge" in said and "copied as it is" in said
+    plain = CliRunner().invoke(app, ["export", str(run_dir)])
+    assert plain.exit_code == 0 and "no adapter to merge" not in plain.output
