@@ -152,10 +152,39 @@ _PHRASES = {
     "too_short": lambda c: f"needs at least {c['min_length']} item{'s' if c['min_length'] != 1 else ''}",
     "too_long": lambda c: f"has too many items (at most {c['max_length']})",
     "string_too_short": lambda c: "must not be empty",
+    "tuple_length": lambda c: f"must be a list of {c['length']} {c['items']}",
 }
 
 
+def _fixed_tuple(annotation: Any) -> tuple | None:
+    """The member types of a fixed-length tuple (optimizer.betas: (float, float)), else None."""
+    bare = _bare(annotation)
+    args = get_args(bare)
+    if get_origin(bare) is not tuple or not args or (len(args) == 2 and args[1] is Ellipsis):
+        return None
+    return args
+
+
+def _as_tuple_length(error: dict, path: KeyPath) -> tuple[dict, KeyPath]:
+    """A fixed-length tuple given too few or too many values, or not a list at all, is one error at the tuple's
+    own key ("optimizer.betas: must be a list of 2 numbers, got [0.9]"), not 'optimizer.betas.1: required key is
+    missing'."""
+    kind = error["type"]
+    if kind == "missing" and path and path[-1].isdigit() and _fixed_tuple(_annotation_at(path[:-1])):
+        path = path[:-1]
+    elif kind not in ("too_long", "too_short", "tuple_type", "list_type") or not _fixed_tuple(_annotation_at(path)):
+        return error, path
+    members = [_bare(a) for a in _fixed_tuple(_annotation_at(path))]
+    items = "numbers" if all(m in (int, float) for m in members) and float in members else \
+        "whole numbers" if all(m is int for m in members) else "texts" if all(m is str for m in members) else "values"
+    return {"type": "tuple_length", "ctx": {"length": len(members), "items": items}, "input": error.get("input")}, path
+
+
+
 def _shown(value: Any) -> str:
+    if isinstance(value, (list, tuple)) and not any(isinstance(v, (dict, list, tuple)) for v in value):
+        text = "[" + ", ".join(_shown(v) for v in value) + "]"  # a short list of values reads as written
+        return text if len(text) <= 40 else "a list"
     if isinstance(value, (dict, list, tuple)):
         return "a mapping" if isinstance(value, dict) else "a list"
     text = repr(value)
@@ -194,7 +223,7 @@ def problems_from_validation(err: ValidationError, sources) -> list[Problem]:
     """One Problem per key path that pydantic rejected, in words people read; `sources` locates keys."""
     grouped: dict[KeyPath, list[tuple[str, str, bool, Any]]] = {}
     for error in err.errors():
-        path = _clean_loc(error["loc"])
+        error, path = _as_tuple_length(error, _clean_loc(error["loc"]))
         grouped.setdefault(path, []).append((*_explain(error, path, _as_written(path, sources)), error.get("input")))
     problems = []
     for path, explained in grouped.items():

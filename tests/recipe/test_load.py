@@ -254,3 +254,13 @@ def test_an_emptied_run_length_is_reported_at_the_key_that_was_emptied(tmp_path)
     assert (problem.key, problem.line) == ("train.epochs", 10) and "train.epochs=3" in problem.hint
     [problem] = problems_of(lambda: load_recipe_text(BASE.replace("  steps: 10\n", "  seed: 1\n")))
     assert problem.key == "train" and "say how long to train" in problem.message  # nothing written: the section
+
+
+@pytest.mark.parametrize("value, shown", [("[0.9]", "[0.9]"), ("[]", "[]"), ("[0.9, 0.9, 0.9]", "[0.9, 0.9, 0.9]"),
+                                          ("0.9", "0.9")])
+def test_a_pair_given_the_wrong_number_of_values_is_one_problem_at_its_own_key(tmp_path, value, shown):
+    recipe = write(tmp_path / "r.yaml", BASE)
+    [problem] = problems_of(lambda: load_recipe(recipe, [f"optimizer.betas={value}"]))
+    assert (problem.file, problem.key) == (COMMAND_LINE, "optimizer.betas")
+    assert problem.message == f"must be a list of 2 numbers, got {shown}"
+    assert "beta1, beta2" in problem.hint
