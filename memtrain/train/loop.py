@@ -154,7 +154,8 @@ def train(t: Training, quiet: bool = False) -> RunResult:
         progress.note(t.generation.record(t.model, t.metrics, state.step).describe(state.step))
     exported = None
     if status == "done" and t.options.save:
-        exported = export_model(t.engine, t.model, t.data.tokenizer, run.run_dir / "final", rank, r.offload.stage == 3)
+        exported = export_model(t.engine, t.model, t.data.tokenizer, run.run_dir / "final", rank, r.offload.stage == 3,
+                                r.data)
     t.metrics.event("run", state.step, event="end", status=status)
     return RunResult(status=status, step=state.step, run_dir=run.run_dir, final_eval_loss=eval_loss, exported=exported,
                      signum=interrupted.signum, warning=guard.warning,

@@ -77,8 +77,11 @@ def _assert_stops_at_im_end(directory: Path) -> None:
     assert _ids(model.generation_config.eos_token_id) == [IM_END, EOS]
     assert model.generation_config.pad_token_id == tokenizer.pad_token_id == PAD
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == IM_END
-    prompt = tokenizer("<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n",
-                       return_tensors="pt")
+    text = "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"
+    # the saved tokenizer carries the template the run trained with (the Shakespeare tokenizer had none)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"}], tokenize=False,
+                                         add_generation_prompt=True) == text
+    prompt = tokenizer(text, return_tensors="pt")
     width = prompt["input_ids"].shape[1]
     with torch.no_grad():
         out = model.generate(**prompt, do_sample=False, max_new_tokens=20,
