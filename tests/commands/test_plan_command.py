@@ -236,16 +236,21 @@ def test_zero3_recipe_just_over_the_card_is_advised_fewer_live_parameters_not_a_
     assert halved.speed_cost == 0.5 > advice[0].speed_cost
 
 
-def test_compiled_layers_are_offered_where_they_are_allowed(tmp_path):
-    code, text = run(write(tmp_path))
+def test_compiled_layers_are_offered_only_where_they_were_measured_faster(tmp_path):
+    lora = ["model.lora.r=8", "train.compile=false"]
+    code, text = run(write(tmp_path), *lora)  # LoRA of a Llama, compile turned off: what auto compiles
     assert code == 0 and "faster: train.compile=true" in text
-    _, compiled = run(write(tmp_path), "train.compile=true")
-    assert "train.compile=true fuses" not in compiled
-    # ZeRO-3 (parameters offloaded) cannot compile its layers: not offered
-    _, zero3 = run(write(tmp_path), "offload.optimizer=cpu", "offload.params=cpu")
-    assert "train.compile" not in zero3
-    _, as_json = run(write(tmp_path), as_json=True)
+    _, as_json = run(write(tmp_path), *lora, as_json=True)
     assert json.loads(as_json)["compile_layers"] is True
+    _, auto = run(write(tmp_path), "model.lora.r=8")  # auto compiles it already
+    assert "train.compile=true fuses" not in auto
+    _, full = run(write(tmp_path), "train.compile=false")  # a full fine-tune: never measured compiled
+    assert "train.compile" not in full
+    _, lean = run(write(tmp_path), *lora, "model.lora.lean_dropout=true")  # measured slower compiled
+    assert "train.compile" not in lean
+    # ZeRO-3 (parameters offloaded) cannot compile its layers: not offered
+    _, zero3 = run(write(tmp_path), *lora, "offload.optimizer=cpu", "offload.params=cpu")
+    assert "train.compile" not in zero3
 
 
 def test_lean_dropout_is_not_advised_with_compiled_layers():
