@@ -9,6 +9,7 @@ A record that cannot become a valid conversation raises `DataError` naming file,
 """
 from __future__ import annotations
 
+from memtrain.data.corpus import json_kind
 from memtrain.errors import DataError, Problem
 from memtrain.recipe.schema import DatasetSpec
 
@@ -62,8 +63,7 @@ class _Where:
 
     def content(self, value: object, key: str, *, allow_empty: bool = False) -> str:
         if not isinstance(value, str):
-            shown = "null" if value is None else f"a {type(value).__name__}"
-            raise self.fail(f"is {shown}, not a string", key, "the field must hold text")
+            raise self.fail(f"is {json_kind(value)}, not a string", key, "the field must hold text")
         if not allow_empty and not value.strip():
             raise self.fail("is empty", key, "give it text, or remove the record")
         return value
@@ -88,8 +88,7 @@ def _chat(record: dict, spec: DatasetSpec, where: _Where) -> list[Message]:
     field, layout = _chat_field(record, spec, where)
     turns = record[field]
     if not isinstance(turns, list) or not turns:
-        shown = ("an empty list" if isinstance(turns, list) else "null" if turns is None
-                 else f"a {type(turns).__name__}")
+        shown = "an empty list" if isinstance(turns, list) else json_kind(turns)
         raise where.fail(f"is {shown}, not a list of messages", field, "each record needs a list of messages")
     role_names = {**DEFAULT_ROLE_NAMES, **spec.roles}
     messages = [_message(turn, f"{field}[{i}]", layout, role_names, where) for i, turn in enumerate(turns)]
@@ -117,7 +116,7 @@ def _chat_field(record: dict, spec: DatasetSpec, where: _Where) -> tuple[str, st
 
 def _message(turn: object, key: str, layout: str, role_names: dict[str, str], where: _Where) -> Message:
     if not isinstance(turn, dict):
-        raise where.fail(f"is a {type(turn).__name__}, not a message object", key,
+        raise where.fail(f"is {json_kind(turn)}, not a message object", key,
                          'write each message as {"role": ..., "content": ...} or {"from": ..., "value": ...}')
     if layout == "auto":  # by the keys that hold a value (columnar files give a message both, one of them None)
         layout = "sharegpt" if turn.get("from") is not None and turn.get("role") is None else "openai"

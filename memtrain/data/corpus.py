@@ -22,6 +22,14 @@ FORMATS = ("text", "jsonl")
 MAX_PROBLEMS = 10
 
 
+def json_kind(value: object) -> str:
+    """A JSON value's kind as people name it, for messages: 'a whole number', not 'a int'."""
+    kinds = ((bool, "true/false"), (int, "a whole number"), (float, "a number"), (str, "a string"),
+             (list, "a list"), (dict, "an object"))
+    return "null" if value is None else next((name for kind, name in kinds if isinstance(value, kind)),
+                                             f"a {type(value).__name__}")
+
+
 def builtin_corpus_names() -> list[str]:
     """'shakespeare' (its train split) and 'shakespeare/validation', for every bundled corpus."""
     names = []
@@ -165,7 +173,7 @@ def _parse_line(spec: str, raw: bytes, line_no: int, field: str, problems: list[
                                 hint="each line must be one JSON object"))
         return ""
     if not isinstance(record, dict):
-        problems.append(Problem(f"the line holds a JSON {type(record).__name__}, not an object", file=spec,
+        problems.append(Problem(f"the line holds {json_kind(record)}, not an object", file=spec,
                                 line=line_no, hint=f'write each line as {{"{field}": "..."}}'))
         return ""
     if field not in record:
@@ -175,7 +183,7 @@ def _parse_line(spec: str, raw: bytes, line_no: int, field: str, problems: list[
         return ""
     value = record[field]
     if not isinstance(value, str):
-        problems.append(Problem(f"field {field!r} is a {type(value).__name__}, not a string", file=spec,
+        problems.append(Problem(f"field {field!r} is {json_kind(value)}, not a string", file=spec,
                                 line=line_no, hint="the text field must hold a JSON string"))
         return ""
     return value

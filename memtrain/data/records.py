@@ -14,7 +14,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from memtrain.data.corpus import ASSETS, MAX_PROBLEMS, builtin_corpus_names, resolve_path
+from memtrain.data.corpus import ASSETS, MAX_PROBLEMS, builtin_corpus_names, json_kind, resolve_path
 from memtrain.errors import DataError, Problem
 from memtrain.files import digest_file
 from memtrain.recipe.schema import BUILTIN_PREFIX
@@ -166,7 +166,7 @@ def _parse_jsonl_line(spec: str, raw: bytes, line_no: int, problems: list[Proble
                                 hint="each line must be one JSON object"))
         return {}
     if not isinstance(record, dict):
-        problems.append(Problem(f"the line holds a JSON {type(record).__name__}, not an object", file=spec,
+        problems.append(Problem(f"the line holds {json_kind(record)}, not an object", file=spec,
                                 line=line_no, hint="write each line as one JSON object of fields"))
         return {}
     return record
@@ -186,9 +186,9 @@ def _read_json(spec: str, path: Path) -> Iterator[Record]:
         raise DataError(Problem(f"invalid JSON: {err.msg} (column {err.colno})", file=spec, line=err.lineno,
                                 hint="a .json dataset is one JSON list of objects; use .jsonl for one per line")) from None
     if not isinstance(items, list):
-        raise DataError(Problem(f"the file holds a JSON {type(items).__name__}, not a list of records", file=spec,
+        raise DataError(Problem(f"the file holds {json_kind(items)}, not a list of records", file=spec,
                                 hint="write the records as one JSON list: [{...}, {...}]"))
-    problems = [Problem(f"record {number} is a JSON {type(item).__name__}, not an object", file=spec, line=number,
+    problems = [Problem(f"record {number} is {json_kind(item)}, not an object", file=spec, line=number,
                         hint="every item of the list must be an object of fields")
                 for number, item in enumerate(items, start=1) if not isinstance(item, dict)]
     if problems:

@@ -74,11 +74,11 @@ def resolve_kernels(model: Model, support: KernelSupport, compiled: bool = False
             f"Liger has no kernels for the model type '{model_architecture(model).model_type}'", key="model.kernels",
             hint=f"it patches {', '.join(LIGER_FAMILIES)}; set model.kernels: auto or none"))
     if not support.liger:
-        problems.append(Problem(f"model.kernels: {model.kernels} needs liger-kernel, which is not installed",
+        problems.append(Problem(f"{model.kernels} needs liger-kernel, which is not installed",
                                 key="model.kernels",
                                 hint="pip install 'memtrain[liger]', or set model.kernels: auto (uses it where installed)"))
     if not support.cuda:
-        problems.append(Problem(f"model.kernels: {model.kernels} needs a CUDA GPU (Liger's kernels are Triton kernels)",
+        problems.append(Problem(f"{model.kernels} needs a CUDA GPU (Liger's kernels are Triton kernels)",
                                 key="model.kernels", hint="set model.kernels: auto or none on this machine"))
     if problems:
         raise UserError(problems)

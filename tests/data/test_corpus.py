@@ -128,9 +128,9 @@ def test_non_string_field_and_non_object_line(tmp_path):
         list(read_documents(path))
     problems = excinfo.value.problems
     assert [p.line for p in problems] == [2, 3, 4]  # collected together, not one at a time
-    assert "is a int, not a string" in problems[0].message
-    assert "JSON list, not an object" in problems[1].message
-    assert "is a NoneType" in problems[2].message
+    assert "is a whole number, not a string" in problems[0].message
+    assert "holds a list, not an object" in problems[1].message
+    assert "is null, not a string" in problems[2].message
 
 
 def test_jsonl_without_any_text(tmp_path):

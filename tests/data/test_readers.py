@@ -130,7 +130,7 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
     ({"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}]},
      "messages[0].content", "is empty"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 7}]},
-     "messages[1].content", "is a int, not a string"),
+     "messages[1].content", "is a whole number, not a string"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]},
      "messages[1].content", "is null"),
     ({"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}, "messages[0].content", "no 'content'"),
