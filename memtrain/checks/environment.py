@@ -16,8 +16,11 @@ from pathlib import Path
 from memtrain.configs import model_preset, model_preset_names
 from memtrain.data.corpus import BUILTIN_PREFIX, builtin_corpus_names
 from memtrain.data.records import resolve_dataset_path
+from memtrain.data.templates import shipped_template_names
+from memtrain.data.tokenizer import builtin_tokenizer_names
 from memtrain.dtypes import DTYPE_BYTES
 from memtrain.errors import Problem, UserError
+from memtrain.model.config import model_architecture
 from memtrain.plan.params import count_parameters
 from memtrain.recipe.rules import Registry, gpu_profile_of
 from memtrain.recipe.sources import COMMAND_LINE, LoadedRecipe
@@ -79,10 +82,32 @@ def _check_model_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
             problems.append(src.problem(("model", "path"), f"'{path}' has no config.json",
                                         "point model.path at a directory saved with save_pretrained"))
     tokenizer = model.tokenizer
-    if tokenizer and not tokenizer.startswith(BUILTIN_PREFIX) and not Path(tokenizer).is_dir():
+    if tokenizer and tokenizer.startswith(BUILTIN_PREFIX):
+        if tokenizer[len(BUILTIN_PREFIX):] not in builtin_tokenizer_names():
+            problems.append(src.problem(("model", "tokenizer"), f"no builtin tokenizer '{tokenizer}'",
+                                        "builtin tokenizers: " + ", ".join(BUILTIN_PREFIX + name for name in
+                                                                           builtin_tokenizer_names())))
+    elif tokenizer and not Path(tokenizer).is_dir():
         problems.append(src.problem(("model", "tokenizer"), f"tokenizer directory '{tokenizer}' does not exist",
                                     "give a local directory, or 'builtin:shakespeare'"))
+    has_config = (model.preset in model_preset_names() if model.preset
+                  else bool(model.path) and (Path(model.path) / "config.json").is_file())
+    if not problems and has_config:
+        try:  # an encoder, an encoder-decoder or a vision model: refused now, as plan and run refuse it
+            model_architecture(model)
+        except UserError as error:
+            problems += src.locate(error).problems
     return problems
+
+
+@reads("data")
+def _check_template_name(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
+    template = loaded.recipe.data.template
+    if template is None or template in shipped_template_names():
+        return []
+    return [loaded.sources.problem(("data", "template"), f"there is no chat template '{template}'",
+                                   "use one of " + ", ".join(shipped_template_names()) + ", or leave data.template "
+                                   "out to use the tokenizer's own chat_template")]
 
 
 @reads("data")

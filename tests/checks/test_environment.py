@@ -83,3 +83,18 @@ def test_a_missing_text_file_in_a_recipe_is_looked_for_beside_the_recipe(tmp_pat
     [problem] = [p.format() for p in caught.value.problems]
     assert f"data file '{recipe.parent / 'no/train.txt'}' does not exist" in problem
     assert f"starts at the directory of the recipe file that names it ({recipe.parent})" in problem
+
+
+def test_validate_refuses_what_plan_and_run_would_before_reading_any_data(tmp_path):
+    """A typo in a builtin tokenizer or a template name, and a model that is not a causal LM, were 'valid' until
+    plan or run refused them: each is now a problem at its key and line."""
+    text = CHAT % '"builtin:chat"'
+    [tokenizer] = problems(text.replace("builtin:shakespeare-chat", "builtin:shakespeare-chatt"))
+    assert tokenizer.startswith("chat.yaml:2: model.tokenizer: no builtin tokenizer 'builtin:shakespeare-chatt'")
+    assert "builtin:shakespeare-chat" in tokenizer.split("—")[1]
+    [template] = problems(text.replace("seq_len: 64", "seq_len: 64\n  template: chatmll"))
+    assert template.startswith("chat.yaml:8: data.template: there is no chat template 'chatmll' — use one of ")
+    from transformers import BertConfig
+    BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path)
+    [encoder] = problems(text.replace("preset: micro", f"path: {tmp_path}"))
+    assert encoder.startswith("chat.yaml:2: model.path: 'bert' is an encoder-only (masked language) model")
