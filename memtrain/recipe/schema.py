@@ -268,7 +268,11 @@ class Data(Section):
 
 
 def _gpu_spec(value: str) -> str:
-    if value in gpu_profile_names() or looks_like_size(value):
+    if value in gpu_profile_names():
+        return value
+    if looks_like_size(value):
+        if _byte_size(value) <= 0:
+            raise ValueError(f"a card of '{value}' has no memory to plan for — give the card's memory, such as '24GiB'")
         return value
     close = difflib.get_close_matches(value, gpu_profile_names(), n=1)
     hint = f"did you mean '{close[0]}'? " if close else ""

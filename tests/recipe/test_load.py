@@ -264,3 +264,12 @@ def test_a_pair_given_the_wrong_number_of_values_is_one_problem_at_its_own_key(t
     assert (problem.file, problem.key) == (COMMAND_LINE, "optimizer.betas")
     assert problem.message == f"must be a list of 2 numbers, got {shown}"
     assert "beta1, beta2" in problem.hint
+
+
+def test_a_card_of_no_memory_is_refused_at_hardware_gpu():
+    """'0GiB' looks like a size, and was planned against until its weights failed to fit a 0-byte card."""
+    for size in ("0GiB", "0"):
+        [problem] = problems_of(lambda: load_recipe_text(BASE + f"hardware:\n  gpu: '{size}'\n"))
+        assert problem.key == "hardware.gpu" and problem.line == 12  # the gpu: line
+        assert f"a card of '{size}' has no memory to plan for" in problem.message
+    assert load_recipe_text(BASE + "hardware:\n  gpu: 16GiB\n").recipe.hardware.gpu == "16GiB"
