@@ -11,15 +11,15 @@ from rich.table import Table
 
 from memtrain.checks.environment import Environment, current_environment
 from memtrain.checks.load import load_checked, recipe_checks
-from memtrain.configs import gpu_profile, gpu_profile_names
 from memtrain.data.loader import sample_order, token_slots
 from memtrain.data.rows import DataStats
 from memtrain.errors import Problem, RecipeError
 from memtrain.files import write_atomically
+from memtrain.model.compiled import resolve_compile
 from memtrain.plan.advice import Advice, advise
 from memtrain.plan.planner import TERMS, Plan, plan_recipe, resolve_micro_batch
 from memtrain.recipe.load import apply_overrides, input_paths, is_relative_path
-from memtrain.model.compiled import resolve_compile
+from memtrain.recipe.schema import gpu_spec
 from memtrain.recipe.sources import COMMAND_LINE, LoadedRecipe, Sources
 from memtrain.train.allocator import exact_pinned_supported
 from memtrain.train.setup import build_data
@@ -214,16 +214,12 @@ def _data_table(summary: dict) -> Table:
 
 
 def check_gpu_option(gpu: str) -> None:
-    """--gpu names a profile or a card of a positive size; said at the flag, not at the recipe's hardware.gpu."""
-    hint = f"give a profile ({', '.join(gpu_profile_names())}) or the card's memory, such as '24GiB'"
+    """--gpu names a card as hardware.gpu does (the schema's gpu_spec); said at the flag, not at the recipe's key."""
     try:
-        card = gpu_profile(gpu)
-    except ValueError:
-        raise RecipeError(Problem(f"'{gpu}' is neither a GPU profile nor a size", key="--gpu", file=COMMAND_LINE,
-                                  hint=hint)) from None
-    if card.memory_bytes <= 0:
-        raise RecipeError(Problem(f"a card of '{gpu}' has no memory to plan against: the size must be positive",
-                                  key="--gpu", file=COMMAND_LINE, hint=hint))
+        gpu_spec(gpu)
+    except ValueError as error:
+        message, _, hint = str(error).partition(" — ")
+        raise RecipeError(Problem(message, key="--gpu", file=COMMAND_LINE, hint=hint)) from None
 
 
 def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool, output: Path | None,

@@ -267,12 +267,15 @@ class Data(Section):
         return isinstance(self.train, str)
 
 
-def _gpu_spec(value: str) -> str:
+def gpu_spec(value: str) -> str:
+    """A target card (hardware.gpu, plan --gpu): a GPU profile's name or a positive size; ValueError
+    "message — hint" otherwise."""
     if value in gpu_profile_names():
         return value
     if looks_like_size(value):
         if _byte_size(value) <= 0:
-            raise ValueError(f"a card of '{value}' has no memory to plan for — give the card's memory, such as '24GiB'")
+            raise ValueError(f"a card of '{value}' has no memory to plan against: the size must be positive — "
+                             "give the card's memory, such as '24GiB'")
         return value
     close = difflib.get_close_matches(value, gpu_profile_names(), n=1)
     hint = f"did you mean '{close[0]}'? " if close else ""
@@ -286,7 +289,7 @@ class Hardware(Section):
     nodes: int = Field(1, ge=1, le=256, description="Machines the run spans, `gpus` processes on each; one "
                        "`memtrain run` per node (--node-rank), or one with --hostfile that starts them all, "
                        "docs/MULTINODE.md.")
-    gpu: Annotated[str, AfterValidator(_gpu_spec)] = Field("rtx3090", description="Target card: a profile in configs/gpus (rtx3090, rtx4090, ...) or a size such as '24GiB'.")
+    gpu: Annotated[str, AfterValidator(gpu_spec)] = Field("rtx3090", description="Target card: a profile in configs/gpus (rtx3090, rtx4090, ...) or a size such as '24GiB'.")
     host_memory: ByteSize | None = Field(None, description="Host RAM available to the run, e.g. '64GiB' (default: what the machine has).")
     nvme_path: str | None = Field(None, description="Directory on a fast disk for the NVMe offload tiers.")
     cap_memory: bool = Field(True, description="On a card larger than the target, cap this process to the target's memory.")

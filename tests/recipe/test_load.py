@@ -271,5 +271,5 @@ def test_a_card_of_no_memory_is_refused_at_hardware_gpu():
     for size in ("0GiB", "0"):
         [problem] = problems_of(lambda: load_recipe_text(BASE + f"hardware:\n  gpu: '{size}'\n"))
         assert problem.key == "hardware.gpu" and problem.line == 12  # the gpu: line
-        assert f"a card of '{size}' has no memory to plan for" in problem.message
+        assert f"a card of '{size}' has no memory to plan against: the size must be positive" in problem.message
     assert load_recipe_text(BASE + "hardware:\n  gpu: 16GiB\n").recipe.hardware.gpu == "16GiB"
