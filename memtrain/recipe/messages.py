@@ -17,11 +17,6 @@ from memtrain.recipe.schema import Recipe
 KeyPath = tuple[str, ...]
 
 
-def _section_class(annotation: Any) -> type[BaseModel] | None:
-    candidates = [annotation, *get_args(annotation)]
-    return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-
-
 def _bare(annotation: Any) -> Any:
     """The annotation without Annotated[...] wrappers and without `| None`."""
     while True:
@@ -178,7 +173,6 @@ def _as_tuple_length(error: dict, path: KeyPath) -> tuple[dict, KeyPath]:
     items = "numbers" if all(m in (int, float) for m in members) and float in members else \
         "whole numbers" if all(m is int for m in members) else "texts" if all(m is str for m in members) else "values"
     return {"type": "tuple_length", "ctx": {"length": len(members), "items": items}, "input": error.get("input")}, path
-
 
 
 def _shown(value: Any) -> str:

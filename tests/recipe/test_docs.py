@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from memtrain.recipe.messages import _section_class
 from memtrain.recipe.schema import DatasetSpec, Recipe
+from tests.recipe.sections import section_class
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def _generator():
 def _fields(model: type[BaseModel], prefix: str = ""):
     for name, info in model.model_fields.items():
         yield f"{prefix}{name}", info
-        nested = _section_class(info.annotation)
+        nested = section_class(info.annotation)
         if nested is not None:
             yield from _fields(nested, f"{prefix}{name}.")
 

@@ -14,8 +14,8 @@ from pydantic import BaseModel
 
 from memtrain.errors import RecipeError
 from memtrain.recipe.load import load_recipe_text
-from memtrain.recipe.messages import _section_class
 from memtrain.recipe.schema import Recipe
+from tests.recipe.sections import section_class
 
 QUICKSTART = (Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml").read_text()
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -33,7 +33,7 @@ def section_strategy(model: type[BaseModel], depth: int = 0) -> st.SearchStrateg
     """Random mappings over a section's known keys (sub-sections recursively), plus an odd unknown key."""
     fields = {}
     for name, info in model.model_fields.items():
-        nested = _section_class(info.annotation)
+        nested = section_class(info.annotation)
         fields[name] = st.one_of(section_strategy(nested, depth + 1), values) if nested and depth < 2 else values
     known = st.fixed_dictionaries({}, optional=fields)
     unknown = st.dictionaries(st.text(min_size=1, max_size=8), values, max_size=1)
