@@ -15,6 +15,7 @@ it so:
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from memtrain.errors import Problem, UserError
-from memtrain.files import write_atomically
+from memtrain.files import cannot_create, write_atomically
 from memtrain.monitor.metrics import METRICS_FILE
 from memtrain.train.checkpoint import complete_checkpoints
 from memtrain.train.run import RunOptions
@@ -51,10 +52,8 @@ class RunDirLock:
         except (FileExistsError, NotADirectoryError):
             raise UserError(Problem(f"{self.run_dir} cannot be a run directory: a file is in the way",
                                     key="train.output_dir", hint="choose another train.output_dir")) from None
-        except OSError as error:
-            raise UserError(Problem(f"cannot create the run directory {self.run_dir} ({error.strerror})",
-                                    key="train.output_dir",
-                                    hint="choose a train.output_dir you may write to")) from None
+        except OSError as error:  # no permission, a read-only or full filesystem: files.cannot_create says which
+            raise UserError(dataclasses.replace(cannot_create(path, error), key="train.output_dir")) from None
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -166,3 +166,16 @@ def test_running_a_finished_run_again_does_nothing_and_says_where_its_model_is(w
     assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*") if path.name != LOCK_FILE} == written
     longer = CliRunner().invoke(app, ["run", str(recipe), "train.steps=12"])  # more steps: it resumes
     assert longer.exit_code == 0 and "resuming from step 10" in " ".join(longer.output.split())
+
+
+def test_a_run_directory_that_cannot_be_created_says_why_at_its_key(tmp_path, monkeypatch):
+    """As files.cannot_create says it for every output (this machine runs as root: permission is simulated)."""
+    def refused(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "mkdir", refused)
+    with pytest.raises(UserError) as raised:
+        RunDirLock(tmp_path / "run").acquire()
+    [problem] = raised.value.problems
+    assert problem.key == "train.output_dir"
+    assert problem.message == f"cannot create '{tmp_path / 'run' / LOCK_FILE}': no permission to create files in '{tmp_path}'"
