@@ -4,7 +4,7 @@ DeepSpeed builds its ops with the machine's C++ compiler on first use, into torc
 (op_locks.extensions_root), unless they were built when DeepSpeed was installed (DS_BUILD_OPS=1). A run
 of a recipe loads:
 - CPU Adam, when DeepSpeed steps an optimizer offloaded to the CPU or NVMe (`needs_cpu_adam`):
-  33 s to build on the GPU machine, 25 s on two cores;
+  33.2-43.3 s of a first start on the GPU machine, 46.7 s on two cores (benchmarks/startup.csv);
 - async I/O, when a tier lives on NVMe (it needs libaio);
 - the shared-memory collectives, on a machine without a GPU (DeepSpeed's CPU accelerator loads them
   when the process group starts).
