@@ -19,7 +19,7 @@ from memtrain.train.resume import ResumePlan, check_resume
 from memtrain.train.result import RunResult
 from memtrain.train.run import ResolvedRun, RunOptions
 from memtrain.train.rundir import FINAL_DIR, RunDirLock, claim_run_dir
-from memtrain.train.signals import exit_code, signum_of, stop_on_signals
+from memtrain.train.signals import exit_code, not_saved_line, signum_of, stop_on_signals
 
 
 def run_command(recipe: Path, overrides: list[str], options: RunOptions = RunOptions(),
@@ -34,9 +34,7 @@ def run_command(recipe: Path, overrides: list[str], options: RunOptions = RunOpt
                 return _run_hostfile(recipe, overrides, options, console, nodes)
             return _run(recipe, overrides, options, console, nodes)
     except KeyboardInterrupt as stop:  # during start-up, or a second Ctrl-C while saving
-        console.print(f"[yellow]■[/] stopped by {signum_of_name(stop)} before the run could save; the run "
-                      "directory keeps its last complete checkpoint, if any — run the same command to resume",
-                      highlight=False)
+        console.print(f"[yellow]■[/] {not_saved_line(signum_of(stop))}", highlight=False)
         return exit_code(signum_of(stop))
 
 
@@ -114,6 +112,3 @@ def _run_hostfile(recipe: Path, overrides: list[str], options: RunOptions, conso
                   f"`{nodes.remote_shell}`", highlight=False, soft_wrap=True)
     return run_nodes(commands)
 
-
-def signum_of_name(stop: KeyboardInterrupt) -> str:
-    return "Ctrl-C" if signum_of(stop) == 2 else "SIGTERM"

@@ -9,11 +9,13 @@ study recovery) are:
   MEMTRAIN_INJECT_NAN            steps whose loss (and gradients) become NaN, e.g. '3,4,5'
   MEMTRAIN_INJECT_OOM_EVAL       OOMs before chosen evaluation micro-batches (step:micro_index..., as above)
   MEMTRAIN_INJECT_ENOSPC         steps whose checkpoint save fails with "no space left on device"
+  MEMTRAIN_INJECT_SLOW_START     seconds to wait after deepspeed.initialize (with _RANK: one rank starts late)
 """
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,7 @@ INJECT_RANK_ENV = "MEMTRAIN_INJECT_RANK"
 TRACE_ENV = "MEMTRAIN_TRACE_SAMPLES"
 INJECT_EVAL_ENV = "MEMTRAIN_INJECT_OOM_EVAL"
 INJECT_ENOSPC_ENV = "MEMTRAIN_INJECT_ENOSPC"
+INJECT_SLOW_START_ENV = "MEMTRAIN_INJECT_SLOW_START"
 
 
 class SampleTrace:
@@ -65,6 +68,7 @@ class Hooks:
     nan: NanInjector = field(default_factory=NanInjector)
     oom_eval: OomInjector = field(default_factory=OomInjector)
     enospc_steps: frozenset[int] = frozenset()  # saves of these steps fail as if the disk were full
+    slow_start_s: float = 0.0  # waited after deepspeed.initialize: a rank still starting while the others train
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Hooks":
@@ -79,7 +83,20 @@ class Hooks:
                    sample_trace=SampleTrace(environ.get(TRACE_ENV)),
                    nan=NanInjector.parse(environ.get(NAN_ENV, "")) if injects else NanInjector(),
                    oom_eval=injector(INJECT_EVAL_ENV),
-                   enospc_steps=_steps(environ.get(INJECT_ENOSPC_ENV, ""), INJECT_ENOSPC_ENV) if injects else frozenset())
+                   enospc_steps=_steps(environ.get(INJECT_ENOSPC_ENV, ""), INJECT_ENOSPC_ENV) if injects else frozenset(),
+                   slow_start_s=_seconds(environ.get(INJECT_SLOW_START_ENV, ""), INJECT_SLOW_START_ENV) if injects else 0.0)
+
+    def wait_slow_start(self) -> None:
+        if self.slow_start_s > 0:
+            time.sleep(self.slow_start_s)
+
+
+def _seconds(spec: str, source: str) -> float:
+    try:
+        return float(spec) if spec.strip() else 0.0
+    except ValueError:
+        raise UserError(Problem(f"cannot read {spec!r} as seconds", key=source,
+                                hint="write a number of seconds, e.g. '30'")) from None
 
 
 def _steps(spec: str, source: str) -> frozenset[int]:

@@ -22,6 +22,7 @@ from memtrain.train.guard import Guard
 from memtrain.train.progress import Progress
 from memtrain.train.result import RunResult
 from memtrain.train.setup import Training
+from memtrain.train.signals import note_stop
 
 
 class Interrupted:
@@ -36,6 +37,7 @@ class Interrupted:
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
         def request(signum, frame):
+            note_stop(signum)
             if self.requested and signum == signal.SIGINT:  # a second Ctrl-C aborts at once (a repeated SIGTERM does not)
                 signal.signal(signal.SIGINT, previous[signal.SIGINT])
                 raise KeyboardInterrupt

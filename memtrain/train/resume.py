@@ -119,8 +119,8 @@ def check_resume(run: ResolvedRun, options: RunOptions) -> ResumePlan | None:
     if problems:
         problems.append(Problem(
             f"cannot resume {checkpoint} exactly with this recipe",
-            hint=f"undo the change to resume, or start a new run: in another directory (train.output_dir=runs/NEW) "
-                 f"or over this one (--no-resume --overwrite moves the old run aside)"))
+            hint="undo the change to resume, or start a new run: in another directory (train.output_dir=runs/NEW) "
+                 "or over this one (--no-resume --overwrite moves the old run aside)"))
         raise UserError(problems)
     return ResumePlan(checkpoint, step, tuple(safe))
 

@@ -213,6 +213,7 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
     clock.mark("cpu_adam_op")  # what is left of its build or load when the model is ready
     engine, scheduler = build_engine(r, model, ds_config, run.total_steps)
     clock.mark("deepspeed_init")  # includes the pinned host buffers of an offloaded optimizer
+    hooks.wait_slow_start()  # MEMTRAIN_INJECT_SLOW_START: this rank still starting while the others train
 
     state, checkpoint = LoopState(), latest_checkpoint(run.run_dir) if options.resume else None
     if checkpoint is not None:

@@ -11,6 +11,9 @@
   code (2 for a UserError, whose lines the worker printed; 75 to restart after an OOM), and a rendezvous
   that gives up (a master that cannot be reached, nodes that did not all join within the timeout) is one
   line and exit 2.
+- Processes reach the signal in different phases: one may still be starting (and leave at once) while another
+  is in the loop's step, whose collectives then break. A worker whose collective broke after a stop signal
+  reached it stops as the first did, with the same line and code, not a traceback (`received_stop`).
 - No worker outlives its launcher: torchrun runs with a parent-death signal of SIGTERM (the launcher
   killed with SIGKILL: torchrun shuts the workers down as above), and each worker with SIGKILL (torchrun
   itself gone: nothing is left to coordinate the ranks; the last complete checkpoint stands).
@@ -30,6 +33,7 @@ LAUNCHER_PID_ENV = "MEMTRAIN_LAUNCHER_PID"
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 SHUTDOWN_TIMEOUT_S = 900  # torchrun's default 30 s kills a worker still writing a 7B checkpoint
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_received_stops: list[int] = []  # every SIGINT / SIGTERM a stop handler of this process took, in order
 
 
 def exit_code(signum: int) -> int:
@@ -48,11 +52,32 @@ def signum_of(interrupt: KeyboardInterrupt) -> int:
     return interrupt.signum if isinstance(interrupt, Stopped) else int(signal.SIGINT)
 
 
+def signal_name(signum: int) -> str:
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def note_stop(signum: int) -> None:
+    """A stop handler took `signum` (start-up's or the loop's): remembered for `received_stop`."""
+    _received_stops.append(int(signum))
+
+
+def received_stop() -> int | None:
+    """The first SIGINT / SIGTERM this process was asked to stop by, if any."""
+    return _received_stops[0] if _received_stops else None
+
+
+def not_saved_line(signum: int) -> str:
+    """What a run stopped before it could save says (start-up, or a second Ctrl-C while saving)."""
+    return (f"stopped by {signal_name(signum)} before the run could save; the run directory keeps its last "
+            "complete checkpoint, if any — run the same command to resume")
+
+
 @contextmanager
 def stop_on_signals() -> Iterator[None]:
     """SIGINT and SIGTERM raise Stopped in the main thread while the block runs (the loop's own handlers,
     installed inside it, take over while training)."""
     def stop(signum, frame):
+        note_stop(signum)
         raise Stopped(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}

@@ -18,7 +18,8 @@ from memtrain.train.distributed import barrier
 from memtrain.train.hooks import Hooks
 from memtrain.train.launch import train_here
 from memtrain.train.run import ResolvedRun, RunOptions
-from memtrain.train.signals import die_with_parent, exit_code, signum_of, stop_on_signals
+from memtrain.train.signals import (die_with_parent, exit_code, not_saved_line, received_stop, signum_of,
+                                   stop_on_signals)
 
 
 NON_HOST_EXIT_DELAY_S = 2.0  # torchrun's agents notice their workers' exit within 0.1 s (its monitor interval)
@@ -46,10 +47,21 @@ def main(argv: list[str]) -> int:
             print(f"✗ {problem.format()}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt as stop:  # during start-up, or a second Ctrl-C: nothing saved
-        return exit_code(signum_of(stop))
+        return stopped_unsaved(signum_of(stop))
+    except RuntimeError:  # a collective broke: after a stop, a peer that was still starting has left
+        if received_stop() is None:
+            raise
+        return stopped_unsaved(received_stop())
     if os.environ.get("RANK", "0") == "0":  # one line per run, not one per process
         print(f"{'✓' if result.finished else '■'} {result.summary()}", file=sys.stderr)
     return result.exit_code
+
+
+def stopped_unsaved(signum: int) -> int:
+    """A stop before this run saved: one line for the run (from rank 0), the shell's code for the signal."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"■ {not_saved_line(signum)}", file=sys.stderr)
+    return exit_code(signum)
 
 
 def leave_after_node_0() -> None:

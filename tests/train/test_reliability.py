@@ -195,6 +195,36 @@ def test_sigterm_to_the_launcher_of_two_processes_saves_and_leaves_no_process(wr
     assert "Traceback" not in output
 
 
+def test_a_stop_while_one_rank_trains_and_the_other_still_starts_ends_with_a_line_not_a_traceback(write_recipe):
+    """The signal reaches the ranks in different phases: rank 1 leaves its start-up at once, and rank 0's first
+    step, waiting in a collective for rank 1, breaks. Nothing was saved, and the run says so once."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.train.test_run import clean_env
+
+    recipe = write_recipe("late-rank", {"hardware": {"gpus": 2}, "batch": {"global_batch": 8, "micro_batch": 2}})
+    env = clean_env(OMP_NUM_THREADS="1", MEMTRAIN_INJECT_SLOW_START="600", MEMTRAIN_INJECT_RANK="1")
+    proc = subprocess.Popen([sys.executable, "-m", "memtrain", "run", str(recipe)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir_of(recipe) / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and not (metrics.exists() and '"start"' in metrics.read_text()):  # rank 0's loop
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    processes = family(proc.pid)
+    time.sleep(2)  # rank 0 is inside its first step, waiting for rank 1
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 143, output[-3000:]
+    assert "Traceback" not in output and "RuntimeError" not in output, output[-3000:]
+    assert output.count("stopped by SIGTERM before the run could save") == 1, output[-3000:]
+    assert not complete_checkpoints(run_dir_of(recipe))
+    assert not wait_gone(processes, 30)
+
+
 def test_no_worker_outlives_a_launcher_killed_with_sigkill(write_recipe):
     import signal
 

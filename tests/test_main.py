@@ -1,0 +1,31 @@
+"""The `memtrain` entry point: a Ctrl-C while Python imports the command line (torch, transformers: seconds)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+INTERRUPT_DURING_IMPORT = """
+import os, signal, sys, threading, time
+
+def interrupt_once_torch_loads():
+    while "torch" not in sys.modules:
+        time.sleep(0.001)
+    os.kill(os.getpid(), signal.SIGINT)
+
+threading.Thread(target=interrupt_once_torch_loads, daemon=True).start()
+sys.argv = ["memtrain", "--help"]
+from memtrain.__main__ import main
+main()
+"""
+
+
+def test_ctrl_c_while_the_command_line_imports_ends_with_one_line_and_130():
+    done = subprocess.run([sys.executable, "-c", INTERRUPT_DURING_IMPORT], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert done.stderr.strip() == "■ stopped by Ctrl-C while starting", done.stderr[-3000:]
+    assert done.stdout == ""  # --help was never reached
+
+
+def test_the_entry_point_runs_the_command_line():
+    done = subprocess.run([sys.executable, "-m", "memtrain", "--help"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "plan" in done.stdout and "run" in done.stdout, done.stderr[-3000:]
