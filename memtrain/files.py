@@ -34,11 +34,7 @@ def atomic_path(path: Path, directory: bool = False) -> Iterator[Path]:
             os.close(handle)
             tmp = Path(name)
     except OSError as error:  # nothing written yet: say what is in the way instead of a traceback
-        for folder in made:  # and leave no empty folders behind
-            try:
-                folder.rmdir()
-            except OSError:
-                pass
+        _remove_empty(made)  # and leave no empty folders behind
         raise UserError(cannot_create(path, error)) from None
     try:
         yield tmp
@@ -55,7 +51,17 @@ def atomic_path(path: Path, directory: bool = False) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
+        _remove_empty(made)
         raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders a failed write made (nearest first), where nothing else was put in them meanwhile."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _new_directory(parent: Path, prefix: str, suffix: str) -> Path:
@@ -102,11 +108,13 @@ def write_atomically(path: Path, content: str | bytes) -> None:
 
 @contextmanager
 def directory_atomically(path: Path) -> Iterator[Path]:
-    """atomic_path for a directory that must not hold anything yet (an output a user names): refuses a
-    non-empty `path` with FileExistsError, so nothing a user made is ever replaced."""
+    """atomic_path for a directory that must not hold anything yet (an output a user names): a non-empty
+    `path` is refused (UserError), so nothing a user made is ever replaced. Enter it before long work: what
+    would stop the write (the path taken, a file in the way, no permission) is said before the work starts."""
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise FileExistsError(path)
+        raise UserError(Problem(f"the output directory '{path}' already exists and is not empty",
+                                hint="choose a new directory, or remove this one first"))
     with atomic_path(path, directory=True) as tmp:
         yield tmp
 

@@ -43,12 +43,8 @@ def export_run(run_dir: Path, merge: bool, out_dir: Path | None = None, dtype: t
         base_dir = base_model_dir(recipe, run_dir)
         return merge_adapter(final, base_dir, out_dir, dtype or DTYPES[recipe.precision.compute],
                              quantize=recipe.model.quantize, tokenizer_dir=final)
-    try:
-        with directory_atomically(out_dir) as tmp:
-            shutil.copytree(final, tmp, dirs_exist_ok=True)
-    except FileExistsError:
-        raise UserError(Problem(f"the output directory '{out_dir}' already exists and is not empty",
-                                hint="choose a new directory (-o), or remove this one first")) from None
+    with directory_atomically(out_dir) as tmp:
+        shutil.copytree(final, tmp, dirs_exist_ok=True)
     return out_dir
 
 

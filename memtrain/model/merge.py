@@ -48,12 +48,11 @@ def merge_adapter(adapter_dir: Path, base: Path | PreTrainedModel, out_dir: Path
     if not (adapter_dir / "adapter_config.json").is_file():
         raise UserError(Problem(f"'{adapter_dir}' holds no PEFT adapter (adapter_config.json)",
                                 hint="give the directory a LoRA run exported (RUN_DIR/final)"))
-    _refuse_existing(out_dir)
-    tokenizer = _tokenizer(tokenizer_dir, adapter_dir, base)
-    model = base if isinstance(base, PreTrainedModel) else load_base(Path(base), dtype, quantize)
-    merged = _merged(model, adapter_dir).to(dtype)
-    set_inference_config(merged, tokenizer, _stop_ids(adapter_dir))
-    with directory_atomically(out_dir) as tmp:
+    with directory_atomically(out_dir) as tmp:  # a taken or unwritable out_dir is said before the base loads
+        tokenizer = _tokenizer(tokenizer_dir, adapter_dir, base)
+        model = base if isinstance(base, PreTrainedModel) else load_base(Path(base), dtype, quantize)
+        merged = _merged(model, adapter_dir).to(dtype)
+        set_inference_config(merged, tokenizer, _stop_ids(adapter_dir))
         merged.save_pretrained(tmp)  # safetensors, with config.json and generation_config.json
         tokenizer.save_pretrained(tmp)  # tokenizer files and the chat template
     return out_dir
@@ -162,8 +161,3 @@ def _tokenizer(tokenizer_dir: Path | None, adapter_dir: Path, base: Path | PreTr
                             hint="a merged model is saved with its tokenizer and chat template; give the "
                                  "directory that has tokenizer.json / tokenizer_config.json"))
 
-
-def _refuse_existing(out_dir: Path) -> None:
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise UserError(Problem(f"the output directory '{out_dir}' already exists and is not empty",
-                                hint="choose a new directory (-o), or remove this one first"))

@@ -120,11 +120,19 @@ def test_an_error_while_writing_leaves_no_half_written_directory(tmp_path):
         with directory_atomically(out) as tmp:
             (tmp / "model.safetensors").write_bytes(b"half")
             raise OSError("disk full")
-    assert list((tmp_path / "exports").iterdir()) == []
+    assert not (tmp_path / "exports").exists()  # nor the folder it made for it
     with directory_atomically(out) as tmp:
         (tmp / "model.safetensors").write_bytes(b"whole")
     assert [p.name for p in (tmp_path / "exports").iterdir()] == ["merged"]
     assert (out / "model.safetensors").read_bytes() == b"whole"
+
+
+def test_an_output_path_that_cannot_be_written_is_said_before_the_base_loads(tmp_path):
+    adapter_dir = _adapter_dir(tmp_path, _base_dir(tmp_path, "llama"))
+    (tmp_path / "exports").write_text("mine")
+    with pytest.raises(UserError, match="is a file, where a directory is needed"):  # not the missing base
+        merge_adapter(adapter_dir, tmp_path / "no-such-base", tmp_path / "exports" / "merged", torch.float32)
+    assert (tmp_path / "exports").read_text() == "mine"
 
 
 def test_an_output_directory_in_use_is_refused_before_any_work(tmp_path):
