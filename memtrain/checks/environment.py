@@ -77,7 +77,8 @@ def _check_model_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
         path = Path(model.path)
         if not path.is_dir():
             problems.append(src.problem(("model", "path"), f"model directory '{path}' does not exist",
-                                        "give a local Hugging Face model directory, or use model.preset"))
+                                        "give a local Hugging Face model directory, or use model.preset; "
+                                        f"{relative_paths_start(loaded, ('model', 'path'))}"))
         elif not (path / "config.json").is_file():
             problems.append(src.problem(("model", "path"), f"'{path}' has no config.json",
                                         "point model.path at a directory saved with save_pretrained"))
@@ -89,7 +90,8 @@ def _check_model_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
                                                                            builtin_tokenizer_names())))
     elif tokenizer and not Path(tokenizer).is_dir():
         problems.append(src.problem(("model", "tokenizer"), f"tokenizer directory '{tokenizer}' does not exist",
-                                    "give a local directory, or 'builtin:shakespeare'"))
+                                    "give a local directory, or 'builtin:shakespeare'; "
+                                    f"{relative_paths_start(loaded, ('model', 'tokenizer'))}"))
     has_config = (model.preset in model_preset_names() if model.preset
                   else bool(model.path) and (Path(model.path) / "config.json").is_file())
     if not problems and has_config:

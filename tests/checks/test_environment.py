@@ -73,6 +73,25 @@ def test_missing_paths_say_where_relative_paths_start_as_they_were_resolved(tmp_
                f"({elsewhere})" in p for p in typed)
 
 
+def test_a_missing_model_or_tokenizer_directory_says_where_relative_paths_start(tmp_path, monkeypatch):
+    recipe = tmp_path / "recipes" / "r.yaml"
+    recipe.parent.mkdir()
+    recipe.write_text("model: {path: ../models/base, tokenizer: tok}\ndata: {train: 'builtin:shakespeare', "
+                      "seq_len: 64}\ntrain: {steps: 4}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError) as caught:
+        load_checked(recipe, env=Environment())
+    model, tokenizer = [p.format() for p in caught.value.problems]
+    assert f"model directory '{tmp_path / 'models' / 'base'}' does not exist" in model
+    assert f"tokenizer directory '{recipe.parent / 'tok'}' does not exist" in tokenizer
+    assert all(f"starts at the directory of the recipe file that names it ({recipe.parent})" in p
+               for p in (model, tokenizer))
+    with pytest.raises(RecipeError) as caught:
+        load_checked(recipe, ["model.path=base"], env=Environment())
+    [typed] = [p.format() for p in caught.value.problems if "model.path" in p.format()]
+    assert f"starts at the directory memtrain runs in ({tmp_path})" in typed
+
+
 def test_a_missing_text_file_in_a_recipe_is_looked_for_beside_the_recipe(tmp_path, monkeypatch):
     recipe = tmp_path / "recipes" / "r.yaml"
     recipe.parent.mkdir()
