@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import platform
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from memtrain import __version__
 from memtrain.checks.load import load_checked
 from memtrain.commands.compile import compile_command
 from memtrain.commands.eval import eval_command
@@ -59,6 +61,30 @@ def report_user_errors(command):
             raise typer.Exit(code=error.exit_code) from None
 
     return wrapper
+
+
+STACK = ("torch", "deepspeed", "transformers", "peft")  # what a bug report needs beside memtrain's own version
+
+
+def print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        def installed(name: str) -> str:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                return "not installed"
+
+        stack = ", ".join(f"{name} {installed(name)}" for name in STACK)
+        print(f"memtrain {__version__} ({stack}; Python {platform.python_version()})")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", callback=print_version, is_eager=True,
+                                      help="Print memtrain's version and its stack's, and exit.")):
+    """Fine-tune 1B-7B language models on one or two 24 GB GPUs."""
 
 
 @app.command()

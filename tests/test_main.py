@@ -1,4 +1,4 @@
-"""The `memtrain` entry point: a Ctrl-C while Python imports the command line (torch, transformers: seconds)."""
+"""The `memtrain` entry point: --version, and a Ctrl-C while Python imports the command line (seconds)."""
 from __future__ import annotations
 
 import subprocess
@@ -29,3 +29,19 @@ def test_ctrl_c_while_the_command_line_imports_ends_with_one_line_and_130():
 def test_the_entry_point_runs_the_command_line():
     done = subprocess.run([sys.executable, "-m", "memtrain", "--help"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "plan" in done.stdout and "run" in done.stdout, done.stderr[-3000:]
+
+
+def test_version_names_memtrain_and_the_stack_a_bug_report_needs():
+    from importlib.metadata import version
+
+    import torch
+    from typer.testing import CliRunner
+
+    from memtrain import __version__
+    from memtrain.cli import app
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"memtrain {__version__} (torch {version('torch')}, deepspeed ")
+    assert version("memtrain") == __version__  # pyproject reads the version from the package: one owner
+    assert torch.__version__.split("+")[0] in result.output
