@@ -12,14 +12,13 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from memtrain.data.problems import FileProblems
 from memtrain.errors import DataError, Problem
 from memtrain.files import digest_file
 from memtrain.recipe.schema import BUILTIN_PREFIX
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 FORMATS = ("text", "jsonl")
-# JSONL problems reported together before giving up; more would bury the first ones.
-MAX_PROBLEMS = 10
 
 
 def json_kind(value: object) -> str:
@@ -73,7 +72,7 @@ def read_documents(spec: str, fmt: str = "auto", field: str = "text") -> Iterato
 
     Empty documents are skipped. Raises `DataError` naming file and line for an unreadable file,
     a file with no text, invalid JSON, a missing or non-string field; JSONL problems are collected
-    (up to MAX_PROBLEMS) and raised together.
+    and raised together after the last line (data/problems.py).
     """
     path = resolve_path(spec)
     kind = resolve_format(spec, fmt)
@@ -132,17 +131,14 @@ def _read_text(spec: str, path: Path) -> Iterator[str]:
 
 
 def _read_jsonl(spec: str, path: Path, field: str) -> Iterator[str]:
-    problems: list[Problem] = []
+    problems = FileProblems(spec)
     n_documents = 0
     with _open_binary(spec, path) as handle:
         line_no = 0
         try:
             for line_no, raw in enumerate(handle, start=1):
                 text = _parse_line(spec, raw, line_no, field, problems)
-                if problems:
-                    # Keep scanning without yielding so one run of the check reports several bad lines.
-                    if len(problems) >= MAX_PROBLEMS:
-                        break
+                if problems:  # keep scanning without yielding: one check reports every bad line
                     continue
                 if text:
                     n_documents += 1
@@ -150,15 +146,14 @@ def _read_jsonl(spec: str, path: Path, field: str) -> Iterator[str]:
         except (OSError, EOFError, zlib.error) as err:
             raise DataError(Problem(f"cannot read past line {line_no}: {err}", file=spec, line=line_no + 1,
                                     hint="the file is damaged or truncated; recreate it")) from None
-    if problems:
-        raise DataError(problems)
+    problems.raise_if_any()
     if n_documents == 0:
         raise DataError(Problem(f"the file has no documents with text in field {field!r}", file=spec,
                                 hint="check data.field and that the file is not empty"))
 
 
-def _parse_line(spec: str, raw: bytes, line_no: int, field: str, problems: list[Problem]) -> str:
-    """The document on one JSONL line ('' for a blank line); appends to `problems` when it has none."""
+def _parse_line(spec: str, raw: bytes, line_no: int, field: str, problems: FileProblems) -> str:
+    """The document on one JSONL line ('' for a blank line); adds to `problems` when it has none."""
     if line_no == 1 and raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
     if not raw.strip():
@@ -166,24 +161,24 @@ def _parse_line(spec: str, raw: bytes, line_no: int, field: str, problems: list[
     try:
         record = json.loads(raw)
     except UnicodeDecodeError:
-        problems.append(Problem("the line is not UTF-8 text", file=spec, line=line_no, hint="convert the file to UTF-8"))
+        problems.add(Problem("the line is not UTF-8 text", file=spec, line=line_no, hint="convert the file to UTF-8"))
         return ""
     except json.JSONDecodeError as err:
-        problems.append(Problem(f"invalid JSON: {err.msg} (column {err.colno})", file=spec, line=line_no,
+        problems.add(Problem(f"invalid JSON: {err.msg} (column {err.colno})", file=spec, line=line_no,
                                 hint="each line must be one JSON object"))
         return ""
     if not isinstance(record, dict):
-        problems.append(Problem(f"the line holds {json_kind(record)}, not an object", file=spec,
+        problems.add(Problem(f"the line holds {json_kind(record)}, not an object", file=spec,
                                 line=line_no, hint=f'write each line as {{"{field}": "..."}}'))
         return ""
     if field not in record:
         fields = ", ".join(record) or "none"
-        problems.append(Problem(f"line {line_no} has no field {field!r}; fields there: {fields}", file=spec,
+        problems.add(Problem(f"line {line_no} has no field {field!r}; fields there: {fields}", file=spec,
                                 line=line_no, hint="set data.field to the field that holds the text"))
         return ""
     value = record[field]
     if not isinstance(value, str):
-        problems.append(Problem(f"field {field!r} is {json_kind(value)}, not a string", file=spec,
+        problems.add(Problem(f"field {field!r} is {json_kind(value)}, not a string", file=spec,
                                 line=line_no, hint="the text field must hold a JSON string"))
         return ""
     return value

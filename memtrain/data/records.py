@@ -2,8 +2,10 @@
 
 Every reader yields `(number, record)`: `number` is where a person finds the record — the line of a JSONL
 file, else the record's 1-based position (the JSON list's item, the parquet or datasets row + 1). Problems
-name the file and that number, are collected (up to MAX_PROBLEMS) and raised together as one `DataError`
-after the last record, so a caller that consumes the records must not keep anything before the end.
+name the file and that number, are collected and raised together as one `DataError` after the last record
+(data/problems.py), so a caller that consumes the records must not keep anything before the end. A caller that
+finds problems of its own in the records (bad fields) passes its `FileProblems` in: the file's problems then
+go there, in line order with the caller's, and the caller raises them all.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from memtrain.data.corpus import ASSETS, MAX_PROBLEMS, builtin_corpus_names, json_kind, resolve_path
+from memtrain.data.corpus import ASSETS, builtin_corpus_names, json_kind, resolve_path
+from memtrain.data.problems import FileProblems
 from memtrain.errors import DataError, Problem
 from memtrain.files import digest_file
 from memtrain.recipe.schema import BUILTIN_PREFIX
@@ -77,18 +80,20 @@ def record_format(spec: str) -> str:
     ))
 
 
-def read_records(spec: str, split: str | None = None) -> Iterator[Record]:
+def read_records(spec: str, split: str | None = None, problems: FileProblems | None = None) -> Iterator[Record]:
     """Yield (number, record) for every record of `spec`; blank JSONL lines are skipped.
 
     Raises `DataError` naming file and line/record for an unreadable or damaged file, invalid JSON, or an item
-    that is not an object. `split` picks one split of a datasets directory that holds several.
+    that is not an object (after the last record; with `problems` given, those go there for the caller to
+    raise). `split` picks one split of a datasets directory that holds several.
     """
     path = resolve_dataset_path(spec)
     kind = record_format(spec)
+    found = problems if problems is not None else FileProblems(spec)
     if kind == "jsonl":
-        yield from _read_jsonl(spec, path)
+        yield from _read_jsonl(spec, path, found)
     elif kind == "json":
-        yield from _read_json(spec, path)
+        yield from _read_json(spec, path, found)
     elif kind == "parquet":
         yield from _read_parquet(spec, path)
     elif kind == "datasets":
@@ -96,6 +101,8 @@ def read_records(spec: str, split: str | None = None) -> Iterator[Record]:
     else:
         raise DataError(Problem(f"{path.name} is plain text, which holds no records", file=spec,
                                 hint="use type: text for a text file"))
+    if problems is None:
+        found.raise_if_any()
 
 
 def dataset_fingerprint(spec: str, split: str | None = None) -> str:
@@ -130,8 +137,7 @@ def _open_binary(spec: str, path: Path):
         raise _unreadable(spec, path, err) from None
 
 
-def _read_jsonl(spec: str, path: Path) -> Iterator[Record]:
-    problems: list[Problem] = []
+def _read_jsonl(spec: str, path: Path, problems: FileProblems) -> Iterator[Record]:
     with _open_binary(spec, path) as handle:
         line_no = 0
         try:
@@ -140,39 +146,35 @@ def _read_jsonl(spec: str, path: Path) -> Iterator[Record]:
                     raw = raw[3:]
                 if not raw.strip():
                     continue
-                before = len(problems)
                 record = _parse_jsonl_line(spec, raw, line_no, problems)
-                if len(problems) >= MAX_PROBLEMS:
-                    break
-                if len(problems) == before:
+                if record is not None:
                     # Good records still go out after a bad line, so that one run reports the problems of
                     # both kinds (bad JSON here, bad fields where they are read); the error comes at the end.
                     yield line_no, record
         except (OSError, EOFError, zlib.error) as err:
             raise DataError(Problem(f"cannot read past line {line_no}: {err}", file=spec, line=line_no + 1,
                                     hint="the file is damaged or truncated; recreate it")) from None
-    if problems:
-        raise DataError(problems)
 
 
-def _parse_jsonl_line(spec: str, raw: bytes, line_no: int, problems: list[Problem]) -> dict:
+def _parse_jsonl_line(spec: str, raw: bytes, line_no: int, problems: FileProblems) -> dict | None:
+    """The record on one line, or None (its problem added to `problems`)."""
     try:
         record = json.loads(raw)
     except UnicodeDecodeError:
-        problems.append(Problem("the line is not UTF-8 text", file=spec, line=line_no, hint="convert the file to UTF-8"))
-        return {}
+        problems.add(Problem("the line is not UTF-8 text", file=spec, line=line_no, hint="convert the file to UTF-8"))
+        return None
     except json.JSONDecodeError as err:
-        problems.append(Problem(f"invalid JSON: {err.msg} (column {err.colno})", file=spec, line=line_no,
+        problems.add(Problem(f"invalid JSON: {err.msg} (column {err.colno})", file=spec, line=line_no,
                                 hint="each line must be one JSON object"))
-        return {}
+        return None
     if not isinstance(record, dict):
-        problems.append(Problem(f"the line holds {json_kind(record)}, not an object", file=spec,
+        problems.add(Problem(f"the line holds {json_kind(record)}, not an object", file=spec,
                                 line=line_no, hint="write each line as one JSON object of fields"))
-        return {}
+        return None
     return record
 
 
-def _read_json(spec: str, path: Path) -> Iterator[Record]:
+def _read_json(spec: str, path: Path, problems: FileProblems) -> Iterator[Record]:
     with _open_binary(spec, path) as handle:
         try:
             raw = handle.read()
@@ -188,12 +190,12 @@ def _read_json(spec: str, path: Path) -> Iterator[Record]:
     if not isinstance(items, list):
         raise DataError(Problem(f"the file holds {json_kind(items)}, not a list of records", file=spec,
                                 hint="write the records as one JSON list: [{...}, {...}]"))
-    problems = [Problem(f"record {number} is {json_kind(item)}, not an object", file=spec, line=number,
-                        hint="every item of the list must be an object of fields")
-                for number, item in enumerate(items, start=1) if not isinstance(item, dict)]
-    if problems:
-        raise DataError(problems[:MAX_PROBLEMS])
-    yield from enumerate(items, start=1)
+    for number, item in enumerate(items, start=1):
+        if isinstance(item, dict):
+            yield number, item
+        else:
+            problems.add(Problem(f"record {number} is {json_kind(item)}, not an object", file=spec, line=number,
+                                 hint="every item of the list must be an object of fields"))
 
 
 def _read_parquet(spec: str, path: Path) -> Iterator[Record]:

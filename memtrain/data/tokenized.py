@@ -20,7 +20,8 @@ from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.cache import cache_dir_of, save_atomic
 from memtrain.data.conversation import document_text, to_conversation
-from memtrain.data.corpus import MAX_PROBLEMS, read_documents
+from memtrain.data.corpus import read_documents
+from memtrain.data.problems import FileProblems
 from memtrain.data.records import dataset_fingerprint, read_records, record_format
 from memtrain.data.render import ConversationEncoder
 from memtrain.data.templates import ChatTemplate
@@ -69,7 +70,7 @@ def tokenized_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rul
                       cache_dir: str | None) -> Tokenized:
     """The samples of `spec`, from the cache when present, else tokenised now and stored (see module doc).
 
-    Raises DataError for unreadable data or bad records (up to MAX_PROBLEMS reported together), UserError
+    Raises DataError for unreadable data or bad records (reported together: data/problems.py), UserError
     when the cache directory cannot be written.
     """
     directory = cache_dir_of(cache_dir)
@@ -141,38 +142,32 @@ def _document_samples(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase) -> 
 def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder) -> list[Piece]:
     located = _collect(spec, lambda record, line: (line, to_conversation(record, spec, spec.path, line)))
     out: list[Piece] = []
-    problems: list[Problem] = []
+    problems = FileProblems(spec.path)
     for start in range(0, len(located), BATCH_RECORDS):
         batch = located[start:start + BATCH_RECORDS]
         for (line, _), result in zip(batch, encoder.encode_many([messages for _, messages in batch])):
             if isinstance(result, Exception):
-                problems.append(Problem(str(result), file=spec.path, line=line, key="data.template",
-                                        hint="fix the record, or pick a template that can write it"))
+                problems.add(Problem(str(result), file=spec.path, line=line, key="data.template",
+                                     hint="fix the record, or pick a template that can write it"))
             else:
                 out.append(_piece(*result))
-        if len(problems) >= MAX_PROBLEMS:
-            break
-    if problems:
-        raise DataError(problems[:MAX_PROBLEMS])
+    problems.raise_if_any()
     return out
 
 
 def _collect(spec: DatasetSpec, convert) -> list:
-    """convert(record, line) for every record; the problems of bad records (and of the file) raised together."""
-    out, problems = [], []
+    """convert(record, line) for every record; the problems of bad records and of the file's lines (invalid
+    JSON) raised together, in line order."""
+    out, problems = [], FileProblems(spec.path)
     try:
-        for line, record in read_records(spec.path, spec.split):
+        for line, record in read_records(spec.path, spec.split, problems):
             try:
                 out.append(convert(record, line))
             except DataError as err:
-                problems += err.problems
-                if len(problems) >= MAX_PROBLEMS:
-                    break
-    except DataError as err:  # the reader's own problems (bad JSON lines) come when it has read everything
-        problems += err.problems
-    if problems:
-        problems.sort(key=lambda p: p.line if p.line is not None else 0)
-        raise DataError(problems[:MAX_PROBLEMS])
+                problems.add(*err.problems)
+    except DataError as err:  # the file could not be read on (damaged): said after what came before it
+        problems.add(*err.problems)
+    problems.raise_if_any()
     return out
 
 

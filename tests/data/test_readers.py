@@ -155,6 +155,26 @@ def test_malformed_lines_and_missing_fields_are_reported_together(chat_tokenizer
     assert all(p.file == path for p in problems)
 
 
+def test_past_ten_problems_the_first_ten_in_file_order_and_a_count_of_the_rest(chat_tokenizer, write_jsonl,
+                                                                                 make_data):
+    """A bad JSON line early in the file comes first, although the reader reports it only at the end, and the
+    problems past the tenth are counted rather than silently dropped."""
+    lines = [GOOD, GOOD, '{"messages": [', *[GOOD] * 20, *[{"turns": []}] * 12, GOOD]  # line 3; lines 24-35
+    path = write_jsonl("bad.jsonl", lines)
+    problems = problems_of(make_data(train=[{"path": path, "type": "chat"}]), chat_tokenizer)
+    assert [p.line for p in problems[:10]] == [3, *range(24, 33)]
+    assert "invalid JSON" in problems[0].message
+    assert problems[10].message == "… and 3 more problems in this file" and problems[10].file == path
+    assert len(problems) == 11
+
+
+def test_a_text_jsonl_with_many_bad_lines_counts_those_past_the_tenth(text_tokenizer, write_jsonl, make_data):
+    path = write_jsonl("text.jsonl", [{"text": "Enter a lord."}, *[{"body": "x"}] * 14])
+    problems = problems_of(make_data(train=[{"path": path, "type": "text"}]), text_tokenizer)
+    assert [p.line for p in problems[:10]] == list(range(2, 12))
+    assert problems[-1].message == "… and 4 more problems in this file"
+
+
 @pytest.mark.parametrize("kind", ["json", "parquet", "datasets"])
 def test_bad_records_in_other_file_types_name_the_record(kind, chat_tokenizer, make_data, tmp_path):
     records = [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": ""}]
