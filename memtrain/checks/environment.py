@@ -15,7 +15,7 @@ from pathlib import Path
 
 from memtrain.configs import model_preset, model_preset_names
 from memtrain.data.corpus import BUILTIN_PREFIX, builtin_corpus_names
-from memtrain.data.records import resolve_dataset_path
+from memtrain.data.records import record_format, resolve_dataset_path
 from memtrain.data.templates import shipped_template_names
 from memtrain.data.tokenizer import builtin_tokenizer_names
 from memtrain.dtypes import DTYPE_BYTES
@@ -122,7 +122,7 @@ def _check_data_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
             continue
         if not isinstance(value, str):  # a list of datasets
             for index, spec in enumerate(value):
-                problem = _dataset_path_problem(loaded, ("data", key, str(index), "path"), spec.path)
+                problem = _dataset_path_problem(loaded, ("data", key, str(index), "path"), spec.path, spec.type)
                 problems += [problem] if problem else []
             continue
         if value.startswith(BUILTIN_PREFIX):
@@ -140,14 +140,19 @@ def _check_data_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
     return problems
 
 
-def _dataset_path_problem(loaded: LoadedRecipe, key: tuple[str, ...], path: str) -> Problem | None:
-    """What is wrong with a dataset's path (a builtin name that does not exist, a missing file), or None."""
+def _dataset_path_problem(loaded: LoadedRecipe, key: tuple[str, ...], path: str, kind: str) -> Problem | None:
+    """What is wrong with a dataset's path (a builtin name that does not exist, a missing file, a file the
+    readers cannot read as `kind`), or None."""
     try:
         exists = resolve_dataset_path(path).exists()
-    except UserError as error:  # an unknown builtin: the reader's own message names the ones there are
+        if exists:
+            if record_format(path) == "text" and kind != "text":
+                return loaded.sources.problem(key, f"'{path}' is plain text, which holds no {kind} records",
+                                              "give a .jsonl, .json or .parquet file or a datasets directory, or "
+                                              "set the dataset's type: text")
+            return None
+    except UserError as error:  # an unknown builtin or an unknown format: the reader's own message says which
         return loaded.sources.problem(key, error.problems[0].message, error.problems[0].hint)
-    if exists:
-        return None
     return loaded.sources.problem(key, f"dataset '{path}' does not exist",
                                   "give a .jsonl, .json, .parquet or .txt file or a datasets directory; "
                                   f"{relative_paths_start(loaded, key)}")

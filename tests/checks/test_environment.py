@@ -37,6 +37,20 @@ def test_each_dataset_path_of_a_list_is_checked_at_its_own_key_and_line(tmp_path
     assert load_checked_text(CHAT % present, "chat.yaml").recipe.data.train[1].path == str(present)
 
 
+def test_a_dataset_the_readers_cannot_read_is_refused_at_validate_as_run_refuses_it(tmp_path):
+    """validate said "valid" for a .csv dataset that prepare and run then refused."""
+    table = tmp_path / "pairs.csv"
+    table.write_text("instruction,output\nSay hi.,hi\n")
+    [csv] = problems(CHAT % table)
+    assert csv.startswith("chat.yaml:6: data.train.1.path: cannot tell the format of pairs.csv") and ".jsonl" in csv
+    text = tmp_path / "notes.txt"
+    text.write_text("Say hi. hi\n")
+    [plain] = problems(CHAT % text)
+    assert plain.startswith(f"chat.yaml:6: data.train.1.path: '{text}' is plain text, which holds no instruction "
+                            "records") and "type: text" in plain
+    assert load_checked_text(CHAT.replace("type: instruction", "type: text") % text, "chat.yaml")
+
+
 def test_missing_packages_come_from_the_environment_given():
     qlora = """
 model: {preset: micro, lora: {r: 4}, quantize: {type: nf4}}
