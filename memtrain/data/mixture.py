@@ -7,6 +7,10 @@ samples of each training dataset (a tail, as the text path holds out its last wi
 choose the training samples (mixing.py), and rows are packed or one sample each. Rows are put in a
 seeded order so any prefix (the loop evaluates the first validation rows) mixes all datasets.
 Every step is a function of the data, the recipe and the seed: a resumed run rebuilds the same rows.
+
+`held_out_records` says which records the validation rows hold, from the same decision (`_prepare` and
+`_split_tail`): the generation eval asks those questions and no other, so it never scores a sample that
+training used, whatever was dropped on the way.
 """
 from __future__ import annotations
 
@@ -35,10 +39,24 @@ class _Part:
     truncated: np.ndarray      # bool per sample
     dropped_too_long: int
     dropped_no_targets: int
+    records: np.ndarray        # int64 per sample: its record's position in the dataset's read order (text: document)
 
     def take(self, indices) -> _Part:
         indices = np.asarray(indices, dtype=np.int64)
-        return _Part(self.views.take(indices), self.truncated[indices], self.dropped_too_long, self.dropped_no_targets)
+        return _Part(self.views.take(indices), self.truncated[indices], self.dropped_too_long, self.dropped_no_targets,
+                     self.records[indices])
+
+
+@dataclass(frozen=True)
+class HeldOutRecords:
+    """Which records of one conversation dataset validation holds: those at `first` and after (by position in
+    the dataset's read order, as `read_records` yields them). Of these, the records in `samples` are the
+    validation samples; the others were left out by training (too long, no target) and are in neither split.
+    """
+
+    spec: DatasetSpec
+    first: int            # 0 for a data.validation dataset; the first validation sample's record for a tail
+    samples: np.ndarray   # int64, ascending: the records behind the dataset's validation samples
 
 
 def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[SampleRows, SampleRows]:
@@ -51,8 +69,7 @@ def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tup
     if isinstance(data.train, str):
         raise ValueError("build_rows takes a list of datasets; a path is the text path (build_datasets)")
     ensure_template_tokens(data, tokenizer)
-    rules = SampleRules(template=resolve_template(data.template, tokenizer) if needs_template(data) else None,
-                        train_on_inputs=data.train_on_inputs, train_on=data.train_on)
+    rules = _sample_rules(data, tokenizer)
     parts = [_prepare(spec, tokenizer, rules, data, "data.train") for spec in data.train]
     if data.validation is not None:
         held_out = [_prepare(spec, tokenizer, rules, data, "data.validation") for spec in data.validation]
@@ -65,16 +82,51 @@ def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tup
             _rows(list(held_out), data, tokenizer.pad_token_id, seed))
 
 
+def held_out_records(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[HeldOutRecords]:
+    """For each conversation dataset that validation draws from (data.validation's, else data.train's), the
+    records its validation samples come from, as `build_rows` splits them: a training sample is never among
+    them, whether samples were dropped before the split or not. Text datasets are left out (a piece of a
+    document is no question to ask).
+
+    `tokenizer` must be the one the rows were built with (template tokens added); the samples come from the
+    token cache that building the rows filled. Raises DataError as `build_rows` does.
+    """
+    if isinstance(data.train, str):
+        return []
+    rules = _sample_rules(data, tokenizer)
+    if data.validation is not None:
+        parts = [(spec, _prepare(spec, tokenizer, rules, data, "data.validation"))
+                 for spec in data.validation if spec.type != "text"]
+        return [HeldOutRecords(spec, 0, part.records) for spec, part in parts]
+    held_out = []
+    for spec in data.train:
+        if spec.type == "text":
+            continue
+        _, tail = _split_tail(_prepare(spec, tokenizer, rules, data, "data.train"), spec, data.validation_fraction,
+                              data.seq_len)
+        held_out.append(HeldOutRecords(spec, int(tail.records[0]), tail.records))
+    return held_out
+
+
+def _sample_rules(data: Data, tokenizer: PreTrainedTokenizerBase) -> SampleRules:
+    """How the recipe's records become samples: the same for the rows and for `held_out_records`, so both read
+    the same cached samples."""
+    return SampleRules(template=resolve_template(data.template, tokenizer) if needs_template(data) else None,
+                       train_on_inputs=data.train_on_inputs, train_on=data.train_on)
+
+
 def _prepare(spec: DatasetSpec, tokenizer, rules: SampleRules, data: Data, key: str) -> _Part:
     """The dataset's samples fitted to seq_len, those with no target left out."""
     tokenized = tokenized_dataset(spec, tokenizer, rules, data.cache_dir)
     starts, lengths = tokenized.starts, np.diff(tokenized.ends, prepend=0)
+    records = np.arange(len(starts), dtype=np.int64)  # a conversation dataset has one sample per record
     seq_len = data.seq_len
     dropped_too_long = 0
     if spec.type == "text":  # documents are cut into seq_len pieces, as the text path cuts its stream
         pieces = -(-lengths // seq_len)
         offsets = np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)
         starts = np.repeat(starts, pieces) + offsets * seq_len
+        records = np.repeat(records, pieces)
         lengths = np.minimum(np.repeat(lengths, pieces) - offsets * seq_len, seq_len)
         truncated = np.zeros(len(starts), dtype=bool)
     else:
@@ -82,12 +134,13 @@ def _prepare(spec: DatasetSpec, tokenizer, rules: SampleRules, data: Data, key: 
         if data.truncation == "drop":
             dropped_too_long = int(too_long.sum())
             starts, lengths, truncated = starts[~too_long], lengths[~too_long], np.zeros(int((~too_long).sum()), bool)
+            records = records[~too_long]
         else:
             truncated, lengths = too_long, np.minimum(lengths, seq_len)
     views = SampleViews((tokenized.tokens,), (tokenized.targets,), np.zeros(len(starts), dtype=np.int64),
                         starts.astype(np.int64), lengths.astype(np.int64))
     useful = views.target_counts() > 0
-    part = _Part(views, truncated, dropped_too_long, int((~useful).sum())).take(np.flatnonzero(useful))
+    part = _Part(views, truncated, dropped_too_long, int((~useful).sum()), records).take(np.flatnonzero(useful))
     if len(part.views) == 0:
         raise DataError(Problem(
             f"no sample of the dataset is left to train on: {dropped_too_long} longer than {seq_len} tokens "
@@ -99,6 +152,8 @@ def _prepare(spec: DatasetSpec, tokenizer, rules: SampleRules, data: Data, key: 
 
 
 def _split_tail(part: _Part, spec: DatasetSpec, fraction: float, seq_len: int) -> tuple[_Part, _Part]:
+    """(training, validation) samples of a dataset without data.validation: the last `fraction` of its usable
+    samples (after the drops) are held out; `held_out_records` reads the same split, so keep one decision here."""
     n = len(part.views)
     n_validation = held_out_tail(n, fraction)
     if n - n_validation < 1:
@@ -110,7 +165,7 @@ def _split_tail(part: _Part, spec: DatasetSpec, fraction: float, seq_len: int) -
     head = part.take(np.arange(n - n_validation))
     tail = part.take(np.arange(n - n_validation, n))
     # What was left out belongs to the training side's report only.
-    return head, _Part(tail.views, tail.truncated, 0, 0)
+    return head, _Part(tail.views, tail.truncated, 0, 0, tail.records)
 
 
 def _rows(parts: list[_Part], data: Data, pad_id: int, seed: int) -> SampleRows:

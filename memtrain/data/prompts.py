@@ -7,9 +7,12 @@ target, and the prompt is everything before the first target token. For ChatML t
 "<|im_start|>assistant\\n", the template's generation prompt, so no second rendering path exists to drift
 from training's.
 
-Where the conversations come from: the recipe's `data.validation` datasets, or, without them, the last
-`data.validation_fraction` of each training dataset's records (the tail training holds out). Text datasets
-have no answers and are skipped; `has_answers` says whether a recipe has any dataset that does.
+Where the conversations come from: the records behind the validation rows' samples, as training split them
+(`mixture.held_out_records`): the recipe's `data.validation` datasets, or, without them, the last
+`data.validation_fraction` of each training dataset's usable samples. Counting that tail in records instead
+would move it whenever training dropped a sample (too long, no target) and score trained-on questions as
+held out. Text datasets have no answers and are skipped; `has_answers` says whether a recipe has any dataset
+that does.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.conversation import Message, to_conversation
-from memtrain.data.mixing import held_out_tail
+from memtrain.data.mixture import HeldOutRecords, held_out_records
 from memtrain.data.records import read_records
 from memtrain.data.render import ConversationEncoder, RenderError
 from memtrain.data.templates import resolve_template
@@ -40,7 +43,7 @@ class HeldOutPrompt:
 
 def has_answers(data: Data) -> bool:
     """True when the recipe's held-out data has conversations with an answer to check (not text only)."""
-    return bool(_held_out_specs(data)[0])
+    return bool(_held_out_specs(data))
 
 
 def held_out_prompts(data: Data, tokenizer: PreTrainedTokenizerBase, limit: int | None = None,
@@ -49,22 +52,25 @@ def held_out_prompts(data: Data, tokenizer: PreTrainedTokenizerBase, limit: int 
     order and record order within a dataset.
 
     A conversation is skipped (and counted) when its prompt alone has `max_prompt_tokens` tokens or more
-    (default data.seq_len: training never saw the answer's tokens after it), or the template cannot render it.
-    Raises DataError as training's readers do for a record that is not a valid conversation.
+    (default data.seq_len: training never saw the answer's tokens after it), the template cannot render it,
+    or training left its sample out (too long, no target: it is in no validation row either).
+    `tokenizer` is the one the run's rows were built with. Raises DataError as training's readers do for a
+    record that is not a valid conversation.
     """
-    specs, tails = _held_out_specs(data)
-    if not specs:
+    if not has_answers(data):
         return [], 0
+    held_out = held_out_records(data, tokenizer)
     template = resolve_template(data.template, tokenizer)
     encoder = ConversationEncoder(tokenizer, template, train_on_inputs=False, train_on="last_turn")
     max_prompt_tokens = data.seq_len if max_prompt_tokens is None else max_prompt_tokens
     prompts: list[HeldOutPrompt] = []
     skipped = 0
-    for spec, tail in zip(specs, tails):
-        for line, record, messages in _conversations(spec, tail):
+    for dataset in held_out:
+        spec = dataset.spec
+        for line, record, messages in _conversations(dataset):
             if limit is not None and len(prompts) >= limit:
                 return prompts, skipped
-            prompt = prompt_of(encoder, messages)
+            prompt = prompt_of(encoder, messages) if messages is not None else None
             if prompt is None or len(prompt[0]) >= max_prompt_tokens:
                 skipped += 1
                 continue
@@ -92,22 +98,19 @@ def prompt_of(encoder: ConversationEncoder, messages: list[Message]) -> tuple[li
     return ids[:first_target], messages[last]["content"], question
 
 
-def _held_out_specs(data: Data) -> tuple[list[DatasetSpec], list[float | None]]:
-    """The datasets with answers to hold out, and for each the share of its records held out at its end
-    (None: all of it, a validation dataset)."""
+def _held_out_specs(data: Data) -> list[DatasetSpec]:
+    """The datasets with answers that validation draws from (read from the recipe alone, no tokenizer)."""
     if data.is_text:
-        return [], []
-    if data.validation is not None:
-        specs = [s for s in data.validation if s.type != "text"]
-        return specs, [None] * len(specs)
-    specs = [s for s in data.train if s.type != "text"]
-    return specs, [data.validation_fraction] * len(specs)
+        return []
+    return [s for s in (data.validation if data.validation is not None else data.train) if s.type != "text"]
 
 
-def _conversations(spec: DatasetSpec, tail: float | None) -> Iterator[tuple[int, dict, list[Message]]]:
-    records = read_records(spec.path, spec.split)
-    if tail is not None:
-        records = list(records)  # training's held-out tail, counted in records (training counts usable samples)
-        records = records[len(records) - held_out_tail(len(records), tail):]
-    for line, record in records:
-        yield line, record, to_conversation(record, spec, spec.path, line)
+def _conversations(held_out: HeldOutRecords) -> Iterator[tuple[int, dict, list[Message] | None]]:
+    """(line, record, conversation) for each held-out record of a dataset, in file order; conversation None for
+    a record training left out (no validation sample: counted as skipped, not asked)."""
+    spec = held_out.spec
+    in_validation = set(held_out.samples.tolist())
+    for position, (line, record) in enumerate(read_records(spec.path, spec.split)):
+        if position < held_out.first:
+            continue  # the training side's records (and what training dropped among them)
+        yield line, record, (to_conversation(record, spec, spec.path, line) if position in in_validation else None)
