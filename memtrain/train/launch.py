@@ -75,9 +75,19 @@ def prepare(loaded: LoadedRecipe, hooks: Hooks, clock: StartupClock | None = Non
               "(`memtrain plan --data` says how much)" if r.data.groups_by_length else ""
         notes.append(f"training data: {data.train_set.stats.describe()}{cut}")
     if data.added_tokens:
-        notes.append(f"added {', '.join(data.added_tokens)} to the tokenizer; the model's embeddings grow to "
-                     f"{len(data.tokenizer)} rows and the new ones are trained")
+        notes.append(added_tokens_note(data.added_tokens, len(data.tokenizer), data.model_embedding_rows))
     return Prepared(run, data, warnings, notes, clock)
+
+
+def added_tokens_note(added: tuple[str, ...], tokenizer_rows: int, model_rows: int) -> str:
+    """What adding a template's markers does to the model: its embeddings grow only where the tokenizer outgrows
+    them (model/build.py); a model with spare rows (a vocabulary padded to a multiple of 64) keeps its size."""
+    first_id = tokenizer_rows - len(added)
+    if tokenizer_rows > model_rows:
+        return (f"added {', '.join(added)} to the tokenizer; the model's embeddings grow from {model_rows} to "
+                f"{tokenizer_rows} rows and the new ones are trained")
+    return (f"added {', '.join(added)} to the tokenizer as ids {first_id}-{tokenizer_rows - 1}, rows the model's "
+            f"{model_rows}-row embeddings already have (its size is kept); they are trained")
 
 
 def train_here(run: ResolvedRun, options: RunOptions, hooks: Hooks, data: RunData | None = None,

@@ -60,7 +60,8 @@ class RunData:
     tokenizer: object
     train_set: torch.utils.data.Dataset
     val_set: torch.utils.data.Dataset
-    added_tokens: tuple[str, ...] = ()   # a chat template's markers added to the tokenizer (data.add_special_tokens)
+    added_tokens: tuple[str, ...]        # a chat template's markers added to the tokenizer (data.add_special_tokens)
+    model_embedding_rows: int            # the model's own vocabulary (config.vocab_size), before any growth
 
     @property
     def model_vocab_size(self) -> int | None:
@@ -87,7 +88,7 @@ def build_data(recipe: Recipe) -> RunData:
             f"the training data gives {len(train_set)} samples of {recipe.data.seq_len} tokens, "
             f"fewer than one global batch of {recipe.batch.global_batch}", key="batch.global_batch",
             hint="add data, lower data.seq_len, or lower batch.global_batch"))
-    return RunData(tokenizer, train_set, val_set, added)
+    return RunData(tokenizer, train_set, val_set, added, vocab_size)
 
 
 def check_new_rows_train(recipe: Recipe, added: tuple[str, ...]) -> None:

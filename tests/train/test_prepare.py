@@ -1,6 +1,8 @@
 """train.launch.prepare: what a run says about its data before any work."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from memtrain.checks.load import load_checked
 from memtrain.train.hooks import Hooks
 from memtrain.train.launch import prepare
@@ -17,3 +19,18 @@ def test_the_data_note_says_when_micro_batches_are_cut_to_their_longest_row(writ
     unpacked = prepare(load_checked(write_recipe("unpacked", extra), []), Hooks.from_env())
     [note] = [n for n in unpacked.notes if n.startswith("training data:")]
     assert "cut to their longest row" in note and "memtrain plan --data" in note
+
+
+def test_the_added_tokens_note_says_whether_the_embeddings_grow(write_recipe, tmp_path):
+    """The micro preset's 4096 rows grow to the tokenizer's 4098; shakespeare-mini's vocabulary is padded to 4160
+    rows, which already hold the two new ids, and the model keeps its size (model/build.py resizes only when the
+    tokenizer outgrows it)."""
+    extra = chat_recipe(tmp_path)
+    grows = prepare(load_checked(write_recipe("grows", extra), []), Hooks.from_env())
+    [note] = [n for n in grows.notes if n.startswith("added")]
+    assert note.endswith("the model's embeddings grow from 4096 to 4098 rows and the new ones are trained")
+    mini = Path(__file__).resolve().parents[2] / "memtrain" / "assets" / "models" / "shakespeare-mini"
+    extra["model"] = {"preset": None, "path": str(mini), "tokenizer": "builtin:shakespeare"}
+    kept = prepare(load_checked(write_recipe("kept", extra), []), Hooks.from_env())
+    [note] = [n for n in kept.notes if n.startswith("added")]
+    assert "as ids 4096-4097, rows the model's 4160-row embeddings already have (its size is kept)" in note
