@@ -31,8 +31,8 @@ def _print(result: RunEvaluation, console: Console) -> None:
     table = Table(title=f"Evaluation — {result.run_dir}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
-    table.add_row("validation loss", f"{result.loss:.4f} (perplexity {result.perplexity:.2f}, "
-                  f"{result.validation_samples} samples)")
+    table.add_row("validation loss", f"{result.loss:.4f} (perplexity {result.perplexity:.2f}; over "
+                  f"{result.validation_target_tokens} target tokens in {result.validation_rows} rows)")
     g = result.generation
     if g is not None:
         table.add_row("exact match", f"{g.exact_match:.3f} ({g.correct}/{g.total} held-out answers"

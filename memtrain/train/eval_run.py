@@ -44,7 +44,8 @@ TEXT_ONLY_NOTE = ("the run's held-out data is text, which has no answers to chec
 class RunEvaluation:
     run_dir: Path
     loss: float
-    validation_samples: int             # the samples the loss is over
+    validation_rows: int                # the rows of seq_len tokens the loss is over (packed: several samples each)
+    validation_target_tokens: int       # the positions the loss is the mean over
     generation: GenerationScore | None  # None for text-only data (see note)
     note: str | None = None
 
@@ -53,9 +54,12 @@ class RunEvaluation:
         return math.exp(min(self.loss, 50))
 
     def as_json(self) -> dict:
-        """loss, perplexity, exact_match (null for text-only data), correct, total, skipped, by_task, samples, note."""
+        """loss, perplexity, validation rows and target tokens, exact_match, correct, total, skipped, by_task,
+        samples, note: the same keys for every run (the generation's are null for text-only data)."""
         out = {"run_dir": str(self.run_dir), "loss": self.loss, "perplexity": self.perplexity,
-               "validation_samples": self.validation_samples, "exact_match": None, "samples": [], "note": self.note}
+               "validation_rows": self.validation_rows, "validation_target_tokens": self.validation_target_tokens,
+               "exact_match": None, "correct": None, "total": None, "skipped": None, "by_task": None, "samples": [],
+               "note": self.note}
         if self.generation is not None:
             out.update(self.generation.as_record())
         return out
@@ -78,14 +82,15 @@ def evaluate_run(run_dir: Path, *, limit: int | None = None, keep_samples: int =
     model = _model(final, recipe, run_dir, dtype).to(device)
     _, val_set = build_datasets(recipe.data, tokenizer, recipe.train.seed)
     samples = min(eval_samples, len(val_set))
+    targets = val_set.targets(range(samples))
     with BatchLoader(val_set, device, trim=recipe.data.groups_by_length) as loader:
         loss = evaluate(TrainableLM(model, recipe.precision), loader, val_set, samples, micro_batch, device, 1, 0)
     if not has_answers(recipe.data):
-        return RunEvaluation(run_dir, loss, samples, None, TEXT_ONLY_NOTE)
+        return RunEvaluation(run_dir, loss, samples, targets, None, TEXT_ONLY_NOTE)
     prompts, skipped = held_out_prompts(recipe.data, tokenizer, limit=limit)
     score = generation_eval(model, tokenizer, prompts, stop_token_ids(recipe.data.template, tokenizer),
                             skipped=skipped, keep_samples=keep_samples)
-    return RunEvaluation(run_dir, loss, samples, score)
+    return RunEvaluation(run_dir, loss, samples, targets, score)
 
 
 def _run_settings(run_dir: Path) -> tuple[Recipe, int, int]:

@@ -58,7 +58,8 @@ def eval_json(run_dir: Path, **options) -> dict:
 def test_json_has_the_loss_exact_match_and_samples(tmp_path, cache):
     result = eval_json(make_run(tmp_path, CHAT_DATA, cache))
     assert result["loss"] > 0 and result["perplexity"] == pytest.approx(min(1e30, 2.718281828 ** result["loss"]), rel=1e-6)
-    assert result["validation_samples"] == 8  # the run's own evaluation: eval_batches x micro-batch
+    assert result["validation_rows"] == 8  # the run's own evaluation: eval_batches x micro-batch rows
+    assert 0 < result["validation_target_tokens"] < 8 * 64  # the answers' tokens in those packed rows
     assert result["exact_match"] == 0.0 and result["total"] == 6 and result["correct"] == 0  # random weights
     assert [sorted(s) for s in result["samples"]] == [["correct", "expected", "generated", "question", "task"]] * 2
     assert result["samples"][0]["expected"] == "s" and result["note"] is None
@@ -70,6 +71,9 @@ def test_text_only_data_gives_the_loss_and_says_why_there_is_no_exact_match(tmp_
     result = eval_json(make_run(tmp_path, TEXT_DATA, cache))
     assert result["loss"] > 0 and result["exact_match"] is None and result["samples"] == []
     assert "no answers" in result["note"]
+    chat = eval_json(make_run(tmp_path / "chat", CHAT_DATA, cache))
+    assert set(result) == set(chat)  # one shape for every run: a script can read result["total"] of any
+    assert all(result[key] is None for key in ("correct", "total", "skipped", "by_task"))
 
 
 def test_the_table_shows_exact_match_and_samples(tmp_path, cache):
