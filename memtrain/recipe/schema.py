@@ -473,7 +473,7 @@ class Train(Section):
         "family it was measured on (Llama, Mistral, Qwen2; memtrain.model.compiled), not with lean LoRA dropout; "
         "true: wherever allowed; false: never. A layer the compiler fails on runs eager (PyTorch's warning says "
         "why). `memtrain plan` prices compiled layers where the run on a GPU would compile them.")
-    output_dir: str = Field("runs/{name}", description="Run directory; {name} is the recipe file's stem.")
+    output_dir: str = Field("runs/{name}", description="Run directory; {name} is the run name (the recipe's name, else its file's stem).")
 
 
 class Recipe(Section):
