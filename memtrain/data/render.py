@@ -11,6 +11,11 @@ trained on text it never writes.
 Targets (train_on_inputs false): the content of each trained assistant turn, and the template text that
 closes it up to and including the end-of-turn token (so the model learns to stop), never the next turn's
 header. Which turns are trained: all assistant turns, or the last one only (`train_on`).
+
+The end-of-turn token is the template's own (a shipped template names it), else the first special token the
+template writes after an assistant's content. `ConversationEncoder.turn_end_id` finds that same token in a
+probe conversation, so generation (in-run eval, `memtrain eval`, an export's generation_config.json) stops
+exactly where training taught the model to stop; `unclosed_turn_warning` says when there is no such token.
 """
 from __future__ import annotations
 
@@ -20,11 +25,21 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.conversation import Message
-from memtrain.data.templates import ChatTemplate, end_of_turn_id
+from memtrain.data.templates import (
+    TOKENIZER_TEMPLATE,
+    ChatTemplate,
+    end_of_turn_id,
+    needs_template,
+    resolve_template,
+)
+from memtrain.recipe.schema import Data
 
 # Private-use code points: no template writes them and tokenizers never see them (they are replaced before).
 _SENTINEL = "\ue000{}\ue001"
 _SENTINEL_SPLIT = re.compile("\ue000(\\d+)\ue001")
+# The conversation every template can render (Gemma's refuses a system message, Mistral's wants user first):
+# what the template writes after its answer is what closes an assistant turn.
+_PROBE: list[Message] = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
 
 
 class RenderError(ValueError):
@@ -74,8 +89,12 @@ class ConversationEncoder:
                           "the content's tokens cannot be found")
 
     def encode(self, messages: list[Message]) -> tuple[list[int], list[bool]]:
-        """(token ids, target flag per token) of one conversation; RenderError when it cannot be rendered."""
-        return self.encode_many([messages])[0]
+        """(token ids, target flag per token) of one conversation; raises RenderError when it cannot be rendered
+        (`encode_many` returns it in place, for batches that go on past a bad conversation)."""
+        encoded = self.encode_many([messages])[0]
+        if isinstance(encoded, RenderError):
+            raise encoded
+        return encoded
 
     def encode_many(self, conversations: list[list[Message]]) -> list[tuple[list[int], list[bool]] | RenderError]:
         """`encode` for many conversations with two tokenizer calls in all; a failure is returned in its place."""
@@ -97,6 +116,29 @@ class ConversationEncoder:
             pieces_c = [next(content_ids) for _ in r.content_pieces]
             out.append(self._assemble(messages, r, pieces_t, pieces_c))
         return out
+
+    def turn_end_id(self) -> int | None:
+        """The token that closes an assistant turn as training targets it, for generation to stop at: the
+        template's end_of_turn, else the first special token the template writes after the assistant's content
+        of a probe conversation (`_closing_length`'s rule). None when it writes none there (nothing to stop at:
+        `unclosed_turn_warning`) or cannot render the probe."""
+        if self.end_of_turn is not None:
+            return self.end_of_turn
+        closing = self.probe_closing()
+        if closing is None:
+            return None
+        closed = self._closing_length(closing)
+        return closing[closed - 1] if closed else None
+
+    def probe_closing(self) -> list[int] | None:
+        """The template's tokens after the assistant's content of a probe conversation (user, assistant), as
+        training tokenises them; None when the template cannot render it."""
+        try:
+            rendered = self.render(_PROBE)
+        except RenderError:
+            return None
+        answer = rendered.content_messages.index(len(_PROBE) - 1)
+        return self._tokenize([rendered.template_pieces[answer + 1]], split_special=False)[0]
 
     # ------------------------------------------------------------ internals
 
@@ -133,8 +175,38 @@ class ConversationEncoder:
 
     def _closing_length(self, closing: list[int]) -> int:
         """Tokens of the template text after an assistant turn that belong to it: up to and including the
-        end-of-turn token (the template's own, else the first special token); none when there is none."""
+        end-of-turn token (the template's own, else the first special token); none when there is none.
+        The one rule for that token: `turn_end_id` applies it too."""
         for i, token in enumerate(closing):
             if token == self.end_of_turn or (self.end_of_turn is None and token in self.special_ids):
                 return i + 1
         return 0
+
+
+def turn_end_id(template: ChatTemplate, tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The id of the token that closes an assistant turn of `template`, as training targets it (see
+    `ConversationEncoder.turn_end_id`); None when the template writes no special token after an answer."""
+    return ConversationEncoder(tokenizer, template).turn_end_id()
+
+
+def unclosed_turn_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """A warning for people when the recipe's chat template writes no special token after an assistant's
+    answer (e.g. "user: ...\\nassistant: ...\\n"): the model then has no end-of-turn token to learn, and
+    generation (eval, an export) runs on past the answer. None when it does, or the data needs no template.
+    `tokenizer`: the run's, after `ensure_template_tokens`."""
+    if not needs_template(data):
+        return None
+    encoder = ConversationEncoder(tokenizer, resolve_template(data.template, tokenizer))
+    closing = encoder.probe_closing()
+    if closing is None or encoder._closing_length(closing):  # one that cannot render: the data's errors say so
+        return None
+    if encoder.template.name == TOKENIZER_TEMPLATE:
+        where = "model.tokenizer: the tokenizer's chat_template (data.template is not set)"
+    else:
+        where = f"data.template: chat template {encoder.template.name}"
+    after = tokenizer.decode(closing)
+    written = f"only {after!r}" if after else "nothing"
+    return (f"{where} writes no special token after an assistant's answer ({written}), so the model learns no "
+            "end-of-turn token and generation (eval, an export) will not stop at the end of an answer — set "
+            "data.template to a shipped template that closes each turn with a special token, such as chatml (with data.add_special_tokens: true if the tokenizer lacks its markers), or use a "
+            "tokenizer whose chat_template ends each turn with a special token")

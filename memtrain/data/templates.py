@@ -32,6 +32,7 @@ class ChatTemplate:
     source: str                       # the Jinja text
     special_tokens: tuple[str, ...]   # markers the template writes that must be single special tokens
     end_of_turn: str | None           # token closing an assistant turn; None: the first special token after it
+    #                                   (render.turn_end_id finds that one, for generation to stop at)
 
 
 @cache
@@ -76,7 +77,8 @@ def resolve_template(name: str | None, tokenizer: PreTrainedTokenizerBase) -> Ch
 
 
 def end_of_turn_id(template: ChatTemplate, tokenizer: PreTrainedTokenizerBase) -> int | None:
-    """The id of the token that closes an assistant turn, None when the template leaves it to be found."""
+    """The id of the token the template names as closing an assistant turn, None when the template leaves it to
+    be found (the tokenizer's own template): memtrain.data.render.turn_end_id finds it, as training does."""
     if template.end_of_turn is None:
         return None
     token = tokenizer.eos_token if template.end_of_turn == EOS_PLACEHOLDER else template.end_of_turn

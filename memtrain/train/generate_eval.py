@@ -4,8 +4,9 @@
     score = generation_eval(model, tokenizer, prompts, stop_token_ids(...))   exact match, a few samples
 
 A prompt is the conversation up to its last assistant turn as training tokenised it; the model continues
-it greedily until the template's end-of-turn token (<|im_end|> for chatml; the tokenizer's eos as well),
-at most the longest expected answer's tokens + MAX_NEW_TOKENS_MARGIN. An answer is right when it equals
+it greedily until the end-of-turn token training targets (<|im_end|> for chatml or a ChatML tokenizer
+template, <end_of_turn> for Gemma's; the tokenizer's eos as well), at most the longest expected answer's
+tokens + MAX_NEW_TOKENS_MARGIN. An answer is right when it equals
 the expected one after stripping whitespace at both ends (nothing else: case and punctuation count).
 
 In a run (`train.eval_generate: N`), rank 0 scores the first N held-out conversations at step 0 and at
@@ -24,7 +25,8 @@ import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from memtrain.data.prompts import HeldOutPrompt, held_out_prompts
-from memtrain.data.templates import end_of_turn_id, resolve_template
+from memtrain.data.render import turn_end_id
+from memtrain.data.templates import resolve_template
 from memtrain.recipe.schema import Recipe
 
 GENERATION_KIND = "generation"   # the metrics.jsonl record kind
@@ -67,8 +69,10 @@ def is_exact_match(generated: str, expected: str) -> bool:
 
 
 def stop_token_ids(template_name: str | None, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The tokens generation stops at: the template's end-of-turn token, and the tokenizer's eos."""
-    stop = end_of_turn_id(resolve_template(template_name, tokenizer), tokenizer)
+    """The tokens generation stops at: the end-of-turn token training targets (the template's own, or for the
+    tokenizer's chat_template the first special token it writes after an answer: <|im_end|>, <end_of_turn>,
+    <|end|>), and the tokenizer's eos."""
+    stop = turn_end_id(resolve_template(template_name, tokenizer), tokenizer)
     ids = [stop] if stop is not None else []
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)

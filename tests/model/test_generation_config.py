@@ -14,7 +14,9 @@ from memtrain.commands.run import run_command
 from memtrain.data.tokenizer import ASSETS, load_tokenizer
 from memtrain.model.export import export_run
 from memtrain.model.merge import set_inference_config
-from memtrain.recipe.schema import Model
+from memtrain.recipe.schema import Data, Model
+from memtrain.train.export import export_model
+from tests.data.test_templates import family_tokenizer
 from tests.model.families import tiny_config
 from tests.train.test_chat_run import chat_recipe
 
@@ -88,6 +90,35 @@ def _assert_stops_at_im_end(directory: Path) -> None:
                              logits_processor=[_ForceAt(width, 3, IM_END, [IM_END, EOS])])
     new = out[0, width:].tolist()
     assert len(new) == 4 and new[-1] == IM_END, new
+
+
+@pytest.mark.parametrize("family, end", [("qwen2", "<|im_end|>"), ("gemma2", "<end_of_turn>")])
+def test_an_export_with_the_tokenizers_own_template_stops_at_the_token_training_targets(family, end, tmp_path):
+    """data.template unset, a model directory whose tokenizer has its family's chat_template: the exported
+    generation_config.json lists the end-of-turn token training targeted after each answer, and generate()
+    from the export alone ends there (it once listed the eos only and ran on past <|im_end|>)."""
+    tokenizer = family_tokenizer(family)
+    end_id, eos = tokenizer.convert_tokens_to_ids(end), tokenizer.eos_token_id
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, vocab_size=len(tokenizer), bos_token_id=eos,
+                                                         eos_token_id=eos, pad_token_id=tokenizer.pad_token_id))
+    data_file = tmp_path / "chat.jsonl"
+    data_file.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                                  {"role": "assistant", "content": "Hello"}]}) + "\n")
+    data = Data(train=[{"path": str(data_file), "type": "chat"}], template=None)
+    out = export_model(None, model, tokenizer, tmp_path / "export", rank=0, zero3=False, data=data)
+    assert _ids(json.loads((out / "generation_config.json").read_text())["eos_token_id"]) == [end_id, eos]
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    saved_tokenizer = AutoTokenizer.from_pretrained(out)
+    text = saved_tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"}], tokenize=False,
+                                               add_generation_prompt=True)
+    prompt = saved_tokenizer(text, add_special_tokens=False, return_tensors="pt")
+    width = prompt["input_ids"].shape[1]
+    with torch.no_grad():
+        generated = exported.generate(**prompt, do_sample=False, max_new_tokens=20,
+                                      logits_processor=[_ForceAt(width, 3, end_id, [end_id, eos])])
+    new = generated[0, width:].tolist()
+    assert len(new) == 4 and new[-1] == end_id, new
 
 
 @pytest.mark.slow

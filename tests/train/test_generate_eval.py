@@ -15,6 +15,7 @@ from memtrain.train.generate_eval import (
     is_exact_match,
     stop_token_ids,
 )
+from tests.data.test_templates import family_end_of_turn, family_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,25 @@ def test_exact_match_ignores_only_surrounding_whitespace(generated, expected, ma
 def test_chatml_stops_at_im_end_and_eos(tokenizer):
     assert stop_token_ids("chatml", tokenizer) == [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
     assert stop_token_ids("alpaca", tokenizer) == [tokenizer.eos_token_id]  # its end of turn is the eos
+
+
+def test_the_tokenizers_own_chatml_template_stops_at_im_end_too(tokenizer):
+    """data.template unset: builtin:shakespeare-chat's own chat_template is ChatML (it once stopped at eos only,
+    and a right answer followed by <|im_end|> scored 0)."""
+    assert stop_token_ids(None, tokenizer) == stop_token_ids("chatml", tokenizer)
+
+
+@pytest.mark.parametrize("family, end", [("qwen2", "<|im_end|>"), ("gemma2", "<end_of_turn>"), ("phi3", "<|end|>")])
+def test_a_family_tokenizer_template_stops_at_its_end_of_turn_token_and_eos(family, end):
+    family_tok = family_tokenizer(family)
+    assert family_end_of_turn(family, family_tok) == family_tok.convert_tokens_to_ids(end)
+    assert stop_token_ids(None, family_tok) == [family_tok.convert_tokens_to_ids(end), family_tok.eos_token_id]
+
+
+def test_a_template_closing_answers_with_the_eos_or_with_nothing_stops_at_the_eos_alone():
+    for family in ("mistral", "plain"):  # [INST] q [/INST]a</s>; "assistant: a\n" (warned about: data.render)
+        family_tok = family_tokenizer(family)
+        assert stop_token_ids(None, family_tok) == [family_tok.eos_token_id]
 
 
 def test_generation_stops_at_the_end_of_turn_token(tokenizer, model):

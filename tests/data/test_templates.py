@@ -1,0 +1,128 @@
+"""A tokenizer's own chat_template (`data.template` unset): the end-of-turn token generation stops at is the one
+training targets, a template that writes none after an answer is warned about, and a conversation the template
+refuses raises RenderError from `encode`.
+
+The tokenizers are the bundled Shakespeare BPE with each family's markers as special tokens and that family's
+chat_template (Qwen2's ChatML, Gemma-2's, Phi-3's, Mistral's), as a model directory from the Hub has them.
+`family_tokenizer` is shared with the generation-eval and export tests.
+"""
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from memtrain.data.prompts import prompt_of
+from memtrain.data.render import (
+    ConversationEncoder,
+    RenderError,
+    turn_end_id,
+    unclosed_turn_warning,
+)
+from memtrain.data.templates import ensure_template_tokens, resolve_template
+from memtrain.data.tokenizer import ASSETS
+
+QWEN2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+         "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+         "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+GEMMA2 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+          "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+          "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+          "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+PHI3 = ("{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
+        "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+        "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+MISTRAL = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+           "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+           "{{ message['content'] + eos_token}}{% endif %}{% endfor %}")
+PLAIN = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+         "{% if add_generation_prompt %}assistant: {% endif %}")
+
+# family: (chat_template, its markers, the token that closes an assistant turn; None: the tokenizer's eos)
+FAMILIES = {
+    "qwen2": (QWEN2, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
+    "gemma2": (GEMMA2, ["<start_of_turn>", "<end_of_turn>"], "<end_of_turn>"),
+    "phi3": (PHI3, ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], "<|end|>"),
+    "mistral": (MISTRAL, ["[INST]", "[/INST]"], None),
+    "plain": (PLAIN, [], None),
+}
+CHAT = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "And plus 4?"}, {"role": "assistant", "content": "9"}]
+
+
+def family_tokenizer(family: str) -> PreTrainedTokenizerBase:
+    """The Shakespeare BPE with `family`'s markers as special tokens and its chat_template as its own."""
+    template, markers, _ = FAMILIES[family]
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tokenizer" / "shakespeare")
+    if markers:
+        tokenizer.add_special_tokens({"additional_special_tokens": markers})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def family_end_of_turn(family: str, tokenizer: PreTrainedTokenizerBase) -> int:
+    token = FAMILIES[family][2]
+    return tokenizer.eos_token_id if token is None else tokenizer.convert_tokens_to_ids(token)
+
+
+def chat_data(make_data, write_jsonl, **keys):
+    return make_data(train=[{"path": write_jsonl("chat.jsonl", [{"messages": CHAT}]), "type": "chat"}], **keys)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "phi3", "mistral"])
+def test_a_tokenizer_templates_end_of_turn_is_the_token_training_targets_after_each_answer(family):
+    """Qwen2's <|im_end|>, Gemma-2's <end_of_turn>, Phi-3's <|end|> (they once had none: generation never
+    stopped there), Mistral's eos; and each answer's last target token is that same token."""
+    tokenizer = family_tokenizer(family)
+    template = resolve_template(None, tokenizer)
+    end = family_end_of_turn(family, tokenizer)
+    assert turn_end_id(template, tokenizer) == end
+    ids, targets = ConversationEncoder(tokenizer, template).encode(CHAT)
+    answer_ends = [i for i, target in enumerate(targets) if target and (i + 1 == len(targets) or not targets[i + 1])]
+    assert len(answer_ends) == 2 and [ids[i] for i in answer_ends] == [end, end]
+
+
+def test_a_shipped_template_keeps_its_named_end_of_turn(chat_tokenizer, text_tokenizer):
+    assert turn_end_id(resolve_template("chatml", chat_tokenizer), chat_tokenizer) == \
+        chat_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert turn_end_id(resolve_template("alpaca", text_tokenizer), text_tokenizer) == text_tokenizer.eos_token_id
+
+
+def test_a_template_that_writes_no_special_token_after_an_answer_is_warned_about(make_data, write_jsonl):
+    """`user: …\\nassistant: …\\n`: nothing to learn to stop at, so nothing to stop at, and the warning says what,
+    which key and what to do."""
+    tokenizer = family_tokenizer("plain")
+    assert turn_end_id(resolve_template(None, tokenizer), tokenizer) is None
+    warning = unclosed_turn_warning(chat_data(make_data, write_jsonl), tokenizer)
+    assert warning is not None
+    assert warning.startswith("model.tokenizer") and "writes no special token after an assistant's answer" in warning
+    assert "'\\n'" in warning and "will not stop" in warning
+    assert "set data.template" in warning and "chatml" in warning and "data.add_special_tokens" in warning
+
+
+def test_no_warning_where_a_special_token_closes_each_answer_or_no_template_is_used(make_data, write_jsonl,
+                                                                                  text_tokenizer):
+    for family in ("qwen2", "gemma2", "phi3", "mistral"):
+        assert unclosed_turn_warning(chat_data(make_data, write_jsonl), family_tokenizer(family)) is None
+    plain = family_tokenizer("plain")
+    shipped = chat_data(make_data, write_jsonl, template="chatml", add_special_tokens=True)
+    assert ensure_template_tokens(shipped, plain) == ["<|im_start|>", "<|im_end|>"]
+    assert unclosed_turn_warning(shipped, plain) is None  # the fix the warning offers
+    text = make_data(train=[{"path": write_jsonl("t.jsonl", [{"text": "hi"}]), "type": "text"}])
+    assert unclosed_turn_warning(text, text_tokenizer) is None
+
+
+def test_encode_raises_render_error_and_prompt_of_skips_the_conversation():
+    """Gemma-2's template refuses a system message: `encode` raises (it once returned the RenderError, and
+    prompt_of failed with a TypeError unpacking it); `encode_many` still returns it in place."""
+    tokenizer = family_tokenizer("gemma2")
+    encoder = ConversationEncoder(tokenizer, resolve_template(None, tokenizer), train_on="last_turn")
+    messages = [{"role": "system", "content": "Be brief."}] + CHAT[:2]
+    with pytest.raises(RenderError, match="System role not supported"):
+        encoder.encode(messages)
+    assert isinstance(encoder.encode_many([messages])[0], RenderError)
+    assert prompt_of(encoder, messages) is None
+    assert prompt_of(encoder, CHAT[:2]) is not None
