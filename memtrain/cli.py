@@ -22,6 +22,7 @@ from memtrain.commands.eval import eval_command
 from memtrain.commands.export import export_command
 from memtrain.commands.plan import plan_command
 from memtrain.commands.prepare import prepare_command
+from memtrain.commands.preview import preview_command
 from memtrain.commands.report import report_command
 from memtrain.commands.run import run_command
 from memtrain.errors import UserError
@@ -162,6 +163,24 @@ def prepare(
     Example: [bold]memtrain prepare recipes/tinyllama-1.1b-full-offload-24gb.yaml[/]
     """
     raise typer.Exit(code=prepare_command(recipe, list(overrides or []), as_json, console))
+
+
+@app.command()
+@report_user_errors
+def preview(
+    recipe: Path = RecipeArg,
+    overrides: Optional[list[str]] = OverridesArg,
+    rows: int = typer.Option(2, "--rows", help="How many rows to show."),
+    start: int = typer.Option(0, "--start", help="The first row to show, by index (a run draws the rows in a shuffled order)."),
+    split: str = typer.Option("train", "--split", help="train or validation."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output: every span with its token ids."),
+):
+    """Show rows of the data as the model trains on them, the loss's targets marked (is it the answers only?).
+
+    The data is built as `run` builds it: template, masking, truncation, packing and the run's row order.
+    Example: [bold]memtrain preview recipes/quickstart-chat.yaml --rows 1[/]
+    """
+    raise typer.Exit(code=preview_command(recipe, list(overrides or []), rows, start, split, as_json, console))
 
 
 @app.command()
