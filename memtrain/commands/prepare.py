@@ -58,6 +58,8 @@ def _prepare(loaded: LoadedRecipe, console: Console) -> tuple[DataPrepared, list
     started = time.perf_counter()
     with console.status("tokenising the data into the cache (once per data and tokenizer)"), loaded.sources.located():
         data = build_data(r)
+    for warning in data.warnings:
+        console.print(f"[yellow]![/] {warning}", highlight=False, soft_wrap=True)
     prepared = DataPrepared(cache_dir, len(_entries(cache_dir) - entries_before), time.perf_counter() - started,
                             data.train_set.stats.describe())
     clear_stale_locks()

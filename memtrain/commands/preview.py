@@ -37,6 +37,8 @@ def preview_command(recipe: Path, overrides: list[str], rows: int, start: int, s
     data_section = loaded.recipe.data
     with console.status("reading the data (tokenised once, then from the cache)"), loaded.sources.located():
         data = build_data(loaded.recipe)
+    for warning in data.warnings:
+        Console(stderr=True).print(f"[yellow]![/] {warning}", highlight=False, soft_wrap=True)
     dataset = data.train_set if split == "train" else data.val_set
     if start >= len(dataset):
         raise UserError(Problem(f"--start {start} is past the last row of the {split} data ({len(dataset)} rows)",

@@ -19,6 +19,7 @@ import torch
 
 from memtrain.data.dataset import build_datasets
 from memtrain.data.loader import BatchLoader, SampleOrder, sample_order
+from memtrain.data.render import unclosed_turn_warning
 from memtrain.data.templates import ensure_template_tokens
 from memtrain.data.tokenizer import load_tokenizer
 from memtrain.ds_config.compiler import ds_config as compile_ds_config
@@ -62,6 +63,7 @@ class RunData:
     val_set: torch.utils.data.Dataset
     added_tokens: tuple[str, ...]        # a chat template's markers added to the tokenizer (data.add_special_tokens)
     model_embedding_rows: int            # the model's own vocabulary (config.vocab_size), before any growth
+    warnings: tuple[str, ...] = ()       # for people, said by whatever builds the data (run, prepare, preview)
 
     @property
     def model_vocab_size(self) -> int | None:
@@ -88,7 +90,8 @@ def build_data(recipe: Recipe) -> RunData:
             f"the training data gives {len(train_set)} samples of {recipe.data.seq_len} tokens, "
             f"fewer than one global batch of {recipe.batch.global_batch}", key="batch.global_batch",
             hint="add data, lower data.seq_len, or lower batch.global_batch"))
-    return RunData(tokenizer, train_set, val_set, added, vocab_size)
+    warning = unclosed_turn_warning(recipe.data, tokenizer)  # a template that leaves nothing to stop at
+    return RunData(tokenizer, train_set, val_set, added, vocab_size, (warning,) if warning else ())
 
 
 def check_new_rows_train(recipe: Recipe, added: tuple[str, ...]) -> None:

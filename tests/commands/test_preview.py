@@ -81,3 +81,19 @@ def test_rows_out_of_range_and_an_unknown_split_exit_2_with_the_way_out(tmp_path
     assert "Traceback" not in past.output
     split = _preview(CHAT_RECIPE, *overrides, "--split", "test")
     assert split.exit_code == 2 and "--split must be train or validation" in split.output
+
+
+def test_a_template_that_closes_no_turn_is_warned_about_where_the_data_is_built(tmp_path, monkeypatch):
+    """The tokenizer's own template writes no special token after an answer: nothing to learn to stop at. preview
+    (and prepare and run, which build the data the same way) say so, at model.tokenizer."""
+    from tests.data.test_templates import family_tokenizer
+
+    plain = tmp_path / "plain-tokenizer"
+    family_tokenizer("plain").save_pretrained(plain)
+    overrides = _chat_overrides(tmp_path, monkeypatch)
+    result = _preview(CHAT_RECIPE, *overrides, f"model.tokenizer={plain}", "data.template=null")
+    assert result.exit_code == 0, result.output
+    assert "model.tokenizer: the tokenizer's chat_template (data.template is not set) writes no special token" \
+        in " ".join(result.output.split())
+    chatml = _preview(CHAT_RECIPE, *overrides)
+    assert "writes no special token" not in chatml.output
