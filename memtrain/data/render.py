@@ -208,5 +208,6 @@ def unclosed_turn_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> str
     written = f"only {after!r}" if after else "nothing"
     return (f"{where} writes no special token after an assistant's answer ({written}), so the model learns no "
             "end-of-turn token and generation (eval, an export) will not stop at the end of an answer — set "
-            "data.template to a shipped template that closes each turn with a special token, such as chatml (with data.add_special_tokens: true if the tokenizer lacks its markers), or use a "
-            "tokenizer whose chat_template ends each turn with a special token")
+            "data.template to a shipped template that closes each turn with a special token, such as chatml "
+            "(with data.add_special_tokens: true if the tokenizer lacks its markers), or use a tokenizer whose "
+            "chat_template ends each turn with a special token")
