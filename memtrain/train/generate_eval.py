@@ -49,7 +49,7 @@ class GenerationScore:
     exact_match: float                  # correct / total, 0 when there is no prompt
     correct: int
     total: int
-    skipped: int                        # held-out conversations left out (prompt too long, cannot render)
+    skipped: int                        # held-out conversations not asked (prompt too long, cannot render, or no validation sample)
     samples: list[GeneratedSample]      # the first few, for people to read
     by_task: dict[str, float] = field(default_factory=dict)  # exact match per record "task", when records name one
 
