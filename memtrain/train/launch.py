@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from memtrain.data.identity import data_fingerprint
 from memtrain.errors import Problem, UserError
 from memtrain.model.config import model_architecture
 from memtrain.monitor.startup import StartupClock, bytecode_note
@@ -64,11 +65,13 @@ def prepare(loaded: LoadedRecipe, hooks: Hooks, clock: StartupClock | None = Non
     clock.mark("checks")
     with loaded.sources.located():
         data = build_data(r)
+    fingerprint = data_fingerprint(r.data, data.train_set, data.val_set)  # the cache keys and row layout: no re-read
     clock.mark("data")
     exact_pinned = exact_pinned_supported()
     warnings = check_memory(loaded, exact_pinned)
     with loaded.sources.located():
-        run = resolve_run(r, loaded.name, loaded.output_dir, len(data.train_set), exact_pinned)
+        run = resolve_run(r, loaded.name, loaded.output_dir, len(data.train_set), exact_pinned,
+                          data_fingerprint=fingerprint)
     clock.mark("plan")
     if not r.data.is_text:  # instruction and chat data: what truncation, packing and masking made of it
         cut = "; length-bucketed micro-batches are cut to their longest row, so less padding is computed " \

@@ -9,6 +9,13 @@ work, `check_resume` compares it with the recipe of this invocation, key by key:
   length, evaluation / save / log cadence, micro-batch and its policy, recomputation, the card) is
   applied, and said so. `follow_recipe` applies what DeepSpeed's checkpoint would otherwise restore
   (the scheduler's base LRs and the optimizer's hyperparameters); the rest is read from the recipe anyway.
+
+The data is compared too, since a recipe can name the same file after its contents changed: run.json holds the
+fingerprint of the samples as built (`ResolvedRun.data_fingerprint`, memtrain.data.identity), and a different one
+is refused at the key that names the data. run.json in the run directory is the one to compare with: it is
+rewritten only by a run that passed this check (or by a fresh run, which has no checkpoint to compare), so it
+names the data the newest checkpoint was trained on. A run.json without a fingerprint (an older memtrain's)
+resumes as before, with a note that the data could not be compared.
 """
 from __future__ import annotations
 
@@ -17,10 +24,11 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+from memtrain.data.identity import TRAIN_KEY
 from memtrain.errors import Problem, UserError
 from memtrain.recipe.schema import Recipe
 from memtrain.train.checkpoint import STATE_FILE, LoopState, latest_checkpoint
-from memtrain.train.run import ResolvedRun, RunOptions
+from memtrain.train.run import RUN_FILE, ResolvedRun, RunOptions
 
 # Keys (globs over dotted paths) a resumed run can change and still continue exactly; any other change
 # is refused. A new recipe key is refused until it is listed here: the safe side when nobody decided.
@@ -30,6 +38,9 @@ SAFE_TO_CHANGE = (
     "schedule.*",
     "train.steps", "train.epochs", "train.eval_every", "train.eval_batches", "train.save_every", "train.keep_last",
     "train.log_every", "train.output_dir", "train.compile", "train.max_bad_steps",
+    # held-out questions answered at step 0 and at the end, greedily and with the RNG states restored around it
+    # (train/generate_eval.py): which and how many never reach the training math or the sample order
+    "train.eval_generate",
     "batch.micro_batch", "batch.policy", "batch.adaptive.*",
     "checkpointing.*",
     "hardware.gpu", "hardware.host_memory", "hardware.cap_memory", "hardware.expandable_segments", "hardware.nvme_path",
@@ -58,12 +69,13 @@ class ResumePlan:
     checkpoint: Path
     step: int
     applied: tuple[Change, ...]
+    notes: tuple[str, ...] = ()  # what could not be checked, for people
 
     def lines(self) -> list[str]:
         lines = [f"resuming from step {self.step} (checkpoint {self.checkpoint})"]
         if self.applied:
             lines.append("changed since the checkpoint, applied from here on: " + "; ".join(map(str, self.applied)))
-        return lines
+        return lines + list(self.notes)
 
 
 def flatten(data: dict, prefix: str = "") -> dict[str, object]:
@@ -97,13 +109,39 @@ def recorded_recipe(checkpoint: Path) -> dict:
         return {}
 
 
+def recorded_data_fingerprint(run_dir: Path) -> dict[str, str] | None:
+    """The data fingerprint of the run in `run_dir` (see the module doc); None when its run.json has none."""
+    try:
+        return json.loads((run_dir / RUN_FILE).read_text()).get("data_fingerprint") or None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def changed_data_keys(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    """The recipe keys whose data, as built, differs between two fingerprints."""
+    return [key for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+
+
+def data_problem(key: str, run: ResolvedRun, other_changes: bool) -> Problem:
+    """A data key whose samples changed since the checkpoint, named by the files it lists."""
+    named = run.recipe.data.train if key == TRAIN_KEY else run.recipe.data.validation
+    files = ", ".join([named] if isinstance(named, str) else [spec.path for spec in named or []]) or key
+    cause = "a file's contents changed" + (", or a change listed here" if other_changes else "")
+    return Problem(f"changed since the checkpoint: the samples built from {files} differ from those the checkpoint "
+                   f"was trained on ({cause})", key=key, hint="put back the data the run was trained on to resume it")
+
+
+UNCOMPARED_DATA_NOTE = ("note: the data could not be compared with the checkpoint's (its run.json, from an older "
+                        "memtrain, records no data fingerprint): make sure the data files hold what it was trained on")
+
+
 def checkpoint_step(checkpoint: Path) -> int:
     return int(json.loads((checkpoint / STATE_FILE).read_text())["step"])
 
 
 def check_resume(run: ResolvedRun, options: RunOptions) -> ResumePlan | None:
-    """What resuming this run means (None: it starts from step 0); raises UserError when the recipe
-    changed in a way the checkpoint cannot follow exactly."""
+    """What resuming this run means (None: it starts from step 0); raises UserError when the recipe, or the data
+    it names, changed in a way the checkpoint cannot follow exactly."""
     if not options.resume or options.overwrite:
         return None
     checkpoint = latest_checkpoint(run.run_dir)
@@ -113,6 +151,12 @@ def check_resume(run: ResolvedRun, options: RunOptions) -> ResumePlan | None:
     old = recorded_recipe(checkpoint)
     breaking, safe = differences(old, recipe_json(run.recipe)) if old else ([], [])
     problems = [Problem(f"changed since the checkpoint: {change}", key=change.key) for change in breaking]
+    recorded, notes = recorded_data_fingerprint(run.run_dir), ()
+    if recorded is None or run.data_fingerprint is None:
+        notes = (UNCOMPARED_DATA_NOTE,)
+    else:
+        problems += [data_problem(key, run, bool(breaking))
+                     for key in changed_data_keys(recorded, run.data_fingerprint)]
     if step > run.total_steps:
         problems.append(Problem(f"the checkpoint is at step {step}, past this recipe's {run.total_steps} steps",
                                 key="train.steps"))
@@ -122,7 +166,7 @@ def check_resume(run: ResolvedRun, options: RunOptions) -> ResumePlan | None:
             hint="undo the change to resume, or start a new run: in another directory (train.output_dir=runs/NEW) "
                  "or over this one (--no-resume --overwrite moves the old run aside)"))
         raise UserError(problems)
-    return ResumePlan(checkpoint, step, tuple(safe))
+    return ResumePlan(checkpoint, step, tuple(safe), notes)
 
 
 def recipe_json(recipe: Recipe) -> dict:

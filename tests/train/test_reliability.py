@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import json
 import shutil
 from pathlib import Path
 
@@ -12,9 +13,11 @@ from typer.testing import CliRunner
 from memtrain.cli import app
 from memtrain.commands.run import run_command
 from memtrain.train.checkpoint import complete_checkpoints
-from memtrain.train.run import RunOptions
+from memtrain.train.resume import UNCOMPARED_DATA_NOTE
+from memtrain.train.run import RUN_FILE, RunOptions
 from memtrain.train.schedule import lr_multiplier
 from tests.conftest import read_records
+from tests.train.test_resume_data import conversations
 from tests.train.test_run import run_dir_of
 
 pytestmark = pytest.mark.slow
@@ -108,6 +111,42 @@ def test_a_checkpoint_past_the_recipes_steps_is_refused(write_recipe):
     assert run(recipe)[0] == 0
     refused = cli(recipe, "train.steps=4")
     assert refused.exit_code == 2 and "past this recipe's 4 steps" in refused.output, refused.output
+
+
+def test_resume_refuses_data_whose_contents_changed_and_continues_once_it_is_put_back(write_recipe, tmp_path):
+    """The recipe names the same file before and after; only what is in it changed (audit 17, finding 3)."""
+    data = tmp_path / "qa.jsonl"
+    data.write_text(conversations(40))
+    recipe = write_recipe("data", {
+        "data": {"train": [{"path": str(data), "type": "chat"}], "validation": None, "template": "chatml",
+                 "add_special_tokens": True, "packing": False, "seq_len": 64},
+        "batch": {"global_batch": 4, "micro_batch": 4},
+        "train": {"steps": 6, "save_every": 2, "eval_every": 100, "eval_generate": 2}})
+    assert run(recipe, max_steps=2)[0] == 0
+    run_dir = run_dir_of(recipe)
+
+    data.write_text(conversations(40, answer_of_first="3"))  # one record's answer edited, as many records
+    refused = cli(recipe)
+    assert refused.exit_code == 2, refused.output
+    output = " ".join(refused.output.split())  # as one line, however the console wrapped it
+    assert "data.train: changed since the checkpoint: the samples built from" in output
+    assert "a file's contents changed" in output and "--no-resume --overwrite" in output
+    assert "Traceback" not in output
+    assert train_steps(run_dir) == [1, 2]  # nothing ran
+
+    data.write_text(conversations(40))  # put back: resumes, and a new eval_generate is applied (finding 4)
+    code, said = run(recipe, "train.eval_generate=0", max_steps=2)  # two more steps: to step 4
+    assert code == 0, said
+    assert "resuming from step 2" in said and "train.eval_generate 2 → 0" in said
+    assert "could not be compared" not in said
+
+    recorded = json.loads((run_dir / RUN_FILE).read_text())
+    del recorded["data_fingerprint"]  # run.json as an older memtrain wrote it
+    (run_dir / RUN_FILE).write_text(json.dumps(recorded))
+    code, said = run(recipe)
+    assert code == 0, said
+    assert "resuming from step 4" in said and UNCOMPARED_DATA_NOTE in said
+    assert train_steps(run_dir) == list(range(1, 7))
 
 
 def test_nan_steps_skip_the_update_and_k_in_a_row_stop_without_saving_the_bad_state(write_recipe, monkeypatch):

@@ -1,0 +1,135 @@
+"""Resume compares the data as built, not only the recipe that names it (fast: no training, real data built)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memtrain.data.identity import data_fingerprint
+from memtrain.errors import UserError
+from memtrain.recipe.schema import Recipe
+from memtrain.train.checkpoint import STATE_FILE, checkpoint_root
+from memtrain.train.resume import UNCOMPARED_DATA_NOTE, check_resume, differences, recipe_json
+from memtrain.train.run import RUN_FILE, ResolvedRun, RunOptions
+from memtrain.train.setup import build_data
+
+
+def conversations(n: int, answer_of_first: str = "2") -> str:
+    records = [{"messages": [{"role": "user", "content": f"What is {i} plus 1?"},
+                             {"role": "assistant", "content": answer_of_first if i == 1 else str(i + 1)}]}
+               for i in range(n)]
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def chat_recipe(tmp_path: Path, validation: bool = False, **train) -> Recipe:
+    """Chat data in tmp_path (train.jsonl, and val.jsonl with `validation`), written when not there yet."""
+    files = {"train.jsonl": 24, **({"val.jsonl": 6} if validation else {})}
+    for name, records in files.items():
+        if not (tmp_path / name).exists():
+            (tmp_path / name).write_text(conversations(records))
+    data = {"train": [{"path": str(tmp_path / "train.jsonl"), "type": "chat"}], "template": "chatml",
+            "seq_len": 64, "add_special_tokens": True, "cache_dir": str(tmp_path / "cache")}
+    if validation:
+        data["validation"] = [{"path": str(tmp_path / "val.jsonl"), "type": "chat"}]
+    return Recipe.model_validate({"model": {"preset": "micro", "tokenizer": "builtin:shakespeare"}, "data": data,
+                                  "batch": {"global_batch": 4, "micro_batch": 4},
+                                  "train": {"steps": 6, "output_dir": str(tmp_path / "run"), **train}})
+
+
+def resolved(recipe: Recipe) -> ResolvedRun:
+    """The run as `prepare` resolves it, with the fingerprint of the data built now (the planner left out)."""
+    data = build_data(recipe)
+    return ResolvedRun(name="run", recipe=recipe, run_dir=Path(recipe.train.output_dir), recipe_micro_batch=4,
+                       micro_batch=4, total_steps=recipe.train.steps, exact_pinned=True, plan_peak_reserved_bytes=None,
+                       planner_prior=None,
+                       data_fingerprint=data_fingerprint(recipe.data, data.train_set, data.val_set))
+
+
+def trained(run: ResolvedRun, step: int = 3) -> None:
+    """The run directory as a run that saved at `step` leaves it: run.json and a checkpoint's state file."""
+    checkpoint = checkpoint_root(run.run_dir) / f"step-{step:06d}"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / STATE_FILE).write_text(json.dumps({"step": step, "recipe": recipe_json(run.recipe)}))
+    run.save()
+
+
+def refusal(run: ResolvedRun) -> str:
+    with pytest.raises(UserError) as refused:
+        check_resume(run, RunOptions())
+    return "\n".join(p.format() for p in refused.value.problems)
+
+
+def test_the_same_data_built_again_has_the_same_fingerprint_and_resumes_without_a_note(tmp_path):
+    trained(resolved(chat_recipe(tmp_path)))
+    plan = check_resume(resolved(chat_recipe(tmp_path)), RunOptions())
+    assert plan is not None and plan.step == 3 and plan.notes == ()
+
+
+def test_one_changed_record_of_the_training_file_is_refused_at_data_train(tmp_path):
+    trained(resolved(chat_recipe(tmp_path)))
+    (tmp_path / "train.jsonl").write_text(conversations(24, answer_of_first="3"))  # same count, one answer differs
+    said = refusal(resolved(chat_recipe(tmp_path)))
+    assert f"data.train: changed since the checkpoint: the samples built from {tmp_path / 'train.jsonl'} differ" in said
+    assert "a file's contents changed" in said and "put back the data" in said
+    assert "--no-resume --overwrite" in said and "train.output_dir=runs/NEW" in said
+
+
+def test_a_removed_record_is_refused_too(tmp_path):
+    trained(resolved(chat_recipe(tmp_path)))
+    (tmp_path / "train.jsonl").write_text(conversations(23))
+    assert "data.train: changed since the checkpoint" in refusal(resolved(chat_recipe(tmp_path)))
+
+
+def test_a_changed_validation_file_is_refused_at_data_validation_only(tmp_path):
+    trained(resolved(chat_recipe(tmp_path, validation=True)))
+    (tmp_path / "val.jsonl").write_text(conversations(5))
+    said = refusal(resolved(chat_recipe(tmp_path, validation=True)))
+    assert "data.validation: changed since the checkpoint" in said and str(tmp_path / "val.jsonl") in said
+    assert "data.train:" not in said
+
+
+def test_a_recipe_change_that_also_changes_the_samples_says_either_may_be_the_cause(tmp_path):
+    trained(resolved(chat_recipe(tmp_path)))
+    changed = chat_recipe(tmp_path).model_copy(deep=True)
+    changed.data.seq_len = 48
+    said = refusal(resolved(changed))
+    assert "data.seq_len 64 → 48" in said and "or a change listed here" in said
+
+
+def test_a_run_recorded_without_a_fingerprint_resumes_with_a_note(tmp_path):
+    run = resolved(chat_recipe(tmp_path))
+    trained(run)
+    recorded = json.loads((run.run_dir / RUN_FILE).read_text())
+    del recorded["data_fingerprint"]  # as an older memtrain wrote run.json
+    (run.run_dir / RUN_FILE).write_text(json.dumps(recorded))
+    (tmp_path / "train.jsonl").write_text(conversations(23))
+    plan = check_resume(resolved(chat_recipe(tmp_path)), RunOptions())
+    assert plan is not None and plan.step == 3
+    assert plan.notes == (UNCOMPARED_DATA_NOTE,) and UNCOMPARED_DATA_NOTE in plan.lines()
+    assert ResolvedRun.from_json((run.run_dir / RUN_FILE).read_text()).data_fingerprint is None  # old run.json loads
+
+
+def test_eval_generate_can_change_on_resume_and_is_said_to_apply(tmp_path):
+    trained(resolved(chat_recipe(tmp_path, eval_generate=5)))
+    plan = check_resume(resolved(chat_recipe(tmp_path, eval_generate=0)), RunOptions())
+    assert plan is not None and [str(c) for c in plan.applied] == ["train.eval_generate 5 → 0"]
+
+
+def test_the_seed_stays_refused_beside_an_eval_generate_change():
+    """The seed shapes the weights and the sample order; eval_generate neither."""
+    breaking, safe = differences({"train": {"seed": 7, "eval_generate": 5}}, {"train": {"seed": 8, "eval_generate": 0}})
+    assert [c.key for c in breaking] == ["train.seed"] and [c.key for c in safe] == ["train.eval_generate"]
+
+
+def test_the_text_path_fingerprints_its_windows_and_a_changed_text_file_differs(tmp_path):
+    text = tmp_path / "plays.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 40)
+    recipe = Recipe.model_validate({"model": {"preset": "micro", "tokenizer": "builtin:shakespeare"},
+                                    "data": {"train": str(text), "seq_len": 16, "cache_dir": str(tmp_path / "cache")},
+                                    "batch": {"global_batch": 4, "micro_batch": 4}})
+    before = resolved(recipe).data_fingerprint
+    assert before is not None and list(before) == ["data.train"]  # the validation tail is data.train's
+    assert resolved(recipe).data_fingerprint == before
+    text.write_text("To be, or not to be, that is the question!\n" * 40)
+    assert resolved(recipe).data_fingerprint != before
