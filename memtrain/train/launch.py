@@ -68,7 +68,7 @@ def prepare(loaded: LoadedRecipe, hooks: Hooks, clock: StartupClock | None = Non
     fingerprint = data_fingerprint(r.data, data.train_set, data.val_set)  # the cache keys and row layout: no re-read
     clock.mark("data")
     exact_pinned = exact_pinned_supported()
-    warnings = check_memory(loaded, exact_pinned)
+    warnings = [*data.warnings, *check_memory(loaded, exact_pinned)]  # the data's own (render.py), then memory
     with loaded.sources.located():
         run = resolve_run(r, loaded.name, loaded.output_dir, len(data.train_set), exact_pinned,
                           data_fingerprint=fingerprint)

@@ -34,3 +34,16 @@ def test_the_added_tokens_note_says_whether_the_embeddings_grow(write_recipe, tm
     kept = prepare(load_checked(write_recipe("kept", extra), []), Hooks.from_env())
     [note] = [n for n in kept.notes if n.startswith("added")]
     assert "as ids 4096-4097, rows the model's 4160-row embeddings already have (its size is kept)" in note
+
+
+def test_a_template_that_closes_no_turn_is_a_warning_of_the_run(write_recipe, tmp_path):
+    from tests.data.test_templates import family_tokenizer
+
+    plain = tmp_path / "plain-tokenizer"
+    family_tokenizer("plain").save_pretrained(plain)
+    extra = chat_recipe(tmp_path)
+    extra["model"]["tokenizer"] = str(plain)
+    extra["data"].update(template=None, add_special_tokens=False)
+    prepared = prepare(load_checked(write_recipe("plain", extra), []), Hooks.from_env())
+    assert any(w.startswith("model.tokenizer: the tokenizer's chat_template (data.template is not set) writes no "
+                            "special token after an assistant's answer") for w in prepared.warnings), prepared.warnings
