@@ -45,3 +45,11 @@ def test_version_names_memtrain_and_the_stack_a_bug_report_needs():
     assert result.output.startswith(f"memtrain {__version__} (torch {version('torch')}, deepspeed ")
     assert version("memtrain") == __version__  # pyproject reads the version from the package: one owner
     assert torch.__version__.split("+")[0] in result.output
+
+
+def test_the_command_line_does_not_import_matplotlib_which_only_report_needs():
+    """matplotlib took 1.2 s of `import memtrain.cli` (python -X importtime, two cores): every run, plan and
+    validate paid it. Only `memtrain report` draws."""
+    check = "import sys, memtrain.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))"
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout[-2000:] + done.stderr[-2000:]

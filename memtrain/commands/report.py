@@ -9,12 +9,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from memtrain.monitor.plots import GIB, render_plots
 from memtrain.monitor.report import MEMORY_VIEWER_URL, load_run, summarize_records
+from memtrain.units import GiB
 
 
 def report_command(run_dir: Path, as_json: bool, console: Console) -> int:
     """Render the plots into `run_dir`, print the summary (a table, or JSON with `as_json`); return the exit code."""
+    from memtrain.monitor.plots import render_plots  # matplotlib: imported by the command that draws, not by the CLI
+
     run_dir, records, unreadable_lines = load_run(Path(run_dir))
     summary = summarize_records(records, run_dir, unreadable_lines)
     summary["plots"] = [str(path) for path in render_plots(records, run_dir)]
@@ -82,7 +84,7 @@ def _startup(summary: dict[str, Any], shown: int = 3) -> str:
 
 
 def _gib(value: float | None) -> str:
-    return f"{value / GIB:.2f} GiB" if value else "-"
+    return f"{value / GiB:.2f} GiB" if value else "-"
 
 
 def _number(value: float | None, pattern: str, suffix: str) -> str:

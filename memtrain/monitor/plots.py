@@ -15,8 +15,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from memtrain.files import atomic_path
+from memtrain.monitor.series import series, throughput
+from memtrain.units import GiB
 
-GIB = 2**30
 FIGURE_SIZE_INCHES = (9.0, 4.8)
 DPI = 100
 PLOT_FILES = ("loss.png", "speed.png", "memory.png", "batch.png", "host.png")
@@ -26,38 +27,6 @@ EVAL_COLOR = "#d62728"
 CAP_COLOR = "#b22222"
 PLAN_COLOR = "#7f3fbf"
 OOM_COLOR = "#e41a1c"
-
-
-def series(records: list[dict], kind: str, field: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of one field over the records of one kind, by step, newest record per step.
-
-    Records without the field or with null are left out.
-    """
-    by_step: dict[int, float] = {}
-    for record in records:
-        if record.get("kind") != kind:
-            continue
-        value = record.get(field)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            by_step[int(record["step"])] = value
-    steps = sorted(by_step)
-    return steps, [by_step[step] for step in steps]
-
-
-def throughput(records: list[dict]) -> tuple[list[int], list[float]]:
-    """(steps, tokens/s): the recorded tokens_per_s, else the step's new tokens over its step_time_s."""
-    steps, speeds = series(records, "train", "tokens_per_s")
-    if steps:
-        return steps, speeds
-    token_steps, tokens = series(records, "train", "tokens")
-    time_steps, step_times = series(records, "train", "step_time_s")
-    seconds_at = dict(zip(time_steps, step_times))
-    steps, speeds = [], []
-    for (before, tokens_before), (step, tokens_now) in zip(zip(token_steps, tokens), zip(token_steps[1:], tokens[1:])):
-        if step == before + 1 and seconds_at.get(step, 0) > 0:
-            steps.append(step)
-            speeds.append((tokens_now - tokens_before) / seconds_at[step])
-    return steps, speeds
 
 
 def render_plots(records: list[dict], out_dir: Path) -> list[Path]:
@@ -139,22 +108,22 @@ def plot_memory(figure: Figure, records: list[dict]) -> None:
     for field, label, color, style in curves:
         steps, values = series(records, "train", field)
         if steps and max(values) > 0:
-            axes.plot(steps, [v / GIB for v in values], color=color, linestyle=style, linewidth=1.4, label=label)
-            drawn, top_gib = True, max(top_gib, max(values) / GIB)
+            axes.plot(steps, [v / GiB for v in values], color=color, linestyle=style, linewidth=1.4, label=label)
+            drawn, top_gib = True, max(top_gib, max(values) / GiB)
     cap_bytes = _last_positive(records, "gpu_cap_bytes")
     if cap_bytes:
-        axes.axhline(cap_bytes / GIB, color=CAP_COLOR, linewidth=1.8, label=f"cap {cap_bytes / GIB:.1f} GiB")
+        axes.axhline(cap_bytes / GiB, color=CAP_COLOR, linewidth=1.8, label=f"cap {cap_bytes / GiB:.1f} GiB")
     plan_bytes = _last_positive(records, "plan_peak_reserved_bytes", kind="run")
     if plan_bytes and cap_bytes and plan_bytes > 1.5 * cap_bytes:
         # a plan far above the cap (a recipe that cannot fit as written) would squash every curve
-        axes.plot([], [], color=PLAN_COLOR, linestyle="--", label=f"planned peak {plan_bytes / GIB:.1f} GiB (off scale)")
+        axes.plot([], [], color=PLAN_COLOR, linestyle="--", label=f"planned peak {plan_bytes / GiB:.1f} GiB (off scale)")
         plan_bytes = None
     elif plan_bytes:
-        axes.axhline(plan_bytes / GIB, color=PLAN_COLOR, linestyle="--", linewidth=1.5,
-                     label=f"planned peak {plan_bytes / GIB:.1f} GiB")
+        axes.axhline(plan_bytes / GiB, color=PLAN_COLOR, linestyle="--", linewidth=1.5,
+                     label=f"planned peak {plan_bytes / GiB:.1f} GiB")
     forecast_steps, forecasts = series(records, "forecast", "predicted_peak_bytes")
     if forecast_steps:
-        axes.plot(forecast_steps, [v / GIB for v in forecasts], color=PLAN_COLOR, marker="x", linestyle="none",
+        axes.plot(forecast_steps, [v / GiB for v in forecasts], color=PLAN_COLOR, marker="x", linestyle="none",
                   label="forecast peak")
     ooms = [record for record in records if record.get("kind") == "oom"]
     by_step: dict[int, list[str]] = {}
@@ -167,7 +136,7 @@ def plot_memory(figure: Figure, records: list[dict]) -> None:
     if not drawn and not ooms:
         _no_data(axes, "no GPU memory recorded (CPU run?) — see host.png")
     if drawn or cap_bytes or plan_bytes or ooms:
-        top_gib = max([top_gib] + [b / GIB for b in (cap_bytes, plan_bytes) if b] + [v / GIB for v in forecasts])
+        top_gib = max([top_gib] + [b / GiB for b in (cap_bytes, plan_bytes) if b] + [v / GiB for v in forecasts])
         axes.set_ylim(0, top_gib * 1.12 or 1)
         axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # outside: never covers a curve
 
@@ -215,8 +184,8 @@ def plot_host(figure: Figure, records: list[dict]) -> None:
     for field, label, style in (("host_rss_bytes", "RSS", "-"), ("host_peak_rss_bytes", "peak RSS", "--")):
         steps, values = series(records, "train", field)
         if steps and max(values) > 0:
-            axes.plot(steps, [v / GIB for v in values], linestyle=style, linewidth=1.4, label=label)
-            top_gib = max(top_gib, max(values) / GIB)
+            axes.plot(steps, [v / GiB for v in values], linestyle=style, linewidth=1.4, label=label)
+            top_gib = max(top_gib, max(values) / GiB)
     if top_gib:
         axes.set_ylim(0, top_gib * 1.15)
         axes.legend(loc="lower right")

@@ -10,7 +10,7 @@ from typing import Any
 
 from memtrain.errors import Problem, UserError
 from memtrain.monitor.metrics import METRICS_FILE, read_metrics_counted
-from memtrain.monitor.plots import series, throughput
+from memtrain.monitor.series import series, throughput
 
 MEMORY_VIEWER_URL = "https://pytorch.org/memory_viz"
 

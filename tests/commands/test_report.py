@@ -22,7 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from memtrain.errors import UserError
 from memtrain.monitor.metrics import MetricsLog, read_metrics
-from memtrain.monitor.plots import FIGURE_SIZE_INCHES, DPI, PLOT_FILES, series, throughput
+from memtrain.monitor.plots import DPI, FIGURE_SIZE_INCHES, PLOT_FILES
+from memtrain.monitor.series import series, throughput
 from memtrain.commands.report import report_command
 from memtrain.monitor.report import summarize
 from memtrain.monitor.startup import StartupClock

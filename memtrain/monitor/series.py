@@ -1,0 +1,37 @@
+"""A run's metrics records as (steps, values) series, for the plots and the report's summary.
+
+Apart from plots.py so that reading a run needs no matplotlib (a second to import): only drawing does.
+"""
+from __future__ import annotations
+
+
+def series(records: list[dict], kind: str, field: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one field over the records of one kind, by step, newest record per step.
+
+    Records without the field or with null are left out.
+    """
+    by_step: dict[int, float] = {}
+    for record in records:
+        if record.get("kind") != kind:
+            continue
+        value = record.get(field)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            by_step[int(record["step"])] = value
+    steps = sorted(by_step)
+    return steps, [by_step[step] for step in steps]
+
+
+def throughput(records: list[dict]) -> tuple[list[int], list[float]]:
+    """(steps, tokens/s): the recorded tokens_per_s, else the step's new tokens over its step_time_s."""
+    steps, speeds = series(records, "train", "tokens_per_s")
+    if steps:
+        return steps, speeds
+    token_steps, tokens = series(records, "train", "tokens")
+    time_steps, step_times = series(records, "train", "step_time_s")
+    seconds_at = dict(zip(time_steps, step_times))
+    steps, speeds = [], []
+    for (before, tokens_before), (step, tokens_now) in zip(zip(token_steps, tokens), zip(token_steps[1:], tokens[1:])):
+        if step == before + 1 and seconds_at.get(step, 0) > 0:
+            steps.append(step)
+            speeds.append((tokens_now - tokens_before) / seconds_at[step])
+    return steps, speeds
