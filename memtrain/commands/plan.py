@@ -255,13 +255,15 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
     faster = larger_micro_batch(loaded, planner, plan)
     recompute_less = fewer_recomputed_layers(loaded, planner, plan)
     offer_compile = plan.fits and compile_offered(loaded, plan)
-    per_step = None
+    per_step, data_warnings = None, ()
     if with_data:
         with loaded.sources.located():
-            per_step = data_per_step(loaded.recipe, build_data(loaded.recipe).train_set, plan.micro_batch)
+            data = build_data(loaded.recipe)
+        per_step, data_warnings = data_per_step(loaded.recipe, data.train_set, plan.micro_batch), data.warnings
     if as_json:
         console.print_json(json.dumps({"plan": plan.to_json(), "verdict": verdict(plan),
-                                       **({"data": per_step} if with_data else {}),
+                                       **({"data": per_step, "data_warnings": list(data_warnings)}
+                                          if with_data else {}),
                                        "advice": [a.to_json() for a in advice],
                                        "fitted_recipe": str(written) if written else None,
                                        "larger_micro_batch": faster.micro_batch if faster else None,
@@ -272,6 +274,8 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
     console.print(plan_table(plan))
     if per_step is not None:
         console.print(_data_table(per_step))
+    for warning in data_warnings:
+        console.print(f"[yellow]![/] {warning}", highlight=False, soft_wrap=True)
     if faster is not None:
         console.print(f"faster: batch.micro_batch={faster.micro_batch} also fits ({gib(faster.peak_reserved_bytes):.2f} "
                       f"GiB reserved; the global batch stays {loaded.recipe.batch.global_batch}, with fewer "

@@ -288,6 +288,7 @@ train: {{steps: 4}}
     result = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--data"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)["data"]
+    assert json.loads(result.stdout)["data_warnings"] == []  # chatml closes every turn with <|im_end|>
     train = data["train"]
     assert data["rows_per_step"] == 8 and data["token_slots_per_step"] == 8 * 64
     assert data["tokens_per_step"] == round(8 * train["tokens"] / train["rows"])
@@ -400,3 +401,26 @@ def test_gpu_option_must_name_a_card_with_memory(tmp_path, gpu, says):
     assert result.exit_code == 2, result.output
     assert f"<command line>: --gpu: " in result.output and says in result.output and "Traceback" not in result.output
     assert "hardware.gpu" not in result.output  # the flag is wrong, not the recipe's key
+
+
+def test_data_option_says_the_datas_warnings(tmp_path):
+    """A tokenizer template that writes no special token after an answer: plan --data says so, as run does."""
+    from tests.data.test_templates import family_tokenizer
+
+    family_tokenizer("plain").save_pretrained(tmp_path / "plain")
+    recipe = tmp_path / "plain.yaml"
+    recipe.write_text(f"""
+model: {{preset: micro, tokenizer: {tmp_path / "plain"}}}
+data:
+  train: [{{path: "builtin:chat", type: chat}}]
+  seq_len: 64
+  cache_dir: {tmp_path / "cache"}
+batch: {{global_batch: 8, micro_batch: 4}}
+train: {{steps: 4}}
+""")
+    result = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--data"])
+    assert result.exit_code == 0, result.output
+    [warning] = json.loads(result.stdout)["data_warnings"]
+    assert warning.startswith("model.tokenizer: the tokenizer's chat_template (data.template is not set) writes no")
+    table = CliRunner().invoke(app, ["plan", str(recipe), "--data"])
+    assert "writes no special token after an assistant's answer" in " ".join(table.output.split())
