@@ -150,6 +150,29 @@ def _attention(config: PretrainedConfig, class_name: str, requested: str) -> tup
                      f"batch × heads × seq² attention scores, which `memtrain plan` counts.{flash}",)
 
 
+def check_attention_kernel(attn_implementation: str, on_gpu: bool, flash_installed: bool | None = None) -> None:
+    """Before a run builds anything: FlashAttention-2 needs a CUDA GPU and the flash-attn package. `plan` and
+    `compile` take it anywhere (they price and configure a run elsewhere); `run` refuses it where it cannot run
+    instead of failing inside transformers after the data and the model are built. flash_installed: None asks
+    this machine."""
+    if attn_implementation != "flash_attention_2":
+        return
+    if flash_installed is None:
+        import importlib.util
+
+        flash_installed = importlib.util.find_spec("flash_attn") is not None
+    if not on_gpu:
+        raise UserError(Problem("FlashAttention-2 runs on CUDA GPUs, and this machine has none",
+                                key="model.attn_implementation",
+                                hint="set model.attn_implementation: sdpa to run here (plan and compile accept "
+                                     "flash_attention_2 on any machine)"))
+    if not flash_installed:
+        raise UserError(Problem("model.attn_implementation: flash_attention_2 needs the flash-attn package, which is "
+                                "not installed", key="model.attn_implementation",
+                                hint="pip install flash-attn --no-build-isolation, or set "
+                                     "model.attn_implementation: sdpa"))
+
+
 def _sliding_window(text: PretrainedConfig) -> int | None:
     """The window of the sliding-window layers: Qwen2 configs carry one that is off unless use_sliding_window."""
     window = getattr(text, "sliding_window", None)

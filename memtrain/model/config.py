@@ -43,7 +43,11 @@ def _hf_config(model: Model) -> PretrainedConfig:
 
 
 def meta_model(model: Model, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """The model built on the meta device: real module tree and shapes, no memory, in milliseconds."""
+    """The model built on the meta device: real module tree and shapes, no memory, in milliseconds.
+
+    Built with eager attention whatever the recipe's kernel: the kernel changes no parameter or module name,
+    and flash_attention_2 would need its package installed where memtrain plans (a laptop, CI), which a plan
+    for another machine must not."""
     config = model_config(model)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")

@@ -92,15 +92,19 @@ def trace_layer(model: Model, compute: str, micro_batch: int, seq_len: int) -> L
 
 
 def one_layer_model(model: Model, dtype: torch.dtype) -> torch.nn.Module:
-    """The recipe's model class with a single decoder layer, on the meta device."""
+    """The recipe's model class with a single decoder layer, on the meta device.
+
+    FlashAttention-2 is traced as sdpa, whose flash-style kernel keeps what flash-attn keeps for backward (q, k,
+    v, out, a logsumexp): the trace runs on the CPU, where flash-attn cannot, and need not be installed."""
     from transformers import AutoModelForCausalLM
 
     config = model_config(model)
     config.num_hidden_layers = 1
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:1]
+    kernel = "sdpa" if config._attn_implementation == "flash_attention_2" else config._attn_implementation
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=kernel)
 
 
 def _with_lora(module: torch.nn.Module, model: Model, dtype: torch.dtype) -> torch.nn.Module:

@@ -23,6 +23,7 @@ import torch
 
 from memtrain.data.identity import data_fingerprint
 from memtrain.errors import Problem, UserError
+from memtrain.model.architecture import check_attention_kernel
 from memtrain.model.config import model_architecture
 from memtrain.monitor.startup import StartupClock, bytecode_note
 from memtrain.plan.params import count_parameters
@@ -58,6 +59,7 @@ def prepare(loaded: LoadedRecipe, hooks: Hooks, clock: StartupClock | None = Non
     check_dtype(loaded)
     with loaded.sources.located():
         check_buildable(r, machine_has_gpu())  # e.g. async I/O without libaio: said now, not after the model is built
+        check_attention_kernel(r.model.attn_implementation, machine_has_gpu())  # flash-attn: a GPU and its package
     notes = list(model_architecture(r.model).notes)
     notes += [note for note in (bytecode_note(),) if note]  # a slow start that is the environment's
     if hooks.oom.layers:  # @layerK points must name layers the model has, before a run directory exists

@@ -69,6 +69,26 @@ def test_flash_attention_is_refused_where_the_class_has_none():
     assert caught.value.problems[0].key == "model.attn_implementation"
 
 
+def test_flash_attention_is_planned_without_flash_attn_and_refused_by_a_run_that_cannot_use_it():
+    """plan builds the meta model and traces the layer without the flash-attn package (it traces sdpa's
+    flash-style kernel, which keeps what flash-attn keeps); run refuses it up front where it cannot run."""
+    from memtrain.model.architecture import check_attention_kernel
+    from memtrain.plan.activations import trace_layer
+
+    flash = Model(preset="tiny", attn_implementation="flash_attention_2")
+    assert sum(p.numel() for p in meta_model(flash).parameters()) == \
+        sum(p.numel() for p in meta_model(Model(preset="tiny")).parameters())
+    flash_trace, sdpa_trace = trace_layer(flash, "bf16", 2, 64), trace_layer(Model(preset="tiny"), "bf16", 2, 64)
+    assert flash_trace.saved_bytes() == sdpa_trace.saved_bytes() and flash_trace.saved_bytes()[0] > 0
+    assert [(t.module, t.nbytes) for t in flash_trace.saved] == [(t.module, t.nbytes) for t in sdpa_trace.saved]
+    for on_gpu, installed, says in ((False, True, "runs on CUDA GPUs"), (True, False, "needs the flash-attn package")):
+        with pytest.raises(UserError, match=says) as caught:
+            check_attention_kernel("flash_attention_2", on_gpu, installed)
+        assert caught.value.problems[0].key == "model.attn_implementation" and "sdpa" in caught.value.problems[0].hint
+    check_attention_kernel("flash_attention_2", on_gpu=True, flash_installed=True)
+    check_attention_kernel("sdpa", on_gpu=False, flash_installed=False)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_layer_finder_finds_each_familys_decoder_layers(family):
     with torch.device("meta"):
