@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from memtrain.files import atomic_path
-from memtrain.monitor.series import series, throughput
+from memtrain.monitor.series import series, steady_speeds, throughput
 from memtrain.units import GiB
 
 FIGURE_SIZE_INCHES = (9.0, 4.8)
@@ -88,7 +88,7 @@ def plot_speed(figure: Figure, records: list[dict]) -> None:
         _no_data(axes, "no throughput recorded yet")
         return
     axes.plot(steps, speeds, color=TRAIN_COLOR, linewidth=1.2, label="target tokens/s")
-    middle = median(speeds[1:] or speeds)  # the first step carries warm-up and compilation
+    middle = median(steady_speeds(records))  # each start's first step carries its warm-up
     axes.axhline(middle, color="gray", linestyle="--", linewidth=1, label=f"median {middle:,.0f} tokens/s")
     axes.set_ylim(0, max(speeds) * 1.15)
     axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))

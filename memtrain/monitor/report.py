@@ -10,7 +10,7 @@ from typing import Any
 
 from memtrain.errors import Problem, UserError
 from memtrain.monitor.metrics import METRICS_FILE, read_metrics_counted
-from memtrain.monitor.series import series, throughput
+from memtrain.monitor.series import is_start, series, steady_speeds
 
 MEMORY_VIEWER_URL = "https://pytorch.org/memory_viz"
 
@@ -33,11 +33,11 @@ def load_run(path: Path) -> tuple[Path, list[dict], int]:
 
 def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int = 0) -> dict[str, Any]:
     """`summarize` of records already read."""
-    starts = [r for r in records if _is_start(r)]
+    starts = [r for r in records if is_start(r)]
     last_run = next((r for r in reversed(records) if r["kind"] == "run"), None)
     loss_steps, losses = series(records, "train", "loss")
     token_steps, tokens = series(records, "train", "tokens")
-    _, speeds = throughput(records)
+    speeds = steady_speeds(records)
     ppl_steps, perplexities = series(records, "eval", "perplexity")
     _, micro_batches = series(records, "train", "micro_batch")
     _, skipped = series(records, "train", "skipped_steps")
@@ -62,7 +62,7 @@ def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int 
         "wall_time_s": _wall_time_s(records),
         "final_loss": losses[-1] if losses else None,
         "final_loss_step": loss_steps[-1] if loss_steps else None,
-        "median_tokens_per_s": median(speeds[1:] or speeds) if speeds else None,
+        "median_tokens_per_s": median(speeds) if speeds else None,
         "best_eval_perplexity": perplexities[best_index] if best_index is not None else None,
         "best_eval_step": ppl_steps[best_index] if best_index is not None else None,
         "peak_gpu_reserved_bytes": peak_reserved,
@@ -78,7 +78,8 @@ def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int 
         "ooms": [{"step": r["step"], "micro_batch": r.get("micro_batch"), "snapshot": r.get("snapshot")} for r in ooms],
         "skipped_steps": skipped[-1] if skipped else None,
         "final_loss_scale": loss_scales[-1] if loss_scales else None,
-        "checkpoints": [str(r["path"]) for r in records if r["kind"] == "checkpoint" and r.get("path")],
+        "checkpoints": [str(r["path"]) for r in records  # those still there (train.keep_last removes old ones)
+                        if r["kind"] == "checkpoint" and r.get("path") and Path(r["path"]).exists()],
         "unreadable_lines": unreadable_lines,
         "first_step_s": startup.get("first_step_s") if startup else None,
         "startup_phases_s": dict(startup.get("phases_s", {})) if startup else {},
@@ -115,7 +116,7 @@ def _wall_time_s(records: list[dict]) -> float:
     total = 0.0
     first = last = None
     for record in records:
-        if _is_start(record) and first is not None:
+        if is_start(record) and first is not None:
             total += last - first
             first = None
         if first is None:
@@ -124,10 +125,6 @@ def _wall_time_s(records: list[dict]) -> float:
     if first is not None:
         total += last - first
     return total
-
-
-def _is_start(record: dict) -> bool:
-    return record["kind"] == "run" and record.get("event") in ("start", "resume")
 
 
 def _last_value(records: list[dict], field: str) -> Any:

@@ -35,3 +35,18 @@ def throughput(records: list[dict]) -> tuple[list[int], list[float]]:
             steps.append(step)
             speeds.append((tokens_now - tokens_before) / seconds_at[step])
     return steps, speeds
+
+
+def is_start(record: dict) -> bool:
+    """A run's start or resume record: the next step is that start's first."""
+    return record.get("kind") == "run" and record.get("event") in ("start", "resume")
+
+
+def steady_speeds(records: list[dict]) -> list[float]:
+    """`throughput`'s speeds without the first step of each start, fresh or resumed, which carries that start's
+    warm-up (compilation, the allocator's first growth, a checkpoint's state loading): what a median of the
+    run's speed should be over. All of them when nothing else is left."""
+    first_steps = {int(record["step"]) + 1 for record in records if is_start(record)}
+    steps, speeds = throughput(records)
+    steady = [speed for step, speed in zip(steps, speeds) if step not in first_steps]
+    return steady or speeds

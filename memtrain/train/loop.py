@@ -182,7 +182,9 @@ def _memory_fields(place: Place, cap_bytes: int, nodes: int = 1) -> dict:
     """This rank's memory (rank 0's is what gets logged); on several nodes, each node's host memory too (every
     rank calls this: a collective)."""
     rss = psutil.Process().memory_info().rss
-    fields = {"host_rss_bytes": rss, "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    # the kernel updates ru_maxrss lazily, so it can lag the current RSS read a moment later: the peak is at least it
+    peak_rss = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    fields = {"host_rss_bytes": rss, "host_peak_rss_bytes": peak_rss}
     if nodes > 1:  # the plan prices host memory per node: the sum of that node's processes
         fields["host_rss_bytes_by_node"] = sum_by_node(rss, place.node_rank, nodes, place.device)
     if place.on_cuda:

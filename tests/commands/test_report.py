@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from memtrain.errors import UserError
 from memtrain.monitor.metrics import MetricsLog, read_metrics
 from memtrain.monitor.plots import DPI, FIGURE_SIZE_INCHES, PLOT_FILES
-from memtrain.monitor.series import series, throughput
+from memtrain.monitor.series import series, steady_speeds, throughput
 from memtrain.commands.report import report_command
 from memtrain.monitor.report import summarize
 from memtrain.monitor.startup import StartupClock
@@ -253,6 +253,34 @@ def test_speed_is_derived_from_tokens_and_step_time_when_not_recorded(tiny_run):
         assert speed == pytest.approx(
             next(r["tokens_per_s"] for r in read_metrics(tiny_run / "metrics.jsonl")
                  if r["kind"] == "train" and r["step"] == step))
+
+
+def test_the_median_speed_leaves_out_each_starts_first_step_and_nothing_else(tmp_path):
+    """A fresh run's speeds start at step 2 (a speed needs the step before): step 2 is an ordinary step and counts.
+    A resume's first step (4 here) carries its warm-up and does not."""
+    with MetricsLog(tmp_path / "metrics.jsonl", flush_every=1) as log:
+        log.event("run", 0, event="start", recipe="r")
+        for step, tokens in ((1, 100), (2, 200), (3, 300)):
+            log.record("train", step, tokens=tokens, step_time_s=1.0)
+        log.event("run", 3, event="resume", recipe="r")
+        for step, tokens in ((4, 310), (5, 400)):
+            log.record("train", step, tokens=tokens, step_time_s=1.0)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert throughput(records) == ([2, 3, 4, 5], [100.0, 100.0, 10.0, 90.0])
+    assert steady_speeds(records) == [100.0, 100.0, 90.0]
+    assert summarize(tmp_path)["median_tokens_per_s"] == 100.0  # was 90: step 2 left out, step 4 kept
+
+
+def test_checkpoints_that_keep_last_removed_are_not_listed(tiny_run, tmp_path):
+    run_dir = _copy(tiny_run, tmp_path)
+    paths = [r["path"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "checkpoint"]
+    listed = [str(run_dir / Path(p).name) for p in paths]
+    text = (run_dir / "metrics.jsonl").read_text()
+    for old, new in zip(paths, listed):
+        text = text.replace(old, new)
+    (run_dir / "metrics.jsonl").write_text(text)
+    Path(listed[0]).unlink()
+    assert summarize(run_dir)["checkpoints"] == listed[1:]
 
 
 def test_missing_run_dir_is_a_user_error(tmp_path):
