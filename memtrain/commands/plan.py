@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 from pathlib import Path
 
 import yaml
@@ -127,16 +128,25 @@ def fitted_yaml(recipe: Path, overrides: list[str], output: Path) -> str:
 
 
 def _advice_table(advice: list[Advice]) -> Table:
-    table = Table(title="cheapest changes that fit", title_justify="left")
+    """The advice, one row each; a tight one (listed after those with margin) says so in yellow."""
+    table = Table(title="cheapest changes that fit (tight ones last: they may not)", title_justify="left")
     table.add_column("overrides", overflow="fold", ratio=3)
     table.add_column("peak GiB", justify="right")
     table.add_column("spare GiB", justify="right")
+    table.add_column("tight", justify="center")
     table.add_column("slowdown", justify="right")
     table.add_column("why", ratio=2)
     for item in advice:
         table.add_row("\n".join(item.overrides), f"{gib(item.peak_reserved_bytes):.2f}",
-                      f"{gib(item.plan.headroom_bytes):.2f}", f"+{item.speed_cost:.0%}", item.reason)
+                      f"{gib(item.plan.headroom_bytes):.2f}", "[yellow]yes[/]" if item.tight else "no",
+                      f"+{item.speed_cost:.0%}", item.reason)
     return table
+
+
+def gpu_override(gpu: str) -> str:
+    """`hardware.gpu=<gpu>` as the user gave --gpu, quoted where YAML would read it as a number (a size in
+    plain bytes), which hardware.gpu does not take."""
+    return f"hardware.gpu={gpu}" if isinstance(yaml.safe_load(gpu), str) else f"hardware.gpu='{gpu}'"
 
 
 def larger_micro_batch(loaded: LoadedRecipe, planner: Planner, plan: Plan) -> Plan | None:
@@ -242,12 +252,16 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
         # A recipe that fits is written as it is (with the command line's overrides), so that
         # `plan --fit -o F && memtrain run F` works either way. Later overrides of the same key win.
         changes = [] if plan.fits else advice[0].overrides
-        chosen = list({item.partition("=")[0]: item for item in list(overrides) + changes}.values())
+        # The card of --gpu goes into the file: `plan F` and `run F` (which resolves batch.micro_batch and
+        # checkpointing.strategy `auto` against hardware.gpu) must see the card the recipe was fitted for.
+        card = [gpu_override(gpu)] if gpu is not None and gpu != loaded.recipe.hardware.gpu else []
+        chosen = list({item.partition("=")[0]: item for item in list(overrides) + card + changes}.values())
         replaced = output.exists()
         if not (plan.fits and not chosen and output.resolve() == recipe.resolve()):  # not the recipe onto itself
             write_atomically(output, fitted_yaml(recipe, chosen, output))
         if not plan.fits:
-            fitted = planner.plan(load_for_plan(output, [], env))
+            # planned as the file says, without --gpu: it names the card
+            fitted = Planner(None, planner.exact_pinned).plan(load_for_plan(output, [], env))
             if not fitted.fits:  # the advice was planned on the same recipe; a mismatch is a bug, say so
                 raise RuntimeError(f"fitted recipe {output} does not fit: {verdict(fitted)}")
         written = output
@@ -289,12 +303,17 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
                       "docs/BENCHMARKS.md; the first step waits for the compiler)")
     if advice:
         console.print(_advice_table(advice))
-        if written is not None:
+        if written is not None and advice[0].tight:
+            console.print(f"[yellow]![/] {'replaced' if replaced else 'wrote'} {written} ({verdict(advice[0].plan)}); "
+                          "no change found fits with that margin, so the run may run out of memory: a shorter "
+                          "data.seq_len, or a card with more memory (plan it with --gpu), leaves room", soft_wrap=True)
+        elif written is not None:
             console.print(f"[green]✓[/] {'replaced' if replaced else 'wrote'} {written} ({verdict(advice[0].plan)})")
         elif fit and output is None:
             console.print("[yellow]--fit needs -o FILE to write the fitted recipe[/]")
         else:
-            console.print(f"apply: memtrain plan {recipe} {' '.join(list(overrides) + advice[0].overrides)}")
+            card = ["--gpu", gpu] if gpu is not None else []  # the advice was planned for that card
+            console.print(f"apply: {shlex.join(['memtrain', 'plan', str(recipe), *card, *overrides, *advice[0].overrides])}")
     elif written is not None:
         console.print(f"[green]✓[/] fits as it is; {'replaced' if replaced else 'wrote'} {written} (no change)")
     elif not plan.fits:

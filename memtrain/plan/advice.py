@@ -4,13 +4,15 @@ Levers, in the tree's order: activation checkpointing → lean LoRA dropout → 
 optimizer states) → micro-batch (gradient accumulation keeps the global batch) → optimizer offload (or, for a
 full fine-tune on one GPU, the optimizer step in backward with paged 8-bit states) → parameter offload / NVMe
 → fewer parameters kept gathered (ZeRO-3) → LoRA → quantised base weights (QLoRA);
-and, when the host cannot hold the offloaded states (`hardware.host_memory`), pageable buffers, parameters back
-on the GPU and optimizer states on NVMe. Every combination of one
+and, when the host cannot hold the offloaded states, pageable buffers, parameters back on the GPU and optimizer
+states on NVMe (the plan checks host capacity only when the recipe sets `hardware.host_memory`; `memtrain run`'s
+preflight checks the machine's memory otherwise). Every combination of one
 option per lever is planned (the plan is arithmetic on cached traces, so this takes seconds);
 combinations the recipe checks refuse (quantised weights with ZeRO-3, say) are dropped; the ones
 that fit are ranked by their estimated slowdown, ties broken by the tree's order, and each is
-returned as `key.path=value` overrides. The speed costs are rough fractions of step time,
-documented in docs/PLAN.md.
+returned as `key.path=value` overrides. A change whose plan is *tight* (it fits at the expected allocator slack,
+not at the largest one measured) ranks after every change that fits with that margin: see `advise`. The speed
+costs are rough fractions of step time, documented in docs/PLAN.md.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class Option:
     overrides: tuple[str, ...]
     speed_cost: float  # extra step time as a fraction (0.33 = a third slower)
     reason: str
+    halvings: int = 0  # micro-batch halvings: priced by `_merge`, per combination (the rate depends on its offload)
 
 
 @dataclass
@@ -46,10 +49,16 @@ class Advice:
     def peak_reserved_bytes(self) -> int:
         return self.plan.peak_reserved_bytes
 
+    @property
+    def tight(self) -> bool:
+        """Fits at the expected allocator slack but not at the largest measured: it may not fit (Plan.tight)."""
+        return self.plan.tight
+
     def to_json(self) -> dict:
         return {"overrides": self.overrides, "speed_cost": self.speed_cost, "reason": self.reason,
-                "peak_reserved_bytes": self.plan.peak_reserved_bytes, "headroom_bytes": self.plan.headroom_bytes,
-                "host_bytes": self.plan.host_bytes, "nvme_bytes": self.plan.nvme_bytes}
+                "tight": self.tight, "peak_reserved_bytes": self.plan.peak_reserved_bytes,
+                "headroom_bytes": self.plan.headroom_bytes, "host_bytes": self.plan.host_bytes,
+                "nvme_bytes": self.plan.nvme_bytes}
 
 
 KEEP = Option((), 0.0, "")
@@ -89,15 +98,22 @@ def _precision_options(r: Recipe) -> list[Option]:
 
 
 def _micro_batch_options(r: Recipe, current: int) -> list[Option]:
+    """Smaller micro-batches; their cost is priced by `_merge`, which knows whether the combination they are
+    part of offloads the parameters (the recipe alone does not: another lever may add the offload)."""
     options = [KEEP]
-    # With parameters offloaded every micro-batch gathers every parameter from the host again: the 3B
-    # ZeRO-3 recipe ran at 3,458 tokens/s at micro-batch 4 against 5,279 at 8 (docs/BENCHMARKS.md)
-    per_halving = 0.5 if r.offload.params != "none" else 0.05
     for size in reversed([m for m in micro_batch_candidates(r) if m < current]):
         halvings = (current // size).bit_length() - 1
-        options.append(Option((f"batch.micro_batch={size}",), per_halving * max(halvings, 1),
-                              f"micro-batch {size} with more gradient accumulation (same global batch)"))
+        options.append(Option((f"batch.micro_batch={size}",), 0.0,
+                              f"micro-batch {size} with more gradient accumulation (same global batch)",
+                              halvings=max(halvings, 1)))
     return options
+
+
+def _per_halving(params_offloaded: bool) -> float:
+    """The slowdown of halving the micro-batch. With parameters offloaded every micro-batch gathers every
+    parameter from the host again: the 3B ZeRO-3 recipe ran at 3,458 tokens/s at micro-batch 4 against 5,279
+    at 8 (docs/BENCHMARKS.md)."""
+    return 0.5 if params_offloaded else 0.05
 
 
 def _offload_options(r: Recipe) -> list[Option]:
@@ -185,13 +201,18 @@ def _quantize_options(r: Recipe) -> list[Option]:
                          "dequantised in every matmul")]
 
 
-def _merge(options: tuple[Option, ...]) -> tuple[list[str], float, str]:
+def _merge(r: Recipe, options: tuple[Option, ...]) -> tuple[list[str], float, str]:
+    """One option per lever as one change: the overrides (a later lever's value of a key wins), the summed cost
+    and the reasons. A smaller micro-batch is priced at the rate of the merged change's parameter offload, not
+    the recipe's: halving the micro-batch of a change that also offloads the parameters re-gathers them twice
+    as often (docs/PLAN.md)."""
     overrides: dict[str, str] = {}
     for option in options:
         for item in option.overrides:
             key, _, value = item.partition("=")
             overrides[key] = value
-    cost = sum(option.speed_cost for option in options)
+    params_offloaded = overrides.get("offload.params", r.offload.params) != "none"
+    cost = sum(option.speed_cost + option.halvings * _per_halving(params_offloaded) for option in options)
     reason = "; ".join(option.reason for option in options if option.reason)
     return [f"{k}={v}" for k, v in overrides.items()], cost, reason
 
@@ -219,6 +240,13 @@ def advise(loaded: LoadedRecipe, gpu: str | None = None, limit: int = 3, exact_p
            checks: Checks = check_rules) -> list[Advice]:
     """Changes that make the recipe fit, cheapest first ([] when it already fits or nothing does).
 
+    Changes whose plan is tight come after every change that fits with the margin of the largest allocator
+    slack measured, whatever their cost: a tight plan may run out of memory on the card (runs with that slack
+    were measured), which is why `batch.micro_batch: auto` does not take a tight size, and `plan --fit` writes
+    the first change, so a slower one with margin beats a faster gamble. Tight ones are not dropped: they fill
+    the list when fewer than `limit` changes have the margin, so a card where only tight changes fit still gets
+    them, marked (Advice.tight). The search therefore runs on until `limit` changes with margin are found.
+
     A combination the checks refuse and the recipe as given did not (e.g. nf4 with ZeRO-3) is skipped.
     """
     r = loaded.recipe
@@ -236,25 +264,32 @@ def advise(loaded: LoadedRecipe, gpu: str | None = None, limit: int = 3, exact_p
         levers.append(_host_options(r))
     candidates = []
     for order, combination in enumerate(itertools.product(*levers)):
-        overrides, cost, reason = _merge(combination)
+        overrides, cost, reason = _merge(r, combination)
         if overrides:
             candidates.append((cost, order, overrides, reason))
-    # Cheapest first, so the search stops at the first `limit` fits.
+    # Cheapest first, so the search stops at the first `limit` fits with margin.
     candidates.sort(key=lambda item: (item[0], item[1]))
     before = _problem_keys(loaded, checks)
-    fitting: list[Advice] = []
+    comfortable: list[Advice] = []
+    tight: list[Advice] = []
     seen: set[tuple[str, ...]] = set()
     for cost, _, overrides, reason in candidates:
-        # A superset of a change that already fits only costs more.
-        if tuple(sorted(overrides)) in seen or any(set(a.overrides) <= set(overrides) for a in fitting):
+        # A superset of a change that already fits with margin only costs more; one of a tight change may
+        # be the margin's price (a smaller micro-batch on top, say), so it is planned.
+        if tuple(sorted(overrides)) in seen or any(set(a.overrides) <= set(overrides) for a in comfortable):
             continue
         seen.add(tuple(sorted(overrides)))
         candidate = with_overrides(loaded, overrides)
         if _problem_keys(candidate, checks) - before:
             continue
         plan = plan_of(candidate)
-        if plan.fits:
-            fitting.append(Advice(overrides, plan, round(cost, 2), reason))
-            if len(fitting) >= limit:
+        if not plan.fits:
+            continue
+        advice = Advice(overrides, plan, round(cost, 2), reason)
+        if not plan.tight:
+            comfortable.append(advice)
+            if len(comfortable) >= limit:
                 break
-    return fitting
+        elif len(tight) < limit and not any(set(a.overrides) <= set(overrides) for a in tight):
+            tight.append(advice)  # a superset of a tight change that is tight as well only costs more
+    return (comfortable + tight)[:limit]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,7 @@ def test_json_has_terms_phases_host_nvme_and_verdict(tmp_path):
     for key in ("host_bytes", "host_breakdown", "nvme_bytes", "peak_reserved_bytes"):
         assert key in plan
     assert data["verdict"].startswith("misses by")
-    assert data["advice"] and {"overrides", "peak_reserved_bytes", "speed_cost", "reason"} <= set(data["advice"][0])
+    assert data["advice"] and {"overrides", "peak_reserved_bytes", "speed_cost", "reason", "tight"} <= set(data["advice"][0])
 
 
 def test_gpu_option_asks_about_another_card(tmp_path):
@@ -424,3 +425,94 @@ train: {{steps: 4}}
     assert warning.startswith("model.tokenizer: the tokenizer's chat_template (data.template is not set) writes no")
     table = CliRunner().invoke(app, ["plan", str(recipe), "--data"])
     assert "writes no special token after an assistant's answer" in " ".join(table.output.split())
+
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def test_a_recipe_fitted_for_another_card_names_that_card_and_plans_the_same_without_the_flag(tmp_path):
+    """Audit 17b, finding 2: `plan R --gpu X --fit -o F` wrote F with R's own card, so `plan F` and `run F`
+    (which resolves batch.micro_batch: auto against hardware.gpu) planned for the 24 GB card."""
+    recipe, card = RECIPES / "llama2-7b-lora-24gb.yaml", "rtx4060ti-16gb"
+    output = tmp_path / "fitted.yaml"
+    code, text = run(recipe, gpu=card, fit=True, output=output)
+    assert code == 0 and f"wrote {output}" in text
+    fitted = load_recipe(output)
+    assert fitted.recipe.hardware.gpu == card and fitted.recipe.batch.micro_batch == 2
+    assert plan_recipe(fitted.recipe).to_json() == plan_recipe(fitted.recipe, card).to_json()
+    # without --fit, the command to apply the advice plans for the same card
+    code, text = run(recipe, "train.steps=50", gpu=card)
+    assert code == 1
+    assert f"apply: memtrain plan {recipe} --gpu {card} train.steps=50 batch.micro_batch=2" in " ".join(text.split())
+
+
+def test_a_recipe_with_micro_batch_auto_fitted_for_another_card_resolves_auto_for_that_card(tmp_path):
+    """What `memtrain run F` does with `batch.micro_batch: auto`: resolve it against hardware.gpu."""
+    from memtrain.plan.planner import resolve_micro_batch
+    card, output = "rtx4060ti-16gb", tmp_path / "fitted.yaml"
+    code, _ = run(RECIPES / "llama2-7b-full-64gb-host.yaml", gpu=card, fit=True, output=output)
+    fitted = load_recipe(output).recipe
+    assert code == 0 and fitted.batch.micro_batch == "auto" and fitted.hardware.gpu == card
+    assert resolve_micro_batch(fitted) == resolve_micro_batch(fitted, card)
+    assert plan_recipe(fitted).to_json() == plan_recipe(fitted, card).to_json()
+
+
+@pytest.mark.parametrize("card", ["1GiB", "1073741824"])
+def test_a_card_given_as_a_size_is_written_as_given(tmp_path, card):
+    output = tmp_path / "fitted.yaml"
+    code, _ = run(write(tmp_path), gpu=card, fit=True, output=output)
+    fitted = load_recipe(output).recipe
+    assert code == 0 and fitted.hardware.gpu == card  # a string, also where YAML would read a number
+    assert plan_recipe(fitted).to_json() == plan_recipe(fitted, card).to_json() and plan_recipe(fitted).fits
+    # a recipe that fits the card as it is is written with the card too
+    code, text = run(write(tmp_path), gpu="rtx4090", fit=True, output=output)
+    assert code == 0 and "fits as it is" in text and load_recipe(output).recipe.hardware.gpu == "rtx4090"
+
+
+def test_advice_ranks_changes_with_margin_before_tight_ones_and_says_which_are_tight(tmp_path):
+    """Audit 17b, finding 3: Gemma-2-9B LoRA on 24 GB misses by 0.86 GiB; bf16 master + micro-batch 2 and
+    micro-batch 1 fit with 0.1 GiB, tight, while nf4 fits with 10 GiB. --fit wrote the tight one."""
+    preset = ["model.preset=gemma2-9b"]
+    tight = plan_recipe(load_recipe(RECIPES / "llama2-7b-lora-24gb.yaml", preset + ["batch.micro_batch=1"]).recipe)
+    assert tight.fits and tight.tight  # the case the audit saw
+    advice = advise(load_recipe(RECIPES / "llama2-7b-lora-24gb.yaml", preset))
+    assert advice and not advice[0].tight and advice[0].plan.fits
+    flags = [a.tight for a in advice]
+    assert flags == sorted(flags)  # every change with margin before every tight one
+    code, text = run(RECIPES / "llama2-7b-lora-24gb.yaml", *preset, as_json=True)
+    items = json.loads(text)["advice"]
+    assert code == 1 and [item["tight"] for item in items] == flags
+    output = tmp_path / "fitted.yaml"
+    code, text = run(RECIPES / "llama2-7b-lora-24gb.yaml", *preset, fit=True, output=output)
+    fitted = plan_recipe(load_recipe(output).recipe)
+    assert code == 0 and fitted.fits and not fitted.tight and "but tight" not in text
+    assert "┃ tight ┃" in text
+
+
+def test_fit_says_when_the_only_change_it_could_write_is_tight(tmp_path, monkeypatch):
+    """Where nothing on the list fits with margin, --fit writes the cheapest tight change and says so."""
+    import memtrain.commands.plan as plan_module
+    from memtrain.plan.advice import Advice
+    recipe, preset = RECIPES / "llama2-7b-lora-24gb.yaml", ["model.preset=gemma2-9b"]
+    tight = plan_recipe(load_recipe(recipe, preset + ["batch.micro_batch=1"]).recipe)
+    monkeypatch.setattr(plan_module, "advise",
+                        lambda *args, **kwargs: [Advice(["batch.micro_batch=1"], tight, 0.1, "micro-batch 1")])
+    output = tmp_path / "fitted.yaml"
+    code, text = run(recipe, *preset, fit=True, output=output)
+    words = " ".join(text.split())
+    assert code == 0 and f"! wrote {output}" in words and "but tight" in words and "may run out of memory" in words
+    assert re.search(r"│\s+yes\s+│", text)  # the advice table's tight column
+
+
+def test_a_smaller_micro_batch_costs_by_the_parameter_offload_of_its_own_combination():
+    """Audit 17b, finding 5: TinyLlama with the optimizer on the CPU, on a 3 GiB card. An option that adds
+    parameter offload and halves the micro-batch re-gathers every parameter twice as often: +50 % per halving
+    (docs/PLAN.md), not the +5 % of the recipe's own parameters on the GPU."""
+    advice = advise(load_recipe(RECIPES / "tinyllama-1.1b-full-offload-24gb.yaml", ["hardware.gpu=3GiB"]))
+    costs = {tuple(a.overrides): a.speed_cost for a in advice}
+    offload = ("offload.optimizer=cpu", "offload.params=cpu", "offload.zero_stage=3",
+               "offload.max_live_parameters=300000000")
+    assert costs[("batch.micro_batch=2",) + offload] == 1.14  # 0.6 + 0.5 × 1 halving + 0.04
+    assert costs[("batch.micro_batch=1",) + offload] == 1.64  # 0.6 + 0.5 × 2 halvings + 0.04
+    assert [a.speed_cost for a in advice] == sorted(a.speed_cost for a in advice)
+    assert ("model.lora.r=16", "model.quantize.type=nf4") in list(costs)[:2]  # QLoRA (1.3) before micro-batch 1
