@@ -135,7 +135,7 @@ def plan(
     recipe: Path = RecipeArg,
     overrides: Optional[list[str]] = OverridesArg,
     gpu: Optional[str] = typer.Option(None, "--gpu", help="Ask about another card: a profile (rtx4090) or a size (16GiB)."),
-    fit: bool = typer.Option(False, "--fit", help="When it does not fit, apply the cheapest change that makes it fit (with -o, a recipe that fits is written as it is)."),
+    fit: bool = typer.Option(False, "--fit", help="When it does not fit, apply the cheapest change that fits with margin (with -o; a recipe that fits is written as it is; with --gpu, the file names that card)."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="With --fit: write the fitted recipe here."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     data: bool = typer.Option(False, "--data", help="Also read the data (tokenised once, then cached): tokens, "
