@@ -113,6 +113,10 @@ def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str,
     allocator: on the host here (where they go when the card is full; the card holds what fits beside
     PyTorch's reserved memory), not in the GPU's reserved bytes.
     """
+    if optimizer_tier == "nvme" and stage != 3:
+        # DeepSpeed's ZeRO-1/2 optimizer takes any offload device for the CPU (stage_1_and_2.py): pricing its
+        # states on NVMe would hide them from the host check; validate refuses such a recipe (recipe/rules.py)
+        raise ValueError(f"optimizer states go to NVMe only under ZeRO-3, not ZeRO-{stage}")
     compute_bytes = DTYPE_BYTES[compute]
     grad_host_bytes = master_bytes(compute, master)
     per_param_optimizer = optimizer_bytes_per_param(compute, master, eight_bit, in_backward)

@@ -105,7 +105,10 @@ def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
         problems.append(src.problem(("offload", "zero_stage"),
                                     f"offload.params={o.params} needs ZeRO stage 3, not {o.zero_stage}",
                                     "set offload.zero_stage=3 (or auto)"))
-    if o.optimizer != "none" and o.zero_stage == 0:
+    if o.optimizer == "nvme" and o.zero_stage not in ("auto", 3):
+        if o.params == "none":  # with parameters offloaded the rule above already asks for stage 3
+            problems.append(_nvme_optimizer_below_zero3(loaded, o.zero_stage))
+    elif o.optimizer != "none" and o.zero_stage == 0:
         problems.append(src.problem(("offload", "zero_stage"),
                                     f"offload.optimizer={o.optimizer} needs ZeRO stage 1, 2 or 3, not 0",
                                     "set offload.zero_stage=auto"))
@@ -127,6 +130,19 @@ def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
             problems.append(src.problem(("offload", "ratio"), "DeepSpeed's partial optimizer offload needs ZeRO stage 3",
                                         "set offload.zero_stage=3 or remove offload.ratio"))
     return problems
+
+
+def _nvme_optimizer_below_zero3(loaded: LoadedRecipe, stage: int) -> Problem:
+    """Optimizer states on NVMe at an explicit ZeRO stage below 3. DeepSpeed's ZeRO-1/2 optimizer has no NVMe
+    swapper: it takes any offload device for the CPU (stage_1_and_2.py, 0.19.8), so the states would stay in
+    host memory while the plan priced them on disk, and a host sized by that plan would run out."""
+    message = f"offload.optimizer=nvme needs ZeRO stage 3, not {stage}: only ZeRO-3 swaps optimizer states to NVMe"
+    if not stage:
+        return loaded.sources.problem(("offload", "zero_stage"), message, "set offload.zero_stage=3 (or auto)")
+    return loaded.sources.problem(("offload", "zero_stage"),
+                                  f"{message}; DeepSpeed's ZeRO-{stage} optimizer keeps them in host memory and writes "
+                                  "nothing to hardware.nvme_path",
+                                  f"set offload.zero_stage=3 (or auto), or offload.optimizer=cpu to stay at ZeRO-{stage}")
 
 
 @reads("offload", "precision")
@@ -254,9 +270,11 @@ def _check_warmup(loaded: LoadedRecipe) -> list[Problem]:
 def compile_unsupported(r) -> tuple[str, str] | None:
     """(what is wrong, what to do) when this recipe's layers cannot be compiled (train.compile), else None."""
     if r.offload.stage == 3:
+        # optimizer states on NVMe need ZeRO-3 too (_nvme_optimizer_below_zero3): ZeRO-2 keeps them on the CPU
+        below = "offload.params=none, offload.optimizer=cpu" if r.offload.optimizer == "nvme" else "offload.params=none"
         return ("train.compile works with ZeRO stage 0-2; ZeRO-3 gathers each layer's weights in hooks that "
                 "torch.compile would have to trace through",
-                "set train.compile=false, or offload.params=none and offload.zero_stage=2")
+                f"set train.compile=false, or {below} and offload.zero_stage=2")
     if r.model.quantize is not None:
         return ("train.compile cannot compile layers with bitsandbytes' quantised weights: the QLoRA recipe stopped in "
                 "torch.compile's partitioner ('Node ... was invalid, but is output'; PyTorch 2.11, bitsandbytes 0.50, "
@@ -304,12 +322,21 @@ def _check_quantize(loaded: LoadedRecipe) -> list[Problem]:
                                     "without LoRA adapters",
                                     "add model.lora (for example model.lora.r=16), or remove model.quantize"))
     if r.offload.stage == 3:
-        at = ("offload", "params") if r.offload.params != "none" else ("offload", "zero_stage")
+        o = r.offload
+        # the line that makes it ZeRO-3: parameters offloaded, optimizer states on NVMe (auto), or zero_stage itself
+        if o.params != "none":
+            at = ("offload", "params")
+        elif o.optimizer == "nvme" and o.zero_stage == "auto":
+            at = ("offload", "optimizer")
+        else:
+            at = ("offload", "zero_stage")
+        # ZeRO-2 keeps optimizer states offloaded to NVMe on the CPU (_nvme_optimizer_below_zero3)
+        below_zero3 = "offload.params=none, offload.optimizer=cpu" if o.optimizer == "nvme" else "offload.params=none"
         problems.append(src.problem(
             at, f"{kind} weights cannot go through ZeRO-3, which partitions and offloads parameters as flat "
             "floating-point tensors: bitsandbytes packs them into integers whose quantisation constants live "
             "beside the tensor, where ZeRO-3 neither partitions nor gathers them",
-            "set offload.params=none and offload.zero_stage=auto (ZeRO-2); quantised weights are a quarter "
+            f"set {below_zero3} and offload.zero_stage=auto (ZeRO-2); quantised weights are a quarter "
             "of their bf16 size, which is what makes them fit"))
     if r.precision.mode == "autocast":
         problems.append(src.problem(("precision", "mode"), "autocast stores weights in fp32, but quantised layers "

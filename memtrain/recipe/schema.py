@@ -206,9 +206,14 @@ class DatasetSpec(Section):
         "defaults (human, user -> user; gpt, assistant -> assistant; system -> system).")
 
 
+DatasetList = Annotated[list[DatasetSpec], Len(min_length=1)]
+
 DatasetSource = Annotated[
     Annotated[str, Tag("path")]
-    | Annotated[list[DatasetSpec], Len(min_length=1), BeforeValidator(_one_dataset_as_list), Tag("datasets")],
+    # the JSON schema names what a recipe may write (a list, or one dataset as a mapping), not the list it becomes,
+    # so that editors accept what validate accepts
+    | Annotated[DatasetList, BeforeValidator(_one_dataset_as_list, json_schema_input_type=DatasetList | DatasetSpec),
+                Tag("datasets")],
     Discriminator(_dataset_source),
 ]
 
@@ -290,7 +295,10 @@ class Hardware(Section):
                        "`memtrain run` per node (--node-rank), or one with --hostfile that starts them all, "
                        "docs/MULTINODE.md.")
     gpu: Annotated[str, AfterValidator(gpu_spec)] = Field("rtx3090", description="Target card: a profile in configs/gpus (rtx3090, rtx4090, ...) or a size such as '24GiB'.")
-    host_memory: ByteSize | None = Field(None, description="Host RAM available to the run, e.g. '64GiB' (default: what the machine has).")
+    host_memory: ByteSize | None = Field(
+        None, description="Host RAM available to the run, e.g. '64GiB'. Unset: `memtrain run` checks the plan "
+        "against the RAM of the machine it runs on, and `memtrain plan` checks no host capacity (it still "
+        "prints the host bytes).")
     nvme_path: str | None = Field(None, description="Directory on a fast disk for the NVMe offload tiers.")
     cap_memory: bool = Field(True, description="On a card larger than the target, cap this process to the target's memory.")
     expandable_segments: bool = Field(True, description="PyTorch's expandable CUDA segments: memory one phase frees is "
@@ -362,7 +370,9 @@ class Aio(Section):
 
 
 class Offload(Section):
-    zero_stage: Literal["auto", 0, 1, 2, 3] = Field("auto", description="ZeRO stage; auto: 3 when parameters are offloaded, else 2.")
+    zero_stage: Literal["auto", 0, 1, 2, 3] = Field(
+        "auto", description="ZeRO stage; auto: 3 when parameters are offloaded or the optimizer states go to NVMe "
+        "(only ZeRO-3 swaps them to disk), else 2.")
     optimizer: Tier = Field("none", description="Where optimizer states (fp32 master + Adam moments) live.")
     params: Tier = Field("none", description="Where parameters live between uses (needs ZeRO-3).")
     ratio: float = Field(1.0, gt=0, le=1, description=(
@@ -386,10 +396,12 @@ class Offload(Section):
 
     @property
     def stage(self) -> int:
-        """The ZeRO stage this runs with: zero_stage, or for 'auto' 3 when parameters are offloaded, else 2."""
+        """The ZeRO stage this runs with: zero_stage, or for 'auto' 3 when parameters are offloaded or the optimizer
+        states go to NVMe, else 2. DeepSpeed's ZeRO-1/2 optimizer has no NVMe swapper: it keeps states offloaded
+        to any device in host memory (stage_1_and_2.py, 0.19.8), so NVMe below stage 3 would write nothing."""
         if self.zero_stage != "auto":
             return int(self.zero_stage)
-        return 3 if self.params != "none" else 2
+        return 3 if self.params != "none" or self.optimizer == "nvme" else 2
 
 
 class Adaptive(Section):

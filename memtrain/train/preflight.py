@@ -19,6 +19,11 @@ from memtrain.recipe.sources import LoadedRecipe
 from memtrain.units import gib
 
 
+# Optimizer states on NVMe as DeepSpeed takes them, whatever the recipe had: ZeRO-3 (below it they stay in host
+# memory) and fp32 master weights (its swapper stops on bf16 ones; recipe/rules.py).
+NVME_OPTIMIZER = ("offload.optimizer=nvme", "offload.zero_stage=3", "precision.master=fp32")
+
+
 def host_capacity_bytes(loaded: LoadedRecipe) -> int:
     """hardware.host_memory when the recipe says, else what this machine has."""
     return loaded.recipe.hardware.host_memory or psutil.virtual_memory().total
@@ -58,8 +63,9 @@ def _cheapest_host_change(loaded: LoadedRecipe, capacity: int, exact_pinned: boo
     if advice:
         return (f"the cheapest change that fits: {' '.join(advice[0].overrides)} ({advice[0].reason}); "
                 "`memtrain plan --fit -o FILE` writes it")
-    return ("put optimizer states on NVMe (offload.optimizer=nvme, hardware.nvme_path=...), use precision.master=bf16, "
-            "or train LoRA adapters; `memtrain plan` shows the breakdown")
+    return (f"put optimizer states on NVMe under ZeRO-3 ({' '.join(NVME_OPTIMIZER)} hardware.nvme_path=DIR), use "
+            "precision.master=bf16 with the states on the CPU, or train LoRA adapters; `memtrain plan` shows the "
+            "breakdown")
 
 
 def cpu_fp16_supported() -> bool:

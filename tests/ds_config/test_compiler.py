@@ -70,6 +70,8 @@ def test_stage_follows_offload_tiers():
     assert recipe_with(overrides=["offload.optimizer=cpu"]).offload.stage == 2
     assert recipe_with(overrides=["offload.optimizer=cpu", "offload.params=cpu"]).offload.stage == 3
     assert recipe_with(overrides=["offload.zero_stage=1"]).offload.stage == 1
+    # only ZeRO-3 swaps optimizer states to NVMe (DeepSpeed's ZeRO-1/2 optimizer keeps them in host memory)
+    assert recipe_with(overrides=["offload.optimizer=nvme", "hardware.nvme_path=/tmp"]).offload.stage == 3
 
 
 def test_offload_blocks_and_nvme_paths(tmp_path):

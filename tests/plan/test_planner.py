@@ -134,6 +134,36 @@ def test_plan_moves_offloaded_states_to_host_and_nvme(tmp_path):
     assert nvme.peak_reserved_bytes < offload.peak_reserved_bytes < base.peak_reserved_bytes
 
 
+def test_optimizer_states_on_nvme_compile_and_plan_as_zero3(tmp_path):
+    """DeepSpeed swaps optimizer states to NVMe only under ZeRO-3 (its ZeRO-1/2 optimizer keeps them in host
+    memory): `auto` runs them at stage 3, and the plan prices them on disk as that ZeRO-3 run keeps them."""
+    from memtrain.ds_config.compiler import ds_config
+
+    nvme = tiny(overrides=["offload.optimizer=nvme", f"hardware.nvme_path={tmp_path}"]).recipe
+    zero = ds_config(nvme, micro_batch=2)["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "nvme" and "offload_param" not in zero
+    plan = plan_recipe(nvme)
+    explicit = plan_recipe(tiny(overrides=["offload.optimizer=nvme", "offload.zero_stage=3",
+                                           f"hardware.nvme_path={tmp_path}"]).recipe)
+    assert plan.zero_stage == 3
+    assert (plan.host_breakdown, plan.nvme_breakdown, plan.peak_reserved_bytes) == \
+        (explicit.host_breakdown, explicit.nvme_breakdown, explicit.peak_reserved_bytes)
+    # on disk: fp32 master weights and Adam's moments; on the host: ZeRO-3's bf16 gradient partition and the
+    # swap buffers, no master weights or moments
+    assert plan.nvme_breakdown == {"params": 0, "optimizer_states": TINY_TOTAL * 12}
+    assert plan.host_breakdown["gradients"] == TINY_TOTAL * 2 and plan.host_breakdown["swap_buffers"] > 0
+    assert plan.host_breakdown["master_weights"] == plan.host_breakdown["optimizer_states"] == 0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_states_are_never_priced_on_nvme_below_zero3(stage):
+    """Below ZeRO-3 DeepSpeed would keep them in host memory: an NVMe price there would hide them from the
+    host check (validate refuses such a recipe; the planner refuses to price one)."""
+    counts = count_parameters(Model(preset="tiny"))
+    with pytest.raises(ValueError, match="only under ZeRO-3"):
+        place_model_states(counts, stage, 1, "bf16", "fp32", "nvme", "none")
+
+
 def test_lora_counts_only_trainable_parameters_for_gradients_and_optimizer():
     plan = plan_recipe(tiny(overrides=["model.lora.r=8", "model.lora.target_modules=[q_proj, v_proj]"]).recipe)
     assert plan.params_trainable == 32_768

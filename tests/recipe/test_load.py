@@ -145,11 +145,15 @@ def _resolve(schema: dict, root: dict) -> dict:
 
 
 def schema_errors(value, schema: dict, root: dict, path: str = "") -> list[str]:
-    """The subset of JSON Schema the recipe schema uses: $ref, anyOf, type, enum/const, bounds, properties."""
+    """The subset of JSON Schema the recipe schema uses: $ref, anyOf, oneOf, type, enum/const, bounds, minItems,
+    properties."""
     schema = _resolve(schema, root)
     if "anyOf" in schema:
         options = [schema_errors(value, option, root, path) for option in schema["anyOf"]]
         return [] if any(not errors for errors in options) else [f"{path}: matches no option"]
+    if "oneOf" in schema:
+        matching = sum(not schema_errors(value, option, root, path) for option in schema["oneOf"])
+        return [] if matching == 1 else [f"{path}: matches {matching} options, not exactly one"]
     if "const" in schema and value != schema["const"]:
         return [f"{path}: {value!r} is not {schema['const']!r}"]
     if "enum" in schema and value not in schema["enum"]:
@@ -168,6 +172,8 @@ def schema_errors(value, schema: dict, root: dict, path: str = "") -> list[str]:
                          ("exclusiveMinimum", lambda v, b: v <= b), ("exclusiveMaximum", lambda v, b: v >= b)]:
         if bound in schema and fails(value, schema[bound]):
             errors.append(f"{path}: {value!r} breaks {bound} {schema[bound]}")
+    if "minItems" in schema and len(value) < schema["minItems"]:
+        errors.append(f"{path}: fewer than {schema['minItems']} items")
     if isinstance(value, dict):
         properties = schema.get("properties", {})
         for key, item in value.items():
@@ -205,6 +211,22 @@ def test_printed_schema_rejects_what_validation_rejects(printed_schema):
         assert schema_errors(broken, printed_schema, printed_schema), (section, key, value)
     for size in ["64GiB", "16 GB", "1.5e9", 2**36]:
         assert schema_errors({**recipe, "hardware": {"host_memory": size}}, printed_schema, printed_schema) == []
+
+
+def test_printed_schema_takes_data_as_validate_does(printed_schema):
+    """A path, a list of datasets, or one dataset written as a mapping (RECIPES.md): editors using the schema
+    accept what `validate` accepts, and refuse what it refuses."""
+    recipe = yaml.safe_load(RECIPES[0].read_text())
+    chat = {"path": "builtin:chat", "type": "chat"}
+    for train, validation in [("builtin:shakespeare", None), ([chat], [chat]), (chat, {**chat, "weight": 2})]:
+        data = {**recipe["data"], "train": train, **({"validation": validation} if validation else {})}
+        load_recipe_text(yaml.safe_dump({**recipe, "data": data}))
+        assert schema_errors({**recipe, "data": data}, printed_schema, printed_schema) == [], data
+    for train in [[], 3, {"path": "builtin:chat"}, {**chat, "typo": 1}, [{**chat, "type": "poem"}]]:
+        data = {**recipe["data"], "train": train}
+        with pytest.raises(RecipeError):
+            load_recipe_text(yaml.safe_dump({**recipe, "data": data}))
+        assert schema_errors({**recipe, "data": data}, printed_schema, printed_schema), train
 
 
 def test_input_paths_are_relative_to_the_file_that_names_them(tmp_path, monkeypatch):
