@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from memtrain.errors import Problem, UserError
+from memtrain.monitor.perplexity import perplexity_text
 from memtrain.train.eval_run import RunEvaluation, evaluate_run
 
 
@@ -31,7 +32,7 @@ def _print(result: RunEvaluation, console: Console) -> None:
     table = Table(title=f"Evaluation — {result.run_dir}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
-    table.add_row("validation loss", f"{result.loss:.4f} (perplexity {result.perplexity:.2f}; over "
+    table.add_row("validation loss", f"{result.loss:.4f} (perplexity {perplexity_text(result.loss)}; over "
                   f"{result.validation_target_tokens} target tokens in {result.validation_rows} rows)")
     g = result.generation
     if g is not None:

@@ -6,7 +6,6 @@ A resumed run repeats the steps after its checkpoint; the newest record of each 
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from statistics import median
 
@@ -15,6 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from memtrain.files import atomic_path
+from memtrain.monitor.perplexity import perplexity, perplexity_text
 from memtrain.monitor.series import series, steady_speeds, throughput
 from memtrain.units import GiB
 
@@ -194,10 +194,13 @@ def plot_host(figure: Figure, records: list[dict]) -> None:
 
 
 def _perplexity_text(loss: float) -> str:
-    perplexity = math.exp(min(loss, 700))  # exp overflows a float past ~709
-    if perplexity < 10:
-        return f"{perplexity:.2f}"
-    return f"{perplexity:.1f}" if perplexity < 1000 else f"{perplexity:,.0f}"
+    """A tick of the perplexity scale: the cap and over-cap text shared with the metrics (monitor/perplexity.py)."""
+    value = perplexity(loss)
+    if value is None or value >= 1e6:
+        return perplexity_text(loss)
+    if value < 10:
+        return f"{value:.2f}"
+    return f"{value:.1f}" if value < 1000 else f"{value:,.0f}"
 
 
 def _no_data(axes, text: str) -> None:

@@ -11,7 +11,6 @@ result then has a loss and a note saying why there is no exact match.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from memtrain.errors import Problem, UserError
 from memtrain.model.export import base_model_dir, final_model_dir, run_recipe
 from memtrain.model.merge import load_base
 from memtrain.model.wrapper import TrainableLM
+from memtrain.monitor.perplexity import perplexity
 from memtrain.recipe.schema import Recipe
 from memtrain.train.generate_eval import (
     SAMPLES_KEPT,
@@ -50,8 +50,9 @@ class RunEvaluation:
     note: str | None = None
 
     @property
-    def perplexity(self) -> float:
-        return math.exp(min(self.loss, 50))
+    def perplexity(self) -> float | None:
+        """exp(loss); None (JSON null) past the cap of monitor/perplexity.py, where the loss alone says it."""
+        return perplexity(self.loss)
 
     def as_json(self) -> dict:
         """loss, perplexity, validation rows and target tokens, exact_match, correct, total, skipped, by_task,

@@ -8,14 +8,20 @@ last good checkpoint stays the newest. Under fp16, skipped updates are the loss 
 and do not count; a non-finite loss does.
 
 A finite loss that rises far above the best seen so far is a divergence warning (a metrics event and
-a line), once per episode.
+a line), once per episode. The first DIVERGENCE_AFTER_STEPS steps of an attempt warn of nothing (early
+losses jump), but their losses count towards the best: a loss that blows up from step 1 is far above
+step 1's loss and is reported once the grace is over. The best loss is not saved in checkpoints: a resumed
+attempt starts its best (and its grace) afresh from its own first steps.
 
-With several processes the verdict is agreed (one all-reduce of two flags: stop requested, bad step),
-so every rank saves, stops or goes on at the same step.
+With several processes the verdict is agreed by one all-reduce per step (a sum of: one stop count per
+stop signal, a bad-step count, the token-loss sum), so every rank saves, stops or goes on at the same
+step, reports the same signal (SIGTERM over SIGINT: 128 + it on every rank, also on those no signal
+reached), and logs the loss of the whole global batch, as one process would.
 """
 from __future__ import annotations
 
 import math
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +38,8 @@ NAN_ENV = "MEMTRAIN_INJECT_NAN"
 DIVERGENCE_RATIO = 1.5
 DIVERGENCE_MIN_RISE = 1.0
 DIVERGENCE_AFTER_STEPS = 5
+# the signals a stop request may come from (the loop's handlers); the highest-numbered one any rank got wins
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Diverged(UserError):
@@ -42,6 +50,8 @@ class Diverged(UserError):
 class Verdict:
     stop: bool       # an interruption was requested on some rank: save (unless bad) and stop, all together
     bad: bool        # this step's update was not applied (non-finite loss or gradient norm) on some rank
+    loss: torch.Tensor | float = math.nan  # the mean token loss of the whole global batch (what gets logged)
+    signum: int | None = None  # stop: the signal that asked, the same on every rank (exit 128 + it)
 
     @property
     def may_save(self) -> bool:
@@ -89,17 +99,26 @@ class Guard:
         self.diverging = False
         self.warning: str | None = None   # for the run's last line: the loss diverged at some point
 
-    def after_step(self, step: int, loss: torch.Tensor | float, engine, skipped_before: int,
-                   stop_requested: bool) -> Verdict:
-        """Judge optimizer step `step` (1-based, just taken); raises Diverged after max_bad_steps bad in a row."""
-        value = float(loss)  # one host sync; DeepSpeed's overflow check has synchronised already
+    def after_step(self, step: int, loss_sum: torch.Tensor, targets: int, engine, skipped_before: int,
+                   stop_signum: int | None) -> Verdict:
+        """Judge optimizer step `step` (1-based, just taken) from this rank's token-loss sum over the global
+        batch's `targets` target tokens, and this rank's stop request (the signal, or None); raises Diverged
+        after max_bad_steps bad in a row."""
+        world = self.world_size
         skipped = engine.skipped_steps > skipped_before
-        bad_here = not math.isfinite(value) or (skipped and not self.fp16)
-        stop, bad = self._agree(stop_requested, bad_here)
+        if world == 1:
+            loss = loss_sum / (targets / world)  # as before several ranks shared it: exact-resume tests compare these
+            value = float(loss)  # one host sync; DeepSpeed's overflow check has synchronised already
+            stop, bad = stop_signum is not None, not math.isfinite(value) or (skipped and not self.fp16)
+            signum = stop_signum
+        else:
+            signum, skipped_somewhere, total = self._agree(stop_signum, skipped and not self.fp16, loss_sum)
+            value = loss = total / targets  # a rank's non-finite loss makes the sum non-finite: bad everywhere
+            stop, bad = signum is not None, not math.isfinite(value) or skipped_somewhere
         if not bad:
             self.streak, self.first_bad_step = 0, None
             self._watch_divergence(step, value)
-            return Verdict(stop, False)
+            return Verdict(stop, False, loss, signum)
         self.streak += 1
         self.first_bad_step = self.first_bad_step or step
         norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
@@ -113,7 +132,7 @@ class Guard:
             self.metrics.event("run", step, event="end", status="diverged", message=message)
             self.metrics.flush()
             raise Diverged(Problem(message, key="train.max_bad_steps", hint=self.likely_cause()))
-        return Verdict(stop, True)
+        return Verdict(stop, True, loss, signum)
 
     def likely_cause(self) -> str:
         r = self.recipe
@@ -127,25 +146,33 @@ class Guard:
                 "schedule.warmup_steps, and run again; the resumed run uses the new value")
 
     def _watch_divergence(self, step: int, value: float) -> None:
+        """Warn once per episode of a loss far above its best. The grace steps set the best but neither warn
+        nor start an episode: a loss already far by step 2 must still be reported after the grace."""
         self.good_steps += 1
         if self.best_loss is None or value < self.best_loss:
             self.best_loss = value
+        if self.good_steps <= DIVERGENCE_AFTER_STEPS:
+            return
         far = value > max(self.best_loss * DIVERGENCE_RATIO, self.best_loss + DIVERGENCE_MIN_RISE)
-        if far and self.good_steps > DIVERGENCE_AFTER_STEPS and not self.diverging:
+        if far and not self.diverging:
             self.metrics.event("divergence", step, loss=value, best_loss=self.best_loss)
             self.warning = (f"the loss rose to {value:.3g} at step {step}, far above its best {self.best_loss:.3g} "
                             f"— lower optimizer.lr (now {self.recipe.optimizer.lr:g})")
         self.diverging = far
 
-    def _agree(self, stop: bool, bad: bool) -> tuple[bool, bool]:
-        if self.world_size == 1:
-            return stop, bad
+    def _agree(self, stop_signum: int | None, bad: bool, loss_sum: torch.Tensor) -> tuple[int | None, bool, float]:
+        """One all-reduce (a sum) for the verdict and the batch loss: a count per stop signal, a bad-step count
+        and the token-loss sum. Returns the stop signal (the highest-numbered any rank got; None: no stop),
+        whether some rank's step was bad, and the global batch's token-loss sum."""
         import torch.distributed as dist
 
-        flags = torch.tensor([float(stop), float(bad)], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        agreed = flags.tolist()
-        return bool(agreed[0]), bool(agreed[1])
+        counts = [float(stop_signum == sig) for sig in STOP_SIGNALS]
+        values = torch.tensor([*counts, float(bad), 0.0], device=self.device, dtype=torch.float64)
+        values[-1] = loss_sum.detach().to(device=self.device, dtype=torch.float64)
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        agreed = values.tolist()
+        asked = [sig for sig, count in zip(STOP_SIGNALS, agreed) if count > 0]
+        return (int(max(asked)) if asked else None), agreed[len(STOP_SIGNALS)] > 0, agreed[-1]
 
 
 def _float(value) -> float | None:

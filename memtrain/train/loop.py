@@ -5,7 +5,6 @@ atomic checkpoints; a Hugging Face export at the end. Everything it drives is bu
 from __future__ import annotations
 
 import dataclasses
-import math
 import resource
 import signal
 import time
@@ -14,6 +13,7 @@ from contextlib import contextmanager
 import psutil
 import torch
 
+from memtrain.monitor.perplexity import perplexity
 from memtrain.monitor.profiler import phase
 from memtrain.train.distributed import Place, all_reduce_sum, sum_by_node
 from memtrain.train.eval_batches import run_shrinking
@@ -97,68 +97,79 @@ def train(t: Training, quiet: bool = False) -> RunResult:
     guard = Guard(r, t.metrics, world, device, run.run_dir)  # NaN/inf steps, divergence, agreeing to stop
     status, eval_loss = "done", None
     progress = Progress(run.total_steps, enabled=place.is_main and not quiet)
-    with interrupted.installed(), progress, t.profiler:
-        progress.update(state.step)
-        if t.generation is not None and state.step == 0:  # train.eval_generate: the score before training
+    with interrupted.installed():
+        with progress, t.profiler:
+            progress.update(state.step)
+            if t.generation is not None and state.step == 0:  # train.eval_generate: the score before training
+                progress.note(t.generation.record(t.model, t.metrics, state.step).describe(state.step))
+                if t.startup is not None:
+                    t.startup.mark("eval_generate")
+            while state.step < stop_at:
+                step_start = time.perf_counter()
+                samples = t.order.indices(state.step * global_batch, global_batch)
+                targets = t.data.train_set.targets(samples)  # of the whole global batch: every rank knows all samples
+                outcome = session.forward_backward(samples[rank * per_rank_batch:(rank + 1) * per_rank_batch], targets)
+                if outcome is None:  # an OOM in ZeRO-1/2 backward: saved; the launcher resumes from there
+                    return RunResult(status="restart", step=state.step, run_dir=run.run_dir)
+                loss_sum, micro_batches, ooms = outcome
+                skipped_before = t.engine.skipped_steps
+                with phase("optimizer_step"):
+                    t.engine.step()
+                verdict = guard.after_step(state.step + 1, loss_sum, targets, t.engine, skipped_before,
+                                           interrupted.signum if interrupted.requested else None)
+                t.hooks.sample_trace.commit(state.step, rank)
+                state.step += 1
+                state.tokens += targets
+                session.adapt_batch()
+                if t.startup is not None:  # the first step of this attempt: where the start went, once
+                    if place.on_cuda:
+                        torch.cuda.synchronize()  # the step's kernels finished, as "first step" means
+                    t.startup.mark("first_step")
+                    t.metrics.event("startup", state.step, **t.startup.record())
+                    t.startup = None
+                # loss: the global batch's mean (the guard's all-reduce summed the ranks' shares), as one process logs
+                t.metrics.record("train", state.step, loss=verdict.loss, lr=t.scheduler.get_last_lr()[0],
+                                 tokens=state.tokens, step_time_s=time.perf_counter() - step_start,
+                                 micro_batch=session.policy.micro_batch, grad_accum=micro_batches, ooms=ooms,
+                                 **_memory_fields(place, t.cap_bytes, r.hardware.nodes),
+                                 **_loss_scale_fields(t.engine, r))
+                progress.update(state.step, t.metrics.last_flushed)
+                t.profiler.step()
+                last = state.step == stop_at
+                if state.step % r.train.eval_every == 0 or last:
+                    eval_loss = evaluate(t.engine, t.val_loader, t.data.val_set, run.eval_samples,
+                                         session.policy.micro_batch, device, world, rank,
+                                         before=lambda i, n: t.hooks.oom_eval.maybe_raise(state.step, i, n),
+                                         on_oom=lambda n: t.metrics.event("oom", state.step, micro_batch=n,
+                                                                          phase="eval"))
+                    t.metrics.event("eval", state.step, loss=eval_loss, perplexity=perplexity(eval_loss))
+                    progress.note_eval(state.step, eval_loss)
+                    if state.best_eval_loss is None or eval_loss < state.best_eval_loss:
+                        state.best_eval_loss = eval_loss
+                due = state.step % r.train.save_every == 0 or last or verdict.stop
+                if t.options.save and verdict.may_save and due:
+                    session.checkpoint()
+                if verdict.stop:
+                    status = "interrupted"
+                    interrupted.signum = verdict.signum  # every rank the same, also one that got no signal
+                    break
+            t.metrics.flush()
+        # The end of the run stays under the loop's handlers: a first Ctrl-C / SIGTERM here lets the final
+        # evaluation and the export (part of saving) finish, and the run then ends "interrupted" with the
+        # signal's exit code, as a launcher of several processes reports it whatever its workers do; running
+        # again finds the model exported. A second Ctrl-C aborts at once, as during training.
+        if status == "done" and state.step < run.total_steps:
+            status = "stopped"
+        if status == "done" and t.generation is not None:  # and after it
             progress.note(t.generation.record(t.model, t.metrics, state.step).describe(state.step))
-            if t.startup is not None:
-                t.startup.mark("eval_generate")
-        while state.step < stop_at:
-            step_start = time.perf_counter()
-            samples = t.order.indices(state.step * global_batch, global_batch)
-            targets = t.data.train_set.targets(samples)  # of the whole global batch: every rank knows all samples
-            outcome = session.forward_backward(samples[rank * per_rank_batch:(rank + 1) * per_rank_batch], targets)
-            if outcome is None:  # an OOM in ZeRO-1/2 backward: saved; the launcher resumes from there
-                return RunResult(status="restart", step=state.step, run_dir=run.run_dir)
-            loss_sum, micro_batches, ooms = outcome
-            skipped_before = t.engine.skipped_steps
-            with phase("optimizer_step"):
-                t.engine.step()
-            verdict = guard.after_step(state.step + 1, loss_sum / (targets / world), t.engine, skipped_before,
-                                       interrupted.requested)
-            t.hooks.sample_trace.commit(state.step, rank)
-            state.step += 1
-            state.tokens += targets
-            session.adapt_batch()
-            # loss: this rank's mean, reported from rank 0
-            if t.startup is not None:  # the first step of this attempt: where the start went, once
-                if place.on_cuda:
-                    torch.cuda.synchronize()  # the step's kernels finished, as "first step" means
-                t.startup.mark("first_step")
-                t.metrics.event("startup", state.step, **t.startup.record())
-                t.startup = None
-            t.metrics.record("train", state.step, loss=loss_sum / (targets / world), lr=t.scheduler.get_last_lr()[0],
-                             tokens=state.tokens, step_time_s=time.perf_counter() - step_start,
-                             micro_batch=session.policy.micro_batch, grad_accum=micro_batches, ooms=ooms,
-                             **_memory_fields(place, t.cap_bytes, r.hardware.nodes),
-                             **_loss_scale_fields(t.engine, r))
-            progress.update(state.step, t.metrics.last_flushed)
-            t.profiler.step()
-            last = state.step == stop_at
-            if state.step % r.train.eval_every == 0 or last:
-                eval_loss = evaluate(t.engine, t.val_loader, t.data.val_set, run.eval_samples,
-                                     session.policy.micro_batch, device, world, rank,
-                                     before=lambda i, n: t.hooks.oom_eval.maybe_raise(state.step, i, n),
-                                     on_oom=lambda n: t.metrics.event("oom", state.step, micro_batch=n, phase="eval"))
-                t.metrics.event("eval", state.step, loss=eval_loss, perplexity=math.exp(min(eval_loss, 50)))
-                progress.note_eval(state.step, eval_loss)
-                if state.best_eval_loss is None or eval_loss < state.best_eval_loss:
-                    state.best_eval_loss = eval_loss
-            if t.options.save and verdict.may_save and (state.step % r.train.save_every == 0 or last or verdict.stop):
-                session.checkpoint()
-            if verdict.stop:
-                status = "interrupted"
-                break
-        t.metrics.flush()
-    if status == "done" and state.step < run.total_steps:
-        status = "stopped"
-    if status == "done" and t.generation is not None:  # and after it
-        progress.note(t.generation.record(t.model, t.metrics, state.step).describe(state.step))
-    exported = None
-    if status == "done" and t.options.save:
-        exported = export_model(t.engine, t.model, t.data.tokenizer, run.run_dir / "final", rank, r.offload.stage == 3,
-                                r.data)
-    t.metrics.event("run", state.step, event="end", status=status)
+        exported = None
+        if status == "done" and t.options.save:
+            exported = export_model(t.engine, t.model, t.data.tokenizer, run.run_dir / "final", rank,
+                                    r.offload.stage == 3, r.data)
+        if interrupted.requested and status in ("done", "stopped"):  # the signal came after the last step's verdict
+            status = "interrupted"
+        t.metrics.event("run", state.step, event="end", status=status,
+                        **({"exported": str(exported)} if exported is not None and status != "done" else {}))
     return RunResult(status=status, step=state.step, run_dir=run.run_dir, final_eval_loss=eval_loss, exported=exported,
                      signum=interrupted.signum, warning=guard.warning,
                      saved=t.options.save)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from memtrain.monitor.perplexity import perplexity_text
 from memtrain.units import gib
 
 
@@ -49,13 +50,11 @@ class Progress:
         self._bar.update(self._task, completed=step, **fields)
 
     def note_eval(self, step: int, loss: float) -> None:
-        import math
-
-        self._eval = f" · val ppl {math.exp(min(loss, 50)):.1f}"
+        self._eval = f" · val ppl {perplexity_text(loss, 1)}"
         if self._bar is not None:
             stats = self._bar.tasks[0].fields.get("stats", "") if self._bar.tasks else ""
             self._bar.update(self._task, stats=stats.split(" · val ppl")[0] + self._eval)  # not the previous one
-            self._bar.console.print(f"step {step}: validation loss {loss:.4f}, perplexity {math.exp(min(loss, 50)):.2f}")
+            self._bar.console.print(f"step {step}: validation loss {loss:.4f}, perplexity {perplexity_text(loss)}")
 
     def note(self, text: str) -> None:
         """Print one line above the bar (e.g. the generation evaluation's score)."""

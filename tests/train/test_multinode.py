@@ -55,7 +55,8 @@ def test_two_nodes_train_as_one_process_with_the_same_global_batch(tmp_path):
     assert run(QUICKSTART, *shrunk(tmp_path, "one-process", "hardware.gpus=1")) == 0
     two, one = tmp_path / "runs" / "two-nodes", tmp_path / "runs" / "one-process"
     assert sorted(train_losses(two)) == list(range(1, 7))
-    # rank 0 logs the mean over its half of the batch; the weights after 6 steps are what must agree
+    a, b = train_losses(one), train_losses(two)  # the whole batch's loss on both (audit 17c L5)
+    assert all(b[step] == pytest.approx(a[step], abs=1e-4) for step in a), (a, b)
     assert final_eval_loss(two) == pytest.approx(final_eval_loss(one), abs=1e-4)
     assert [p.name for p in complete_checkpoints(two)][-1] == "step-000006"  # written once, into the shared dir
     assert not list(two.glob(".memtrain-shared-*"))  # the shared-directory token is gone
@@ -81,6 +82,27 @@ def test_two_nodes_stopped_by_sigterm_resume_exactly(tmp_path):
     assert sorted(train_losses(run_dir)) == list(range(1, 13))  # each step once, after the resume too
     assert [r for r in read_records(run_dir, "run") if r.get("event") == "resume"]
     assert final_eval_loss(run_dir) == pytest.approx(final_eval_loss(tmp_path / "runs" / "straight"), abs=1e-4)
+
+
+def test_sigterm_to_one_node_stops_both_with_its_code(tmp_path):
+    """Audit 17c L1: node 0 got no signal, yet it stopped because node 1 did: it reports SIGTERM (143), not 130."""
+    overrides = shrunk(tmp_path, "one-term", "train.steps=200", "train.save_every=100")
+    run_dir = tmp_path / "runs" / "one-term"
+    port = free_port()
+    nodes = [start_node(0, port, overrides), start_node(1, port, overrides)]
+    deadline = time.time() + 300
+    while time.time() < deadline and not train_losses_or_none(run_dir) and all(n.poll() is None for n in nodes):
+        time.sleep(0.2)
+    nodes[1].send_signal(signal.SIGTERM)
+    for code, output in [(node.wait(timeout=300), node.stdout.read()) for node in nodes]:
+        assert code == 143, output[-3000:]
+    ends = [r for r in read_records(run_dir, "run") if r.get("event") == "end"]
+    assert ends[-1]["status"] == "interrupted" and complete_checkpoints(run_dir)
+
+
+def train_losses_or_none(run_dir: Path) -> dict | None:
+    metrics = run_dir / "metrics.jsonl"
+    return train_losses(run_dir) if metrics.exists() and '"train"' in metrics.read_text() else None
 
 
 def test_a_different_recipe_on_node_1_stops_both_nodes_with_exit_2(tmp_path):

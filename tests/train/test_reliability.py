@@ -346,3 +346,54 @@ def test_an_oom_in_evaluation_shrinks_the_eval_micro_batch_instead_of_ending_the
     assert [(o["step"], o["micro_batch"], o["phase"]) for o in ooms] == [(4, 4, "eval"), (4, 2, "eval")]
     [a], [b] = read_records(run_dir_of(clean), "eval"), read_records(run_dir_of(faulty), "eval")
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)  # the same samples, each counted once
+
+
+def test_a_loss_that_blows_up_from_the_first_step_is_reported_as_diverged(write_recipe):
+    """Audit 17c M1: with lr 0.9 the loss is far above step 1's from step 2 on; the grace steps hid it."""
+    recipe = write_recipe("blowup", {"optimizer": {"lr": 0.9}, "schedule": {"warmup_steps": 0},
+                                     "train": {"steps": 10, "save_every": 100, "eval_every": 100}})
+    code, said = run(recipe, save=False)
+    assert code == 0, said
+    run_dir = run_dir_of(recipe)
+    losses = {r["step"]: r["loss"] for r in read_records(run_dir, "train")}
+    [event] = read_records(run_dir, "divergence")  # once, however long the loss stays high
+    assert event["step"] == 6 and event["best_loss"] == pytest.approx(losses[1])
+    assert "far above its best" in said.splitlines()[-1] and "optimizer.lr" in said.splitlines()[-1]
+    assert "✓" not in said.splitlines()[-1]
+
+
+def test_ctrl_c_during_the_final_export_lets_it_finish_and_a_second_one_aborts(write_recipe, monkeypatch):
+    """Audit 17c L4: the end of the run is under the loop's handlers. A real SIGINT reaches this process at
+    the start of the real export."""
+    import os
+    import signal
+
+    from memtrain.train import loop
+
+    export = loop.export_model
+    presses = []
+
+    def press_then_export(*args, **kwargs):
+        for _ in presses:
+            os.kill(os.getpid(), signal.SIGINT)
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "export_model", press_then_export)
+    recipe = write_recipe("ctrlc-export", {"train": {"steps": 4, "save_every": 100, "eval_every": 100}})
+    presses[:] = [1]
+    code, said = run(recipe)
+    assert code == 130, said
+    assert "interrupted at step 4" in said and "before the run could save" not in said, said
+    run_dir = run_dir_of(recipe)
+    assert (run_dir / "final" / "adapter_config.json").is_file() or any((run_dir / "final").iterdir())
+    [end] = [r for r in read_records(run_dir, "run") if r.get("event") == "end"]
+    assert end["status"] == "interrupted" and end["exported"] == str(run_dir / "final")
+    code, said = run(recipe)
+    assert code == 0 and "already trained" in said, said
+
+    twice = write_recipe("ctrlc-export-twice", {"train": {"steps": 4, "save_every": 100, "eval_every": 100}})
+    presses[:] = [1, 2]
+    code, said = run(twice)
+    assert code == 130 and "stopped by Ctrl-C before the run could save" in said, said
+    assert not (run_dir_of(twice) / "final").exists()
+    assert [p.name for p in complete_checkpoints(run_dir_of(twice))] == ["step-000004"]  # the last step's save stands

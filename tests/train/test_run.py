@@ -183,8 +183,10 @@ def test_two_processes_match_one_process_with_twice_the_accumulation(write_recip
     assert run(one) == 0
     a, b = train_losses(run_dir_of(one)), train_losses(run_dir_of(two))
     assert sorted(b) == list(range(1, 7))
-    # rank 0 reports the mean over its half of the batch; compare the optimisation, not the halves:
-    # the weights after 6 steps must agree, so the evaluation losses agree
+    # the logged loss is the whole global batch's mean on either (audit 17c L5: it was rank 0's half)
+    for step in range(1, 7):
+        assert b[step] == pytest.approx(a[step], abs=1e-4), (step, a, b)
+    # and the weights after 6 steps agree, so the evaluation losses agree
     ea = read_records(run_dir_of(one), "eval")[-1]["loss"]
     eb = read_records(run_dir_of(two), "eval")[-1]["loss"]
     assert eb == pytest.approx(ea, rel=1e-4)

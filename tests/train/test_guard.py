@@ -1,0 +1,103 @@
+"""The guard on its own, with real tensors: when a divergence is reported, and what several ranks agree on
+(one all-reduce over real gloo processes)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from memtrain.monitor.metrics import MetricsLog
+from memtrain.recipe.schema import Recipe
+from memtrain.train.guard import DIVERGENCE_AFTER_STEPS, Guard
+from tests.conftest import TINY_RECIPE
+
+
+class Engine:
+    """What the guard reads of a DeepSpeed engine: the count of updates its overflow check skipped."""
+
+    skipped_steps = 0
+
+
+def guard_for(tmp_path: Path, world_size: int = 1) -> tuple[Guard, Path]:
+    path = tmp_path / "metrics.jsonl"
+    guard = Guard(Recipe.model_validate(TINY_RECIPE), MetricsLog(path, flush_every=1), world_size,
+                  torch.device("cpu"), tmp_path)
+    return guard, path
+
+
+def feed(guard: Guard, losses: list[float], targets: int = 100) -> None:
+    for step, loss in enumerate(losses, start=1):
+        guard.after_step(step, torch.tensor(loss * targets), targets, Engine(), 0, None)
+
+
+def divergences(path: Path) -> list[dict]:
+    guard_records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in guard_records if r["kind"] == "divergence"]
+
+
+def test_a_loss_that_blows_up_from_the_first_steps_is_reported_once_after_the_grace(tmp_path):
+    """optimizer.lr=0.9 on the quickstart (audit 17c, M1): 8.4 at step 1, far above from step 2 on."""
+    guard, path = guard_for(tmp_path)
+    feed(guard, [8.4, 69.3, 150.0, 259.7, 200.0, 120.0, 95.0, 82.2, 90.0, 85.0])
+    guard.metrics.flush()
+    [event] = divergences(path)
+    assert event["step"] == DIVERGENCE_AFTER_STEPS + 1 and event["best_loss"] == pytest.approx(8.4)
+    assert guard.warning and "far above its best 8.4" in guard.warning and "optimizer.lr" in guard.warning
+
+
+def test_noise_in_the_grace_steps_and_a_falling_loss_warn_of_nothing(tmp_path):
+    guard, path = guard_for(tmp_path)
+    feed(guard, [8.0, 14.0, 9.0, 7.0, 6.5, 6.0, 5.5, 5.0, 4.8, 4.7])  # step 2 is far, then training recovers
+    guard.metrics.flush()
+    assert divergences(path) == [] and guard.warning is None
+
+
+def test_a_rise_after_the_grace_is_one_event_per_episode(tmp_path):
+    guard, path = guard_for(tmp_path)
+    feed(guard, [8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 9.0, 9.5, 3.1, 9.0])
+    guard.metrics.flush()
+    assert [e["step"] for e in divergences(path)] == [7, 10]  # 7-8 one episode, back at 9, again at 10
+
+
+def _agree_on_two_ranks(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        guard, _ = guard_for(Path(out) / f"rank{rank}", world_size=2)
+        targets = 10
+        shares = [torch.tensor(31.0), torch.tensor(29.0)]  # each rank's token-loss sum over its half
+        asked = [None, signal.SIGTERM]  # only rank 1 got a signal (SIGTERM, as from Slurm)
+        verdict = guard.after_step(1, shares[rank], targets, Engine(), 0, asked[rank])
+        both = [None, signal.SIGINT]
+        later = guard.after_step(2, shares[rank], targets, Engine(), 0, [signal.SIGTERM, signal.SIGINT][rank])
+        nan = guard.after_step(3, torch.tensor(math.nan) if rank == 1 else shares[0], targets, Engine(), 0,
+                               both[rank])
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps({
+            "first": [verdict.stop, verdict.signum, float(verdict.loss), verdict.bad],
+            "both": [later.signum], "nan": [nan.bad, nan.signum]}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_agree_on_the_stop_signal_and_log_the_global_batch_loss(tmp_path):
+    """Audit 17c L1 and L5: a rank that got no signal stops with the other's SIGTERM (exit 143 everywhere), and
+    the loss is the whole batch's mean, not rank 0's share."""
+    import torch.multiprocessing as mp
+
+    from memtrain.train.distributed import free_port
+
+    for rank in range(2):
+        (tmp_path / f"rank{rank}").mkdir()
+    mp.spawn(_agree_on_two_ranks, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        said = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert said["first"] == [True, signal.SIGTERM, pytest.approx(6.0), False], (rank, said)
+        assert said["both"] == [signal.SIGTERM]  # SIGTERM on one rank and Ctrl-C on the other: SIGTERM wins
+        assert said["nan"] == [True, signal.SIGINT]  # one rank's NaN loss is a bad step on every rank
