@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -18,12 +19,20 @@ from pathlib import Path
 from memtrain.errors import Problem, UserError
 
 
+_TMP, _ASIDE = ".tmp", ".old"  # atomic_path's temporaries, and an old directory on its way out
+
+
 @contextmanager
 def atomic_path(path: Path, directory: bool = False) -> Iterator[Path]:
     """A temporary file (or, with `directory`, an empty directory) beside `path` to write into;
-    it replaces `path` when the block ends and is removed if the block raises."""
+    it replaces `path` when the block ends and is removed if the block raises.
+
+    A directory that already exists at `path` is renamed aside before the new one is renamed in, and
+    deleted only then: at every moment one of the two is whole, and `path` is never half-deleted (a
+    run checks that final/ is a directory to tell that it is done). A kill leaves the temporaries
+    (`leftovers` finds them)."""
     path = Path(path)
-    prefix, suffix = f".{path.name}.", ".tmp"
+    prefix, suffix = f".{path.name}.", _TMP
     made = [folder for folder in path.parents if not folder.exists()]  # nearest first
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -39,13 +48,12 @@ def atomic_path(path: Path, directory: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         if directory:
-            if path.exists():
-                shutil.rmtree(path)
+            _replace_directory(tmp, path, prefix)
         else:
             os.chmod(tmp, 0o644)  # mkstemp makes 0600; other users' runs may share a cache or read a report
             with open(tmp, "rb") as written:
                 os.fsync(written.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)
     except BaseException:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -53,6 +61,37 @@ def atomic_path(path: Path, directory: bool = False) -> Iterator[Path]:
             tmp.unlink(missing_ok=True)
         _remove_empty(made)
         raise
+
+
+def _replace_directory(tmp: Path, path: Path, prefix: str) -> None:
+    """Put the directory `tmp` at `path`: an old `path` goes aside whole first (os.replace cannot replace a
+    non-empty directory), the new one comes in, and only then is the old one deleted."""
+    if not path.exists():
+        os.replace(tmp, path)
+        return
+    aside = _unused_name(path.parent, prefix, _ASIDE)
+    os.replace(path, aside)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        if not path.exists():
+            os.replace(aside, path)  # the old one back: the write failed, the target is as it was
+        raise
+    if aside.is_dir():
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        aside.unlink(missing_ok=True)
+
+
+def leftovers(path: Path) -> list[Path]:
+    """What atomic_path left beside `path` when its process was killed: temporaries that were never renamed
+    onto `path`, and old directories renamed aside and not yet deleted. Only names atomic_path makes."""
+    path = Path(path)
+    # _new_directory's and _unused_name's 12 hex digits, or tempfile.mkstemp's 8 characters
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(?:[0-9a-f]{{12}}\.(?:tmp|old)|[a-z0-9_]{{8}}\.tmp)")
+    if not path.parent.is_dir():
+        return []
+    return sorted(p for p in path.parent.iterdir() if pattern.fullmatch(p.name))
 
 
 def _remove_empty(folders: list[Path]) -> None:
@@ -74,6 +113,14 @@ def _new_directory(parent: Path, prefix: str, suffix: str) -> Path:
             return candidate
         except FileExistsError:
             continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(parent))
+
+
+def _unused_name(parent: Path, prefix: str, suffix: str) -> Path:
+    for _ in range(100):
+        candidate = parent / f"{prefix}{secrets.token_hex(6)}{suffix}"
+        if not os.path.lexists(candidate):
+            return candidate
     raise FileExistsError(errno.EEXIST, "no free temporary name", str(parent))
 
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +63,48 @@ def test_directories_get_the_usual_permissions_as_os_makedirs_gives(tmp_path, um
         os.umask(old)
     mode = (tmp_path / "merged").stat().st_mode & 0o777
     assert mode == 0o777 & ~umask == (tmp_path / "reference").stat().st_mode & 0o777
+
+
+def test_replacing_a_directory_never_leaves_it_half_deleted(tmp_path, monkeypatch):
+    """final/ being a directory tells a rerun that the export is done: a kill at any moment of its replacement
+    (after raising train.steps) must leave it the old one or the new one, whole, or absent."""
+    target = tmp_path / "final"
+    target.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (target / name).write_text("old")
+    seen = []
+    rmtree, replace = shutil.rmtree, os.replace
+
+    def look():
+        seen.append({p.name: p.read_text() for p in target.iterdir()} if target.is_dir() else None)
+
+    def removing(path, *args, **kwargs):  # a kill while deleting: the first file is gone, the rest not yet
+        first = next((p for p in sorted(Path(path).rglob("*")) if p.is_file()), None)
+        if first is not None:
+            first.unlink()
+            look()
+        rmtree(path, *args, **kwargs)
+
+    def renaming(src, dst):
+        look()
+        replace(src, dst)
+        look()
+
+    monkeypatch.setattr(shutil, "rmtree", removing)
+    monkeypatch.setattr(os, "replace", renaming)
+    with atomic_path(target, directory=True) as tmp:
+        for name in ("config.json", "model.safetensors"):
+            (tmp / name).write_text("new")
+    old, new = ({"config.json": s, "model.safetensors": s} for s in ("old", "new"))
+    assert seen and all(state in (old, new, None) for state in seen), seen
+    assert seen[-1] == new and os.listdir(tmp_path) == ["final"]
+
+
+def test_the_leftovers_of_a_killed_atomic_write_are_found_and_nothing_else(tmp_path):
+    for name in (".final.0123456789ab.tmp", ".final.ba9876543210.old", "final", ".final.keep", ".finalx.0123456789ab.tmp",
+                 ".merged.0123456789ab.tmp"):
+        (tmp_path / name).mkdir()
+    (tmp_path / ".final.k2_9xq0z.tmp").write_text("a mkstemp temporary")
+    assert [p.name for p in files.leftovers(tmp_path / "final")] == [
+        ".final.0123456789ab.tmp", ".final.ba9876543210.old", ".final.k2_9xq0z.tmp"]
+    assert files.leftovers(tmp_path / "missing" / "final") == []

@@ -3,11 +3,14 @@
 A checkpoint is written into `checkpoints/.tmp-step-NNNNNN/` (DeepSpeed's model, optimizer and
 scheduler state, one RNG file per rank, and `memtrain_state.json` last), then renamed to
 `checkpoints/step-NNNNNN/`. A run killed mid-save leaves only a `.tmp-` directory, which is never
-loaded and is removed by the next save; the last complete checkpoint stays intact.
+loaded and is removed by the next save (or at start-up); the last complete checkpoint stays intact.
 
 Pruning renames an old checkpoint to `.del-step-NNNNNN/` before deleting it, so a run killed while
 pruning leaves a `.del-` directory (removed by the next save), never a `step-` directory with part of
-its files. `memtrain_state.json` also records the recipe the checkpoint was trained with, so a resume
+its files; a save of a step that already has a checkpoint moves the old one aside the same way, and
+deletes it only once the new one is in place. Pruning to `keep_last` happens before a save as well as
+after it: before, to keep_last - 1 (at least 1), so the disk holds at most max(keep_last, 2)
+checkpoints at once, and a lower keep_last frees room for the very save that ran out of it. `memtrain_state.json` also records the recipe the checkpoint was trained with, so a resume
 can tell what changed (memtrain.train.resume).
 """
 from __future__ import annotations
@@ -79,10 +82,18 @@ def _set_rng_state(state: dict) -> None:
 
 def remove_leftovers(run_dir: Path) -> list[Path]:
     """Delete what killed saves and prunes left: `.tmp-`/`.del-` directories and `step-` directories
-    without their state file (a partial prune by an older memtrain). Returns what was removed."""
+    without their state file (a partial prune by an older memtrain). Returns what was removed.
+
+    A `.tmp-step-N` that holds its state file (written last) is complete; when `step-N` is missing it is
+    renamed into place, not deleted: a save of a step that already had a checkpoint was killed between
+    moving the old copy aside and renaming the new one in, and it is that step's only complete copy."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
+    for tmp in root.glob(".tmp-step-*"):
+        final = root / tmp.name[len(".tmp-"):]
+        if _STEP_DIR.match(final.name) and (tmp / STATE_FILE).is_file() and not final.exists():
+            os.replace(tmp, final)
     stale = [p for p in root.iterdir() if p.is_dir() and (
         p.name.startswith((".tmp-step-", ".del-step-")) or (_STEP_DIR.match(p.name) and not (p / STATE_FILE).is_file()))]
     for path in stale:
@@ -136,6 +147,7 @@ def save_checkpoint(engine, run_dir: Path, state: LoopState, rank: int, keep_las
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         remove_leftovers(run_dir)
+        prune(run_dir, kept_while_saving(keep_last))
         tmp.mkdir()
     barrier()
     engine.save_checkpoint(str(tmp), tag=DS_TAG)
@@ -151,15 +163,37 @@ def save_checkpoint(engine, run_dir: Path, state: LoopState, rank: int, keep_las
         state_path.write_text(json.dumps(asdict(state), indent=2))
         with open(state_path) as handle:
             os.fsync(handle.fileno())
-        if final.exists():  # a save of the same step (e.g. interrupted right after a periodic save)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in complete_checkpoints(run_dir)[:-keep_last]:
-            doomed = old.with_name(f".del-{old.name}")
-            os.replace(old, doomed)  # never a step- directory with part of its files
-            shutil.rmtree(doomed, ignore_errors=True)
+        if final.exists():  # a save of the same step (e.g. after an OOM): the old copy stays whole until replaced
+            old = _doomed(final)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        prune(run_dir, keep_last)
     barrier()
     return final
+
+
+def kept_while_saving(keep_last: int) -> int:
+    """How many complete checkpoints stay while the next one is written: one fewer than keep_last, for the
+    new one, but never none (a save that fails must leave a checkpoint to resume from)."""
+    return max(keep_last - 1, 1)
+
+
+def prune(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints (rank 0); returns what was deleted."""
+    pruned = complete_checkpoints(run_dir)[:-keep]
+    for old in pruned:
+        doomed = _doomed(old)
+        os.replace(old, doomed)  # never a step- directory with part of its files
+        shutil.rmtree(doomed, ignore_errors=True)
+    return pruned
+
+
+def _doomed(checkpoint: Path) -> Path:
+    """Where a checkpoint goes to be deleted: a name no resume loads and the next save removes."""
+    return checkpoint.with_name(f".del-{checkpoint.name}")
 
 
 @contextmanager

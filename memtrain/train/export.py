@@ -10,6 +10,7 @@ from memtrain.files import atomic_path
 from memtrain.recipe.schema import Data
 from memtrain.train.distributed import barrier
 from memtrain.train.generate_eval import stop_token_ids
+from memtrain.train.storage import export_failed
 
 
 def export_model(engine, model: torch.nn.Module, tokenizer, out_dir: Path, rank: int, zero3: bool,
@@ -32,16 +33,30 @@ def export_model(engine, model: torch.nn.Module, tokenizer, out_dir: Path, rank:
             tokenizer.chat_template = template.source  # the template trained with (a shipped one replaces the own)
             stop_ids = stop_token_ids(data.template, tokenizer)
         generation = set_inference_config(model, tokenizer, stop_ids)
-        with atomic_path(out_dir, directory=True) as tmp:
-            if state_dict is not None:
-                model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            else:
-                model.save_pretrained(tmp, safe_serialization=True)
-            if not (tmp / "generation_config.json").is_file():  # a PEFT adapter saves none
-                generation.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+        try:
+            with atomic_path(out_dir, directory=True) as tmp:
+                if state_dict is not None:
+                    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+                else:
+                    model.save_pretrained(tmp, safe_serialization=True)
+                if not (tmp / "generation_config.json").is_file():  # a PEFT adapter saves none
+                    generation.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+        except Exception as error:  # a full or read-only disk: atomic_path removed the partial export; say so
+            failed = export_failed(Path(out_dir).parent, Path(out_dir), error, _export_bytes(model, state_dict))
+            if failed is None:
+                raise
+            raise failed from None
     barrier()
     return out_dir if rank == 0 else None
+
+
+def _export_bytes(model: torch.nn.Module, state_dict: dict | None) -> int:
+    """About what the export writes: the gathered weights, an adapter's trainable ones, or the model's."""
+    if state_dict is not None:
+        return sum(t.numel() * t.element_size() for t in state_dict.values())
+    adapter = hasattr(model, "peft_config")
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not adapter)
 
 
 def _without_wrapper_prefix(state_dict: dict | None) -> dict | None:

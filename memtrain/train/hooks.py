@@ -9,26 +9,30 @@ study recovery) are:
   MEMTRAIN_INJECT_NAN            steps whose loss (and gradients) become NaN, e.g. '3,4,5'
   MEMTRAIN_INJECT_OOM_EVAL       OOMs before chosen evaluation micro-batches (step:micro_index..., as above)
   MEMTRAIN_INJECT_ENOSPC         steps whose checkpoint save fails with "no space left on device"
+  MEMTRAIN_INJECT_EROFS          steps whose checkpoint save fails with "read-only file system"
   MEMTRAIN_INJECT_SLOW_START     seconds to wait after deepspeed.initialize (with _RANK: one rank starts late)
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from memtrain.errors import Problem, UserError
 from memtrain.train.guard import NAN_ENV, NanInjector
 from memtrain.train.oom import INJECT_ENV, OomInjector
+from memtrain.train.storage import inject_write_error
 
 INJECT_BACKWARD_ENV = "MEMTRAIN_INJECT_OOM_BACKWARD"
 INJECT_RANK_ENV = "MEMTRAIN_INJECT_RANK"
 TRACE_ENV = "MEMTRAIN_TRACE_SAMPLES"
 INJECT_EVAL_ENV = "MEMTRAIN_INJECT_OOM_EVAL"
 INJECT_ENOSPC_ENV = "MEMTRAIN_INJECT_ENOSPC"
+INJECT_EROFS_ENV = "MEMTRAIN_INJECT_EROFS"
 INJECT_SLOW_START_ENV = "MEMTRAIN_INJECT_SLOW_START"
 
 
@@ -68,6 +72,7 @@ class Hooks:
     nan: NanInjector = field(default_factory=NanInjector)
     oom_eval: OomInjector = field(default_factory=OomInjector)
     enospc_steps: frozenset[int] = frozenset()  # saves of these steps fail as if the disk were full
+    erofs_steps: frozenset[int] = frozenset()  # saves of these steps fail as if the disk had turned read-only
     slow_start_s: float = 0.0  # waited after deepspeed.initialize: a rank still starting while the others train
 
     @classmethod
@@ -84,7 +89,16 @@ class Hooks:
                    nan=NanInjector.parse(environ.get(NAN_ENV, "")) if injects else NanInjector(),
                    oom_eval=injector(INJECT_EVAL_ENV),
                    enospc_steps=_steps(environ.get(INJECT_ENOSPC_ENV, ""), INJECT_ENOSPC_ENV) if injects else frozenset(),
+                   erofs_steps=_steps(environ.get(INJECT_EROFS_ENV, ""), INJECT_EROFS_ENV) if injects else frozenset(),
                    slow_start_s=_seconds(environ.get(INJECT_SLOW_START_ENV, ""), INJECT_SLOW_START_ENV) if injects else 0.0)
+
+    def save_fault(self, step: int) -> Callable[[Path], None] | None:
+        """What the save of `step` fails with, half-way (checkpoint.save_checkpoint's `fault`), if anything."""
+        if step in self.enospc_steps:
+            return inject_write_error(errno.ENOSPC)
+        if step in self.erofs_steps:
+            return inject_write_error(errno.EROFS)
+        return None
 
     def wait_slow_start(self) -> None:
         if self.slow_start_s > 0:

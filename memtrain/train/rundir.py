@@ -12,6 +12,9 @@ it so:
 - A run that starts from step 0 (no checkpoint) replaces the metrics an earlier attempt left.
 - A run resumed from step S drops the metric records of steps after S (those of the steps it is
   about to redo), so metrics.jsonl holds each step once and `memtrain report` reads one history.
+
+What killed saves and exports left (checkpoint.remove_leftovers, and the temporaries beside final/) is
+removed at start-up, under the lock, before the resume looks for the newest checkpoint.
 """
 from __future__ import annotations
 
@@ -25,9 +28,9 @@ from pathlib import Path
 from typing import IO
 
 from memtrain.errors import Problem, UserError
-from memtrain.files import cannot_create, write_atomically
+from memtrain.files import cannot_create, leftovers, write_atomically
 from memtrain.monitor.metrics import METRICS_FILE
-from memtrain.train.checkpoint import complete_checkpoints
+from memtrain.train.checkpoint import complete_checkpoints, remove_leftovers
 from memtrain.train.run import RunOptions
 
 FINAL_DIR = "final"
@@ -123,7 +126,12 @@ def claim_run_dir(run_dir: Path, options: RunOptions, lock: RunDirLock | None = 
     `run_dir`, is taken again on the new directory when --overwrite moves the old one (and its lock file) aside.
     """
     run_dir = Path(run_dir)
-    if not run_dir.exists() or not (options.overwrite or not options.resume):
+    if not run_dir.exists():
+        return []
+    if not options.overwrite:  # --overwrite moves them aside with the rest
+        remove_leftovers(run_dir)  # before the resume looks for the newest checkpoint: it may finish a killed save
+        remove_export_leftovers(run_dir)
+    if options.resume and not options.overwrite:
         return []
     if options.overwrite:
         if not _contents(run_dir):
@@ -143,6 +151,19 @@ def claim_run_dir(run_dir: Path, options: RunOptions, lock: RunDirLock | None = 
             hint=f"train somewhere else (train.output_dir=runs/NEW), resume it (drop --no-resume), or start over "
                  f"with --overwrite (the old run is moved to {run_dir.name}.previous-DATE beside it)"))
     return []
+
+
+def remove_export_leftovers(run_dir: Path) -> list[Path]:
+    """Delete what a killed export left beside final/ (files.atomic_path's `.final.*.tmp` temporaries and an old
+    final/ renamed aside): a 7B export killed half-way leaves gigabytes in a hidden directory that nothing reads.
+    Called at start-up with the run directory's lock held, so no export of another process is under way."""
+    stale = leftovers(Path(run_dir) / FINAL_DIR)
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return stale
 
 
 def start_metrics(run_dir: Path, resume_step: int | None) -> int:

@@ -20,13 +20,13 @@ from memtrain.monitor.metrics import MetricsLog
 from memtrain.plan.model_states import optimizer_bytes_per_param
 from memtrain.recipe.schema import Recipe
 from memtrain.train.batch_policy import BatchPolicy, GiveUp
-from memtrain.train.checkpoint import LoopState, partial_save, save_checkpoint
+from memtrain.train.checkpoint import LoopState, kept_while_saving, partial_save, prune, save_checkpoint
 from memtrain.train.distributed import Place, any_rank, max_over_ranks
 from memtrain.train.hooks import Hooks
 from memtrain.train.oom import dump_memory_snapshot, release_memory
 from memtrain.train.step import OomDuringStep, run_micro_batches, split
-from memtrain.train.storage import (disk_full_error, expected_checkpoint_bytes, inject_enospc, is_disk_full, say,
-                                    space_warning)
+from memtrain.train.storage import (expected_checkpoint_bytes, is_disk_full, save_failed, say, space_warning,
+                                    write_error)
 
 if TYPE_CHECKING:  # for the reader only: importing DeepSpeed is slow and sets up its accelerator
     import deepspeed
@@ -57,24 +57,33 @@ class Session:
         p, o = self.r.precision, self.r.optimizer
         needed = expected_checkpoint_bytes(self.run_dir, self.engine.module, optimizer_bytes_per_param(
             p.storage, p.master, eight_bit=o.eight_bit, in_backward=o.step_in_backward))
-        free, warning = space_warning(self.run_dir, needed) if main else (None, None)
-        if warning:
-            self.metrics.event("disk", step, free_bytes=free, needed_bytes=needed, message=warning)
-            say(warning)
-        fault = inject_enospc if step in self.hooks.enospc_steps else None
+        keep_last = self.r.train.keep_last
+        fault = self.hooks.save_fault(step)
         try:
-            path = save_checkpoint(self.engine, self.run_dir, self.state, self.place.rank, self.r.train.keep_last,
-                                   fault=fault)
-        except Exception as error:
-            if not is_disk_full(error):
+            if main:  # save_checkpoint prunes so too; first here, so the space check counts the room it frees
+                prune(self.run_dir, kept_while_saving(keep_last))
+            free, warning = space_warning(self.run_dir, needed, keep_last) if main else (None, None)
+            if warning:
+                self.metrics.event("disk", step, free_bytes=free, needed_bytes=needed, message=warning)
+                say(warning)
+            path = save_checkpoint(self.engine, self.run_dir, self.state, self.place.rank, keep_last, fault=fault)
+        except Exception as error:  # a full disk, a read-only one, no permission: one line, not a traceback
+            if write_error(error) is None:
                 raise
             if main:
                 shutil.rmtree(partial_save(self.run_dir, step), ignore_errors=True)  # frees what it took
-            self.metrics.event("run", step, event="end", status="disk_full")
-            self.metrics.close()
-            raise disk_full_error(self.run_dir, needed, step) from None
+            self._end(step, "disk_full" if is_disk_full(error) else "unwritable")
+            raise save_failed(self.run_dir, error, step, needed, keep_last) from None
         self.metrics.event("checkpoint", step, path=str(path))
         return path
+
+    def _end(self, step: int, status: str) -> None:
+        """The run's end record and the buffered metrics, as far as the disk that failed a save still takes them."""
+        try:
+            self.metrics.event("run", step, event="end", status=status)
+            self.metrics.close()
+        except OSError:  # metrics.jsonl is in the run directory that could not be written
+            pass
 
     def forward_backward(self, mine: list[int], targets: int) -> tuple[torch.Tensor, int, int] | None:
         """Gradients of this rank's samples, in micro-batches the policy sizes, surviving OOMs.

@@ -397,3 +397,69 @@ def test_ctrl_c_during_the_final_export_lets_it_finish_and_a_second_one_aborts(w
     assert code == 130 and "stopped by Ctrl-C before the run could save" in said, said
     assert not (run_dir_of(twice) / "final").exists()
     assert [p.name for p in complete_checkpoints(run_dir_of(twice))] == ["step-000004"]  # the last step's save stands
+
+
+def test_a_save_that_cannot_write_says_where_and_why_and_which_checkpoint_is_kept(write_recipe, monkeypatch):
+    """A run directory that turns read-only (the audit's M4: a traceback, exit 1): one line, exit 2."""
+    recipe = write_recipe("readonly", {"train": {"steps": 8, "save_every": 2, "eval_every": 100, "log_every": 100}})
+    monkeypatch.setenv("MEMTRAIN_INJECT_EROFS", "4")
+    result = cli(recipe)
+    run_dir = run_dir_of(recipe)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert f"'{run_dir / 'checkpoints'}' is on a read-only filesystem" in said, said
+    assert "the last complete checkpoint, of step 2 (step-000002), kept" in said
+    assert "run the same command to resume" in said
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-000002"]  # no partial .tmp- left
+    assert [r["status"] for r in read_records(run_dir, "run") if r.get("event") == "end"] == ["unwritable"]
+
+
+def test_a_full_disk_leaves_one_checkpoint_less_to_make_room_and_says_what_frees_it(write_recipe, monkeypatch):
+    """M2: pruning came after the new checkpoint, so a save needed room for keep_last + 1 and 'lower
+    train.keep_last' freed nothing before the save that failed. Now a save prunes to keep_last - 1 (at least 1) first."""
+    recipe = write_recipe("full-keep", {"train": {"steps": 8, "save_every": 2, "eval_every": 100}})  # keep_last 2
+    monkeypatch.setenv("MEMTRAIN_INJECT_ENOSPC", "6")
+    result = cli(recipe)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "no space left on" in said and "Traceback" not in said, result.output
+    run_dir = run_dir_of(recipe)
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step-000004"]  # step 2 went before the save
+    assert "the last complete checkpoint, of step 4 (step-000004), kept" in said
+    assert "lower train.keep_last" not in said and "make room on that disk" in said  # keep_last 1 would free nothing
+    monkeypatch.delenv("MEMTRAIN_INJECT_ENOSPC")
+    code, out = run(recipe)
+    assert code == 0 and "resuming from step 4" in " ".join(out.split()), out
+
+
+def test_an_export_that_cannot_write_ends_with_a_line_and_the_same_command_exports_again(write_recipe):
+    """M3: a full disk during the export was safetensors' SafetensorError ('... (os error 28)') in a traceback, exit 1.
+    A real write error without root: a file size limit (EFBIG) the checkpoint is already past, the export's
+    model.safetensors not."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    from tests.train.test_run import clean_env
+
+    recipe = write_recipe("export-full", {"train": {"steps": 4, "save_every": 4, "eval_every": 100}})
+    assert run(recipe)[0] == 0
+    run_dir = run_dir_of(recipe)
+    shutil.rmtree(run_dir / "final")  # trained and saved; the export is all a rerun does
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+
+    done = subprocess.run([sys.executable, "-m", "memtrain", "run", str(recipe)], env=clean_env(), text=True,
+                          preexec_fn=small_files, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    said = " ".join(done.stdout.split())
+    assert done.returncode == 2, done.stdout[-3000:]
+    assert "Traceback" not in done.stdout and "SafetensorError" not in done.stdout
+    assert f"cannot create '{run_dir / 'final'}'" in said and "exporting the model" in said, said
+    assert f"the checkpoint of step 4 ({run_dir / 'checkpoints' / 'step-000004'}) is complete" in said
+    assert "run the same command: it exports from that checkpoint" in said
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".final")]  # the partial export went
+    code, out = run(recipe)
+    assert code == 0 and (run_dir / "final" / "config.json").is_file(), out

@@ -79,6 +79,31 @@ def test_the_leftovers_of_killed_saves_and_prunes_are_removed(tmp_path):
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [good.name]
 
 
+def test_a_complete_save_killed_before_its_rename_is_put_in_place_not_deleted(tmp_path):
+    """A save of a step that already had a checkpoint moves the old copy aside, then renames the new one in: a kill
+    between the two leaves the step's only complete copy in `.tmp-` (its state file, written last, says so)."""
+    fake_checkpoint(tmp_path, 4)
+    complete = fake_checkpoint(tmp_path, 6).rename(tmp_path / "checkpoints" / ".tmp-step-000006")
+    (tmp_path / "checkpoints" / ".del-step-000006").mkdir()  # the old copy, being deleted
+    (tmp_path / "checkpoints" / ".tmp-step-000008" / "state").mkdir(parents=True)  # a save killed half-way
+    remove_leftovers(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000004", "step-000006"]
+    assert not complete.exists() and (tmp_path / "checkpoints" / "step-000006" / STATE_FILE).is_file()
+
+
+def test_what_a_killed_export_left_is_removed_at_start_up_and_nothing_else(tmp_path):
+    fake_checkpoint(tmp_path, 12)
+    (tmp_path / "final").mkdir()
+    (tmp_path / ".final.db26676940c7.tmp").mkdir()  # SIGKILL during the export
+    (tmp_path / ".final.db26676940c7.tmp" / "config.json").write_text("{}")
+    (tmp_path / ".final.0123456789ab.old").mkdir()  # SIGKILL while the old final/ was being deleted
+    (tmp_path / ".final.notes").write_text("a user's")
+    (tmp_path / "checkpoints" / ".tmp-step-000013").mkdir()
+    assert claim_run_dir(tmp_path, RunOptions()) == []
+    assert sorted(os.listdir(tmp_path)) == [".final.notes", "checkpoints", "final"]
+    assert os.listdir(tmp_path / "checkpoints") == ["step-000012"]
+
+
 def test_recipe_changes_are_split_into_breaking_and_safe():
     old = {"model": {"preset": "micro", "lora": None}, "data": {"seq_len": 32, "cache_dir": "a"},
            "batch": {"global_batch": 8, "micro_batch": 4}, "optimizer": {"name": "adamw", "lr": 0.003},

@@ -1,0 +1,81 @@
+"""checkpoint.save_checkpoint on real files: how many checkpoints a save needs room for, and that a step's only
+complete copy survives a kill at any point of its replacement. The engine's part of a save is a file it writes:
+what DeepSpeed writes does not matter to the order of renames and deletions."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from memtrain.train import checkpoint
+from memtrain.train.checkpoint import LoopState, complete_checkpoints, latest_checkpoint, remove_leftovers, save_checkpoint
+
+
+class FilesEngine:
+    """The part of a DeepSpeed engine save_checkpoint uses: it writes its state into the directory it is given."""
+
+    def save_checkpoint(self, path: str, tag: str) -> None:
+        (Path(path) / tag).mkdir()
+        (Path(path) / tag / "model_states.pt").write_bytes(b"\0" * 1024)
+
+
+def names(run_dir: Path) -> list[str]:
+    return [p.name for p in complete_checkpoints(run_dir)]
+
+
+@pytest.mark.parametrize("keep_last, peak", [(1, 2), (2, 2), (3, 3)])
+def test_a_save_needs_room_for_max_keep_last_2_checkpoints_not_keep_last_plus_one(tmp_path, keep_last, peak):
+    """A full disk's advice was 'lower train.keep_last', but pruning came only after the new checkpoint was in place:
+    a save always needed room for keep_last + 1, and a lowered keep_last freed nothing before the save that failed."""
+    at_fault = []
+    for step in range(1, 6):
+        save_checkpoint(FilesEngine(), tmp_path, LoopState(step=step), rank=0, keep_last=keep_last,
+                        fault=lambda tmp: at_fault.append(len(complete_checkpoints(tmp_path)) + 1))  # + the partial
+        assert len(complete_checkpoints(tmp_path)) == min(step, keep_last)  # what stays between saves is as before
+    assert max(at_fault) == peak
+
+
+def test_a_lower_keep_last_frees_room_before_the_save_that_ran_out_of_it(tmp_path):
+    """The audit's M2: keep_last 2 left step-2 and step-4, and the save of step 6 found no room; the run resumed with
+    keep_last=1 must delete step-2 before it writes step 6, and a failed save keeps step 4 to resume from."""
+    for step in (2, 4):
+        save_checkpoint(FilesEngine(), tmp_path, LoopState(step=step), rank=0, keep_last=3)
+    assert names(tmp_path) == ["step-000002", "step-000004"]
+
+    def full(tmp):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+
+    with pytest.raises(OSError):
+        save_checkpoint(FilesEngine(), tmp_path, LoopState(step=6), rank=0, keep_last=1, fault=full)
+    assert names(tmp_path) == ["step-000004"]  # the room for step 6 was made; step 4 stays to resume from
+
+
+@pytest.mark.parametrize("killed_at", [1, 2, 3])
+def test_saving_a_step_again_keeps_a_complete_copy_of_it_at_every_moment(tmp_path, monkeypatch, killed_at):
+    """The OOM paths save the current step again: the old copy was deleted before the new one was renamed in, so a
+    kill between the two left no copy of the step (with keep_last=1, nothing to resume from)."""
+    save_checkpoint(FilesEngine(), tmp_path, LoopState(step=4, tokens=1), rank=0, keep_last=1)
+    calls = {"n": 0}
+    replace, rmtree = os.replace, shutil.rmtree
+
+    def kill_at(real):
+        def call(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == killed_at:
+                raise SystemExit("killed")  # nothing after this point of save_checkpoint runs
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(checkpoint.os, "replace", kill_at(replace))
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", kill_at(rmtree))
+    with pytest.raises(SystemExit):
+        save_checkpoint(FilesEngine(), tmp_path, LoopState(step=4, tokens=2), rank=0, keep_last=1)
+    monkeypatch.undo()
+    remove_leftovers(tmp_path)  # what the next run does at start-up, before it looks for a checkpoint
+    found = latest_checkpoint(tmp_path)
+    assert found is not None and found.name == "step-000004"
+    assert json.loads((found / checkpoint.STATE_FILE).read_text())["tokens"] in (1, 2)  # the old copy or the new
