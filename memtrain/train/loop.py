@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import psutil
 import torch
 
+from memtrain.errors import UserError
 from memtrain.monitor.perplexity import perplexity
 from memtrain.monitor.profiler import phase
 from memtrain.train.distributed import Place, all_reduce_sum, sum_by_node
@@ -164,8 +165,12 @@ def train(t: Training, quiet: bool = False) -> RunResult:
             progress.note(t.generation.record(t.model, t.metrics, state.step).describe(state.step))
         exported = None
         if status == "done" and t.options.save:
-            exported = export_model(t.engine, t.model, t.data.tokenizer, run.run_dir / "final", rank,
-                                    r.offload.stage == 3, r.data)
+            try:
+                exported = export_model(t.engine, t.model, t.data.tokenizer, run.run_dir / "final", rank,
+                                        r.offload.stage == 3, r.data)
+            except UserError:  # could not write (full, read-only): the run's end is on record for `report`
+                t.metrics.event("run", state.step, event="end", status="export_failed")
+                raise
         if interrupted.requested and status in ("done", "stopped"):  # the signal came after the last step's verdict
             status = "interrupted"
         t.metrics.event("run", state.step, event="end", status=status,

@@ -461,5 +461,7 @@ def test_an_export_that_cannot_write_ends_with_a_line_and_the_same_command_expor
     assert f"the checkpoint of step 4 ({run_dir / 'checkpoints' / 'step-000004'}) is complete" in said
     assert "run the same command: it exports from that checkpoint" in said
     assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".final")]  # the partial export went
+    ends = [r for r in read_records(run_dir, "run") if r.get("event") == "end"]
+    assert ends[-1]["status"] == "export_failed"  # report says how the run ended, not "running or killed"
     code, out = run(recipe)
     assert code == 0 and (run_dir / "final" / "config.json").is_file(), out
