@@ -62,14 +62,20 @@ def test_two_nodes_train_as_one_process_with_the_same_global_batch(tmp_path):
     assert not list(two.glob(".memtrain-shared-*"))  # the shared-directory token is gone
 
 
-def test_two_nodes_stopped_by_sigterm_resume_exactly(tmp_path):
-    overrides = shrunk(tmp_path, "killed", "train.steps=12")  # long enough to be stopped after step 2
-    run_dir = tmp_path / "runs" / "killed"
+def started_nodes(overrides: list[str], until) -> list:
+    """Node 0 and node 1 of one run, returned once `until()` holds (or a node has ended, or 300 s passed)."""
     port = free_port()
     nodes = [start_node(0, port, overrides), start_node(1, port, overrides)]
     deadline = time.time() + 300
-    while time.time() < deadline and not complete_checkpoints(run_dir) and all(n.poll() is None for n in nodes):
+    while time.time() < deadline and not until() and all(n.poll() is None for n in nodes):
         time.sleep(0.2)
+    return nodes
+
+
+def test_two_nodes_stopped_by_sigterm_resume_exactly(tmp_path):
+    overrides = shrunk(tmp_path, "killed", "train.steps=12")  # long enough to be stopped after step 2
+    run_dir = tmp_path / "runs" / "killed"
+    nodes = started_nodes(overrides, until=lambda: complete_checkpoints(run_dir))
     for node in nodes:  # as Slurm's scancel does: every node's launcher gets it
         node.send_signal(signal.SIGTERM)
     first = [(node.wait(timeout=300), node.stdout.read()) for node in nodes]
@@ -88,11 +94,7 @@ def test_sigterm_to_one_node_stops_both_with_its_code(tmp_path):
     """Audit 17c L1: node 0 got no signal, yet it stopped because node 1 did: it reports SIGTERM (143), not 130."""
     overrides = shrunk(tmp_path, "one-term", "train.steps=200", "train.save_every=100")
     run_dir = tmp_path / "runs" / "one-term"
-    port = free_port()
-    nodes = [start_node(0, port, overrides), start_node(1, port, overrides)]
-    deadline = time.time() + 300
-    while time.time() < deadline and not train_losses_or_none(run_dir) and all(n.poll() is None for n in nodes):
-        time.sleep(0.2)
+    nodes = started_nodes(overrides, until=lambda: train_losses_or_none(run_dir))
     nodes[1].send_signal(signal.SIGTERM)
     for code, output in [(node.wait(timeout=300), node.stdout.read()) for node in nodes]:
         assert code == 143, output[-3000:]
