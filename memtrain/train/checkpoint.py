@@ -10,8 +10,9 @@ pruning leaves a `.del-` directory (removed by the next save), never a `step-` d
 its files; a save of a step that already has a checkpoint moves the old one aside the same way, and
 deletes it only once the new one is in place. Pruning to `keep_last` happens before a save as well as
 after it: before, to keep_last - 1 (at least 1), so the disk holds at most max(keep_last, 2)
-checkpoints at once, and a lower keep_last frees room for the very save that ran out of it. `memtrain_state.json` also records the recipe the checkpoint was trained with, so a resume
-can tell what changed (memtrain.train.resume).
+checkpoints at once, and a lower keep_last frees room for the very save that ran out of it.
+`memtrain_state.json` also records the recipe the checkpoint was trained with, so a resume can tell what
+changed (memtrain.train.resume).
 """
 from __future__ import annotations
 
@@ -51,13 +52,23 @@ def checkpoint_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """Where the complete checkpoint of `step` lives."""
+    return checkpoint_root(run_dir) / f"step-{step:06d}"
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step a checkpoint directory (step-NNNNNN) holds."""
+    return int(_STEP_DIR.match(checkpoint.name).group(1))
+
+
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=checkpoint_step)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -142,8 +153,7 @@ def save_checkpoint(engine, run_dir: Path, state: LoopState, rank: int, keep_las
     `fault(tmp)` (tests): called once the engine's files are written, before the state file.
     """
     root = checkpoint_root(run_dir)
-    name = f"step-{state.step:06d}"
-    tmp, final = partial_save(run_dir, state.step), root / name
+    tmp, final = partial_save(run_dir, state.step), checkpoint_dir(run_dir, state.step)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         remove_leftovers(run_dir)

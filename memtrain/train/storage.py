@@ -25,7 +25,7 @@ from pathlib import Path
 
 from memtrain.errors import Problem, UserError
 from memtrain.files import cannot_create
-from memtrain.train.checkpoint import kept_while_saving, latest_checkpoint
+from memtrain.train.checkpoint import checkpoint_dir, checkpoint_step, kept_while_saving, latest_checkpoint
 
 WARN_BELOW_SAVES = 2.0      # warn when the disk holds fewer than this many more checkpoints
 _FULL_DISK_FRAGMENTS = ("no space left", "file write failed", "unexpected pos")  # torch's writer on a full disk
@@ -122,8 +122,7 @@ def save_failed(run_dir: Path, error: BaseException, step: int, needed: int, kee
         return None
     if found.errno == errno.ENOSPC:
         return disk_full_error(run_dir, needed, step, keep_last)
-    target = Path(run_dir) / "checkpoints" / f"step-{step:06d}"
-    problem = cannot_create(target, found)
+    problem = cannot_create(checkpoint_dir(Path(run_dir), step), found)
     return UserError(dataclasses.replace(
         problem, key="train.output_dir",
         message=f"{problem.message}, saving the checkpoint of step {step}; the partial save was removed and "
@@ -146,7 +145,7 @@ def export_failed(run_dir: Path, out_dir: Path, error: BaseException, needed: in
         said = f"{cannot_create(out_dir, found).message}, exporting the model"
         fix = _fix(found)
     last = latest_checkpoint(run_dir)
-    kept = f"the checkpoint of step {_step_of(last)} ({last}) is complete" if last is not None else "nothing was saved"
+    kept = f"the checkpoint of step {checkpoint_step(last)} ({last}) is complete" if last is not None else "nothing was saved"
     return UserError(Problem(
         f"{said}; the partial export was removed, and {kept}", key="train.output_dir",
         hint=f"{fix}, then run the same command: it exports from that checkpoint without training again"))
@@ -156,11 +155,7 @@ def _kept(run_dir: Path) -> str:
     last = latest_checkpoint(run_dir)
     if last is None:
         return "no complete checkpoint was saved before it (a new run starts from step 0)"
-    return f"the last complete checkpoint, of step {_step_of(last)} ({last.name}), kept"
-
-
-def _step_of(checkpoint: Path) -> int:
-    return int(checkpoint.name.rsplit("-", 1)[1])
+    return f"the last complete checkpoint, of step {checkpoint_step(last)} ({last.name}), kept"
 
 
 def _fix(error: OSError) -> str:
