@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import platform
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Optional
 
@@ -69,8 +70,6 @@ STACK = ("torch", "deepspeed", "transformers", "peft")  # what a bug report need
 
 def print_version(value: bool) -> None:
     if value:
-        from importlib.metadata import PackageNotFoundError, version
-
         def installed(name: str) -> str:
             try:
                 return version(name)
@@ -170,8 +169,8 @@ def prepare(
 def preview(
     recipe: Path = RecipeArg,
     overrides: Optional[list[str]] = OverridesArg,
-    rows: int = typer.Option(2, "--rows", help="How many rows to show."),
-    start: int = typer.Option(0, "--start", help="The first row to show, by index (a run draws the rows in a shuffled order)."),
+    rows: int = typer.Option(2, "--rows", min=1, help="How many rows to show."),
+    start: int = typer.Option(0, "--start", min=0, help="The first row to show, by index (a run draws the rows in a shuffled order)."),
     split: str = typer.Option("train", "--split", help="train or validation."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output: every span with its token ids."),
 ):

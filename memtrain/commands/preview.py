@@ -30,9 +30,6 @@ def preview_command(recipe: Path, overrides: list[str], rows: int, start: int, s
                     console: Console) -> int:
     if split not in SPLITS:
         raise UserError(Problem(f"--split must be train or validation, not {split!r}", key="--split"))
-    if rows < 1 or start < 0:
-        raise UserError(Problem(f"--rows must be 1 or more and --start 0 or more, got {rows} and {start}",
-                                hint="e.g. --rows 3 --start 0"))
     loaded = load_checked(recipe, overrides)
     data_section = loaded.recipe.data
     with console.status("reading the data (tokenised once, then from the cache)"), loaded.sources.located():
