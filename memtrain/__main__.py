@@ -10,7 +10,7 @@ INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT
 
 def main() -> None:
     try:
-        from memtrain.cli import app
+        from memtrain.cli import app  # inside the try: the import itself takes seconds a Ctrl-C may cut
     except KeyboardInterrupt:
         print("■ stopped by Ctrl-C while starting", file=sys.stderr)
         sys.exit(INTERRUPTED_EXIT_CODE)

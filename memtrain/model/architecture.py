@@ -11,6 +11,7 @@ the soft-cap Gemma-2 applies to its output logits.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
@@ -158,8 +159,6 @@ def check_attention_kernel(attn_implementation: str, on_gpu: bool, flash_install
     if attn_implementation != "flash_attention_2":
         return
     if flash_installed is None:
-        import importlib.util
-
         flash_installed = importlib.util.find_spec("flash_attn") is not None
     if not on_gpu:
         raise UserError(Problem("FlashAttention-2 runs on CUDA GPUs, and this machine has none",

@@ -7,6 +7,7 @@ import torch
 
 from memtrain.data.templates import needs_template, resolve_template
 from memtrain.files import atomic_path
+from memtrain.model.merge import set_inference_config
 from memtrain.recipe.schema import Data
 from memtrain.train.distributed import barrier
 from memtrain.train.generate_eval import stop_token_ids
@@ -25,8 +26,6 @@ def export_model(engine, model: torch.nn.Module, tokenizer, out_dir: Path, rank:
     """
     state_dict = _without_wrapper_prefix(engine._zero3_consolidated_16bit_state_dict()) if zero3 else None
     if rank == 0:
-        from memtrain.model.merge import set_inference_config
-
         stop_ids = []
         if needs_template(data):
             template = resolve_template(data.template, tokenizer)
