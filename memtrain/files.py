@@ -106,10 +106,9 @@ def _remove_empty(folders: list[Path]) -> None:
 def _new_directory(parent: Path, prefix: str, suffix: str) -> Path:
     """An empty directory of a fresh name in `parent`, made as os.makedirs makes one (0777 less the umask):
     it becomes the target (final/, merged/, an export), which others may need to read; mkdtemp makes 0700."""
-    for _ in range(100):
-        candidate = parent / f"{prefix}{secrets.token_hex(6)}{suffix}"
+    for candidate in _fresh_names(parent, prefix, suffix):
         try:
-            candidate.mkdir()
+            candidate.mkdir()  # claims the name: another writer's mkdir of it fails
             return candidate
         except FileExistsError:
             continue
@@ -117,11 +116,17 @@ def _new_directory(parent: Path, prefix: str, suffix: str) -> Path:
 
 
 def _unused_name(parent: Path, prefix: str, suffix: str) -> Path:
-    for _ in range(100):
-        candidate = parent / f"{prefix}{secrets.token_hex(6)}{suffix}"
-        if not os.path.lexists(candidate):
-            return candidate
-    raise FileExistsError(errno.EEXIST, "no free temporary name", str(parent))
+    """A fresh name in `parent` that nothing holds now (an old directory is renamed onto it)."""
+    candidate = next((c for c in _fresh_names(parent, prefix, suffix) if not os.path.lexists(c)), None)
+    if candidate is None:
+        raise FileExistsError(errno.EEXIST, "no free temporary name", str(parent))
+    return candidate
+
+
+def _fresh_names(parent: Path, prefix: str, suffix: str, tries: int = 100) -> Iterator[Path]:
+    """Random names `prefix` + 12 hex digits + `suffix` in `parent` (the form `leftovers` recognises)."""
+    for _ in range(tries):
+        yield parent / f"{prefix}{secrets.token_hex(6)}{suffix}"
 
 
 def cannot_create(path: Path, error: OSError) -> Problem:
