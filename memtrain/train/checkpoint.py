@@ -57,8 +57,9 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return checkpoint_root(run_dir) / f"step-{step:06d}"
 
 
-def checkpoint_step(checkpoint: Path) -> int:
-    """The step a checkpoint directory (step-NNNNNN) holds."""
+def step_of_name(checkpoint: Path) -> int:
+    """The step a checkpoint directory holds, read from its name (step-NNNNNN); resume.checkpoint_step reads it
+    from the state file inside."""
     return int(_STEP_DIR.match(checkpoint.name).group(1))
 
 
@@ -68,7 +69,7 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=checkpoint_step)
+    return sorted(found, key=step_of_name)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -106,7 +107,8 @@ def remove_leftovers(run_dir: Path) -> list[Path]:
         if _STEP_DIR.match(final.name) and (tmp / STATE_FILE).is_file() and not final.exists():
             os.replace(tmp, final)
     stale = [p for p in root.iterdir() if p.is_dir() and (
-        p.name.startswith((".tmp-step-", ".del-step-")) or (_STEP_DIR.match(p.name) and not (p / STATE_FILE).is_file()))]
+        p.name.startswith((".tmp-step-", ".del-step-"))
+        or (_STEP_DIR.match(p.name) and not (p / STATE_FILE).is_file()))]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return stale

@@ -25,11 +25,12 @@ from pathlib import Path
 
 from memtrain.errors import Problem, UserError
 from memtrain.files import cannot_create
-from memtrain.train.checkpoint import checkpoint_dir, checkpoint_step, kept_while_saving, latest_checkpoint
+from memtrain.train.checkpoint import checkpoint_dir, step_of_name, kept_while_saving, latest_checkpoint
 
 WARN_BELOW_SAVES = 2.0      # warn when the disk holds fewer than this many more checkpoints
 _FULL_DISK_FRAGMENTS = ("no space left", "file write failed", "unexpected pos")  # torch's writer on a full disk
-# Rust's io::Error in an exception's text (safetensors' SafetensorError: "I/O error: No space left on device (os error 28)")
+# Rust's io::Error in an exception's text
+# (safetensors' SafetensorError: "I/O error: No space left on device (os error 28)")
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
@@ -145,7 +146,8 @@ def export_failed(run_dir: Path, out_dir: Path, error: BaseException, needed: in
         said = f"{cannot_create(out_dir, found).message}, exporting the model"
         fix = _fix(found)
     last = latest_checkpoint(run_dir)
-    kept = f"the checkpoint of step {checkpoint_step(last)} ({last}) is complete" if last is not None else "nothing was saved"
+    kept = (f"the checkpoint of step {step_of_name(last)} ({last}) is complete" if last is not None
+            else "nothing was saved")
     return UserError(Problem(
         f"{said}; the partial export was removed, and {kept}", key="train.output_dir",
         hint=f"{fix}, then run the same command: it exports from that checkpoint without training again"))
@@ -155,7 +157,7 @@ def _kept(run_dir: Path) -> str:
     last = latest_checkpoint(run_dir)
     if last is None:
         return "no complete checkpoint was saved before it (a new run starts from step 0)"
-    return f"the last complete checkpoint, of step {checkpoint_step(last)} ({last.name}), kept"
+    return f"the last complete checkpoint, of step {step_of_name(last)} ({last.name}), kept"
 
 
 def _fix(error: OSError) -> str:
