@@ -65,17 +65,21 @@
 #                                         # load: 1.1B fresh, then warm 1.1B, 3B (and 3B with serial pinning), QLoRA, 7B full
 #   bash scripts/gpu_session.sh startup15c # session 15, issue 23: whether Python keeps bytecode there, import time; warm 1.1B
 #                                         # and 3B start-up (each run twice), 3B with serial pinning
-#   bash scripts/gpu_session.sh heldout15 # not run yet: the Llama-7B ZeRO-3 row unpinned (predicted 5.27 GiB in session 15),
+#   bash scripts/gpu_session.sh heldout15 # ran in session 18: the Llama-7B ZeRO-3 row unpinned (predicted 5.27 GiB in session 15),
 #                                         # does pinning change the GPU's reserved bytes (issue 22's Mistral row, +6.1 %)?
-#   bash scripts/gpu_session.sh startup16a # not run yet, issue 23: warm start-up (bytecode kept) of the shipped LoRA recipes:
+#   bash scripts/gpu_session.sh startup16a # ran in session 18, issue 23: warm start-up (bytecode kept) of the shipped LoRA recipes:
 #                                         # 7B LoRA, 7B and 13B QLoRA, each run twice (the second is the warm row)
-#   bash scripts/gpu_session.sh startup16b # not run yet, issue 23: warm start-up of the shipped 7B full fine-tunes (32 / 64 GiB
+#   bash scripts/gpu_session.sh startup16b # ran in session 18, issue 23: warm start-up of the shipped 7B full fine-tunes (32 / 64 GiB
 #                                         # hosts, ZeRO-3 offload on one GPU), after one run that fills the caches
-#   bash scripts/gpu_session.sh prepare16  # not run yet, issue 23: the 1.1B offload recipe's first start on empty caches,
+#   bash scripts/gpu_session.sh prepare16  # ran in session 18, issue 23: the 1.1B offload recipe's first start on empty caches,
 #                                         # as it comes and after `memtrain prepare` (DeepSpeed's CPU Adam built ahead)
-#   bash scripts/gpu_session.sh cpuadam16  # not run yet, issue 23: offload.cpu_adam=torch (PyTorch's fused AdamW, nothing to
+#   bash scripts/gpu_session.sh cpuadam16  # ran in session 18 (its torch rows again in cpuadam16b), issue 23: offload.cpu_adam=torch (PyTorch's fused AdamW, nothing to
 #                                         # build) against DeepSpeed's CPU Adam: step time on 16 cores, the 1.1B and 3B
 #                                         # offload recipes' tokens/s, and a fresh start with nothing to build
+#   bash scripts/gpu_session.sh cpuadam16b # session 18: cpuadam16's tokens step again, and the 3B recipe with either CPU Adam
+#   bash scripts/gpu_session.sh startup18  # session 18: the 7B ZeRO-3 recipes' warm rows, 3B warm with either CPU Adam, 1.1B
+#                                          # tokens/s with either in one invocation
+#   bash scripts/gpu_session.sh segments18 # not run yet (no machine started): per-stream segments of the Mistral-7B ZeRO-3 row
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
@@ -127,12 +131,43 @@ cpuadam16)  # ~9 min
   step tokens 300 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 140 --warmup-steps 2 \
     --title "memtrain run on the GPU machine (24 GiB cap)" \
     --case "1.1b-full-opt-offload (session 16, DeepSpeed's CPU Adam)=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=8 $quiet" \
-    --case "1.1b-full-opt-offload (session 16, offload.cpu_adam=torch)=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=8 $quiet offload.cpu_adam=torch" \
-    --case "3b-full-offload (session 16, offload.cpu_adam=torch)=recipes/openllama-3b-full-offload-24gb.yaml train.steps=5 $quiet offload.cpu_adam=torch"
+    --case "1.1b-full-opt-offload (session 16, offload.cpu_adam torch)=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=8 $quiet offload.cpu_adam=torch" \
+    --case "3b-full-offload (session 16, offload.cpu_adam torch)=recipes/openllama-3b-full-offload-24gb.yaml train.steps=5 $quiet offload.cpu_adam=torch"
   cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
   step fresh-torch-adam 100 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state fresh --steps 1 \
     --timeout 90 --label "session 16, offload.cpu_adam=torch" \
     --recipe "recipes/tinyllama-1.1b-full-offload-24gb.yaml offload.cpu_adam=torch"
+  ;;
+segments18)  # session 18, the device time left (~4 min): per-stream segments of the Mistral-7B ZeRO-3 row (+6.1 %, the
+  # one family row outside 5 %), to set against the planner's per-stream terms
+  step segments-mistral 230 python3 scripts/memory_segments.py recipes/llama2-7b-full-offload-2x24gb.yaml hardware.gpus=1 \
+    model.preset=mistral-7b-v0.3 offload.pin_memory=false batch.micro_batch=2 batch.global_batch=4 data.seq_len=1024 \
+    hardware.gpu=rtx3090 hardware.cap_memory=true train.steps=2 schedule.warmup_steps=1 $quiet train.log_every=1 \
+    train.output_dir=/tmp/seg-mistral --out "$OUT/segments-mistral-7b-zero3-cpu.json"
+  ;;
+startup18)  # session 18, ~9 min: the warm rows startup16b ran once (each recipe's second run is its warm row), the 3B
+  # offload recipe warm with either CPU Adam, and the 1.1B recipe's tokens/s with either CPU Adam in one invocation
+  cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
+  step warm-full 200 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout 90 \
+    --label "session 18" --recipe recipes/llama2-7b-full-64gb-host.yaml --recipe recipes/llama2-7b-full-64gb-host.yaml \
+    --recipe "recipes/llama2-7b-full-offload-2x24gb.yaml hardware.gpus=1"
+  step warm-3b 150 python3 scripts/bench_startup.py --out "$OUT/startup.csv" --machine-state warm --steps 1 --timeout 70 \
+    --label "session 18" --recipe recipes/openllama-3b-full-offload-24gb.yaml \
+    --recipe "recipes/openllama-3b-full-offload-24gb.yaml offload.cpu_adam=torch"
+  cp benchmarks/runs.csv "$OUT/runs.csv"
+  step tokens 150 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 70 --warmup-steps 2 \
+    --title "memtrain run on the GPU machine (24 GiB cap)" \
+    --case "1.1b-full-opt-offload (session 18, DeepSpeed's CPU Adam)=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=8 $quiet" \
+    --case "1.1b-full-opt-offload (session 18, offload.cpu_adam torch)=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=8 $quiet offload.cpu_adam=torch"
+  ;;
+cpuadam16b)  # session 18: the tokens step of cpuadam16 again (its labels held '=', which the case parser splits on), with
+  # the 3B recipe on DeepSpeed's CPU Adam beside it
+  cp benchmarks/runs.csv "$OUT/runs.csv"
+  step tokens 330 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 140 --warmup-steps 2 \
+    --title "memtrain run on the GPU machine (24 GiB cap)" \
+    --case "1.1b-full-opt-offload (session 18, offload.cpu_adam torch)=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=8 $quiet offload.cpu_adam=torch" \
+    --case "3b-full-offload (session 18, DeepSpeed's CPU Adam)=recipes/openllama-3b-full-offload-24gb.yaml train.steps=5 $quiet" \
+    --case "3b-full-offload (session 18, offload.cpu_adam torch)=recipes/openllama-3b-full-offload-24gb.yaml train.steps=5 $quiet offload.cpu_adam=torch"
   ;;
 prepare16)  # ~5 min: two fresh starts of ~60-90 s, the second after prepare's build (~40 s)
   cp benchmarks/startup.csv "$OUT/startup.csv" 2>/dev/null
