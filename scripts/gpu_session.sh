@@ -79,7 +79,7 @@
 #   bash scripts/gpu_session.sh cpuadam16b # session 18: cpuadam16's tokens step again, and the 3B recipe with either CPU Adam
 #   bash scripts/gpu_session.sh startup18  # session 18: the 7B ZeRO-3 recipes' warm rows, 3B warm with either CPU Adam, 1.1B
 #                                          # tokens/s with either in one invocation
-#   bash scripts/gpu_session.sh segments18 # not run yet (no machine started): per-stream segments of the Mistral-7B ZeRO-3 row
+#   bash scripts/gpu_session.sh segments18 # ran in session 18: per-stream segments of the Mistral-7B ZeRO-3 row
 set -u
 part=${1:?part}
 OUT=${OUT:-/tmp/memtrain-out}
