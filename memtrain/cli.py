@@ -30,6 +30,7 @@ from memtrain.errors import UserError
 from memtrain.recipe.schema import Recipe
 from memtrain.train.nodes import JOIN_TIMEOUT_S, NodeFlags
 from memtrain.train.run import RunOptions
+from memtrain.train.signals import exit_code, signal_name, signum_of
 
 app = typer.Typer(
     name="memtrain",
@@ -48,12 +49,18 @@ OverridesArg = typer.Argument(None, help="Overrides as key.path=value, e.g. batc
 
 
 def report_user_errors(command):
-    """Print UserErrors as one line per problem and exit 2; never show a traceback for them."""
+    """Print UserErrors as one line per problem and exit 2; never show a traceback for them. A Ctrl-C ends a
+    command with one line and the shell's 130, whatever typer's version does with it (recent ones exit 130 without a
+    word; older ones print "Aborted!" and exit 1, which `plan` uses for "does not fit")."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except KeyboardInterrupt as interrupt:
+            signum = signum_of(interrupt)
+            err_console.print(f"[yellow]■[/] stopped by {signal_name(signum)}", highlight=False)
+            raise typer.Exit(code=exit_code(signum)) from None
         except UserError as error:
             kind = type(error).__name__.replace("Error", " error").lower()
             count = len(error.problems)

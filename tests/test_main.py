@@ -1,4 +1,5 @@
-"""The `memtrain` entry point: --version, and a Ctrl-C while Python imports the command line (seconds)."""
+"""The `memtrain` entry point: --version, and a Ctrl-C while Python imports the command line (seconds) or while a
+command works."""
 from __future__ import annotations
 
 import subprocess
@@ -24,6 +25,28 @@ def test_ctrl_c_while_the_command_line_imports_ends_with_one_line_and_130():
     assert done.returncode == 130, done.stderr[-3000:]
     assert done.stderr.strip() == "■ stopped by Ctrl-C while starting", done.stderr[-3000:]
     assert done.stdout == ""  # --help was never reached
+
+
+INTERRUPT_DURING_PLAN = """
+import os, signal, sys, time
+import memtrain.cli
+
+def plan_until_interrupted(*args, **kwargs):  # a real SIGINT while the command works (planning takes seconds)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(60)
+
+memtrain.cli.plan_command = plan_until_interrupted
+sys.argv = ["memtrain", "plan", "recipes/quickstart.yaml"]
+from memtrain.__main__ import main
+main()
+"""
+
+
+def test_ctrl_c_while_a_command_works_ends_with_one_line_and_130():
+    done = subprocess.run([sys.executable, "-c", INTERRUPT_DURING_PLAN], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert done.stderr.strip() == "■ stopped by Ctrl-C", done.stderr[-3000:]
+    assert "Aborted" not in done.stderr and done.stdout == ""
 
 
 def test_the_entry_point_runs_the_command_line():
