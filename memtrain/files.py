@@ -17,9 +17,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from memtrain.errors import Problem, UserError
+from memtrain.units import gib
 
 
 _TMP, _ASIDE = ".tmp", ".old"  # atomic_path's temporaries, and an old directory on its way out
+_FULL_DISK_FRAGMENTS = ("no space left", "file write failed", "unexpected pos")  # torch's writer on a full disk
+# Rust's io::Error in an exception's text
+# (safetensors' SafetensorError: "I/O error: No space left on device (os error 28)")
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+_COPY_ERRNO = re.compile(r"\[Errno (\d+)\]")  # shutil.copytree's Error: each file's failure as text, no errno
+# what only a write fails with: an output's own failure, never the reading of an input inside the same block
+_WRITE_ONLY_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
 
 
 @contextmanager
@@ -162,13 +170,63 @@ def write_atomically(path: Path, content: str | bytes) -> None:
 def directory_atomically(path: Path) -> Iterator[Path]:
     """atomic_path for a directory that must not hold anything yet (an output a user names): a non-empty
     `path` is refused (UserError), so nothing a user made is ever replaced. Enter it before long work: what
-    would stop the write (the path taken, a file in the way, no permission) is said before the work starts."""
+    would stop the write (the path taken, a file in the way, no permission) is said before the work starts.
+    A write that fails inside the block on a full disk, a quota, a read-only filesystem or a file size limit is
+    said as cannot_create says it (UserError), the partial output removed.
+    """
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise UserError(Problem(f"the output directory '{path}' already exists and is not empty",
                                 hint="choose a new directory, or remove this one first"))
     with atomic_path(path, directory=True) as tmp:
-        yield tmp
+        try:
+            yield tmp
+        except Exception as error:
+            found = write_error(error)
+            if found is None or found.errno not in _WRITE_ONLY_ERRNOS:
+                raise
+            problem = cannot_create(path, found)
+            raise UserError(Problem(f"{problem.message}; the partial output was removed", hint=problem.hint)) from None
+
+
+def require_space(path: Path, needed_bytes: int, what: str) -> None:
+    """Refuse (UserError) to write `needed_bytes` of `what` at `path` when its disk has less free: said before
+    the disk fills, rather than by the write that fills it."""
+    free = free_bytes(path)
+    if free < needed_bytes:
+        folder = next((p for p in Path(path).parents if p.exists()), Path(path).parent)
+        raise UserError(Problem(
+            f"not enough space for {what} at '{path}': it takes ~{gib(needed_bytes):.1f} GiB and the disk of "
+            f"'{folder}' has {gib(free):.1f} GiB free", hint="free some space there, or write to another disk (-o DIR)"))
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the disk that holds `path` (or its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def write_error(error: BaseException) -> OSError | None:
+    """The OSError behind a failed write, if one is: raised as such, as a cause or context, as torch's C++ writer
+    says a full disk (a RuntimeError without errno), in Rust's words (safetensors: "... (os error 28)"), or in
+    copytree's list of failed files (the first)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and not isinstance(current, ConnectionError) and current.errno is not None:
+            return current  # a broken connection to another rank is not the disk's doing
+        text = str(current)
+        found = _RUST_OS_ERROR.search(text) or (_COPY_ERRNO.search(text) if isinstance(current, shutil.Error) else None)
+        if found:
+            code = int(found.group(1))
+            return OSError(code, os.strerror(code))
+        if isinstance(current, RuntimeError) and any(f in text.lower() for f in _FULL_DISK_FRAGMENTS):
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def digest_file(digest, path: Path, block_bytes: int = 1 << 20) -> None:

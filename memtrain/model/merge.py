@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from memtrain.errors import Problem, UserError
-from memtrain.files import directory_atomically
+from memtrain.files import directory_atomically, require_space
 from memtrain.model.quantize import bnb_config, require_bitsandbytes
 from memtrain.recipe.schema import Quantize
 
@@ -53,9 +53,16 @@ def merge_adapter(adapter_dir: Path, base: Path | PreTrainedModel, out_dir: Path
         model = base if isinstance(base, PreTrainedModel) else load_base(Path(base), dtype, quantize)
         merged = _merged(model, adapter_dir).to(dtype)
         set_inference_config(merged, tokenizer, _stop_ids(adapter_dir))
+        require_space(out_dir, _weight_bytes(merged), "the merged model")
         merged.save_pretrained(tmp)  # safetensors, with config.json and generation_config.json
         tokenizer.save_pretrained(tmp)  # tokenizer files and the chat template
     return out_dir
+
+
+def _weight_bytes(model: PreTrainedModel) -> int:
+    """What save_pretrained writes, near enough: every parameter and buffer (tied weights once)."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def set_inference_config(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,

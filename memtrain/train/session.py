@@ -15,6 +15,7 @@ import torch
 
 from memtrain.data.loader import BatchLoader
 from memtrain.errors import Problem, UserError
+from memtrain.files import write_error
 from memtrain.monitor.forecast import PeakForecast
 from memtrain.monitor.metrics import MetricsLog
 from memtrain.plan.model_states import optimizer_bytes_per_param
@@ -25,8 +26,7 @@ from memtrain.train.distributed import Place, any_rank, max_over_ranks
 from memtrain.train.hooks import Hooks
 from memtrain.train.oom import dump_memory_snapshot, release_memory
 from memtrain.train.step import OomDuringStep, run_micro_batches, split
-from memtrain.train.storage import (expected_checkpoint_bytes, is_disk_full, save_failed, say, space_warning,
-                                    write_error)
+from memtrain.train.storage import expected_checkpoint_bytes, is_disk_full, save_failed, say, space_warning
 
 if TYPE_CHECKING:  # for the reader only: importing DeepSpeed is slow and sets up its accelerator
     import deepspeed

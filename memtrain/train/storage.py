@@ -17,29 +17,15 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
-import re
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from memtrain.errors import Problem, UserError
-from memtrain.files import cannot_create
+from memtrain.files import cannot_create, free_bytes, write_error
 from memtrain.train.checkpoint import checkpoint_dir, step_of_name, kept_while_saving, latest_checkpoint
 
 WARN_BELOW_SAVES = 2.0      # warn when the disk holds fewer than this many more checkpoints
-_FULL_DISK_FRAGMENTS = ("no space left", "file write failed", "unexpected pos")  # torch's writer on a full disk
-# Rust's io::Error in an exception's text
-# (safetensors' SafetensorError: "I/O error: No space left on device (os error 28)")
-_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
-
-
-def free_bytes(path: Path) -> int:
-    """Free bytes on the disk that holds `path` (or its nearest existing parent)."""
-    path = Path(path)
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
 
 
 def directory_bytes(path: Path) -> int:
@@ -79,26 +65,6 @@ def _make_room(keep_last: int) -> str:
                 "before the next save)")
     return ("make room on that disk (the run keeps only the checkpoint it resumes from), or move the run directory "
             "to a larger disk and point train.output_dir at it")
-
-
-def write_error(error: BaseException) -> OSError | None:
-    """The OSError behind a failed write, if one is: raised as such, as a cause or context, as torch's C++ writer
-    says a full disk (a RuntimeError without errno), or in Rust's words (safetensors: "... (os error 28)")."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError) and not isinstance(current, ConnectionError) and current.errno is not None:
-            return current  # a broken connection to another rank is not the disk's doing
-        text = str(current)
-        found = _RUST_OS_ERROR.search(text)
-        if found:
-            code = int(found.group(1))
-            return OSError(code, os.strerror(code))
-        if isinstance(current, RuntimeError) and any(f in text.lower() for f in _FULL_DISK_FRAGMENTS):
-            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        current = current.__cause__ or current.__context__
-    return None
 
 
 def is_disk_full(error: BaseException) -> bool:

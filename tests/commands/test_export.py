@@ -54,3 +54,39 @@ def test_merge_of_a_full_fine_tune_says_there_was_no_adapter_and_the_model_was_c
     assert f"modelin{merged}" in "".join(said.split()) and "no adapter to merge" in said and "copied as it is" in said
     plain = CliRunner().invoke(app, ["export", str(run_dir)])
     assert plain.exit_code == 0 and "no adapter to merge" not in plain.output
+
+
+def test_an_export_larger_than_the_free_space_is_refused_before_anything_is_written(tmp_path):
+    """A sparse file: a final/ that says it holds more than any disk here has free, on no real space."""
+    run_dir = _full_run(tmp_path)
+    with open(run_dir / "final" / "model-00002.safetensors", "wb") as sparse:
+        sparse.truncate(1 << 43)  # 8 TiB apparent (ext4 takes files up to 16 TiB)
+    out = tmp_path / "shipped"
+    result = CliRunner().invoke(app, ["export", str(run_dir), "-o", str(out)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "not enough space for the model" in said and "it takes ~8192.0 GiB" in said, said
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".shipped")]
+
+
+def test_an_export_that_fails_writing_ends_with_one_line_and_leaves_nothing(tmp_path):
+    """A real write failure without root: a file size limit (EFBIG) below the model's size."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    run_dir = _full_run(tmp_path)
+    (run_dir / "final" / "model.safetensors").write_bytes(b"\0" * (2 << 20))
+    out = tmp_path / "shipped"
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+
+    done = subprocess.run([sys.executable, "-m", "memtrain", "export", str(run_dir), "-o", str(out)], text=True,
+                          preexec_fn=small_files, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    said = " ".join(done.stdout.split())
+    assert done.returncode == 2 and "Traceback" not in done.stdout, done.stdout[-3000:]
+    assert f"cannot create '{out}'" in said and "the partial output was removed" in said, said
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".shipped")]

@@ -205,3 +205,29 @@ def test_a_qlora_adapter_merges_onto_the_dequantised_base_it_was_trained_on(tmp_
     original_error = (_logits(onto_original, INPUT_IDS) - trained).abs()
     # measured: 0.0017 mean / 0.020 max against 0.0147 / 0.37 when merged onto the original bf16 weights
     assert error.mean() < original_error.mean() / 4 and error.max() < 0.05 * trained.abs().max()
+
+
+def test_a_merge_that_fails_writing_ends_with_one_line_and_leaves_nothing(tmp_path):
+    """A real write failure without root: safetensors past a file size limit says "(os error 27)" (EFBIG), which
+    used to end `memtrain export --merge` in a SafetensorError traceback, exit 1."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    base_dir = _base_dir(tmp_path, "qwen2")
+    _adapter_dir(tmp_path, base_dir)
+    run_dir = _run_dir(tmp_path, Model(path=str(base_dir), lora=LORA))
+    out = tmp_path / "merged-out"
+    limit = (base_dir / "model.safetensors").stat().st_size // 2  # the merged weights cannot be written whole
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    done = subprocess.run([sys.executable, "-m", "memtrain", "export", str(run_dir), "--merge", "-o", str(out)],
+                          text=True, preexec_fn=small_files, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    said = " ".join(done.stdout.split())
+    assert done.returncode == 2 and "Traceback" not in done.stdout and "SafetensorError" not in said, done.stdout[-3000:]
+    assert f"cannot create '{out}'" in said and "the partial output was removed" in said, said
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".merged-out")]
