@@ -29,7 +29,7 @@ CONTEXT_STYLE = "dim"
 def preview_command(recipe: Path, overrides: list[str], rows: int, start: int, split: str, as_json: bool,
                     console: Console) -> int:
     if split not in SPLITS:
-        raise UserError(Problem(f"--split must be train or validation, not {split!r}", key="--split"))
+        raise UserError(Problem(f"must be train or validation, not {split!r}", key="--split"))
     loaded = load_checked(recipe, overrides)
     data_section = loaded.recipe.data
     with console.status("reading the data (tokenised once, then from the cache)"), loaded.sources.located():

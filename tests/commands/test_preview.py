@@ -80,7 +80,7 @@ def test_rows_out_of_range_and_an_unknown_split_exit_2_with_the_way_out(tmp_path
     assert past.exit_code == 2 and "--start 1 is past the last row of the train data (1 rows)" in past.output
     assert "Traceback" not in past.output
     split = _preview(CHAT_RECIPE, *overrides, "--split", "test")
-    assert split.exit_code == 2 and "--split must be train or validation" in split.output
+    assert split.exit_code == 2 and "--split: must be train or validation, not 'test'" in split.output
 
 
 def test_a_template_that_closes_no_turn_is_warned_about_where_the_data_is_built(tmp_path, monkeypatch):
