@@ -2,11 +2,18 @@
 
 The template is rendered once with every message's content replaced by a sentinel. Splitting the text at
 the sentinels separates what the template wrote (markers, role headers, BOS/EOS) from what the data
-said. Template pieces are tokenised with special tokens parsed, so "<|im_start|>" is one real token;
-content pieces with split_special_tokens=True, so content that spells a marker stays ordinary text and
-cannot open or close a turn. A second render with the real content must equal the pieces joined back
-together: a template that rewrites content in another way than trimming it is refused rather than
+said, as character spans of the rendered text. A second render with the real content must equal the pieces
+joined back together: a template that rewrites content in another way than trimming it is refused rather than
 trained on text it never writes.
+
+The rendered text is tokenised whole, as `apply_chat_template(tokenize=True)` and every inference server do,
+and each token is assigned to the template or to a message by its character offsets: the ids a model trains
+on are the ids it is prompted with. (Tokenising the pieces apart put token boundaries where inference never
+has them: Mistral's "[/INST] answer" became "▁" + "answer" instead of "▁answer".) A token that spans the
+template's text and a message's (that "▁answer") belongs to the message. Two cases are tokenised piece by
+piece instead, template pieces with special tokens parsed and content with split_special_tokens=True: content
+that spells a special token (it stays ordinary text and cannot open or close a turn), and a tokenizer
+without offsets (a slow, Python-only one).
 
 Targets (train_on_inputs false): the content of each trained assistant turn, and the template text that
 closes it up to and including the end-of-turn token (so the model learns to stop), never the next turn's
@@ -40,6 +47,9 @@ _SENTINEL_SPLIT = re.compile("\ue000(\\d+)\ue001")
 # The conversation every template can render (Gemma's refuses a system message, Mistral's wants user first):
 # what the template writes after its answer is what closes an assistant turn.
 _PROBE: list[Message] = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+# How conversations become ids and targets; part of the token cache's key (a change re-tokenises chat data).
+# 2: the rendered text tokenised whole (1: template and content pieces tokenised apart).
+CHAT_ENCODING_VERSION = "2"
 
 
 class RenderError(ValueError):
@@ -53,6 +63,19 @@ class Rendered:
     template_pieces: list[str]   # one more than content pieces: before, between and after them
     content_pieces: list[str]
     content_messages: list[int]  # the message each content piece belongs to
+
+    @property
+    def text(self) -> str:
+        return "".join(t + c for t, c in zip(self.template_pieces, self.content_pieces + [""]))
+
+    def content_spans(self) -> list[tuple[int, int]]:
+        """Each content piece's [start, end) in `text`."""
+        spans, at = [], 0
+        for template, content in zip(self.template_pieces, self.content_pieces):
+            at += len(template)
+            spans.append((at, at + len(content)))
+            at += len(content)
+        return spans
 
 
 class ConversationEncoder:
@@ -97,24 +120,30 @@ class ConversationEncoder:
         return encoded
 
     def encode_many(self, conversations: list[list[Message]]) -> list[tuple[list[int], list[bool]] | RenderError]:
-        """`encode` for many conversations with two tokenizer calls in all; a failure is returned in its place."""
-        rendered: list[Rendered | RenderError] = []
+        """`encode` for many conversations with a few tokenizer calls in all; a failure is returned in its place."""
+        out: list[tuple[list[int], list[bool]] | RenderError | None] = []
+        rendered: list[tuple[int, Rendered]] = []
         for messages in conversations:
             try:
-                rendered.append(self.render(messages))
+                rendered.append((len(out), self.render(messages)))
+                out.append(None)
             except RenderError as err:
-                rendered.append(err)
-        ok = [r for r in rendered if isinstance(r, Rendered)]
-        template_ids = iter(self._tokenize([p for r in ok for p in r.template_pieces], split_special=False))
-        content_ids = iter(self._tokenize([p for r in ok for p in r.content_pieces], split_special=True))
-        out: list[tuple[list[int], list[bool]] | RenderError] = []
-        for messages, r in zip(conversations, rendered):
-            if isinstance(r, RenderError):
-                out.append(r)
-                continue
+                out.append(err)
+        by_pieces = rendered
+        if self.tokenizer.is_fast and rendered:
+            whole = self.tokenizer([r.text for _, r in rendered], add_special_tokens=False, verbose=False,
+                                   return_offsets_mapping=True)
+            by_pieces = []
+            for (at, r), ids, offsets in zip(rendered, whole["input_ids"], whole["offset_mapping"]):
+                out[at] = self._assemble_whole(conversations[at], r, ids, offsets)
+                if out[at] is None:  # content that spells a special token
+                    by_pieces.append((at, r))
+        template_ids = iter(self._tokenize([p for _, r in by_pieces for p in r.template_pieces], split_special=False))
+        content_ids = iter(self._tokenize([p for _, r in by_pieces for p in r.content_pieces], split_special=True))
+        for at, r in by_pieces:
             pieces_t = [next(template_ids) for _ in r.template_pieces]
             pieces_c = [next(content_ids) for _ in r.content_pieces]
-            out.append(self._assemble(messages, r, pieces_t, pieces_c))
+            out[at] = self._assemble(conversations[at], r, pieces_t, pieces_c)
         return out
 
     def turn_end_id(self) -> int | None:
@@ -169,6 +198,35 @@ class ConversationEncoder:
             targets += [self.train_on_inputs or i < closed for i in range(len(closing))]
         return ids, targets
 
+    def _assemble_whole(self, messages: list[Message], r: Rendered, ids: list[int],
+                        offsets: list[tuple[int, int]]) -> tuple[list[int], list[bool]] | None:
+        """Targets of the whole text's tokens, by their character offsets (`_assemble`'s rule); None when a special
+        token lies inside a message's content (that conversation is tokenised by pieces)."""
+        trained = self._trained_messages(messages)
+        targets = [self.train_on_inputs] * len(ids)
+        spans = r.content_spans()
+        i = 0
+        for k, ((start, end), message) in enumerate(zip(spans, r.content_messages)):
+            while i < len(ids) and _ends_before(offsets[i], start):
+                i += 1
+            first = i
+            while i < len(ids) and _overlaps(offsets[i], start, end):
+                i += 1
+            if any(ids[j] in self.special_ids and start <= offsets[j][0] and offsets[j][1] <= end
+                   for j in range(first, i)):
+                return None
+            if self.train_on_inputs:
+                continue
+            if message in trained:
+                targets[first:i] = [True] * (i - first)
+                next_start = spans[k + 1][0] if k + 1 < len(spans) else len(r.text)
+                after = i
+                while after < len(ids) and offsets[after][0] < next_start:
+                    after += 1
+                closed = self._closing_length(ids[i:after])
+                targets[i:i + closed] = [True] * closed
+        return list(ids), targets
+
     def _trained_messages(self, messages: list[Message]) -> set[int]:
         assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         return set(assistant[-1:] if self.last_turn_only else assistant)
@@ -181,6 +239,18 @@ class ConversationEncoder:
             if token == self.end_of_turn or (self.end_of_turn is None and token in self.special_ids):
                 return i + 1
         return 0
+
+
+def _ends_before(offset: tuple[int, int], start: int) -> bool:
+    """A token wholly before a content span starting at `start` (a zero-width token at `start` is not)."""
+    token_start, token_end = offset
+    return token_end <= start and not (token_start == token_end == start)
+
+
+def _overlaps(offset: tuple[int, int], start: int, end: int) -> bool:
+    """A token that holds some of the content span [start, end), or has no width inside it."""
+    token_start, token_end = offset
+    return token_start < end and (token_end > start or token_start == token_end >= start)
 
 
 def turn_end_id(template: ChatTemplate, tokenizer: PreTrainedTokenizerBase) -> int | None:

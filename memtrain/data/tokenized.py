@@ -23,7 +23,7 @@ from memtrain.data.conversation import document_text, to_conversation
 from memtrain.data.corpus import read_documents
 from memtrain.data.problems import FileProblems
 from memtrain.data.records import dataset_fingerprint, read_records, record_format
-from memtrain.data.render import ConversationEncoder
+from memtrain.data.render import CHAT_ENCODING_VERSION, ConversationEncoder
 from memtrain.data.templates import ChatTemplate
 from memtrain.data.tokenizer import tokenizer_fingerprint
 from memtrain.errors import DataError, Problem, UserError
@@ -63,7 +63,8 @@ class SampleRules:
         if self.template is None:
             return "text"
         t = self.template
-        return json.dumps([t.name, t.source, t.special_tokens, t.end_of_turn, self.train_on_inputs, self.train_on])
+        return json.dumps([CHAT_ENCODING_VERSION, t.name, t.source, t.special_tokens, t.end_of_turn,
+                           self.train_on_inputs, self.train_on])
 
 
 def tokenized_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: SampleRules,

@@ -126,3 +126,36 @@ def test_encode_raises_render_error_and_prompt_of_skips_the_conversation():
     assert isinstance(encoder.encode_many([messages])[0], RenderError)
     assert prompt_of(encoder, messages) is None
     assert prompt_of(encoder, CHAT[:2]) is not None
+
+
+LLAMA2 = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+          "{{ '[INST] ' + message['content'] | trim + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+          "{{ ' ' + message['content'] | trim + ' ' + eos_token }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "phi3", "mistral", "plain", "llama2"])
+def test_training_ids_are_the_tokenizers_own_ids_of_the_rendered_conversation(family):
+    """Audit 18a: the template's text and the messages' were tokenised apart, so "[INST] What" became "[INST]", "Ġ",
+    "What" where the tokenizer (and every inference server) writes "[INST]", "ĠWhat": the model trained on
+    boundaries it is never prompted with. The ids are now apply_chat_template's, and the targets still decode to
+    exactly the answers and what closes them."""
+    tokenizer = family_tokenizer("mistral") if family == "llama2" else family_tokenizer(family)
+    if family == "llama2":
+        tokenizer.chat_template = LLAMA2
+    encoder = ConversationEncoder(tokenizer, resolve_template(None, tokenizer))
+    ids, targets = encoder.encode(CHAT)
+    own = tokenizer.apply_chat_template(CHAT, tokenize=True)
+    assert ids == list(own["input_ids"] if hasattr(own, "keys") else own)
+    trained = tokenizer.decode([i for i, t in zip(ids, targets) if t])
+    closing = {"qwen2": "<|im_end|>", "gemma2": "<end_of_turn>", "phi3": "<|end|>", "plain": ""}.get(
+        family, tokenizer.eos_token)
+    assert trained.replace(" ", "") == f"5{closing}9{closing}".replace(" ", "")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "phi3"])
+def test_an_eval_prompt_is_the_tokenizers_own_generation_prompt(family):
+    tokenizer = family_tokenizer(family)
+    encoder = ConversationEncoder(tokenizer, resolve_template(None, tokenizer), train_on="last_turn")
+    prompt, expected, _ = prompt_of(encoder, CHAT)
+    own = tokenizer.apply_chat_template(CHAT[:-1], tokenize=True, add_generation_prompt=True)
+    assert prompt == list(own["input_ids"] if hasattr(own, "keys") else own) and expected == "9"
