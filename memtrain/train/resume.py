@@ -126,9 +126,13 @@ def data_problem(key: str, run: ResolvedRun, other_changes: bool) -> Problem:
     """A data key whose samples changed since the checkpoint, named by the files it lists."""
     named = run.recipe.data.train if key == TRAIN_KEY else run.recipe.data.validation
     files = ", ".join([named] if isinstance(named, str) else [spec.path for spec in named or []]) or key
-    cause = "a file's contents changed" + (", or a change listed here" if other_changes else "")
+    causes = ["a file's contents changed", "the tokenizer or its chat template changed (model.path, model.tokenizer)",
+              "memtrain now tokenises this data otherwise (chat data, after an upgrade)"]
+    if other_changes:
+        causes.append("a change listed here")
     return Problem(f"changed since the checkpoint: the samples built from {files} differ from those the checkpoint "
-                   f"was trained on ({cause})", key=key, hint="put back the data the run was trained on to resume it")
+                   f"was trained on ({'; or '.join(causes)})", key=key,
+                   hint="put back the data and tokenizer the run was trained on to resume it")
 
 
 UNCOMPARED_DATA_NOTE = ("note: the data could not be compared with the checkpoint's (its run.json, from an older "

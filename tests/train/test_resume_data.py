@@ -72,6 +72,7 @@ def test_one_changed_record_of_the_training_file_is_refused_at_data_train(tmp_pa
     said = refusal(resolved(chat_recipe(tmp_path)))
     assert f"data.train: changed since the checkpoint: the samples built from {tmp_path / 'train.jsonl'} differ" in said
     assert "a file's contents changed" in said and "put back the data" in said
+    assert "the tokenizer or its chat template changed" in said  # audit 18a: an edited template, not the files
     assert "--no-resume --overwrite" in said and "train.output_dir=runs/NEW" in said
 
 
