@@ -148,3 +148,17 @@ def test_a_lora_chat_run_merged_into_the_shipped_base_stops_at_the_end_of_a_turn
     assert _ids(GenerationConfig.from_pretrained(run_dir / "final").eos_token_id) == [IM_END, EOS]
     merged = export_run(run_dir, merge=True, out_dir=tmp_path / "merged", dtype=torch.float32)
     _assert_stops_at_im_end(merged)
+
+
+def test_an_end_token_the_base_lists_stays_when_it_is_also_the_pad():
+    """Qwen3's and Qwen2.5-Instruct's layout: eos <|im_end|>, pad <|endoftext|>, and generation_config.json's eos
+    [<|im_end|>, <|endoftext|>]. The export kept only <|im_end|> (audit 18a F6): the base's document end stopped
+    nothing."""
+    tokenizer = family_tokenizer("qwen2")
+    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token = "<|im_end|>", "<|endoftext|>", None  # as Qwen's
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=len(tokenizer), eos_token_id=im_end,
+                                                         pad_token_id=endoftext))
+    model.generation_config.eos_token_id = [im_end, endoftext]
+    generation = set_inference_config(model, tokenizer, [im_end])
+    assert _ids(generation.eos_token_id) == [im_end, endoftext] and generation.pad_token_id == endoftext
