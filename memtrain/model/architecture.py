@@ -79,7 +79,7 @@ def causal_lm_class_name(config: PretrainedConfig, key: str = "model.path") -> s
         text_type = getattr(text, "model_type", None)
         instead = (f"fine-tune its language model alone: a directory whose config.json has model_type "
                    f"'{text_type}' (save the text model's weights with save_pretrained)"
-                   if text_type and text_type != model_type
+                   if text_type and text_type != model_type and text_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
                    else f"use a text-only causal LM ({DECODER_EXAMPLES})")
         raise UserError(Problem(
             f"'{model_type}' is a multimodal model (it has a vision or audio encoder); memtrain trains "
