@@ -101,14 +101,14 @@ class ConversationEncoder:
         parts = _SENTINEL_SPLIT.split(text)
         template_pieces, order = parts[0::2], [int(i) for i in parts[1::2]]
         if any(b <= a for a, b in zip(order, order[1:])):
-            raise RenderError(f"template {self.template.name} writes the messages' content out of order or more "
+            raise RenderError(f"{self._template_said} writes the messages' content out of order or more "
                               "than once, so their tokens cannot be told apart")
         for strip in (False, True):
             contents = [messages[i]["content"].strip() if strip else messages[i]["content"] for i in order]
             joined = "".join(t + c for t, c in zip(template_pieces, contents + [""]))
             if joined == self._apply(messages):
                 return Rendered(template_pieces, contents, order)
-        raise RenderError(f"template {self.template.name} changes the messages' content while writing it, so "
+        raise RenderError(f"{self._template_said} changes the messages' content while writing it, so "
                           "the content's tokens cannot be found")
 
     def encode(self, messages: list[Message]) -> tuple[list[int], list[bool]]:
@@ -171,12 +171,19 @@ class ConversationEncoder:
 
     # ------------------------------------------------------------ internals
 
+    @property
+    def _template_said(self) -> str:
+        """The template as messages name it: a shipped one by its name, a tokenizer's own as such."""
+        if self.template.name == TOKENIZER_TEMPLATE:
+            return "the tokenizer's chat_template"
+        return f"template {self.template.name}"
+
     def _apply(self, messages: list[Message]) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages, chat_template=self.template.source, tokenize=False,
                                                       add_generation_prompt=False)
         except Exception as err:  # jinja2 errors and the template's own raise_exception
-            raise RenderError(f"template {self.template.name} cannot render the conversation: {err}") from None
+            raise RenderError(f"{self._template_said} cannot render the conversation: {err}") from None
 
     def _tokenize(self, texts: list[str], *, split_special: bool) -> list[list[int]]:
         if not texts:

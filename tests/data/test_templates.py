@@ -121,8 +121,8 @@ def test_encode_raises_render_error_and_prompt_of_skips_the_conversation():
     tokenizer = family_tokenizer("gemma2")
     encoder = ConversationEncoder(tokenizer, resolve_template(None, tokenizer), train_on="last_turn")
     messages = [{"role": "system", "content": "Be brief."}] + CHAT[:2]
-    with pytest.raises(RenderError, match="System role not supported"):
-        encoder.encode(messages)
+    with pytest.raises(RenderError, match="^the tokenizer's chat_template cannot render the conversation: System role"):
+        encoder.encode(messages)  # not "template tokenizer cannot ...": the internal name (audit 18a)
     assert isinstance(encoder.encode_many([messages])[0], RenderError)
     assert prompt_of(encoder, messages) is None
     assert prompt_of(encoder, CHAT[:2]) is not None
