@@ -278,7 +278,23 @@ def apply_overrides(data: dict, overrides: list[str], sources: Sources) -> tuple
             node[parts[-1]] = value
             sources.forget_below(tuple(parts))
             sources.origin[tuple(parts)] = (COMMAND_LINE, None)
+            _drop_replaced_choice(node, tuple(parts), value, sources)
     return data, problems
+
+
+# Keys of which a recipe gives one: an override of one replaces the other where the recipe file set it
+# (`run recipes/llama2-7b-lora-24gb.yaml model.path=/models/llama-2-7b` trains that directory, not the preset).
+_ONE_OF = {("model", "path"): "preset", ("model", "preset"): "path"}
+
+
+def _drop_replaced_choice(section: dict, key: tuple[str, ...], value: object, sources: Sources) -> None:
+    other = _ONE_OF.get(key)
+    if other is None or value is None or section.get(other) is None:
+        return
+    if sources.origin.get((*key[:-1], other), (None,))[0] == COMMAND_LINE:
+        return  # both given on the command line: said as the conflict it is
+    section[other] = None
+    sources.forget_below((*key[:-1], other))
 
 
 # ---------------------------------------------------------------- validation

@@ -94,6 +94,21 @@ def test_overrides_win_over_the_file_and_report_the_command_line(tmp_path):
     assert {(p.file, p.key) for p in problems} == {(COMMAND_LINE, "optimizer.lr"), (COMMAND_LINE, "train.steps")}
 
 
+def test_model_path_on_the_command_line_replaces_the_recipes_preset_and_the_other_way_round(tmp_path):
+    """README's `memtrain run recipes/llama2-7b-lora-24gb.yaml model.path=/models/llama-2-7b` was refused: the
+    recipe's model.preset stayed beside the override (audit 18b). Both on the command line stay a conflict."""
+    shipped = Path(__file__).parents[2] / "recipes" / "llama2-7b-lora-24gb.yaml"
+    model_dir = tmp_path / "llama"
+    model_dir.mkdir()
+    loaded = load_recipe(shipped, [f"model.path={model_dir}"], check=False)
+    assert loaded.recipe.model.path == str(model_dir) and loaded.recipe.model.preset is None
+    assert loaded.recipe.model.lora.r == 16  # the rest of the model section stays the recipe's
+    pathed = write(tmp_path / "pathed.yaml", BASE.replace("preset: tiny", f"path: {model_dir}"))
+    assert load_recipe(pathed, ["model.preset=tiny"], check=False).recipe.model.path is None
+    both = problems_of(lambda: load_recipe(shipped, [f"model.path={model_dir}", "model.preset=tiny"]))
+    assert any("exactly one of model.preset or model.path" in p.message for p in both)
+
+
 def test_an_unknown_section_made_by_an_override_is_reported_at_the_command_line(tmp_path):
     recipe = write(tmp_path / "r.yaml", BASE)
     problems = problems_of(lambda: load_recipe(recipe, ["nonexistent.key=1", "model.nothing.deeper=2"]))
