@@ -195,7 +195,7 @@ def run(
     recipe: Path = RecipeArg,
     overrides: Optional[list[str]] = OverridesArg,
     resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue from the newest complete checkpoint in the run directory."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="Stop after this many optimizer steps (the schedule still follows the recipe)."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="Stop after this many more optimizer steps, counted from where the run resumes (the schedule still follows the recipe)."),
     profile: int = typer.Option(0, "--profile", help="Record a torch.profiler trace of N steps into the run directory."),
     save: bool = typer.Option(True, "--save/--no-save", help="--no-save: write no checkpoints and no final model (benchmarks, smoke tests)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start over in a run directory that holds a run; the old run is moved aside (NAME.previous-DATE)."),
