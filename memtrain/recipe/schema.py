@@ -131,7 +131,8 @@ class Model(Section):
     path: str | None = Field(None, description="Local Hugging Face model directory (config.json, weights, tokenizer).")
     tokenizer: str | None = Field(
         None,
-        description="Tokenizer directory, or 'builtin:shakespeare' for the bundled offline BPE tokenizer. "
+        description="Tokenizer directory, or 'builtin:shakespeare' for the bundled offline BPE tokenizer "
+        "('builtin:shakespeare-chat': the same with ChatML's markers and template). "
         "Defaults to the model directory, or the builtin tokenizer for presets.",
     )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
@@ -220,7 +221,8 @@ DatasetSource = Annotated[
 
 class Data(Section):
     train: DatasetSource = Field(
-        ..., description="Training data: a path (a .txt or .jsonl text file, or 'builtin:shakespeare') trained on as "
+        ..., description="Training data: a path (a .txt or .jsonl text file, or 'builtin:shakespeare', whose "
+        "validation side is 'builtin:shakespeare/validation') trained on as "
         "text, or a list of datasets (path, type, weight and field names; see DatasetSpec) for instruction and chat "
         "data; one dataset may be written as a mapping.")
     validation: DatasetSource | None = Field(
@@ -238,7 +240,7 @@ class Data(Section):
         "seeded mega-batch of 50 steps, the step groups shuffled) and each micro-batch is cut to its longest row "
         "(rounded up to 8 tokens), so padding is not computed; every row is still seen once per epoch and a "
         "resumed run sees the same batches. null: on when packing is off, off when it is on.")
-    cache_dir: str | None = Field(None, description="Token cache directory (default ~/.cache/memtrain/tokens).")
+    cache_dir: str | None = Field(None, description="Token cache directory (default $MEMTRAIN_CACHE, else ~/.cache/memtrain/tokens).")
     template: str | None = Field(
         None, description="Chat template for completion, instruction and chat datasets: a shipped one (chatml, "
         "llama-3, alpaca) or null for the tokenizer's own chat_template.")
@@ -441,7 +443,8 @@ class Optimizer(Section):
         False, description="Update each parameter as soon as backward has its gradient, and free the gradient "
         "(torchtune's optimizer-in-backward): a full fine-tune never holds the model's gradients. Needs one "
         "micro-batch per step (batch.micro_batch = batch.global_batch), optimizer.grad_clip=0, one GPU, "
-        "offload.zero_stage=0 and precision.master=bf16 (the bf16 weights are their own master copy); with "
+        "offload.zero_stage=0, batch.policy=fixed, precision.mode=cast and the weights as their own master copy "
+        "(precision.master=bf16, or fp32 with compute fp32); with "
         "paged_adamw_8bit the states page between the card and the host.")
 
     @property
@@ -462,14 +465,14 @@ class Schedule(Section):
 
 
 class Train(Section):
-    steps: int | None = Field(None, ge=1, description="Optimizer steps; or use epochs.")
-    epochs: float | None = Field(None, gt=0, description="Passes over the training data (when steps is not set).")
+    steps: int | None = Field(None, ge=1, description="Optimizer steps; give exactly one of steps and epochs.")
+    epochs: float | None = Field(None, gt=0, description="Passes over the training data, instead of steps.")
     eval_every: int = Field(100, ge=1, description="Evaluate every N optimizer steps (and at the end).")
     eval_batches: int = Field(8, ge=1, description="Validation micro-batches (of the starting micro-batch size, over all GPUs) per evaluation.")
     eval_generate: int = Field(
         0, ge=0, description="Held-out conversations the model answers by greedy generation at step 0 and at the "
         "end of the run, scored by exact match with the last assistant message (a 'generation' record in "
-        "metrics.jsonl); needs completion, instruction or chat data. 0: off.")
+        "metrics.jsonl); needs completion, instruction or chat data, and not ZeRO-3. 0: off.")
     save_every: int = Field(500, ge=1, description="Checkpoint every N optimizer steps (and at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept.")
     log_every: int = Field(10, ge=1, description="Flush metrics every N optimizer steps (no per-step host sync).")
