@@ -82,6 +82,30 @@ def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tup
             _rows(list(held_out), data, tokenizer.pad_token_id, seed))
 
 
+def unwritten_messages_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """A warning for people when the chat template left some messages of the conversations out of what it wrote
+    (Mistral's writes a system message only before the last user turn, so never in a conversation that ends with
+    an answer): the model trains without them, and is prompted with them. None when it wrote every message.
+    Reads the token cache that building the rows filled (`tokenizer` as for `held_out_records`)."""
+    if isinstance(data.train, str):
+        return None
+    rules = _sample_rules(data, tokenizer)
+    said = []
+    for spec in [*data.train, *(data.validation or [])]:
+        if spec.type == "text":
+            continue
+        for role, (count, line) in sorted(tokenized_dataset(spec, tokenizer, rules, data.cache_dir).unwritten.items()):
+            said.append(f"the {role} message of {count} conversation{'s' if count != 1 else ''} of {spec.path} "
+                        f"(the first at line {line})")
+    if not said:
+        return None
+    where = "data.template" if data.template is not None else "model.tokenizer: the tokenizer's chat_template"
+    return (f"{where} did not write {'; '.join(said)}: the model trains without those messages, though a "
+            "prompt may hold them (a template that writes the system message only before the last user turn, as "
+            "Mistral's does) — put that text into the first user message, or set a template that writes every "
+            "message (data.template: chatml, with data.add_special_tokens)")
+
+
 def held_out_records(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[HeldOutRecords]:
     """For each conversation dataset that validation draws from (data.validation's, else data.train's), the
     records its validation samples come from, as `build_rows` splits them: a training sample is never among

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
@@ -63,6 +64,7 @@ class Rendered:
     template_pieces: list[str]   # one more than content pieces: before, between and after them
     content_pieces: list[str]
     content_messages: list[int]  # the message each content piece belongs to
+    unwritten: tuple[int, ...] = ()  # messages with content the template did not write (Mistral's system message)
 
     @property
     def text(self) -> str:
@@ -76,6 +78,14 @@ class Rendered:
             spans.append((at, at + len(content)))
             at += len(content)
         return spans
+
+
+class Encoded(NamedTuple):
+    """One conversation as the model trains on it."""
+
+    ids: list[int]
+    targets: list[bool]           # per token: does the loss see it
+    unwritten: tuple[int, ...]    # messages with content the template did not write (see Rendered)
 
 
 class ConversationEncoder:
@@ -107,7 +117,8 @@ class ConversationEncoder:
             contents = [messages[i]["content"].strip() if strip else messages[i]["content"] for i in order]
             joined = "".join(t + c for t, c in zip(template_pieces, contents + [""]))
             if joined == self._apply(messages):
-                return Rendered(template_pieces, contents, order)
+                unwritten = tuple(i for i, m in enumerate(messages) if i not in order and m["content"].strip())
+                return Rendered(template_pieces, contents, order, unwritten)
         raise RenderError(f"{self._template_said} changes the messages' content while writing it, so "
                           "the content's tokens cannot be found")
 
@@ -117,11 +128,12 @@ class ConversationEncoder:
         encoded = self.encode_many([messages])[0]
         if isinstance(encoded, RenderError):
             raise encoded
-        return encoded
+        return encoded.ids, encoded.targets
 
-    def encode_many(self, conversations: list[list[Message]]) -> list[tuple[list[int], list[bool]] | RenderError]:
-        """`encode` for many conversations with a few tokenizer calls in all; a failure is returned in its place."""
-        out: list[tuple[list[int], list[bool]] | RenderError | None] = []
+    def encode_many(self, conversations: list[list[Message]]) -> list[Encoded | RenderError]:
+        """`encode` for many conversations with a few tokenizer calls in all, each with the messages its template
+        did not write; a failure is returned in its place."""
+        out: list[Encoded | RenderError | None] = []
         rendered: list[tuple[int, Rendered]] = []
         for messages in conversations:
             try:
@@ -135,15 +147,17 @@ class ConversationEncoder:
                                    return_offsets_mapping=True)
             by_pieces = []
             for (at, r), ids, offsets in zip(rendered, whole["input_ids"], whole["offset_mapping"]):
-                out[at] = self._assemble_whole(conversations[at], r, ids, offsets)
-                if out[at] is None:  # content that spells a special token
+                assembled = self._assemble_whole(conversations[at], r, ids, offsets)
+                if assembled is None:  # content that spells a special token
                     by_pieces.append((at, r))
+                else:
+                    out[at] = Encoded(*assembled, r.unwritten)
         template_ids = iter(self._tokenize([p for _, r in by_pieces for p in r.template_pieces], split_special=False))
         content_ids = iter(self._tokenize([p for _, r in by_pieces for p in r.content_pieces], split_special=True))
         for at, r in by_pieces:
             pieces_t = [next(template_ids) for _ in r.template_pieces]
             pieces_c = [next(content_ids) for _ in r.content_pieces]
-            out[at] = self._assemble(conversations[at], r, pieces_t, pieces_c)
+            out[at] = Encoded(*self._assemble(conversations[at], r, pieces_t, pieces_c), r.unwritten)
         return out
 
     def turn_end_id(self) -> int | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ from memtrain.data.render import CHAT_ENCODING_VERSION, ConversationEncoder
 from memtrain.data.templates import ChatTemplate
 from memtrain.data.tokenizer import tokenizer_fingerprint
 from memtrain.errors import DataError, Problem, UserError
+from memtrain.files import write_atomically
 from memtrain.recipe.schema import DatasetSpec
 
 # Bump when the layout or the rules that make samples change, so old entries are not reused.
@@ -45,6 +46,10 @@ class Tokenized:
     tokens: np.ndarray   # uint16 or uint32
     targets: np.ndarray  # uint8
     ends: np.ndarray     # int64, one per sample
+    # conversations whose template did not write some of their messages, by the role of those messages, with the
+    # first such record's line: {"system": [count, line]} (Mistral's template writes a system message only into a
+    # conversation's last user turn, so never into one that ends with an answer)
+    unwritten: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def starts(self) -> np.ndarray:
@@ -77,38 +82,42 @@ def tokenized_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rul
     directory = cache_dir_of(cache_dir)
     key = _cache_key(spec, tokenizer, rules)
     paths = {name: directory / f"{key}.{name}.npy" for name in ("ends", "targets", "tokens")}
-    cached = _load(paths)
+    notes = directory / f"{key}.notes.json"
+    cached = _load(paths, notes)
     if cached is not None:
         return cached
     samples = tokenize_dataset(spec, tokenizer, rules)
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        if samples.unwritten:  # an entry without notes has none
+            write_atomically(notes, json.dumps({"unwritten": samples.unwritten}))
         for name in ("ends", "targets", "tokens"):  # tokens last: its presence marks a complete entry
             save_atomic(paths[name], getattr(samples, name))
     except OSError as err:
         raise UserError(Problem(f"cannot write the token cache in {directory}: {err.strerror or err}",
                                 key="data.cache_dir",
                                 hint="set data.cache_dir (or $MEMTRAIN_CACHE) to a writable directory")) from None
-    return _load(paths) or samples
+    return _load(paths, notes) or samples
 
 
 def tokenize_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: SampleRules) -> Tokenized:
     """Tokenise every record of `spec` (no cache): documents for text, rendered conversations otherwise."""
     if spec.type == "text":
-        pieces = _document_samples(spec, tokenizer)
+        pieces, unwritten = _document_samples(spec, tokenizer), {}
     else:
         if rules.template is None:
             raise ValueError(f"{spec.type} datasets need a chat template")
         encoder = ConversationEncoder(tokenizer, rules.template, train_on_inputs=rules.train_on_inputs,
                                       train_on=rules.train_on)
-        pieces = _conversation_samples(spec, encoder)
+        pieces, unwritten = _conversation_samples(spec, encoder)
     if not pieces:
         raise DataError(Problem("the dataset has no records", file=spec.path, hint="check the path and the file"))
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     lengths = np.fromiter((len(ids) for ids, _ in pieces), dtype=np.int64, count=len(pieces))
     tokens = np.concatenate([ids for ids, _ in pieces]).astype(dtype)
     targets = np.concatenate([flags for _, flags in pieces])
-    return Tokenized(tokens=tokens, targets=targets, ends=np.cumsum(lengths))
+    return Tokenized(tokens=tokens, targets=targets, ends=np.cumsum(lengths),
+                     unwritten=unwritten if spec.type != "text" else {})
 
 
 # ---------------------------------------------------------------- documents and conversations
@@ -140,20 +149,24 @@ def _document_samples(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase) -> 
     return out
 
 
-def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder) -> list[Piece]:
+def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder) -> tuple[list[Piece], dict[str, list[int]]]:
+    """The samples, and the conversations whose template left messages out (Tokenized.unwritten)."""
     located = _collect(spec, lambda record, line: (line, to_conversation(record, spec, spec.path, line)))
     out: list[Piece] = []
+    unwritten: dict[str, list[int]] = {}
     problems = FileProblems(spec.path)
     for start in range(0, len(located), BATCH_RECORDS):
         batch = located[start:start + BATCH_RECORDS]
-        for (line, _), result in zip(batch, encoder.encode_many([messages for _, messages in batch])):
+        for (line, messages), result in zip(batch, encoder.encode_many([messages for _, messages in batch])):
             if isinstance(result, Exception):
                 problems.add(Problem(str(result), file=spec.path, line=line, key="data.template",
                                      hint="fix the record, or pick a template that can write it"))
-            else:
-                out.append(_piece(*result))
+                continue
+            out.append(_piece(result.ids, result.targets))
+            for role in {messages[i]["role"] for i in result.unwritten}:
+                unwritten.setdefault(role, [0, line])[0] += 1
     problems.raise_if_any()
-    return out
+    return out, unwritten
 
 
 def _collect(spec: DatasetSpec, convert) -> list:
@@ -183,15 +196,16 @@ def _cache_key(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: Sam
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def _load(paths: dict[str, Path]) -> Tokenized | None:
+def _load(paths: dict[str, Path], notes: Path) -> Tokenized | None:
     """The entry memory-mapped, or None when it is missing or damaged (disk full, manual edits)."""
     if not all(p.exists() for p in paths.values()):
         return None
     try:
         arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
-    except (OSError, ValueError):
+        unwritten = json.loads(notes.read_text())["unwritten"] if notes.exists() else {}
+    except (OSError, ValueError, KeyError, TypeError):
         return None
     ends = arrays["ends"]
     if not len(ends) or int(ends[-1]) != len(arrays["tokens"]) or len(arrays["targets"]) != len(arrays["tokens"]):
         return None
-    return Tokenized(tokens=arrays["tokens"], targets=arrays["targets"], ends=np.asarray(ends))
+    return Tokenized(tokens=arrays["tokens"], targets=arrays["targets"], ends=np.asarray(ends), unwritten=unwritten)

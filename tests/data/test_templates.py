@@ -159,3 +159,35 @@ def test_an_eval_prompt_is_the_tokenizers_own_generation_prompt(family):
     prompt, expected, _ = prompt_of(encoder, CHAT)
     own = tokenizer.apply_chat_template(CHAT[:-1], tokenize=True, add_generation_prompt=True)
     assert prompt == list(own["input_ids"] if hasattr(own, "keys") else own) and expected == "9"
+
+
+MISTRAL_V03 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+               "{% set rest = messages[1:] %}{% else %}{% set rest = messages %}{% endif %}"
+               "{% for message in rest %}{% if message['role'] == 'user' %}{% if loop.last and system is defined %}"
+               "{{ '[INST] ' + system + '\\n\\n' + message['content'] + '[/INST]' }}{% else %}"
+               "{{ '[INST] ' + message['content'] + '[/INST]' }}{% endif %}{% else %}"
+               "{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+def test_a_message_the_template_leaves_out_is_counted_and_warned_about(make_data, write_jsonl, tmp_path):
+    """Audit 18a F2: Mistral v0.3's template writes the system message only into the last user turn, so a training
+    conversation (ending with its answer) loses it silently. The count survives the token cache (a second build
+    reads it back), and conversations without a system message are not counted."""
+    from memtrain.data.dataset import build_datasets
+    from memtrain.data.mixture import unwritten_messages_warning
+
+    tokenizer = family_tokenizer("mistral")
+    tokenizer.chat_template = MISTRAL_V03
+    system = [{"role": "system", "content": "Answer tersely."}]
+    path = write_jsonl("chat.jsonl", [{"messages": CHAT}, {"messages": system + CHAT}, {"messages": system + CHAT[:2]}])
+    data = make_data(train=[{"path": path, "type": "chat"}], validation=None, template=None)
+    for _ in range(2):  # tokenised, then from the cache
+        build_datasets(data, tokenizer, seed=0)
+        warning = unwritten_messages_warning(data, tokenizer)
+        assert warning is not None and warning.startswith("model.tokenizer: the tokenizer's chat_template did not")
+        assert f"the system message of 2 conversations of {path} (the first at line 2)" in warning
+        assert "first user message" in warning
+    plain = make_data(train=[{"path": write_jsonl("plain.jsonl", [{"messages": CHAT}] * 3), "type": "chat"}],
+                      validation=None, template=None)
+    build_datasets(plain, tokenizer, seed=0)
+    assert unwritten_messages_warning(plain, tokenizer) is None
