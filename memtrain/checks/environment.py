@@ -16,8 +16,8 @@ from pathlib import Path
 from memtrain.configs import model_preset, model_preset_names
 from memtrain.data.corpus import BUILTIN_PREFIX, builtin_corpus_names
 from memtrain.data.records import record_format, resolve_dataset_path
-from memtrain.data.templates import shipped_template_names
-from memtrain.data.tokenizer import builtin_tokenizer_names
+from memtrain.data.templates import needs_template, shipped_template_names
+from memtrain.data.tokenizer import builtin_tokenizer_names, has_chat_template, tokenizer_directory
 from memtrain.dtypes import DTYPE_BYTES
 from memtrain.errors import Problem, UserError
 from memtrain.model.config import model_architecture
@@ -110,6 +110,26 @@ def _check_template_name(loaded: LoadedRecipe, env: Environment) -> list[Problem
     return [loaded.sources.problem(("data", "template"), f"there is no chat template '{template}'",
                                    "use one of " + ", ".join(shipped_template_names()) + ", or leave data.template "
                                    "out to use the tokenizer's own chat_template")]
+
+
+@reads("data", "model")
+def _check_chat_template(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
+    """Chat, instruction and completion data without data.template need the tokenizer's own chat template: said
+    by validate too, not first by the command that tokenises (audit 18a). Read from its files, not loaded."""
+    data, model = loaded.recipe.data, loaded.recipe.model
+    if data.template is not None or not needs_template(data):
+        return []
+    try:
+        directory, key = tokenizer_directory(model)
+    except UserError:
+        return []  # an unknown builtin: _check_model_files says so
+    if has_chat_template(directory) is not False:
+        return []  # it has one, or its files are missing or unreadable (said where the tokenizer is checked)
+    return [loaded.sources.problem(("data", "template"),
+                                   f"the tokenizer ({key}: {directory}) has no chat_template, and completion, "
+                                   "instruction and chat data need one",
+                                   "set data.template to one of " + ", ".join(shipped_template_names())
+                                   + " (builtin:shakespeare-chat is a tokenizer with a chatml chat_template)")]
 
 
 @reads("data")

@@ -23,13 +23,7 @@ def load_tokenizer(model: Model) -> PreTrainedTokenizerBase:
     else the builtin Shakespeare BPE. Loads local files only. Guarantees an eos token and a pad token
     (pad = eos when the tokenizer has none). Raises `UserError` when it cannot be loaded.
     """
-    if model.tokenizer is not None:
-        spec, key = model.tokenizer, "model.tokenizer"
-    elif model.path is not None:
-        spec, key = model.path, "model.path"
-    else:
-        spec, key = BUILTIN_PREFIX + "shakespeare", "model.tokenizer"
-    directory = _resolve(spec, key)
+    directory, key = tokenizer_directory(model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -48,6 +42,26 @@ def load_tokenizer(model: Model) -> PreTrainedTokenizerBase:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def tokenizer_directory(model: Model) -> tuple[Path, str]:
+    """(the directory `load_tokenizer` reads, the recipe key that names it); UserError for an unknown builtin."""
+    if model.tokenizer is not None:
+        return _resolve(model.tokenizer, "model.tokenizer"), "model.tokenizer"
+    if model.path is not None:
+        return _resolve(model.path, "model.path"), "model.path"
+    return _resolve(BUILTIN_PREFIX + "shakespeare", "model.tokenizer"), "model.tokenizer"
+
+
+def has_chat_template(directory: Path) -> bool | None:
+    """Whether the tokenizer files in `directory` carry a chat template, read from the files without loading the
+    tokenizer (chat_template.jinja / .json, or tokenizer_config.json's chat_template); None when unreadable."""
+    if (directory / "chat_template.jinja").is_file() or (directory / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -131,3 +131,15 @@ def test_validate_refuses_what_plan_and_run_would_before_reading_any_data(tmp_pa
     BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path)
     [encoder] = problems(text.replace("preset: micro", f"path: {tmp_path}"))
     assert encoder.startswith("chat.yaml:2: model.path: 'bert' is an encoder-only (masked language) model")
+
+
+def test_chat_data_whose_tokenizer_has_no_chat_template_is_refused_at_validate(tmp_path):
+    """Audit 18a: validate said "valid", and the first command that tokenised refused it. The tokenizer's files are
+    read, not loaded; a tokenizer directory without a chat_template (here a copy of the plain bundled one) too."""
+    chat = CHAT.replace("    - {path: %s, type: instruction}\n", "")
+    [said] = problems(chat.replace("builtin:shakespeare-chat", "builtin:shakespeare"))
+    assert said.startswith("chat.yaml:3: data.template: the tokenizer (model.tokenizer: ") and "has no chat_template" in said
+    assert "set data.template to one of" in said and "chatml" in said
+    assert load_checked_text(chat, "chat.yaml")  # the chat tokenizer has one
+    assert load_checked_text(chat.replace("builtin:shakespeare-chat", "builtin:shakespeare").replace(
+        "  seq_len: 64", "  seq_len: 64\n  template: chatml\n  add_special_tokens: true"), "chat.yaml")
