@@ -38,7 +38,7 @@ from memtrain.train.preflight import check_dtype, check_memory
 from memtrain.train.result import EXIT_RESTART, RunResult
 from memtrain.train.run import ResolvedRun, RunOptions, resolve_run
 from memtrain.train.setup import RunData, build_data, setup
-from memtrain.train.signals import run_forwarding_signals
+from memtrain.train.signals import SAID_DIR_ENV, run_forwarding_signals
 
 Report = Callable[[RunResult], None]
 
@@ -125,7 +125,9 @@ def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report
             # one node: a fresh local port each attempt; several: the agreed master port, where node 0's
             # next torchrun hosts the rendezvous again
             meet = rendezvous if rendezvous.nodes > 1 else dataclasses.replace(rendezvous, master_port=free_port())
-            code = run_forwarding_signals(torchrun_command(hw.gpus, meet, [str(run_file), *options.to_flags()]), env)
+            said = tempfile.mkdtemp(dir=local, prefix="said-")  # a problem every worker meets is printed once
+            code = run_forwarding_signals(torchrun_command(hw.gpus, meet, [str(run_file), *options.to_flags()]),
+                                          {**env, SAID_DIR_ENV: said})
             if code != EXIT_RESTART:
                 return code
             options = dataclasses.replace(options, resume=True)

@@ -69,6 +69,10 @@ class Session:
             path = save_checkpoint(self.engine, self.run_dir, self.state, self.place.rank, keep_last, fault=fault)
         except Exception as error:  # a full disk, a read-only one, no permission: one line, not a traceback
             if write_error(error) is None:
+                if not main and not partial_save(self.run_dir, step).exists():
+                    # rank 0's save failed first and removed the partial save this rank was writing into: it
+                    # says why; this rank ends with the same code and nothing more to say
+                    raise UserError([]) from None
                 raise
             if main:
                 shutil.rmtree(partial_save(self.run_dir, step), ignore_errors=True)  # frees what it took

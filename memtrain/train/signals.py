@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 LAUNCHER_PID_ENV = "MEMTRAIN_LAUNCHER_PID"
@@ -127,6 +129,8 @@ def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
 
 EXIT_BARRIER_LOGGER = "torch.distributed.elastic.agent.server.api"
 EXIT_BARRIER_ERROR = "Error waiting on exit barrier"
+WORKERS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+SAID_DIR_ENV = "MEMTRAIN_SAID_DIR"  # where the workers of one node mark the problem lines one of them printed
 
 
 class QuietExitBarrier(logging.Filter):
@@ -145,12 +149,38 @@ class QuietExitBarrier(logging.Filter):
         return True
 
 
+class QuietUserErrorExit(logging.Filter):
+    """A worker that ends with a UserError (exit 2) printed its problem lines; torchrun's "failed (exitcode: 2)
+    local_rank: 0 (pid: …) of binary: …" after them says nothing more to a person."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.getMessage().startswith("failed (exitcode: 2)"))
+
+
+def say_once(lines: list[str]) -> bool:
+    """Whether this worker should print `lines` (a UserError's problems): the first worker of a node to claim them
+    (a marker file in the launcher's SAID_DIR_ENV directory) does, the others, meeting the same problem (a full
+    disk, a recipe the data refuses), do not. Different lines are all printed. True without the directory."""
+    said_dir = os.environ.get(SAID_DIR_ENV)
+    if not said_dir:
+        return True
+    marker = Path(said_dir) / hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # cannot mark: printed twice rather than not at all
+    return True
+
+
 def torchrun_main(argv: list[str]) -> int:
     """`python -m memtrain.train.signals ARGS`: torchrun that dies with its launcher, without a traceback when
     it is told to stop (it shuts its workers down first) or when its exit barrier breaks after a finished run."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     die_with_parent(signal.SIGTERM, int(launcher) if launcher else None)
     logging.getLogger(EXIT_BARRIER_LOGGER).addFilter(QuietExitBarrier())
+    logging.getLogger(WORKERS_LOGGER).addFilter(QuietUserErrorExit())
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -18,7 +18,7 @@ from memtrain.train.distributed import barrier
 from memtrain.train.hooks import Hooks
 from memtrain.train.launch import train_here
 from memtrain.train.run import ResolvedRun, RunOptions
-from memtrain.train.signals import (die_with_parent, exit_code, not_saved_line, received_stop, signum_of,
+from memtrain.train.signals import (die_with_parent, exit_code, not_saved_line, received_stop, say_once, signum_of,
                                    stop_on_signals)
 
 
@@ -43,8 +43,9 @@ def main(argv: list[str]) -> int:
         if run.recipe.hardware.nodes > 1:
             leave_after_node_0()
     except UserError as error:
-        for problem in error.problems:
-            print(f"✗ {problem.format()}", file=sys.stderr)
+        lines = [f"✗ {problem.format()}" for problem in error.problems]
+        if lines and say_once(lines):  # every rank meets a full disk: one line per node, not one per process
+            print("\n".join(lines), file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt as stop:  # during start-up, or a second Ctrl-C: nothing saved
         return stopped_unsaved(signum_of(stop))

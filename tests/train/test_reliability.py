@@ -465,3 +465,22 @@ def test_an_export_that_cannot_write_ends_with_a_line_and_the_same_command_expor
     assert ends[-1]["status"] == "export_failed"  # report says how the run ended, not "running or killed"
     code, out = run(recipe)
     assert code == 0 and (run_dir / "final" / "config.json").is_file(), out
+
+
+def test_a_full_disk_with_two_processes_is_said_once_without_traceback_or_torchrun_lines(write_recipe):
+    """Every rank met the full disk: each printed the line (or rank 1, slower, found the partial save rank 0 had
+    removed and ended in a RuntimeError traceback), and torchrun added 'failed (exitcode: 2) local_rank: 0 ...'."""
+    import subprocess
+    import sys
+
+    from tests.train.test_run import clean_env
+
+    recipe = write_recipe("full-two", {"hardware": {"gpus": 2}, "batch": {"global_batch": 8, "micro_batch": 2},
+                                       "train": {"steps": 6, "save_every": 2, "eval_every": 100}})
+    done = subprocess.run([sys.executable, "-m", "memtrain", "run", str(recipe)], text=True, timeout=600,
+                          env=clean_env(OMP_NUM_THREADS="1", MEMTRAIN_INJECT_ENOSPC="4"),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert done.returncode == 2, done.stdout[-3000:]
+    assert done.stdout.count("no space left on") == 1, done.stdout[-3000:]
+    assert "Traceback" not in done.stdout and "failed (exitcode" not in done.stdout, done.stdout[-3000:]
+    assert [p.name for p in complete_checkpoints(run_dir_of(recipe))] == ["step-000002"]
