@@ -46,6 +46,7 @@ class LoopState:
     best_eval_loss: float | None = None
     batch_policy: dict = field(default_factory=dict)
     recipe: dict = field(default_factory=dict)  # the resolved recipe trained with (JSON); {} in older checkpoints
+    divergence: dict = field(default_factory=dict)  # the divergence guard's state (Guard.state_dict); {} before it
 
 
 def checkpoint_root(run_dir: Path) -> Path:

@@ -10,8 +10,9 @@ and do not count; a non-finite loss does.
 A finite loss that rises far above the best seen so far is a divergence warning (a metrics event and
 a line), once per episode. The first DIVERGENCE_AFTER_STEPS steps of an attempt warn of nothing (early
 losses jump), but their losses count towards the best: a loss that blows up from step 1 is far above
-step 1's loss and is reported once the grace is over. The best loss is not saved in checkpoints: a resumed
-attempt starts its best (and its grace) afresh from its own first steps.
+step 1's loss and is reported once the grace is over. The best loss, the steps seen and whether an episode is
+under way are saved in checkpoints (LoopState.divergence), so a resumed run warns exactly as an uninterrupted one
+would: a loss that rose before the stop is still far above the best from before it.
 
 With several processes the verdict is agreed by one all-reduce per step (a sum of: one stop count per
 stop signal, a bad-step count, the token-loss sum), so every rank saves, stops or goes on at the same
@@ -88,16 +89,23 @@ class NanInjector:
 
 
 class Guard:
-    def __init__(self, recipe: Recipe, metrics: MetricsLog, world_size: int, device: torch.device, run_dir: Path):
+    def __init__(self, recipe: Recipe, metrics: MetricsLog, world_size: int, device: torch.device, run_dir: Path,
+                 saved: dict | None = None):
+        """saved: `state_dict()` of the guard of the run this one resumes ({} or None: a fresh start)."""
         self.max_bad = recipe.train.max_bad_steps
         self.fp16 = recipe.precision.compute == "fp16"
         self.recipe, self.metrics, self.world_size, self.device, self.run_dir = recipe, metrics, world_size, device, run_dir
         self.streak = 0
         self.first_bad_step: int | None = None
-        self.best_loss: float | None = None
-        self.good_steps = 0
-        self.diverging = False
+        saved = saved or {}
+        self.best_loss: float | None = saved.get("best_loss")
+        self.good_steps = int(saved.get("good_steps", 0))
+        self.diverging = bool(saved.get("diverging", False))
         self.warning: str | None = None   # for the run's last line: the loss diverged at some point
+
+    def state_dict(self) -> dict:
+        """What a resumed run's guard continues from (saved in LoopState.divergence)."""
+        return {"best_loss": self.best_loss, "good_steps": self.good_steps, "diverging": self.diverging}
 
     def after_step(self, step: int, loss_sum: torch.Tensor, targets: int, engine, skipped_before: int,
                    stop_signum: int | None) -> Verdict:

@@ -95,7 +95,7 @@ def train(t: Training, quiet: bool = False) -> RunResult:
         t.startup.mark("loop_start")  # the run's start record
     stop_at = run.total_steps if t.options.max_steps is None else min(run.total_steps, state.step + t.options.max_steps)
     interrupted = Interrupted()
-    guard = Guard(r, t.metrics, world, device, run.run_dir)  # NaN/inf steps, divergence, agreeing to stop
+    guard = Guard(r, t.metrics, world, device, run.run_dir, state.divergence)  # NaN/inf, divergence, agreeing to stop
     status, eval_loss = "done", None
     progress = Progress(run.total_steps, enabled=place.is_main and not quiet)
     with interrupted.installed():
@@ -119,6 +119,7 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                 verdict = guard.after_step(state.step + 1, loss_sum, targets, t.engine, skipped_before,
                                            interrupted.signum if interrupted.requested else None)
                 t.hooks.sample_trace.commit(state.step, rank)
+                state.divergence = guard.state_dict()  # what any save from here on carries
                 state.step += 1
                 state.tokens += targets
                 session.adapt_batch()

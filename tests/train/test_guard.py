@@ -64,6 +64,26 @@ def test_a_rise_after_the_grace_is_one_event_per_episode(tmp_path):
     assert [e["step"] for e in divergences(path)] == [7, 10]  # 7-8 one episode, back at 9, again at 10
 
 
+def test_a_resumed_guard_warns_as_the_uninterrupted_one_does(tmp_path):
+    """The guard's best loss was not saved: after a stop at step 8 of a rising loss, the resumed run took 9.0 as its
+    best (and a new grace) and said nothing, where the uninterrupted run reported the rise at step 9."""
+    losses = [8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 3.1, 3.2, 9.0, 9.5]
+    whole, whole_path = guard_for(tmp_path / "whole")
+    feed(whole, losses)
+    before, _ = guard_for(tmp_path / "before")
+    feed(before, losses[:8])
+    saved = json.loads(json.dumps(before.state_dict()))  # as state.json carries it
+    path = tmp_path / "after" / "metrics.jsonl"
+    after = Guard(Recipe.model_validate(TINY_RECIPE), MetricsLog(path, flush_every=1), 1, torch.device("cpu"),
+                  tmp_path / "after", saved)
+    for step, loss in enumerate(losses[8:], start=9):
+        after.after_step(step, torch.tensor(loss * 100), 100, Engine(), 0, None)
+    whole.metrics.flush()
+    after.metrics.flush()
+    assert [e["step"] for e in divergences(path)] == [e["step"] for e in divergences(whole_path)] == [9]
+    assert after.warning == whole.warning
+
+
 def _agree_on_two_ranks(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
