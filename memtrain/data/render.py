@@ -26,6 +26,7 @@ exactly where training taught the model to stop; `unclosed_turn_warning` says wh
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -291,10 +292,7 @@ def unclosed_turn_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> str
     closing = encoder.probe_closing()
     if closing is None or encoder._closing_length(closing):  # one that cannot render: the data's errors say so
         return None
-    if encoder.template.name == TOKENIZER_TEMPLATE:
-        where = "model.tokenizer: the tokenizer's chat_template (data.template is not set)"
-    else:
-        where = f"data.template: chat template {encoder.template.name}"
+    where = _template_where(encoder.template)
     after = tokenizer.decode(closing)
     written = f"only {after!r}" if after else "nothing"
     return (f"{where} writes no special token after an assistant's answer ({written}), so the model learns no "
@@ -302,3 +300,40 @@ def unclosed_turn_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> str
             "data.template to a shipped template that closes each turn with a special token, such as chatml "
             "(with data.add_special_tokens: true if the tokenizer lacks its markers), or use a tokenizer whose "
             "chat_template ends each turn with a special token")
+
+
+def generation_prompt_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """A warning for people when what the template writes before an answer in training differs from its generation
+    prompt (`add_generation_prompt=True`, what inference servers and `apply_chat_template` prompt with): Qwen3's
+    writes an empty "<think>\\n\\n</think>\\n\\n" before a trained answer but not in its default prompt, a
+    "user: …\\nassistant: " template prompts with a trailing space training never ends a prompt with. The model
+    is then prompted with tokens it never saw before an answer. None when the two agree, or the template cannot
+    render the probe. `tokenizer`: the run's, after `ensure_template_tokens`."""
+    if not needs_template(data):
+        return None
+    encoder = ConversationEncoder(tokenizer, resolve_template(data.template, tokenizer))
+    try:
+        ids, targets = encoder.encode(_PROBE)
+        prompt_text = tokenizer.apply_chat_template(_PROBE[:1], chat_template=encoder.template.source,
+                                                    tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template that cannot render the probe: the data's own errors say so
+        return None
+    first = next((i for i, t in enumerate(targets) if t), None)
+    prompted = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    if first is None or ids[:first] == prompted:
+        return None
+    trained, asked = tokenizer.decode(ids[:first]), tokenizer.decode(prompted)
+    context = max(len(os.path.commonprefix([trained, asked])) - 12, 0)  # a few characters before they part
+    trained, asked = trained[context:], asked[context:]
+    return (f"{_template_where(encoder.template)} ends the prompt before a trained answer with {trained!r}, but "
+            f"its generation prompt (add_generation_prompt=True, as inference prompts) ends with {asked!r}: the "
+            "model learns to answer after text it is not prompted with — prompt it as training wrote (Qwen3: "
+            "apply_chat_template(..., enable_thinking=False)), or set a template whose prompt and training agree "
+            "(data.template: chatml)")
+
+
+def _template_where(template: ChatTemplate) -> str:
+    """The recipe key a template comes from, and what it is, for a warning."""
+    if template.name == TOKENIZER_TEMPLATE:
+        return "model.tokenizer: the tokenizer's chat_template (data.template is not set)"
+    return f"data.template: chat template {template.name}"

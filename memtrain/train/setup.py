@@ -20,7 +20,7 @@ import torch
 from memtrain.data.dataset import build_datasets
 from memtrain.data.loader import BatchLoader, SampleOrder, sample_order
 from memtrain.data.mixture import unwritten_messages_warning
-from memtrain.data.render import unclosed_turn_warning
+from memtrain.data.render import generation_prompt_warning, unclosed_turn_warning
 from memtrain.data.templates import ensure_template_tokens
 from memtrain.data.tokenizer import load_tokenizer
 from memtrain.ds_config.compiler import ds_config as compile_ds_config
@@ -91,7 +91,8 @@ def build_data(recipe: Recipe) -> RunData:
             f"the training data gives {len(train_set)} samples of {recipe.data.seq_len} tokens, "
             f"fewer than one global batch of {recipe.batch.global_batch}", key="batch.global_batch",
             hint="add data, lower data.seq_len, or lower batch.global_batch"))
-    warnings = (unclosed_turn_warning(recipe.data, tokenizer),  # a template that leaves nothing to stop at
+    warnings = (unclosed_turn_warning(recipe.data, tokenizer),  # a template that leaves nothing to stop at,
+                generation_prompt_warning(recipe.data, tokenizer),  # prompts otherwise than it trains,
                 unwritten_messages_warning(recipe.data, tokenizer))  # or leaves messages out
     return RunData(tokenizer, train_set, val_set, added, vocab_size, tuple(w for w in warnings if w))
 

@@ -16,6 +16,7 @@ from memtrain.data.render import (
     ConversationEncoder,
     RenderError,
     turn_end_id,
+    generation_prompt_warning,
     unclosed_turn_warning,
 )
 from memtrain.data.templates import ensure_template_tokens, resolve_template
@@ -191,3 +192,28 @@ def test_a_message_the_template_leaves_out_is_counted_and_warned_about(make_data
                       validation=None, template=None)
     build_datasets(plain, tokenizer, seed=0)
     assert unwritten_messages_warning(plain, tokenizer) is None
+
+
+QWEN3 = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+         "{% if loop.last %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{{ m['content'] + '<|im_end|>\n' }}"
+         "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and "
+         "enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "phi3", "mistral"])
+def test_a_template_that_prompts_as_it_trains_is_not_warned_about(family, make_data, write_jsonl):
+    assert generation_prompt_warning(chat_data(make_data, write_jsonl), family_tokenizer(family)) is None
+
+
+def test_a_template_whose_generation_prompt_differs_from_training_is_warned_about(make_data, write_jsonl):
+    """Audit 18a F5: Qwen3's template writes an empty think block before the last (trained) answer, its default
+    generation prompt does not: the merged model is prompted without it. A 'user: …\\nassistant: ' prompt ends with
+    a space that training never ends a prompt with."""
+    tokenizer = family_tokenizer("qwen2")
+    tokenizer.chat_template = QWEN3
+    warning = generation_prompt_warning(chat_data(make_data, write_jsonl), tokenizer)
+    assert warning is not None and warning.startswith("model.tokenizer: the tokenizer's chat_template")
+    assert "</think>" in warning and "enable_thinking=False" in warning
+    plain = generation_prompt_warning(chat_data(make_data, write_jsonl), family_tokenizer("plain"))
+    assert plain is not None and "assistant:', but" in plain and "assistant: ':" in plain
