@@ -421,8 +421,9 @@ train: {{steps: 4}}
 """)
     result = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--data"])
     assert result.exit_code == 0, result.output
-    [warning] = json.loads(result.stdout)["data_warnings"]
+    warning, prompt = json.loads(result.stdout)["data_warnings"]  # and its prompt's trailing space
     assert warning.startswith("model.tokenizer: the tokenizer's chat_template (data.template is not set) writes no")
+    assert "generation prompt (add_generation_prompt=True" in prompt
     table = CliRunner().invoke(app, ["plan", str(recipe), "--data"])
     assert "writes no special token after an assistant's answer" in " ".join(table.output.split())
 
