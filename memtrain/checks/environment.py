@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memtrain.configs import model_preset, model_preset_names
-from memtrain.data.corpus import BUILTIN_PREFIX, builtin_corpus_names
+from memtrain.data.corpus import BUILTIN_PREFIX, RECORD_FILES, builtin_corpus_names, record_file_as_text
 from memtrain.data.records import record_format, resolve_dataset_path
 from memtrain.data.templates import needs_template, shipped_template_names
 from memtrain.data.tokenizer import builtin_tokenizer_names, has_chat_template, tokenizer_directory
@@ -157,6 +157,9 @@ def _check_data_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
         elif not Path(value).is_file():
             problems.append(src.problem(("data", key), f"data file '{value}' does not exist",
                                         f"check the path; {relative_paths_start(loaded, ('data', key))}"))
+        elif data.format == "auto" and Path(value.removesuffix(".gz")).name.lower().endswith(RECORD_FILES):
+            said = record_file_as_text(value)
+            problems.append(src.problem(("data", key), said.message, said.hint))
     return problems
 
 

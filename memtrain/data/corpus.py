@@ -64,7 +64,23 @@ def resolve_format(spec: str, fmt: str = "auto") -> str:
     name = resolve_path(spec).name.lower()
     if name.endswith(".gz"):
         name = name[: -len(".gz")]
+    if name.endswith(RECORD_FILES):
+        raise DataError(record_file_as_text(spec))
     return "jsonl" if name.endswith((".jsonl", ".ndjson")) else "text"
+
+
+# Files of records that a path in data.train / data.validation would read as plain text, syntax and all (audit 18c)
+RECORD_FILES = (".json", ".csv", ".tsv", ".parquet", ".arrow")
+
+
+def record_file_as_text(spec: str) -> Problem:
+    kind = Path(spec.removesuffix(".gz")).suffix.lstrip(".").lower()
+    return Problem(f"'{spec}' is a .{kind} file of records, which a data path alone would train on as plain text "
+                   "(its syntax and all)", file=spec,
+                   hint=f"give it as a dataset: [{{path: {spec}, type: instruction}}] (or type chat, completion, text "
+                        "with field: NAME); .json and .parquet are read as records there"
+                        + ("; CSV is not read: convert it to JSONL or parquet" if kind in ("csv", "tsv") else "")
+                        + ", or set data.format: text to train on the file's characters")
 
 
 def read_documents(spec: str, fmt: str = "auto", field: str = "text") -> Iterator[str]:

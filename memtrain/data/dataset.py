@@ -79,10 +79,18 @@ def packed_windows(tokens: np.ndarray, seq_len: int, pad_id: int) -> TokenWindow
 
 
 def document_windows(tokens: np.ndarray, doc_ends: np.ndarray, seq_len: int, pad_id: int) -> TokenWindows:
-    """One window per document (with its eos), truncated to `seq_len` and padded to it."""
+    """Each document (with its eos) cut into windows of `seq_len` tokens, the last one padded, as a text dataset
+    of a list cuts it: nothing is dropped (one window per document, cut to seq_len, trained a .txt file's first
+    seq_len tokens alone; audit 18c). A last piece of one token, which holds no target, is left out."""
     ends = np.asarray(doc_ends, dtype=np.int64)
     starts = np.concatenate([np.zeros(1, dtype=np.int64), ends[:-1]]) if len(ends) else ends
-    return TokenWindows(tokens, starts, np.minimum(ends - starts, seq_len), seq_len, pad_id)
+    lengths = ends - starts
+    pieces = -(-lengths // seq_len)
+    offsets = np.arange(int(pieces.sum()), dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    window_starts = np.repeat(starts, pieces) + offsets * seq_len
+    window_lengths = np.minimum(np.repeat(lengths, pieces) - offsets * seq_len, seq_len)
+    keep = window_lengths > 1
+    return TokenWindows(tokens, window_starts[keep], window_lengths[keep], seq_len, pad_id)
 
 
 def build_datasets(data: Data, tokenizer: PreTrainedTokenizerBase,

@@ -143,3 +143,22 @@ def test_chat_data_whose_tokenizer_has_no_chat_template_is_refused_at_validate(t
     assert load_checked_text(chat, "chat.yaml")  # the chat tokenizer has one
     assert load_checked_text(chat.replace("builtin:shakespeare-chat", "builtin:shakespeare").replace(
         "  seq_len: 64", "  seq_len: 64\n  template: chatml\n  add_special_tokens: true"), "chat.yaml")
+
+
+@pytest.mark.parametrize("name", ["pairs.json", "pairs.csv", "pairs.parquet", "pairs.json.gz"])
+def test_a_file_of_records_given_as_a_data_path_is_refused_not_trained_on_as_text(tmp_path, name):
+    """Audit 18c: `data.train: my_alpaca.json` trained on the JSON's brackets and keys; validate passed it."""
+    from memtrain.data.dataset import build_datasets
+    from memtrain.data.tokenizer import load_tokenizer
+    from memtrain.errors import DataError
+    from memtrain.recipe.schema import Data, Model
+
+    records = tmp_path / name
+    records.write_bytes(b'[{"instruction": "Say hi.", "output": "hi"}]')
+    text = f"model: {{preset: micro}}\ndata:\n  train: {records}\n  seq_len: 64\ntrain: {{steps: 4}}\n"
+    [said] = problems(text)
+    assert said.startswith(f"chat.yaml:3: data.train: '{records}' is a .{name.split('.')[1]} file of records")
+    assert "type: instruction" in said and "data.format: text" in said
+    with pytest.raises(DataError, match="file of records"):
+        build_datasets(Data(train=str(records), seq_len=64), load_tokenizer(Model(preset="micro")), seed=0)
+    assert load_checked_text(text.replace("  seq_len: 64", "  seq_len: 64\n  format: text"), "chat.yaml")

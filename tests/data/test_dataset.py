@@ -38,17 +38,22 @@ def test_packed_windows_cover_the_stream_exactly():
 
 
 def test_document_windows_pad_and_mask():
+    """A document longer than seq_len goes on in the next window: nothing is dropped (it was cut to seq_len, so a
+    .txt file trained its first seq_len tokens alone, audit 18c); a last piece is padded and its padding masked."""
     tokens = np.array([5, 6, 0] + list(range(10, 19)) + [0] + [7, 0], dtype=np.uint16)  # docs of 3, 10, 2 tokens
     windows = document_windows(tokens, doc_ends=np.array([3, 13, 15]), seq_len=8, pad_id=1)
-    assert len(windows) == 3 and windows.n_tokens == 3 + 8 + 2
+    assert len(windows) == 4 and windows.n_tokens == len(tokens)
     short = windows[0]
     assert short["input_ids"].tolist() == [5, 6, 0, 1, 1, 1, 1, 1]
     assert short["labels"].tolist() == [5, 6, 0] + [IGNORE_INDEX] * 5
-    truncated = windows[1]
-    assert truncated["input_ids"].tolist() == list(range(10, 18))
-    assert torch.equal(truncated["labels"], truncated["input_ids"])
-    assert windows[2]["labels"].tolist() == [7, 0] + [IGNORE_INDEX] * 6
-    assert sum(int((windows[i]["labels"] != IGNORE_INDEX).sum()) for i in range(3)) == windows.n_tokens
+    first = windows[1]
+    assert first["input_ids"].tolist() == list(range(10, 18))
+    assert torch.equal(first["labels"], first["input_ids"])
+    assert windows[2]["labels"].tolist() == [18, 0] + [IGNORE_INDEX] * 6  # the rest of the long document
+    assert windows[3]["labels"].tolist() == [7, 0] + [IGNORE_INDEX] * 6
+    assert sum(int((windows[i]["labels"] != IGNORE_INDEX).sum()) for i in range(4)) == windows.n_tokens
+    lone = document_windows(np.arange(9, dtype=np.uint16), np.array([9]), seq_len=8, pad_id=1)
+    assert len(lone) == 1  # a last piece of one token holds no target: left out
 
 
 def test_padding_is_masked_even_when_pad_is_eos():
@@ -86,15 +91,17 @@ def test_validation_file_is_used_whole(tokenizer, cache_dir):
     assert validation.tokens is not train.tokens
 
 
-def test_unpacked_jsonl_gives_one_window_per_document(tokenizer, tmp_path):
+def test_unpacked_jsonl_gives_each_document_its_own_windows(tokenizer, tmp_path):
+    """Unpacked, a document starts a window of its own and goes on in as many as it needs: every token trains."""
     path = tmp_path / "qa.jsonl"
     docs = [f"Question {i}: who is Yorick? " * (1 + i % 5) for i in range(40)]
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     data = Data(train=str(path), seq_len=32, packing=False, validation_fraction=0.1, cache_dir=str(tmp_path))
     train, validation = build_datasets(data, tokenizer, seed=0)
-    assert (len(train), len(validation)) == (36, 4)
     lengths = [len(tokenizer(d, add_special_tokens=False)["input_ids"]) + 1 for d in docs]
-    assert train.n_tokens + validation.n_tokens == sum(min(n, 32) for n in lengths)
+    windows = sum(-(-n // 32) - (n % 32 == 1) for n in lengths)  # a last piece of one token holds no target
+    assert len(train) + len(validation) == windows and len(validation) == round(0.1 * windows)
+    assert train.n_tokens + validation.n_tokens == sum(n - (n % 32 == 1) for n in lengths)
     first = train[0]
     assert int((first["labels"] != IGNORE_INDEX).sum()) == min(lengths[0], 32)
 

@@ -1,4 +1,5 @@
-"""A path in data.train keeps today's text behaviour byte for byte: the same windows and the same cache entry.
+"""A path in data.train keeps today's text behaviour byte for byte: the same windows and the same cache entry
+(but for unpacked text, which no longer drops what follows a document's first window).
 
 The digests below were computed with the code at the base of this branch (commit 455c843, before list
 datasets existed) over every window's input_ids and labels of the bundled Shakespeare, seq_len 64.
@@ -19,7 +20,9 @@ VALIDATION = "builtin:shakespeare/validation"
 GOLDEN = {  # (packing, validation): (train windows, validation windows, sha256)
     (True, None): (4914, 259, "810512bafc5aef46a46458c3f377f3a4fa88a5fb18c4b8dbbbfaf4e17039d09d"),
     (True, VALIDATION): (5173, 633, "3ddda9ba4902f4f6c1eb2cec0573330f380299adbf259e8bd33c5712b4a76da3"),
-    (False, VALIDATION): (1, 1, "6e69ad96e7c588d8671e29265f11e5f6fc587115008add249fba22cd2e7a8923"),
+    # Unpacked, the corpus (one document) was cut to its first window: 1 and 1, digest 6e69ad96e7c5... at the branch
+    # base. Since session 18 a document goes on in further windows (audit 18c): the packed windows and the tail.
+    (False, VALIDATION): (5174, 634, "e2d6f662a9aea21fb9ac04349d9a3825f21a80275de57440e4cc5c801bd86515"),
 }
 CACHE_KEY = "7e8aa4e9b868809d5edc9f92b169eb74e927545c3db35e78cd283c2fe3bbf643"
 
@@ -42,6 +45,14 @@ def test_text_windows_are_those_of_the_branch_base(packing, validation, text_tok
             digest.update(item["input_ids"].numpy().tobytes())
             digest.update(item["labels"].numpy().tobytes())
     assert (len(train), len(held_out), digest.hexdigest()) == GOLDEN[(packing, validation)]
+
+
+def test_an_unpacked_document_gives_the_packed_windows_and_its_tail(text_tokenizer, cache_dir):
+    packed, unpacked = (build_datasets(Data(train="builtin:shakespeare", validation=VALIDATION, seq_len=64,
+                                            packing=packing, cache_dir=cache_dir), text_tokenizer, seed=7)[0]
+                        for packing in (True, False))
+    assert len(unpacked) == len(packed) + 1 and unpacked.n_tokens > packed.n_tokens
+    assert all(np.array_equal(unpacked[i]["input_ids"], packed[i]["input_ids"]) for i in range(len(packed)))
 
 
 def test_the_text_cache_key_is_unchanged(text_tokenizer, cache_dir):
