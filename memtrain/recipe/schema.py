@@ -232,8 +232,8 @@ class Data(Section):
     format: Literal["auto", "text", "jsonl"] = Field("auto", description="File format; 'auto' decides by extension.")
     field: str = Field("text", min_length=1, description="JSONL field holding the text.")
     seq_len: int = Field(1024, ge=8, le=1_048_576, description="Tokens per training sample.")
-    packing: bool = Field(True, description="Text: pack documents end to end into seq_len windows (else pad each "
-                          "document). Datasets: pack whole samples into seq_len rows, each attending only to itself "
+    packing: bool = Field(True, description="Text: pack documents end to end into seq_len windows (else each "
+                          "document starts its own windows, its last one padded). Datasets: pack whole samples into seq_len rows, each attending only to itself "
                           "(position ids restart per sample); else one sample per row, padded.")
     group_by_length: bool | None = Field(
         None, description="Length bucketing: each optimizer step takes rows of similar length (sorted within a "
