@@ -2,12 +2,16 @@
 
 completion:  user = prompt, assistant = completion.
 instruction: user = instruction, followed by a blank line and the input when there is one; assistant = output;
-             a system message first when the dataset names a system_field.
-chat:        the record's messages (OpenAI role/content) or conversations (sharegpt from/value), roles mapped.
+             a system message first when the dataset names a system_field and the record holds text there.
+chat:        the record's messages (OpenAI role/content) or conversations (sharegpt from/value), roles mapped;
+             a system_field's text first (LLaMA-Factory's sharegpt "system" column) unless the messages start
+             with a system message; an empty system message is left out.
 The chat template then decides how a conversation is written out; nothing here knows about tokens.
 A record that cannot become a valid conversation raises `DataError` naming file, line and field.
 """
 from __future__ import annotations
+
+import difflib
 
 from memtrain.data.corpus import json_kind
 from memtrain.errors import DataError, Problem
@@ -31,8 +35,8 @@ def to_conversation(record: dict, spec: DatasetSpec, file: str, line: int) -> li
     """
     where = _Where(file, line)
     if spec.type == "completion":
-        return [{"role": "user", "content": where.text(record, spec.prompt_field)},
-                {"role": "assistant", "content": where.text(record, spec.completion_field)}]
+        return [{"role": "user", "content": where.text(record, spec.prompt_field, "prompt_field")},
+                {"role": "assistant", "content": where.text(record, spec.completion_field, "completion_field")}]
     if spec.type == "instruction":
         return _instruction(record, spec, where)
     if spec.type == "chat":
@@ -42,7 +46,7 @@ def to_conversation(record: dict, spec: DatasetSpec, file: str, line: int) -> li
 
 def document_text(record: dict, spec: DatasetSpec, file: str, line: int) -> str:
     """The document of a text dataset's record: the string in `spec.field` (may be empty)."""
-    return _Where(file, line).text(record, spec.field, allow_empty=True)
+    return _Where(file, line).text(record, spec.field, "field", allow_empty=True)
 
 
 class _Where:
@@ -54,12 +58,20 @@ class _Where:
     def fail(self, message: str, key: str, hint: str) -> DataError:
         return DataError(Problem(message, file=self.file, line=self.line, key=key, hint=hint))
 
-    def text(self, record: dict, field: str, *, allow_empty: bool = False) -> str:
+    def text(self, record: dict, field: str, setting: str, *, allow_empty: bool = False) -> str:
+        """The string in `field`, which the dataset's `setting` (output_field, ...) names."""
         if field not in record:
             fields = ", ".join(record) or "none"
-            raise self.fail(f"no field {field!r}; fields here: {fields}", field,
-                            "set the dataset's field name in the recipe (e.g. prompt_field) to the one that holds it")
+            close = difflib.get_close_matches(field, [str(k) for k in record], n=1)
+            hint = (f"set the dataset's {setting}: {close[0]} if that field holds it" if close
+                    else f"set the dataset's {setting} to the field that holds it")
+            raise self.fail(f"no field {field!r}; fields here: {fields}", field, hint)
         return self.content(record[field], field, allow_empty=allow_empty)
+
+    def optional_text(self, record: dict, field: str) -> str:
+        """The string in `field`, or "" where the record has no such field or null there (columnar files)."""
+        value = record.get(field)
+        return "" if value is None else self.content(value, field, allow_empty=True)
 
     def content(self, value: object, key: str, *, allow_empty: bool = False) -> str:
         if not isinstance(value, str):
@@ -70,18 +82,21 @@ class _Where:
 
 
 def _instruction(record: dict, spec: DatasetSpec, where: _Where) -> list[Message]:
-    instruction = where.text(record, spec.instruction_field)
-    extra = record.get(spec.input_field)
-    if extra is not None:
-        extra = where.content(extra, spec.input_field, allow_empty=True)
-    user = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
+    instruction = where.text(record, spec.instruction_field, "instruction_field")
+    extra = where.optional_text(record, spec.input_field)
+    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
     messages = [{"role": "user", "content": user},
-                {"role": "assistant", "content": where.text(record, spec.output_field)}]
-    if spec.system_field is not None:
-        system = where.text(record, spec.system_field, allow_empty=True)
-        if system.strip():
-            messages.insert(0, {"role": "system", "content": system})
-    return messages
+                {"role": "assistant", "content": where.text(record, spec.output_field, "output_field")}]
+    return _with_system(messages, record, spec, where)
+
+
+def _with_system(messages: list[Message], record: dict, spec: DatasetSpec, where: _Where) -> list[Message]:
+    """`messages` after the system prompt of the record's system_field, when the dataset names one and the record
+    holds text there (missing, null or empty: none), and the messages do not start with their own."""
+    if spec.system_field is None or (messages and messages[0]["role"] == "system"):
+        return messages
+    system = where.optional_text(record, spec.system_field)
+    return [{"role": "system", "content": system}, *messages] if system.strip() else messages
 
 
 def _chat(record: dict, spec: DatasetSpec, where: _Where) -> list[Message]:
@@ -92,6 +107,7 @@ def _chat(record: dict, spec: DatasetSpec, where: _Where) -> list[Message]:
         raise where.fail(f"is {shown}, not a list of messages", field, "each record needs a list of messages")
     role_names = {**DEFAULT_ROLE_NAMES, **spec.roles}
     messages = [_message(turn, f"{field}[{i}]", layout, role_names, where) for i, turn in enumerate(turns)]
+    messages = _with_system([m for m in messages if m["role"] != "system" or m["content"].strip()], record, spec, where)
     if not any(m["role"] == "assistant" for m in messages):
         raise where.fail("the conversation has no assistant turn, so nothing to train on", field,
                          "add the response, or map the responding role to assistant with roles:")
@@ -132,5 +148,8 @@ def _message(turn: object, key: str, layout: str, role_names: dict[str, str], wh
     if role is None:
         known = ", ".join(sorted(role_names))
         raise where.fail(f"unknown role {name!r}; known roles: {known}", f"{key}.{role_key}",
-                         f"map it in the dataset's roles: (e.g. roles: {{{name}: user}}) or fix the record")
-    return {"role": role, "content": where.content(turn[content_key], f"{key}.{content_key}")}
+                         f"map it in the dataset's roles: ({{{name}: assistant}} for a role that answers, "
+                         f"{{{name}: user}} for one that asks) or fix the record")
+    # an empty system message is left out (_chat); every other message needs text
+    return {"role": role, "content": where.content(turn[content_key], f"{key}.{content_key}",
+                                                   allow_empty=role == "system")}

@@ -196,7 +196,9 @@ class DatasetSpec(Section):
     input_field: str = Field("input", min_length=1, description="instruction: the optional field holding the "
                              "input; when present and not empty it follows the instruction after a blank line.")
     output_field: str = Field("output", min_length=1, description="instruction: the field holding the response.")
-    system_field: str | None = Field(None, description="instruction: a field holding a system prompt (none by default).")
+    system_field: str | None = Field(None, description="instruction and chat: a field holding a system prompt (none by default; a record without "
+        "text there has none; chat: used unless the messages start with a system message, as LLaMA-Factory's "
+        "sharegpt 'system' column).")
     messages_field: str | None = Field(None, description="chat: the field holding the list of messages; default "
                                        "'messages' (openai), 'conversations' (sharegpt), either with chat_format auto.")
     chat_format: Literal["auto", "openai", "sharegpt"] = Field(

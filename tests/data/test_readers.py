@@ -248,3 +248,45 @@ def test_a_columnar_file_mixing_both_chat_layouts(kind, chat_tokenizer, make_dat
     got = [samples(make_data(train=[{"path": p, "type": "chat"}], seq_len=32, packing=False), chat_tokenizer)
            for p in (reference, path)]
     assert got[0] == got[1] and len(got[0]) == 6
+
+
+def test_llama_factory_system_prompts_optional_or_empty_become_a_system_message_or_none():
+    """Audit 18c F3-F5: system_field was required in every instruction record (a missing key, or parquet's null,
+    failed the dataset) and ignored on chat data (LLaMA-Factory's sharegpt 'system' column was dropped silently);
+    an empty system message in a chat record failed it."""
+    from memtrain.data.conversation import to_conversation
+    from memtrain.recipe.schema import DatasetSpec
+
+    instruction = DatasetSpec(path="x.jsonl", type="instruction", system_field="system")
+    answer = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
+    for record in ({"instruction": "Say hi.", "output": "hi"}, {"instruction": "Say hi.", "output": "hi", "system": None},
+                   {"instruction": "Say hi.", "output": "hi", "system": " "}):
+        assert to_conversation(record, instruction, "x.jsonl", 1) == answer
+    system = {"instruction": "Say hi.", "output": "hi", "system": "Be brief."}
+    assert to_conversation(system, instruction, "x.jsonl", 1) == [{"role": "system", "content": "Be brief."}, *answer]
+    chat = DatasetSpec(path="x.jsonl", type="chat", system_field="system")
+    turns = [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "hi"}]
+    pirate = [{"role": "system", "content": "You are a pirate."}, *answer]
+    assert to_conversation({"system": "You are a pirate.", "conversations": turns}, chat, "x.jsonl", 1) == pirate
+    own = [{"from": "system", "value": "You are a pirate."}, *turns]
+    assert to_conversation({"system": "Ignored.", "conversations": own}, chat, "x.jsonl", 1) == pirate
+    empty = [{"from": "system", "value": ""}, *turns]
+    assert to_conversation({"conversations": empty}, DatasetSpec(path="x.jsonl", type="chat"), "x.jsonl", 1) == answer
+
+
+def test_a_missing_field_names_the_setting_to_change_and_a_close_field():
+    """Audit 18c F8: every missing field's hint said '(e.g. prompt_field)'; a typo'd 'ouptut' was not pointed at."""
+    from memtrain.data.conversation import to_conversation
+    from memtrain.recipe.schema import DatasetSpec
+
+    with pytest.raises(DataError) as caught:
+        to_conversation({"instruction": "a", "ouptut": "b"}, DatasetSpec(path="x.jsonl", type="instruction"), "x.jsonl", 3)
+    [problem] = caught.value.problems
+    assert problem.key == "output" and problem.hint == "set the dataset's output_field: ouptut if that field holds it"
+    with pytest.raises(DataError) as caught:
+        to_conversation({"q": "a", "a": "b"}, DatasetSpec(path="x.jsonl", type="completion"), "x.jsonl", 3)
+    assert caught.value.problems[0].hint == "set the dataset's prompt_field to the field that holds it"
+    with pytest.raises(DataError) as caught:
+        to_conversation({"messages": [{"role": "chatgpt", "content": "x"}]}, DatasetSpec(path="x.jsonl", type="chat"),
+                        "x.jsonl", 3)
+    assert "{chatgpt: assistant} for a role that answers" in caught.value.problems[0].hint
