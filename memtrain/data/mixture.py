@@ -78,6 +78,13 @@ def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tup
                                 for part, spec in zip(parts, data.train)))
     chosen = [part.take(weighted_indices(len(part.views), spec.weight, seed, i))
               for i, (part, spec) in enumerate(zip(parts, data.train))]
+    for i, (part, spec, kept) in enumerate(zip(parts, data.train, chosen)):
+        if len(part.views) and not len(kept.views):  # round(weight * n) is 0: the dataset would take no part
+            raise DataError(Problem(
+                f"weight {spec.weight:g} of {len(part.views)} samples is round({spec.weight:g} × {len(part.views)}) "
+                "= 0 samples: this dataset would take no part in training", key=f"data.train.{i}.weight",
+                file=spec.path, hint=f"raise its weight to at least {0.5 / len(part.views):.2g} (a share of its own "
+                                     "samples: 1 uses each once), or leave the dataset out"))
     return (_rows(chosen, data, tokenizer.pad_token_id, seed),
             _rows(list(held_out), data, tokenizer.pad_token_id, seed))
 
@@ -166,12 +173,16 @@ def _prepare(spec: DatasetSpec, tokenizer, rules: SampleRules, data: Data, key: 
     useful = views.target_counts() > 0
     part = _Part(views, truncated, dropped_too_long, int((~useful).sum()), records).take(np.flatnonzero(useful))
     if len(part.views) == 0:
-        raise DataError(Problem(
-            f"no sample of the dataset is left to train on: {dropped_too_long} longer than {seq_len} tokens "
-            f"(truncation: drop), {part.dropped_no_targets} without a target token within {seq_len} tokens",
-            key=key, file=spec.path,
-            hint="raise data.seq_len, set data.truncation: truncate, or check that the records have responses",
-        ))
+        if data.truncation == "drop":
+            said = (f"{dropped_too_long} longer than {seq_len} tokens (truncation: drop), {part.dropped_no_targets} "
+                    f"without a target token within {seq_len} tokens")
+            hint = "raise data.seq_len, set data.truncation: truncate, or check that the records have responses"
+        else:
+            said = (f"{part.dropped_no_targets} without a target token within their first {seq_len} tokens "
+                    "(truncation: truncate keeps a sample's start, and the answers come after the prompts)")
+            hint = "raise data.seq_len, or check that the records have responses"
+        raise DataError(Problem(f"no sample of the dataset is left to train on: {said}", key=key, file=spec.path,
+                                hint=hint))
     return part
 
 

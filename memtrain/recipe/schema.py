@@ -230,7 +230,7 @@ class Data(Section):
     validation: DatasetSource | None = Field(
         None, description="Validation data, a path or a list of datasets like `train`; when absent, a tail of the "
         "training samples.")
-    validation_fraction: float = Field(0.05, ge=0, lt=1, description="Share of the training data held out when no validation is given: the last windows of text, the last samples of each dataset of a list.")
+    validation_fraction: float = Field(0.05, gt=0, lt=1, description="Share of the training data held out when no validation is given: the last windows of text, the last samples of each dataset of a list (at least one; give data.validation to train on every sample).")
     format: Literal["auto", "text", "jsonl"] = Field("auto", description="File format; 'auto' decides by extension.")
     field: str = Field("text", min_length=1, description="JSONL field holding the text.")
     seq_len: int = Field(1024, ge=8, le=1_048_576, description="Tokens per training sample.")

@@ -122,8 +122,10 @@ def test_one_window_cannot_be_split(tokenizer, tmp_path):
     path = tmp_path / "short.txt"
     path.write_text("Alas, poor Yorick! I knew him, Horatio: a fellow of infinite jest.")
     n_tokens = len(tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]) + 1
-    data = Data(train=str(path), seq_len=n_tokens, validation_fraction=0.0, cache_dir=str(tmp_path))
+    data = Data(train=str(path), seq_len=n_tokens, validation_fraction=0.01, cache_dir=str(tmp_path))
     with pytest.raises(DataError, match="gives 1 window.* too few to hold 1 out"):
         build_datasets(data, tokenizer, seed=0)
     train, validation = build_datasets(data.model_copy(update={"seq_len": n_tokens // 2}), tokenizer, seed=0)
-    assert (len(train), len(validation)) == (1, 1)  # fraction 0 still holds one window out
+    assert (len(train), len(validation)) == (1, 1)  # a fraction of 2 windows still holds one out
+    with pytest.raises(ValueError, match="greater than 0"):  # 0 read as "hold nothing out" (audit 18c F6)
+        Data(train=str(path), validation_fraction=0)

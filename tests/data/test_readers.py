@@ -207,7 +207,21 @@ def test_when_every_sample_is_dropped_the_error_says_why(chat_tokenizer, write_j
     long_prompt = {"messages": [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "ok"}]}
     path = write_jsonl("chat.jsonl", [long_prompt] * 3)
     problems = problems_of(make_data(train=[{"path": path, "type": "chat"}], seq_len=24), chat_tokenizer)
-    assert problems[0].file == path and "3 without a target token within 24 tokens" in problems[0].message
+    assert problems[0].file == path and "3 without a target token within their first 24 tokens" in problems[0].message
+    assert "truncation: drop" not in problems[0].message and "truncation: truncate" not in problems[0].hint
+    [dropped] = problems_of(make_data(train=[{"path": path, "type": "chat"}], seq_len=24, truncation="drop"),
+                            chat_tokenizer)
+    assert "3 longer than 24 tokens (truncation: drop)" in dropped.message and "truncation: truncate" in dropped.hint
+
+
+def test_a_weight_that_gives_a_dataset_no_sample_is_refused_at_its_key(chat_tokenizer, write_jsonl, make_data):
+    """Audit 18c F7: round(0.01 × 8) = 0 left the dataset out of the mixture without a word."""
+    tiny = write_jsonl("tiny.jsonl", [GOOD] * 8)
+    other = write_jsonl("other.jsonl", [GOOD] * 20)
+    [problem] = problems_of(make_data(train=[{"path": other, "type": "chat"}, {"path": tiny, "type": "chat",
+                                                                             "weight": 0.01}]), chat_tokenizer)
+    assert problem.key == "data.train.1.weight" and problem.file == tiny
+    assert "= 0 samples: this dataset would take no part in training" in problem.message
 
 
 def test_nothing_is_cached_when_the_data_is_bad(chat_tokenizer, write_jsonl, make_data, tmp_path):
