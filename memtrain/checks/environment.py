@@ -190,7 +190,7 @@ def relative_paths_start(loaded: LoadedRecipe, key: tuple[str, ...]) -> str:
         return f"a relative path given on the command line starts at the directory memtrain runs in ({Path.cwd()})"
     if not Path(file).is_file():
         return f"a relative path starts at the directory memtrain runs in ({Path.cwd()})"
-    return f"a relative path in a recipe starts at the directory of the recipe file that names it ({Path(file).parent})"
+    return f"a relative path in a recipe starts at the directory of the recipe file that names it ({Path(file).resolve().parent})"
 
 
 @reads("data", "model")

@@ -162,3 +162,13 @@ def test_a_file_of_records_given_as_a_data_path_is_refused_not_trained_on_as_tex
     with pytest.raises(DataError, match="file of records"):
         build_datasets(Data(train=str(records), seq_len=64), load_tokenizer(Model(preset="micro")), seed=0)
     assert load_checked_text(text.replace("  seq_len: 64", "  seq_len: 64\n  format: text"), "chat.yaml")
+
+
+def test_a_recipe_named_relatively_says_the_absolute_directory_paths_start_at(tmp_path, monkeypatch):
+    """Audit 18c F16: 'starts at the directory of the recipe file that names it (.)'."""
+    (tmp_path / "r.yaml").write_text(CHAT % "missing.jsonl")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError) as caught:
+        load_checked(Path("r.yaml"), env=Environment())
+    [said] = [p.format() for p in caught.value.problems]
+    assert f"the recipe file that names it ({tmp_path.resolve()})" in said
