@@ -175,7 +175,7 @@ class DatasetSpec(Section):
     """One dataset of `data.train` / `data.validation` when they are a list: where it is, what kind of records it
     holds, which fields to read, and its share of an epoch."""
 
-    path: str = Field(..., min_length=1, description="A .jsonl, .json (a list of records), .parquet or .txt file, a "
+    path: str = Field(..., min_length=1, description="A .jsonl, .json (a list of records), .parquet or .txt file (.jsonl and .json also gzipped: .gz), a "
                       "directory written by Hugging Face datasets' save_to_disk, or 'builtin:chat' "
                       "('builtin:chat/validation') for the bundled synthetic chat data.")
     type: Literal["text", "completion", "instruction", "chat"] = Field(
