@@ -194,16 +194,18 @@ def data_per_step(recipe, train_set, micro_batch: int) -> dict:
     rows = recipe.batch.global_batch
     per_row = 1 / max(stats.rows, 1)
     slots_per_step, padding_share = rows * stats.seq_len, stats.padding_share
-    if recipe.data.groups_by_length:
+    tokens_per_step, targets_per_step = rows * stats.tokens * per_row, rows * stats.target_tokens * per_row
+    if recipe.data.groups_by_length:  # every column over the same priced steps (audit 18c: padding was not)
         order = sample_order(recipe.data, train_set, recipe.train.seed, rows)
         steps = max(1, min(len(train_set) // rows, PRICED_STEPS))
         per_rank = rows // recipe.hardware.gpus
         slots = token_slots(order, train_set, rows, per_rank, min(micro_batch, per_rank), True, steps)
-        tokens = int(train_set.lengths[order.indices(0, steps * rows)].sum())
+        priced = order.indices(0, steps * rows)
+        tokens = int(train_set.lengths[priced].sum())
         slots_per_step, padding_share = round(slots / steps), 1 - tokens / slots
+        tokens_per_step, targets_per_step = tokens / steps, train_set.targets(priced) / steps
     return {"rows_per_step": rows, "token_slots_per_step": slots_per_step,
-            "tokens_per_step": round(rows * stats.tokens * per_row),
-            "target_tokens_per_step": round(rows * stats.target_tokens * per_row),
+            "tokens_per_step": round(tokens_per_step), "target_tokens_per_step": round(targets_per_step),
             "padding_share": padding_share, "length_bucketing": recipe.data.groups_by_length,
             "train": {**dataclasses.asdict(stats)}}
 

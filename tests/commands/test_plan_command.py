@@ -305,6 +305,34 @@ train: {{steps: 4}}
     assert unpacked["token_slots_per_step"] < 8 * 64
 
 
+def test_data_option_gives_every_column_over_the_same_steps(tmp_path):
+    """Audit 18c: with length bucketing the padding share was of the priced steps, the tokens of all rows, so
+    1 - tokens / slots disagreed with the padding column (15.6 % shown, 21.4 % implied). 13 conversations of
+    growing length, 8 rows a step: one step is priced, 5 rows are left over."""
+    lines = [json.dumps({"messages": [{"role": "user", "content": "Say it."},
+                                      {"role": "assistant", "content": "word " * (1 + 4 * i)}]}) for i in range(14)]
+    (tmp_path / "chat.jsonl").write_text("\n".join(lines) + "\n")
+    recipe = tmp_path / "chat.yaml"
+    recipe.write_text(f"""
+model: {{preset: micro, tokenizer: "builtin:shakespeare"}}
+data:
+  train: [{{path: {tmp_path / "chat.jsonl"}, type: chat}}]
+  seq_len: 128
+  template: chatml
+  add_special_tokens: true
+  packing: false
+  cache_dir: {tmp_path / "cache"}
+batch: {{global_batch: 8, micro_batch: 2}}
+train: {{steps: 4}}
+""")
+    result = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--data"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)["data"]
+    assert data["length_bucketing"] is True and data["train"]["rows"] == 13
+    implied = 1 - data["tokens_per_step"] / data["token_slots_per_step"]
+    assert data["padding_share"] == pytest.approx(implied, abs=0.002)
+
+
 def test_a_full_fine_tune_over_the_host_budget_is_advised_host_side_changes_that_fit_it():
     """Llama-2-7B, ZeRO-3 with optimizer and parameters on the CPU, on a 64 GiB host: the advice keeps the
     full fine-tune where a host-side change fits (optimizer states on NVMe with fp32 master, DeepSpeed's
