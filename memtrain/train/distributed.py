@@ -119,6 +119,18 @@ def gpu_cap(profile: GpuProfile, total_bytes: int, cap_memory: bool) -> tuple[fl
     return budget / total_bytes, budget
 
 
+# How a collective says that a peer process is gone (it exited after its own failure): gloo's and NCCL's words
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "[gloo/", "NCCL communicator was aborted")
+
+
+def peer_gone(error: BaseException) -> bool:
+    """Whether `error` is a collective that broke because another rank left (its process ended, having said why)."""
+    import torch.distributed as dist  # noqa: PLC0415 — as the collectives here do
+
+    return isinstance(error, dist.DistNetworkError) or (
+        isinstance(error, RuntimeError) and any(words in str(error) for words in _PEER_GONE))
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

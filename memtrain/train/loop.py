@@ -23,7 +23,7 @@ from memtrain.train.guard import Guard
 from memtrain.train.progress import Progress
 from memtrain.train.result import RunResult
 from memtrain.train.setup import Training
-from memtrain.train.signals import note_stop
+from memtrain.train.signals import note_stop, received_stop
 
 
 class Interrupted:
@@ -95,6 +95,8 @@ def train(t: Training, quiet: bool = False) -> RunResult:
         t.startup.mark("loop_start")  # the run's start record
     stop_at = run.total_steps if t.options.max_steps is None else min(run.total_steps, state.step + t.options.max_steps)
     interrupted = Interrupted()
+    if received_stop() is not None:  # asked during start-up, where the handler's exception can be lost (audit 18d)
+        interrupted.requested, interrupted.signum = True, received_stop()
     guard = Guard(r, t.metrics, world, device, run.run_dir, state.divergence)  # NaN/inf, divergence, agreeing to stop
     status, eval_loss = "done", None
     progress = Progress(run.total_steps, enabled=place.is_main and not quiet)

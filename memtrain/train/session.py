@@ -7,6 +7,7 @@ memory pressure without losing or repeating a sample.
 from __future__ import annotations
 
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ from memtrain.plan.model_states import optimizer_bytes_per_param
 from memtrain.recipe.schema import Recipe
 from memtrain.train.batch_policy import BatchPolicy, GiveUp
 from memtrain.train.checkpoint import LoopState, kept_while_saving, partial_save, prune, save_checkpoint
-from memtrain.train.distributed import Place, any_rank, max_over_ranks
+from memtrain.train.distributed import Place, any_rank, max_over_ranks, peer_gone
 from memtrain.train.hooks import Hooks
 from memtrain.train.oom import dump_memory_snapshot, release_memory
 from memtrain.train.step import OomDuringStep, run_micro_batches, split
@@ -30,6 +31,16 @@ from memtrain.train.storage import expected_checkpoint_bytes, is_disk_full, save
 
 if TYPE_CHECKING:  # for the reader only: importing DeepSpeed is slow and sets up its accelerator
     import deepspeed
+
+
+def _remove_partial(path: Path, attempts: int = 20, pause_s: float = 0.1) -> None:
+    """Remove a failed save's directory. Another rank may still be writing into it (its own failure comes a moment
+    later): removing again until it stays gone leaves no partial save behind."""
+    for _ in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            return
+        time.sleep(pause_s)
 
 
 @dataclass
@@ -68,14 +79,18 @@ class Session:
                 say(warning)
             path = save_checkpoint(self.engine, self.run_dir, self.state, self.place.rank, keep_last, fault=fault)
         except Exception as error:  # a full disk, a read-only one, no permission: one line, not a traceback
+            if not main and not partial_save(self.run_dir, step).exists():
+                # rank 0's save failed first and removed the partial save this rank was writing into: it says why;
+                # this rank ends with the same code and nothing more to say
+                raise UserError([]) from None
             if write_error(error) is None:
-                if not main and not partial_save(self.run_dir, step).exists():
-                    # rank 0's save failed first and removed the partial save this rank was writing into: it
-                    # says why; this rank ends with the same code and nothing more to say
+                if main and peer_gone(error):  # another rank's save failed (its disk) and it left, saying why
+                    _remove_partial(partial_save(self.run_dir, step))
+                    self._end(step, "save_failed_on_another_rank")
                     raise UserError([]) from None
                 raise
             if main:
-                shutil.rmtree(partial_save(self.run_dir, step), ignore_errors=True)  # frees what it took
+                _remove_partial(partial_save(self.run_dir, step))  # frees what it took
             self._end(step, "disk_full" if is_disk_full(error) else "unwritable")
             raise save_failed(self.run_dir, error, step, needed, keep_last) from None
         self.metrics.event("checkpoint", step, path=str(path))

@@ -81,8 +81,10 @@ def stop_on_signals() -> Iterator[None]:
     installed inside it, take over while training)."""
     def stop(signum, frame):
         note_stop(signum)
-        raise Stopped(signum)
+        raise Stopped(signum)  # lost when it lands in a finaliser ("Exception ignored in ..."): the loop then
+        # finds the stop noted (received_stop) and stops at its first step
 
+    _received_stops.clear()  # a new command: the stops of one before it in this process are not its own
     previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
         yield
@@ -106,7 +108,8 @@ def die_with_parent(signum: int, parent_pid: int | None = None) -> None:
 def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
     """Run `command` (torchrun) in its own process group, forwarding SIGINT/SIGTERM to it, and wait.
 
-    Returns its exit code, or 128 + the first signal forwarded.
+    Returns its exit code, or 128 + the first signal forwarded when it did not succeed (a run that finished
+    anyway, its final model written, is a success: audit 18d saw 130 there).
     """
     env = dict(env, **{LAUNCHER_PID_ENV: str(os.getpid())})
     env.setdefault(SHUTDOWN_TIMEOUT_ENV, str(SHUTDOWN_TIMEOUT_S))
@@ -124,7 +127,7 @@ def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return exit_code(received[0]) if received else code
+    return exit_code(received[0]) if received and code != 0 else code
 
 
 EXIT_BARRIER_LOGGER = "torch.distributed.elastic.agent.server.api"

@@ -13,19 +13,22 @@ import sys
 import time
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from memtrain.errors import UserError
-from memtrain.train.distributed import barrier
-from memtrain.train.hooks import Hooks
-from memtrain.train.launch import train_here
-from memtrain.train.run import ResolvedRun, RunOptions
 from memtrain.train.signals import (die_with_parent, exit_code, not_saved_line, received_stop, say_once, signum_of,
                                    stop_on_signals)
+
+if TYPE_CHECKING:  # for the reader: main imports them under its signal handlers
+    from memtrain.train.run import RunOptions
 
 
 NON_HOST_EXIT_DELAY_S = 2.0  # torchrun's agents notice their workers' exit within 0.1 s (its monitor interval)
 
 
 def parse_options(argv: list[str]) -> tuple[Path, RunOptions]:
+    from memtrain.train.run import RunOptions  # noqa: PLC0415 — torch and the rest: see main
+
     parser = argparse.ArgumentParser(prog="memtrain.train.worker")
     parser.add_argument("run_file", type=Path)
     RunOptions.add_flags(parser)
@@ -35,10 +38,16 @@ def parse_options(argv: list[str]) -> tuple[Path, RunOptions]:
 
 def main(argv: list[str]) -> int:
     die_with_parent(signal.SIGKILL)  # torchrun gone: nothing coordinates the ranks any more
-    run_file, options = parse_options(argv)
-    run = ResolvedRun.from_json(run_file.read_text())
     try:
         with stop_on_signals():
+            # torch, transformers and DeepSpeed import for seconds: under the handlers, a Ctrl-C then is one line
+            # (imported at the top, it was a KeyboardInterrupt traceback from each worker, audit 18d)
+            from memtrain.train.hooks import Hooks  # noqa: PLC0415
+            from memtrain.train.launch import train_here  # noqa: PLC0415
+            from memtrain.train.run import ResolvedRun  # noqa: PLC0415
+
+            run_file, options = parse_options(argv)
+            run = ResolvedRun.from_json(run_file.read_text())
             result = train_here(run, options, Hooks.from_env())
         if run.recipe.hardware.nodes > 1:
             leave_after_node_0()
@@ -74,6 +83,8 @@ def leave_after_node_0() -> None:
     started waiting for the key yet: that agent then logs a DistNetworkError traceback although the run succeeded
     (seen on two CPU "nodes" of one machine under load). With node 0 arriving first, it waits for the others and
     leaves last."""
+    from memtrain.train.distributed import barrier  # noqa: PLC0415 — imported by main already
+
     barrier()
     if int(os.environ.get("GROUP_RANK", "0")) > 0:
         time.sleep(NON_HOST_EXIT_DELAY_S)

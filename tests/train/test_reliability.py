@@ -467,20 +467,27 @@ def test_an_export_that_cannot_write_ends_with_a_line_and_the_same_command_expor
     assert code == 0 and (run_dir / "final" / "config.json").is_file(), out
 
 
-def test_a_full_disk_with_two_processes_is_said_once_without_traceback_or_torchrun_lines(write_recipe):
+@pytest.mark.parametrize("ranks", ["every", "1"])
+def test_a_full_disk_with_two_processes_is_said_once_without_traceback_or_torchrun_lines(write_recipe, ranks):
     """Every rank met the full disk: each printed the line (or rank 1, slower, found the partial save rank 0 had
-    removed and ended in a RuntimeError traceback), and torchrun added 'failed (exitcode: 2) local_rank: 0 ...'."""
+    removed and ended in a RuntimeError traceback), and torchrun added 'failed (exitcode: 2) local_rank: 0 ...'.
+    Rank 1 alone (a node-local disk, a quota; audit 18d): rank 0's barrier broke into a gloo traceback, and the
+    partial save and the missing end record stayed."""
     import subprocess
     import sys
 
     from tests.train.test_run import clean_env
 
-    recipe = write_recipe("full-two", {"hardware": {"gpus": 2}, "batch": {"global_batch": 8, "micro_batch": 2},
-                                       "train": {"steps": 6, "save_every": 2, "eval_every": 100}})
-    done = subprocess.run([sys.executable, "-m", "memtrain", "run", str(recipe)], text=True, timeout=600,
-                          env=clean_env(OMP_NUM_THREADS="1", MEMTRAIN_INJECT_ENOSPC="4"),
+    recipe = write_recipe(f"full-two-{ranks}", {"hardware": {"gpus": 2}, "batch": {"global_batch": 8, "micro_batch": 2},
+                                                "train": {"steps": 6, "save_every": 2, "eval_every": 100}})
+    env = clean_env(OMP_NUM_THREADS="1", MEMTRAIN_INJECT_ENOSPC="4", **({} if ranks == "every" else
+                                                                       {"MEMTRAIN_INJECT_RANK": ranks}))
+    done = subprocess.run([sys.executable, "-m", "memtrain", "run", str(recipe)], text=True, timeout=600, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert done.returncode == 2, done.stdout[-3000:]
     assert done.stdout.count("no space left on") == 1, done.stdout[-3000:]
     assert "Traceback" not in done.stdout and "failed (exitcode" not in done.stdout, done.stdout[-3000:]
-    assert [p.name for p in complete_checkpoints(run_dir_of(recipe))] == ["step-000002"]
+    run_dir = run_dir_of(recipe)
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-000002"]  # no partial save left
+    ends = [r["status"] for r in read_records(run_dir, "run") if r.get("event") == "end"]
+    assert ends == ["disk_full" if ranks == "every" else "save_failed_on_another_rank"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 import io
 import logging
 
+import pytest
+
 from memtrain.train.signals import EXIT_BARRIER_LOGGER, QuietExitBarrier
 
 
@@ -30,3 +32,89 @@ def test_a_broken_exit_barrier_after_a_finished_run_is_one_warning_line_not_a_tr
     lines = out.getvalue().splitlines()
     assert lines == ["WARNING the nodes' exit barrier broke (node 0 left first); every worker had finished, so "
                      "nothing is lost", "ERROR Some other error 7"], lines
+
+
+def test_a_launcher_that_forwarded_a_signal_to_a_run_that_finished_anyway_exits_0():
+    """Audit 18d: a Ctrl-C forwarded to a run that then finished (its final model written) exited 130."""
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+
+    from memtrain.train.signals import run_forwarding_signals
+
+    finishes = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(3)"]
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    started = time.time()
+    assert run_forwarding_signals(finishes, dict(os.environ)) == 0
+    assert time.time() - started > 2  # the signal came while it ran
+    interrupted = [sys.executable, "-c", "import time; time.sleep(3)"]  # Python's default: KeyboardInterrupt, 1
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    assert run_forwarding_signals(interrupted, dict(os.environ)) == 130
+
+
+SWALLOWED_STOP = """
+import os, signal, sys, time
+import memtrain.train.hooks as hooks
+
+class Finaliser:
+    def __del__(self):  # Ctrl-C lands while a finaliser runs: the handler's exception is printed and lost
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+
+def start_slowly(self):
+    Finaliser()  # made and collected at once, during start-up
+
+hooks.Hooks.wait_slow_start = start_slowly
+sys.argv = ["memtrain", "run", sys.argv[1], "model.preset=micro", "train.steps=20", "schedule.warmup_steps=1",
+            "train.save_every=100", "train.eval_every=100", "train.output_dir=" + sys.argv[2]]
+from memtrain.__main__ import main
+main()
+"""
+
+
+@pytest.mark.slow
+def test_a_stop_whose_exception_a_finaliser_swallowed_still_stops_the_run(tmp_path):
+    """Audit 18d: the start-up handler's Stopped, raised inside a regex finaliser, became 'Exception ignored in' and
+    the run trained to its end. The loop now finds the stop noted and stops after its first step, saved."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.train.test_run import clean_env
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+    done = subprocess.run([sys.executable, "-c", SWALLOWED_STOP, str(recipe), str(tmp_path / "run")], text=True,
+                          env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    assert done.returncode == 130, done.stdout[-3000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line).get("kind") == "train"]
+    assert steps == [1], done.stdout[-3000:]
+    assert "interrupted at step 1" in done.stdout
+
+
+INTERRUPT_WORKER_IMPORTS = """
+import os, runpy, signal, sys, threading, time
+
+def interrupt_once_torch_loads():
+    while "torch" not in sys.modules:
+        time.sleep(0.001)
+    os.kill(os.getpid(), signal.SIGINT)
+
+threading.Thread(target=interrupt_once_torch_loads, daemon=True).start()
+sys.argv = ["memtrain.train.worker", "no-such-run.json"]
+runpy.run_module("memtrain.train.worker", run_name="__main__")
+"""
+
+
+def test_ctrl_c_while_a_worker_imports_is_one_line_not_a_traceback():
+    """Audit 18d: the worker imported torch, transformers and DeepSpeed before its handlers were set, so a Ctrl-C
+    then was a KeyboardInterrupt traceback from each worker."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", INTERRUPT_WORKER_IMPORTS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "stopped by Ctrl-C before the run could save" in done.stderr
