@@ -152,12 +152,15 @@ class QuietExitBarrier(logging.Filter):
         return True
 
 
-class QuietUserErrorExit(logging.Filter):
-    """A worker that ends with a UserError (exit 2) printed its problem lines; torchrun's "failed (exitcode: 2)
-    local_rank: 0 (pid: …) of binary: …" after them says nothing more to a person."""
+class QuietWorkerEnds(logging.Filter):
+    """torchrun's lines about its workers' ends that say nothing more to a person than memtrain's own line does: a
+    worker that ended with a UserError (exit 2) printed its problem; on Ctrl-C or SIGTERM, "■ interrupted at step N"
+    follows its "Received 2 death signal, shutting down workers" and "Sending process N closing signal SIGINT"."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.getMessage().startswith("failed (exitcode: 2)"))
+        said = record.getMessage()
+        return not (said.startswith("failed (exitcode: 2)") or (said.startswith("Received") and "death signal" in said)
+                    or (said.startswith("Sending process") and "closing signal" in said))
 
 
 def say_once(lines: list[str]) -> bool:
@@ -183,7 +186,8 @@ def torchrun_main(argv: list[str]) -> int:
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     die_with_parent(signal.SIGTERM, int(launcher) if launcher else None)
     logging.getLogger(EXIT_BARRIER_LOGGER).addFilter(QuietExitBarrier())
-    logging.getLogger(WORKERS_LOGGER).addFilter(QuietUserErrorExit())
+    for logger in (EXIT_BARRIER_LOGGER, WORKERS_LOGGER):  # the agent's and its workers' loggers
+        logging.getLogger(logger).addFilter(QuietWorkerEnds())
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

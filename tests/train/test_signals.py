@@ -118,3 +118,28 @@ def test_ctrl_c_while_a_worker_imports_is_one_line_not_a_traceback():
     done = subprocess.run([sys.executable, "-c", INTERRUPT_WORKER_IMPORTS], capture_output=True, text=True, timeout=300)
     assert done.returncode == 130, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "stopped by Ctrl-C before the run could save" in done.stderr
+
+
+def test_torchruns_lines_about_its_workers_ends_are_left_out_and_others_kept():
+    from torch.distributed.elastic.agent.server import api as agent
+    from torch.distributed.elastic.multiprocessing import api as workers
+
+    from memtrain.train.signals import WORKERS_LOGGER, QuietWorkerEnds
+
+    assert workers.logger.name == WORKERS_LOGGER
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    quiet = QuietWorkerEnds()
+    for logger in (agent.logger, workers.logger):
+        logger.addHandler(handler)
+        logger.addFilter(quiet)
+    try:
+        agent.logger.warning("Received %s death signal, shutting down workers", 2)
+        workers.logger.warning("Sending process %s closing signal %s", 4242, "SIGINT")
+        workers.logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 2, 0, 4242, "python")
+        workers.logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", -11, 0, 4242, "python")
+    finally:
+        for logger in (agent.logger, workers.logger):
+            logger.removeFilter(quiet)
+            logger.removeHandler(handler)
+    assert out.getvalue().splitlines() == ["failed (exitcode: -11) local_rank: 0 (pid: 4242) of binary: python"]
