@@ -209,14 +209,17 @@ def _check_batch_split(loaded: LoadedRecipe) -> list[Problem]:
     ranks = f"nodes × gpus × micro_batch = {hw.nodes} × {hw.gpus}" if hw.nodes > 1 else f"gpus × micro_batch = {hw.gpus}"
     processes = f"{world} processes ({hw.nodes} nodes × {hw.gpus} GPUs)" if hw.nodes > 1 else f"{world} GPUs"
     # one problem per recipe: the first of these that holds explains the others
-    if isinstance(b.micro_batch, int) and b.micro_batch * world > b.global_batch:
-        return [src.problem(("batch", "micro_batch"),
-                            f"{ranks} × {b.micro_batch} exceeds the global batch {b.global_batch}",
-                            f"lower batch.micro_batch to at most {max(1, b.global_batch // world)}")]
-    if isinstance(b.micro_batch, int) and b.global_batch % (b.micro_batch * world):
-        return [src.problem(("batch", "global_batch"),
-                            f"global batch {b.global_batch} is not divisible by {ranks} × {b.micro_batch}",
-                            f"use a global batch that is a multiple of {b.micro_batch * world}")]
+    # the largest micro-batch that splits the global batch evenly, if any (a hint must not lead to the next error)
+    splits = next((m for m in range(b.global_batch // world, 0, -1) if b.global_batch % (m * world) == 0), None)
+    if isinstance(b.micro_batch, int) and (b.micro_batch * world > b.global_batch
+                                           or b.global_batch % (b.micro_batch * world)):
+        exceeds = b.micro_batch * world > b.global_batch
+        said = (f"{ranks} × {b.micro_batch} exceeds the global batch {b.global_batch}" if exceeds
+                else f"global batch {b.global_batch} is not divisible by {ranks} × {b.micro_batch}")
+        hints = ([f"batch.micro_batch={splits}"] if splits else []) + [
+            f"a global batch that is a multiple of {b.micro_batch * world}"]
+        return [src.problem(("batch", "micro_batch" if exceeds else "global_batch"), said,
+                            "use " + ", or ".join(hints))]
     if b.global_batch % world:
         return [src.problem(("batch", "global_batch"), f"global batch {b.global_batch} cannot be split over {processes}",
                             f"use a multiple of {world}")]

@@ -310,3 +310,19 @@ def test_a_card_of_no_memory_is_refused_at_hardware_gpu():
         assert problem.key == "hardware.gpu" and problem.line == 12  # the gpu: line
         assert f"a card of '{size}' has no memory to plan against: the size must be positive" in problem.message
     assert load_recipe_text(BASE + "hardware:\n  gpu: 16GiB\n").recipe.hardware.gpu == "16GiB"
+
+
+@pytest.mark.parametrize("global_batch, gpus, micro_batch", [(15, 2, 8), (16, 3, 8), (12, 2, 4), (18, 2, 8), (6, 4, 2)])
+def test_a_batch_hint_leads_to_a_recipe_that_validates(global_batch, gpus, micro_batch):
+    """Audit 18d: 'lower batch.micro_batch to at most 7' for a global batch of 15 on 2 GPUs led to the next error
+    ('not divisible by 2 × 7'). Whatever the hint says to set, set, validates."""
+    overrides = [f"batch.global_batch={global_batch}", f"hardware.gpus={gpus}", f"batch.micro_batch={micro_batch}"]
+    problems = problems_of(lambda: load_recipe_text(BASE, "r.yaml", overrides))
+    assert len(problems) == 1 and problems[0].hint.startswith("use ")
+    hint = problems[0].hint
+    if "batch.micro_batch=" in hint:
+        fixed = overrides[:2] + [re.search(r"batch\.micro_batch=\d+", hint).group(0)]
+    else:
+        multiple = int(re.search(r"multiple of (\d+)", hint).group(1))
+        fixed = [f"batch.global_batch={multiple}", *overrides[1:]]  # the micro-batch kept
+    assert load_recipe_text(BASE, "r.yaml", fixed).recipe.batch.global_batch % gpus == 0
