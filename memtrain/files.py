@@ -200,6 +200,11 @@ def require_space(path: Path, needed_bytes: int, what: str) -> None:
             f"'{folder}' has {gib(free):.1f} GiB free", hint="free some space there, or write to another disk (-o DIR)"))
 
 
+def directory_bytes(path: Path) -> int:
+    """The bytes of the files under `path`."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
 def free_bytes(path: Path) -> int:
     """Free bytes on the disk that holds `path` (or its nearest existing parent)."""
     path = Path(path)

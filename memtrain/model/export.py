@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from memtrain.dtypes import DTYPES
 from memtrain.errors import Problem, UserError
-from memtrain.files import directory_atomically, require_space
+from memtrain.files import directory_atomically, directory_bytes, require_space
 from memtrain.model.merge import merge_adapter
 from memtrain.recipe.schema import Recipe
 
@@ -44,7 +44,7 @@ def export_run(run_dir: Path, merge: bool, out_dir: Path | None = None, dtype: t
         return merge_adapter(final, base_dir, out_dir, dtype or DTYPES[recipe.precision.compute],
                              quantize=recipe.model.quantize, tokenizer_dir=final)
     with directory_atomically(out_dir) as tmp:
-        require_space(out_dir, sum(f.stat().st_size for f in final.rglob("*") if f.is_file()), "the model")
+        require_space(out_dir, directory_bytes(final), "the model")
         shutil.copytree(final, tmp, dirs_exist_ok=True)
     return out_dir
 

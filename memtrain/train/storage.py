@@ -22,14 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from memtrain.errors import Problem, UserError
-from memtrain.files import cannot_create, free_bytes, write_error
+from memtrain.files import cannot_create, directory_bytes, free_bytes, write_error
 from memtrain.train.checkpoint import checkpoint_dir, step_of_name, kept_while_saving, latest_checkpoint
 
 WARN_BELOW_SAVES = 2.0      # warn when the disk holds fewer than this many more checkpoints
-
-
-def directory_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def expected_checkpoint_bytes(run_dir: Path, model, optimizer_bytes_per_param: float) -> int:
