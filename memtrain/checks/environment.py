@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memtrain.configs import model_preset, model_preset_names
-from memtrain.data.corpus import BUILTIN_PREFIX, RECORD_FILES, builtin_corpus_names, record_file_as_text
+from memtrain.data.corpus import BUILTIN_PREFIX, builtin_corpus_names, resolve_format
 from memtrain.data.records import record_format, resolve_dataset_path
 from memtrain.data.templates import needs_template, shipped_template_names
 from memtrain.data.tokenizer import builtin_tokenizer_names, has_chat_template, tokenizer_directory
 from memtrain.dtypes import DTYPE_BYTES
-from memtrain.errors import Problem, UserError
+from memtrain.errors import DataError, Problem, UserError
 from memtrain.model.config import model_architecture
 from memtrain.plan.params import count_parameters
 from memtrain.recipe.rules import Registry, gpu_profile_of
@@ -157,9 +157,11 @@ def _check_data_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
         elif not Path(value).is_file():
             problems.append(src.problem(("data", key), f"data file '{value}' does not exist",
                                         f"check the path; {relative_paths_start(loaded, ('data', key))}"))
-        elif data.format == "auto" and Path(value.removesuffix(".gz")).name.lower().endswith(RECORD_FILES):
-            said = record_file_as_text(value)
-            problems.append(src.problem(("data", key), said.message, said.hint))
+        else:
+            try:  # the reader's own rule: a file of records (.json, .parquet, ...) is not read as text
+                resolve_format(value, data.format)
+            except DataError as error:
+                problems += [src.problem(("data", key), p.message, p.hint) for p in error.problems]
     return problems
 
 

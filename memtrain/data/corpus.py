@@ -65,7 +65,7 @@ def resolve_format(spec: str, fmt: str = "auto") -> str:
     if name.endswith(".gz"):
         name = name[: -len(".gz")]
     if name.endswith(RECORD_FILES):
-        raise DataError(record_file_as_text(spec))
+        raise DataError(_record_file_as_text(spec))
     return "jsonl" if name.endswith((".jsonl", ".ndjson")) else "text"
 
 
@@ -73,7 +73,7 @@ def resolve_format(spec: str, fmt: str = "auto") -> str:
 RECORD_FILES = (".json", ".csv", ".tsv", ".parquet", ".arrow")
 
 
-def record_file_as_text(spec: str) -> Problem:
+def _record_file_as_text(spec: str) -> Problem:
     kind = Path(spec.removesuffix(".gz")).suffix.lstrip(".").lower()
     return Problem(f"'{spec}' is a .{kind} file of records, which a data path alone would train on as plain text "
                    "(its syntax and all)", file=spec,
