@@ -23,6 +23,7 @@ from memtrain.data.mixing import held_out_tail, weighted_indices
 from memtrain.data.packing import pack_rows
 from memtrain.data.rows import DataStats, SampleRows, SampleViews
 from memtrain.data.templates import ensure_template_tokens, needs_template, resolve_template
+from memtrain.data.render import template_where
 from memtrain.data.tokenized import SampleRules, tokenized_dataset
 from memtrain.errors import DataError, Problem
 from memtrain.recipe.schema import Data, DatasetSpec
@@ -106,8 +107,7 @@ def unwritten_messages_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -
                         f"(the first at line {line})")
     if not said:
         return None
-    where = "data.template" if data.template is not None else "model.tokenizer: the tokenizer's chat_template"
-    return (f"{where} did not write {'; '.join(said)}: the model trains without those messages, though a "
+    return (f"{template_where(rules.template)} did not write {'; '.join(said)}: the model trains without those messages, though a "
             "prompt may hold them (a template that writes the system message only before the last user turn, as "
             "Mistral's does) — put that text into the first user message, or set a template that writes every "
             "message (data.template: chatml, with data.add_special_tokens)")

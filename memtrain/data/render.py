@@ -292,7 +292,7 @@ def unclosed_turn_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> str
     closing = encoder.probe_closing()
     if closing is None or encoder._closing_length(closing):  # one that cannot render: the data's errors say so
         return None
-    where = _template_where(encoder.template)
+    where = template_where(encoder.template)
     after = tokenizer.decode(closing)
     written = f"only {after!r}" if after else "nothing"
     return (f"{where} writes no special token after an assistant's answer ({written}), so the model learns no "
@@ -325,15 +325,15 @@ def generation_prompt_warning(data: Data, tokenizer: PreTrainedTokenizerBase) ->
     trained, asked = tokenizer.decode(ids[:first]), tokenizer.decode(prompted)
     context = max(len(os.path.commonprefix([trained, asked])) - 12, 0)  # a few characters before they part
     trained, asked = trained[context:], asked[context:]
-    return (f"{_template_where(encoder.template)} ends the prompt before a trained answer with {trained!r}, but "
+    return (f"{template_where(encoder.template)} ends the prompt before a trained answer with {trained!r}, but "
             f"its generation prompt (add_generation_prompt=True, as inference prompts) ends with {asked!r}: the "
             "model learns to answer after text it is not prompted with — prompt it as training wrote (Qwen3: "
             "apply_chat_template(..., enable_thinking=False)), or set a template whose prompt and training agree "
             "(data.template: chatml)")
 
 
-def _template_where(template: ChatTemplate) -> str:
-    """The recipe key a template comes from, and what it is, for a warning."""
+def template_where(template: ChatTemplate) -> str:
+    """The recipe key a template comes from, and what it is, for a warning about the data."""
     if template.name == TOKENIZER_TEMPLATE:
         return "model.tokenizer: the tokenizer's chat_template (data.template is not set)"
     return f"data.template: chat template {template.name}"

@@ -185,7 +185,8 @@ def test_a_message_the_template_leaves_out_is_counted_and_warned_about(make_data
     for _ in range(2):  # tokenised, then from the cache
         build_datasets(data, tokenizer, seed=0)
         warning = unwritten_messages_warning(data, tokenizer)
-        assert warning is not None and warning.startswith("model.tokenizer: the tokenizer's chat_template did not")
+        assert warning is not None and warning.startswith(
+            "model.tokenizer: the tokenizer's chat_template (data.template is not set) did not write")
         assert f"the system message of 2 conversations of {path} (the first at line 2)" in warning
         assert "first user message" in warning
     plain = make_data(train=[{"path": write_jsonl("plain.jsonl", [{"messages": CHAT}] * 3), "type": "chat"}],
