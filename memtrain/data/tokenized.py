@@ -116,8 +116,7 @@ def tokenize_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rule
     lengths = np.fromiter((len(ids) for ids, _ in pieces), dtype=np.int64, count=len(pieces))
     tokens = np.concatenate([ids for ids, _ in pieces]).astype(dtype)
     targets = np.concatenate([flags for _, flags in pieces])
-    return Tokenized(tokens=tokens, targets=targets, ends=np.cumsum(lengths),
-                     unwritten=unwritten if spec.type != "text" else {})
+    return Tokenized(tokens=tokens, targets=targets, ends=np.cumsum(lengths), unwritten=unwritten)
 
 
 # ---------------------------------------------------------------- documents and conversations

@@ -95,8 +95,9 @@ def train(t: Training, quiet: bool = False) -> RunResult:
         t.startup.mark("loop_start")  # the run's start record
     stop_at = run.total_steps if t.options.max_steps is None else min(run.total_steps, state.step + t.options.max_steps)
     interrupted = Interrupted()
-    if received_stop() is not None:  # asked during start-up, where the handler's exception can be lost (audit 18d)
-        interrupted.requested, interrupted.signum = True, received_stop()
+    early = received_stop()  # asked during start-up, where the handler's exception can be lost (audit 18d)
+    if early is not None:
+        interrupted.requested, interrupted.signum = True, early
     guard = Guard(r, t.metrics, world, device, run.run_dir, state.divergence)  # NaN/inf, divergence, agreeing to stop
     status, eval_loss = "done", None
     progress = Progress(run.total_steps, enabled=place.is_main and not quiet)
