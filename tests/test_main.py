@@ -5,8 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-INTERRUPT_DURING_IMPORT = """
-import os, signal, sys, threading, time
+# A script's first lines: a real SIGINT to itself as soon as torch starts to import (the seconds a Ctrl-C may cut)
+INTERRUPT_ONCE_TORCH_LOADS = """
+import os, runpy, signal, sys, threading, time
 
 def interrupt_once_torch_loads():
     while "torch" not in sys.modules:
@@ -14,6 +15,8 @@ def interrupt_once_torch_loads():
     os.kill(os.getpid(), signal.SIGINT)
 
 threading.Thread(target=interrupt_once_torch_loads, daemon=True).start()
+"""
+INTERRUPT_DURING_IMPORT = INTERRUPT_ONCE_TORCH_LOADS + """
 sys.argv = ["memtrain", "--help"]
 from memtrain.__main__ import main
 main()

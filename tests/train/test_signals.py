@@ -1,4 +1,6 @@
-"""torchrun's own log lines around memtrain's: a broken exit barrier after a finished run is not a traceback."""
+"""torchrun's own log lines around memtrain's (a broken exit barrier after a finished run is not a traceback, its
+lines about workers' ends are left out), and stops that come at awkward moments: while a worker imports, inside a
+finaliser, or to a run that finishes anyway."""
 from __future__ import annotations
 
 import io
@@ -7,6 +9,7 @@ import logging
 import pytest
 
 from memtrain.train.signals import EXIT_BARRIER_LOGGER, QuietExitBarrier
+from tests.test_main import INTERRUPT_ONCE_TORCH_LOADS
 
 
 def test_a_broken_exit_barrier_after_a_finished_run_is_one_warning_line_not_a_traceback():
@@ -95,15 +98,7 @@ def test_a_stop_whose_exception_a_finaliser_swallowed_still_stops_the_run(tmp_pa
     assert "interrupted at step 1" in done.stdout
 
 
-INTERRUPT_WORKER_IMPORTS = """
-import os, runpy, signal, sys, threading, time
-
-def interrupt_once_torch_loads():
-    while "torch" not in sys.modules:
-        time.sleep(0.001)
-    os.kill(os.getpid(), signal.SIGINT)
-
-threading.Thread(target=interrupt_once_torch_loads, daemon=True).start()
+INTERRUPT_WORKER_IMPORTS = INTERRUPT_ONCE_TORCH_LOADS + """
 sys.argv = ["memtrain.train.worker", "no-such-run.json"]
 runpy.run_module("memtrain.train.worker", run_name="__main__")
 """
