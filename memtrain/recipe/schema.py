@@ -423,7 +423,9 @@ class Adaptive(Section):
 class Batch(Section):
     global_batch: int = Field(32, ge=1, description="Samples per optimizer step, over all GPUs.")
     micro_batch: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
-        4, description="Samples per forward pass per GPU, or 'auto' (largest that fits).")
+        "auto", description="Samples per forward pass per GPU, or 'auto': the planner's largest size that divides "
+        "the per-GPU share of global_batch and fits the card with its measured margin (fewer micro-batches per step; "
+        "with an offloaded optimizer each one costs a gradient round trip through the host).")
     policy: Literal["fixed", "adaptive"] = Field("fixed", description="adaptive: grow/shrink micro_batch with memory, global batch fixed.")
     adaptive: Adaptive = Field(default_factory=Adaptive, description="Thresholds of the adaptive policy.")
 

@@ -537,7 +537,8 @@ def test_a_smaller_micro_batch_costs_by_the_parameter_offload_of_its_own_combina
     """Audit 17b, finding 5: TinyLlama with the optimizer on the CPU, on a 3 GiB card. An option that adds
     parameter offload and halves the micro-batch re-gathers every parameter twice as often: +50 % per halving
     (docs/PLAN.md), not the +5 % of the recipe's own parameters on the GPU."""
-    advice = advise(load_recipe(RECIPES / "tinyllama-1.1b-full-offload-24gb.yaml", ["hardware.gpu=3GiB"]))
+    advice = advise(load_recipe(RECIPES / "tinyllama-1.1b-full-offload-24gb.yaml", ["hardware.gpu=3GiB",
+                                                                           "batch.micro_batch=4"]))
     costs = {tuple(a.overrides): a.speed_cost for a in advice}
     offload = ("offload.optimizer=cpu", "offload.params=cpu", "offload.zero_stage=3",
                "offload.max_live_parameters=300000000")
