@@ -58,6 +58,10 @@
 #                                         # the 7B LoRA and chat recipes vs HF eager and HF + Liger; warm start-up
 #   bash scripts/gpu_session.sh qlora14   # session 14: the error that stops QLoRA with compiled layers
 #   bash scripts/gpu_session.sh speed14c  # session 14, issue 23: compiled or not on QLoRA, Mistral-7B and Qwen2.5-7B LoRA
+#   bash scripts/gpu_session.sh speed19a  # session 19, issue 23 (not run yet): the 1.1B recipe as shipped (micro-batch auto) vs
+#                                         # HF eager and HF + Liger at micro-batch 4; offloaded optimizer or not, one invocation
+#   bash scripts/gpu_session.sh speed19b  # session 19, issue 23 (not run yet): the 3B recipe as shipped vs HF eager; its
+#                                         # held-out plan-accuracy row (micro-batch 16)
 #   bash scripts/gpu_session.sh startup15 # session 15, issue 23: where the offload recipes' start goes: import times, pinning
 #                                         # speed per allocator setting, cProfile of a warm 1.1B and 3B start; then the
 #                                         # Mistral-7B ZeRO-3 accuracy row again (issue 22)
@@ -144,6 +148,28 @@ segments18)  # session 18, the device time left (~4 min): per-stream segments of
     model.preset=mistral-7b-v0.3 offload.pin_memory=false batch.micro_batch=2 batch.global_batch=4 data.seq_len=1024 \
     hardware.gpu=rtx3090 hardware.cap_memory=true train.steps=2 schedule.warmup_steps=1 $quiet train.log_every=1 \
     train.output_dir=/tmp/seg-mistral --out "$OUT/segments-mistral-7b-zero3-cpu.json"
+  ;;
+speed19a)  # session 19, issue 23, ~8 min: the 1.1B offload recipe as shipped (batch.micro_batch auto: 16) against HF
+  # eager and HF + Liger at the micro-batch a user writes (4, accumulation 4; same global batch 16), then the same recipe
+  # with and without the optimizer offloaded, each at the micro-batch its plan picks, in one invocation (goal >= 0.8x)
+  cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
+  cp benchmarks/runs.csv "$OUT/runs.csv"
+  tiny=recipes/tinyllama-1.1b-full-offload-24gb.yaml
+  step vs-hf 300 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 140 \
+    --baseline hf,hf-liger \
+    --case "1.1b-full-opt-offload (session 19, memtrain as shipped: micro-batch auto)=$tiny batch.micro_batch=4 schedule.warmup_steps=2 :: batch.micro_batch=auto"
+  step offload-or-not 200 python3 scripts/bench_run.py --out "$OUT/runs.csv" --timeout 95 --warmup-steps 2 \
+    --title "memtrain run on the GPU machine (24 GiB cap)" \
+    --case "1.1b-full-opt-offload (session 19, as shipped)=$tiny train.steps=8 $quiet" \
+    --case "1.1b-full-no-offload (session 19, micro-batch auto)=$tiny train.steps=8 $quiet offload.optimizer=none"
+  ;;
+speed19b)  # session 19, issue 23, ~9 min: the 3B offload recipe as shipped (micro-batch auto: 16, every layer) against HF
+  # eager at micro-batch 4 (same global batch 16); then its held-out plan-accuracy row (predicted in bed06ab: 9.51 GiB)
+  cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
+  step vs-hf 330 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 6 --warmup 2 --timeout 160 \
+    --case "3b-zero3-opt-params-cpu (session 19, memtrain as shipped: micro-batch auto)=recipes/openllama-3b-full-offload-24gb.yaml batch.micro_batch=4 schedule.warmup_steps=2 :: batch.micro_batch=auto"
+  step accuracy 200 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 190 \
+    --only 3b-zero3-cpu-every-mb16-s1024
   ;;
 startup18)  # session 18, ~9 min: the warm rows startup16b ran once (each recipe's second run is its warm row), the 3B
   # offload recipe warm with either CPU Adam, and the 1.1B recipe's tokens/s with either CPU Adam in one invocation
