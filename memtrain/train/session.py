@@ -22,10 +22,12 @@ from memtrain.monitor.metrics import MetricsLog
 from memtrain.plan.model_states import optimizer_bytes_per_param
 from memtrain.recipe.schema import Recipe
 from memtrain.train.batch_policy import BatchPolicy, GiveUp
-from memtrain.train.checkpoint import LoopState, kept_while_saving, partial_save, prune, save_checkpoint
+from memtrain.train.checkpoint import (LoopState, kept_while_saving, latest_checkpoint, partial_save, prune,
+                                      save_checkpoint, step_of_name)
 from memtrain.train.distributed import Place, any_rank, max_over_ranks, peer_gone
 from memtrain.train.hooks import Hooks
 from memtrain.train.oom import dump_memory_snapshot, release_memory
+from memtrain.train.restart_note import RestartEveryProcess, RestartNote, mark_restart, remove_note, write_note
 from memtrain.train.step import OomDuringStep, run_micro_batches, split
 from memtrain.train.storage import expected_checkpoint_bytes, is_disk_full, save_failed, say, space_warning
 
@@ -94,6 +96,8 @@ class Session:
             self._end(step, "disk_full" if is_disk_full(error) else "unwritable")
             raise save_failed(self.run_dir, error, step, needed, keep_last) from None
         self.metrics.event("checkpoint", step, path=str(path))
+        if main:  # this checkpoint carries the batch policy's state: a restart note before it is spent
+            remove_note(self.run_dir)
         return path
 
     def _end(self, step: int, status: str) -> None:
@@ -131,6 +135,8 @@ class Session:
             except OomDuringStep as oom:
                 if self.r.optimizer.step_in_backward:
                     raise self._oom_stepping_in_backward(oom) from None
+                if oom.in_backward and self.place.world_size > 1:
+                    raise self._restart_every_process(oom) from None
                 ooms += 1
                 self._shrink_after_oom(oom, dump_memory_snapshot(self.run_dir, step) if ooms == 1 else None)
                 if oom.in_backward and not self.zero3:
@@ -170,6 +176,36 @@ class Session:
             "optimizer.step_in_backward each micro-batch is an optimizer step, so memtrain cannot retry it smaller",
             key="batch.global_batch", hint="lower batch.global_batch and batch.micro_batch together, or recompute "
             "more layers (checkpointing); `memtrain plan` prices them, and a new run resumes from the last checkpoint"))
+
+    def _restart_every_process(self, oom: OomDuringStep) -> Exception:
+        """An OOM in backward with several processes: the others wait for this one inside a gradient reduction, so it
+        cannot retry in place or save (both need them). On one node it leaves a note (restart_note.py) and every
+        process starts again from the last checkpoint at a smaller micro-batch; across nodes, or without a checkpoint
+        to go back to, the run stops and says what to run."""
+        step, rank = self.state.step, self.place.rank
+        said = str(oom.error).splitlines()[0] if str(oom.error) else type(oom.error).__name__
+        release_memory(self.place.device)
+        decision = self.policy.on_oom()  # GiveUp (a UserError) at the smallest size: said once, exit 2
+        failed, smaller = decision.old_micro_batch, decision.new_micro_batch
+        what = (f"out of memory in backward at step {step + 1} on rank {rank} (micro-batch {failed}); the other "
+                "processes wait for it in their gradient reduction, so it cannot be retried in place")
+        if smaller >= failed:
+            return UserError(Problem(f"{what}, and micro-batch {failed} is the smallest this run may use",
+                                     key="batch.global_batch", hint="recompute more layers (checkpointing) or offload "
+                                     "more; `memtrain plan` prices them, and the run resumes from its last checkpoint"))
+        checkpoint = latest_checkpoint(self.run_dir) if self.save else None
+        resume_step = step_of_name(checkpoint) if checkpoint is not None else 0
+        if not self.save:
+            return UserError(Problem(f"{what}; with --no-save there is no checkpoint to start every process from",
+                                     key="batch.micro_batch", hint=f"set batch.micro_batch={smaller}, or run without "
+                                     "--no-save"))
+        if self.r.hardware.nodes > 1:  # the launchers of the other nodes would not start again
+            return UserError(Problem(f"{what}", key="batch.micro_batch", hint=f"run the same command on every node "
+                                     f"with batch.micro_batch={smaller}: it resumes from step {resume_step}"))
+        write_note(self.run_dir, RestartNote(resume_step, step, rank, failed, smaller, said))
+        mark_restart()
+        where = f"step {resume_step}, its last checkpoint" if resume_step else "the start (no checkpoint yet)"
+        return RestartEveryProcess(f"{what}: every process starts again from {where}, at micro-batch {smaller}")
 
     def _shrink_after_oom(self, oom: OomDuringStep, snapshot: Path | None) -> None:
         step = self.state.step

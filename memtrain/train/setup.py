@@ -50,6 +50,7 @@ from memtrain.train.hooks import Hooks
 from memtrain.train.in_backward import StepInBackward
 from memtrain.train.nodes import agree_on_run
 from memtrain.train.oom import start_memory_history
+from memtrain.train.restart_note import read_note
 from memtrain.train.resume import follow_recipe, optimizer_settings
 from memtrain.train.run import ResolvedRun, RunOptions
 from memtrain.train.rundir import start_metrics
@@ -240,6 +241,13 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
     metrics = MetricsLog(run.run_dir / "metrics.jsonl", flush_every=r.train.log_every, enabled=place.is_main,
                          tensorboard_dir=run.run_dir / "tensorboard")
     stack.callback(metrics.close)
+    note = read_note(run.run_dir) if options.resume else None
+    if note is not None and note.applies_to(state.step):  # another process ran out of memory in backward: smaller
+        policy.restarted_after_oom(note.failed_micro_batch, note.micro_batch)
+        metrics.event("oom", note.oom_step, micro_batch=note.failed_micro_batch, in_backward=True, rank=note.rank,
+                      error=note.error, restarted_from=note.resume_step)
+        metrics.event("batch", state.step, old_micro_batch=note.failed_micro_batch, new_micro_batch=policy.micro_batch,
+                      reason="oom")
     trim = r.data.groups_by_length  # micro-batches cut to their longest row (data/loader.py)
     loader = stack.enter_context(BatchLoader(data.train_set, place.device, trim=trim))
     val_loader = stack.enter_context(BatchLoader(data.val_set, place.device, trim=trim))

@@ -154,12 +154,14 @@ class QuietExitBarrier(logging.Filter):
 
 class QuietWorkerEnds(logging.Filter):
     """torchrun's lines about its workers' ends that say nothing more to a person than memtrain's own line does: a
-    worker that ended with a UserError (exit 2) printed its problem; on Ctrl-C or SIGTERM, "■ interrupted at step N"
-    follows its "Received 2 death signal, shutting down workers" and "Sending process N closing signal SIGINT"."""
+    worker that ended with a UserError (exit 2) printed its problem, one that asks every process to start again
+    (exit 75, memtrain.train.result.EXIT_RESTART) said why; on Ctrl-C or SIGTERM, "■ interrupted at step N" follows
+    its "Received 2 death signal, shutting down workers" and "Sending process N closing signal SIGINT"."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         said = record.getMessage()
-        return not (said.startswith("failed (exitcode: 2)") or (said.startswith("Received") and "death signal" in said)
+        return not (said.startswith(("failed (exitcode: 2)", "failed (exitcode: 75)"))
+                    or (said.startswith("Received") and "death signal" in said)
                     or (said.startswith("Sending process") and "closing signal" in said))
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from memtrain.errors import UserError
+from memtrain.train.restart_note import RestartEveryProcess, restart_marked
+from memtrain.train.result import EXIT_RESTART
 from memtrain.train.signals import (die_with_parent, exit_code, not_saved_line, received_stop, say_once, signum_of,
                                    stop_on_signals)
 
@@ -51,14 +53,22 @@ def main(argv: list[str]) -> int:
             result = train_here(run, options, Hooks.from_env())
         if run.recipe.hardware.nodes > 1:
             leave_after_node_0()
+    except RestartEveryProcess as restart:  # this process ran out of memory in backward; its note is written
+        if say_once([restart.line]):
+            print(f"■ {restart.line}", file=sys.stderr)
+        return EXIT_RESTART
     except UserError as error:
         lines = [f"✗ {problem.format()}" for problem in error.problems]
         if lines and say_once(lines):  # every rank meets a full disk: one line per node, not one per process
             print("\n".join(lines), file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt as stop:  # during start-up, or a second Ctrl-C: nothing saved
+        if restart_marked():  # torchrun stopped this process for another's restart
+            return EXIT_RESTART
         return stopped_unsaved(signum_of(stop))
     except RuntimeError:  # a collective broke: after a stop, a peer that was still starting has left
+        if restart_marked():  # the peer left to restart every process (restart_note.py)
+            return EXIT_RESTART
         if received_stop() is None:
             raise
         return stopped_unsaved(received_stop())

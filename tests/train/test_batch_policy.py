@@ -109,6 +109,21 @@ def test_initial_size_is_clamped_into_the_limits():
     assert make(initial=5, min_micro_batch=8, per_rank_batch=6).micro_batch == 6  # min above per-rank batch
 
 
+def test_a_restart_after_another_processs_oom_starts_smaller_and_never_grows_back_to_the_failed_size():
+    """restart_note.py: the new attempt's policy comes from the checkpoint (size 8, stable), then hears that size 8
+    ran out of memory in backward on another rank and that the attempt starts at 4."""
+    policy = make(initial=8)
+    for _ in range(10):
+        policy.after_step(LOW)  # stable at 8, and it has grown since
+    grown = policy.micro_batch
+    assert grown > 8
+    policy.restarted_after_oom(grown, 4)
+    assert policy.micro_batch == 4 and policy.oom_ceiling == grown
+    for _ in range(40):
+        policy.after_step(LOW)
+    assert 4 < policy.micro_batch < grown  # grows again, bisecting below the size that failed
+
+
 def test_gives_up_after_k_ooms_at_the_minimum_with_a_message_that_says_what_to_change():
     policy = make(initial=4, max_oom_at_min=3)
     assert play(policy, [("o",)] * 4) == [(4, 2, "oom"), (2, 1, "oom"), (1, 1, "oom"), (1, 1, "oom")]

@@ -328,6 +328,36 @@ def test_ranks_recover_together_from_an_oom_on_one_rank(write_recipe, tmp_path, 
     assert read_records(run_dir, "train")[-1]["micro_batch"] < 4
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_oom_in_one_ranks_backward_restarts_every_process_from_the_last_checkpoint(write_recipe, tmp_path,
+                                                                                       monkeypatch, capfd, stage):
+    """Two processes; rank 1 alone runs out of memory in the backward of step 3, where rank 0 waits for it in a
+    gradient reduction. Under ZeRO-2 it hung there until gloo's timeout (10 minutes, measured); under ZeRO-3 rank 1
+    retried in place while rank 0 still waited. Now rank 1 leaves a note and ends; every process starts
+    again from the checkpoint of step 2 at a smaller micro-batch (the same on both ranks), and the run trains the
+    samples and losses of a clean run, with one line said and no traceback."""
+    from memtrain.train.restart_note import NOTE_FILE
+
+    extra = {"hardware": {"gpus": 2}, "batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
+             "offload": {"zero_stage": stage}, "train": {"steps": 4, "eval_every": 100, "save_every": 2}}
+    monkeypatch.setenv("MEMTRAIN_INJECT_RANK", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    clean, faulty = clean_and_faulty(write_recipe, tmp_path, monkeypatch, extra, "MEMTRAIN_INJECT_OOM_BACKWARD",
+                                     "2:0:mb>=4")
+    said = " ".join(capfd.readouterr().err.split())
+    assert_same_samples_and_losses(clean, faulty, steps=4, global_batch=8)
+    run_dir = faulty[1]
+    assert [(o["step"], o["rank"], o["in_backward"], o["restarted_from"]) for o in read_records(run_dir, "oom")] == \
+        [(2, 1, True, 2)]
+    assert [r["micro_batch"] for r in read_records(run_dir, "train")] == [4, 4, 2, 2]
+    line = ("out of memory in backward at step 3 on rank 1 (micro-batch 4); the other processes wait for it in "
+            "their gradient reduction, so it cannot be retried in place: every process starts again from step 2, "
+            "its last checkpoint, at micro-batch 2")
+    assert said.count(line) == 1, said[-3000:]
+    assert "Traceback" not in said and "exitcode" not in said, said[-3000:]
+    assert not (run_dir / NOTE_FILE).exists()  # spent by the checkpoint of step 4
+
+
 def test_repeated_ooms_at_the_smallest_size_stop_with_a_checkpoint_and_advice(write_recipe, monkeypatch):
     recipe = write_recipe("giveup", {"batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
                                      "train": {"steps": 5, "eval_every": 100, "save_every": 100}})
