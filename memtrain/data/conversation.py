@@ -3,6 +3,8 @@
 completion:  user = prompt, assistant = completion.
 instruction: user = instruction, followed by a blank line and the input when there is one; assistant = output;
              a system message first when the dataset names a system_field and the record holds text there.
+             A user message with an input also carries the two apart (PART_KEYS: "instruction", "input"), for a
+             template that writes them in blocks of their own (alpaca's "### Input:"); others write its content.
 chat:        the record's messages (OpenAI role/content) or conversations (sharegpt from/value), roles mapped;
              a system_field's text first (LLaMA-Factory's sharegpt "system" column) unless the messages start
              with a system message; an empty system message is left out.
@@ -25,6 +27,9 @@ DEFAULT_ROLE_NAMES = {"system": "system", "user": "user", "human": "user", "assi
 # The keys a message is read with, per chat layout.
 LAYOUT_KEYS = {"openai": ("role", "content"), "sharegpt": ("from", "value")}
 LAYOUT_FIELDS = {"openai": "messages", "sharegpt": "conversations"}
+# Keys beside "content" that hold parts of a message's text, which a template may write instead of the content
+# (render.py finds them in the rendered text as it finds content). Only an instruction record's user message has them.
+PART_KEYS = ("instruction", "input")
 
 
 def to_conversation(record: dict, spec: DatasetSpec, file: str, line: int) -> list[Message]:
@@ -84,8 +89,11 @@ class _Where:
 def _instruction(record: dict, spec: DatasetSpec, where: _Where) -> list[Message]:
     instruction = where.text(record, spec.instruction_field, "instruction_field")
     extra = where.optional_text(record, spec.input_field)
-    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-    messages = [{"role": "user", "content": user},
+    if extra.strip():
+        user = {"role": "user", "content": f"{instruction}\n\n{extra}", "instruction": instruction, "input": extra}
+    else:
+        user = {"role": "user", "content": instruction}
+    messages = [user,
                 {"role": "assistant", "content": where.text(record, spec.output_field, "output_field")}]
     return _with_system(messages, record, spec, where)
 

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
-from memtrain.data.conversation import Message
+from memtrain.data.conversation import PART_KEYS, Message
 from memtrain.data.templates import (
     TOKENIZER_TEMPLATE,
     ChatTemplate,
@@ -106,20 +106,31 @@ class ConversationEncoder:
             i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
 
     def render(self, messages: list[Message]) -> Rendered:
-        """Split the rendered conversation into template and content pieces; RenderError when it cannot."""
-        masked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
+        """Split the rendered conversation into template and content pieces; RenderError when it cannot.
+
+        A message's content is one piece; a template that writes a message's parts instead (an instruction
+        record's "instruction" and "input", PART_KEYS) gives a piece for each part it writes."""
+        slots: list[tuple[int, str]] = []  # (message, key) behind each sentinel, in message order
+        masked = []
+        for i, message in enumerate(messages):
+            masked.append(dict(message))
+            for key in ("content", *(k for k in PART_KEYS if isinstance(message.get(k), str))):
+                masked[-1][key] = _SENTINEL.format(len(slots))
+                slots.append((i, key))
         text = self._apply(masked)
         parts = _SENTINEL_SPLIT.split(text)
-        template_pieces, order = parts[0::2], [int(i) for i in parts[1::2]]
-        if any(b <= a for a, b in zip(order, order[1:])):
+        template_pieces, numbers = parts[0::2], [int(j) for j in parts[1::2]]
+        if any(b <= a for a, b in zip(numbers, numbers[1:])):  # slots are numbered in message order
             raise RenderError(f"{self._template_said} writes the messages' content out of order or more "
                               "than once, so their tokens cannot be told apart")
+        order = [slots[j] for j in numbers]
+        written = {i for i, _ in order}
         for strip in (False, True):
-            contents = [messages[i]["content"].strip() if strip else messages[i]["content"] for i in order]
+            contents = [messages[i][key].strip() if strip else messages[i][key] for i, key in order]
             joined = "".join(t + c for t, c in zip(template_pieces, contents + [""]))
             if joined == self._apply(messages):
-                unwritten = tuple(i for i, m in enumerate(messages) if i not in order and m["content"].strip())
-                return Rendered(template_pieces, contents, order, unwritten)
+                unwritten = tuple(i for i, m in enumerate(messages) if i not in written and m["content"].strip())
+                return Rendered(template_pieces, contents, [i for i, _ in order], unwritten)
         raise RenderError(f"{self._template_said} changes the messages' content while writing it, so "
                           "the content's tokens cannot be found")
 

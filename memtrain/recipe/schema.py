@@ -194,7 +194,8 @@ class DatasetSpec(Section):
     instruction_field: str = Field("instruction", min_length=1, description="instruction: the field holding the "
                                    "instruction.")
     input_field: str = Field("input", min_length=1, description="instruction: the optional field holding the "
-                             "input; when present and not empty it follows the instruction after a blank line.")
+                             "input; when present and not empty it follows the instruction after a blank line (data.template alpaca: in "
+                             "an '### Input:' block after Stanford Alpaca's preamble for a task with an input).")
     output_field: str = Field("output", min_length=1, description="instruction: the field holding the response.")
     system_field: str | None = Field(None, description="instruction and chat: a field holding a system prompt (none by default; a record without "
         "text there has none; chat: used unless the messages start with a system message, as LLaMA-Factory's "
