@@ -113,6 +113,31 @@ def unwritten_messages_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -
             "message (data.template: chatml, with data.add_special_tokens)")
 
 
+def trailing_turns_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """A warning for people when conversations go on past their last answer (a user or system message after the
+    last assistant message, as scraped chat logs often end): those messages are tokens no trained answer follows,
+    kept as they are (with data.train_on_inputs they are targets like every token). None when every conversation
+    ends with an answer. Reads the token cache that building the rows filled (`tokenizer` as for
+    `held_out_records`)."""
+    if isinstance(data.train, str):
+        return None
+    rules = _sample_rules(data, tokenizer)
+    said = []
+    for spec in [*data.train, *(data.validation or [])]:
+        if spec.type != "chat":  # completion and instruction records end with their answer
+            continue
+        trailing = tokenized_dataset(spec, tokenizer, rules, data.cache_dir).trailing
+        if trailing:
+            count, line = trailing
+            said.append(f"{count} conversation{'s' if count != 1 else ''} of {spec.path} (the first at line {line})")
+    if not said:
+        return None
+    trained = ("are trained on as targets (data.train_on_inputs)" if data.train_on_inputs
+               else "are tokens no trained answer follows: they take sequence length and compute and teach nothing")
+    return (f"{'; '.join(said)} end with a user or system message after the last assistant message: those messages "
+            f"{trained} — end each conversation with its answer (drop what follows it), or leave it if that is meant")
+
+
 def held_out_records(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[HeldOutRecords]:
     """For each conversation dataset that validation draws from (data.validation's, else data.train's), the
     records its validation samples come from, as `build_rows` splits them: a training sample is never among

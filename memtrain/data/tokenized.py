@@ -50,6 +50,9 @@ class Tokenized:
     # first such record's line: {"system": [count, line]} (Mistral's template writes a system message only into a
     # conversation's last user turn, so never into one that ends with an answer)
     unwritten: dict[str, list[int]] = field(default_factory=dict)
+    # conversations with a user or system message after their last assistant message (context no answer follows),
+    # as [count, the first one's line]; empty when none
+    trailing: list[int] = field(default_factory=list)
 
     @property
     def starts(self) -> np.ndarray:
@@ -89,8 +92,8 @@ def tokenized_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rul
     samples = tokenize_dataset(spec, tokenizer, rules)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        if samples.unwritten:  # an entry without notes has none
-            write_atomically(notes, json.dumps({"unwritten": samples.unwritten}))
+        if samples.unwritten or samples.trailing:  # an entry without notes has neither
+            write_atomically(notes, json.dumps({"unwritten": samples.unwritten, "trailing": samples.trailing}))
         for name in ("ends", "targets", "tokens"):  # tokens last: its presence marks a complete entry
             save_atomic(paths[name], getattr(samples, name))
     except OSError as err:
@@ -103,20 +106,20 @@ def tokenized_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rul
 def tokenize_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: SampleRules) -> Tokenized:
     """Tokenise every record of `spec` (no cache): documents for text, rendered conversations otherwise."""
     if spec.type == "text":
-        pieces, unwritten = _document_samples(spec, tokenizer), {}
+        pieces, unwritten, trailing = _document_samples(spec, tokenizer), {}, []
     else:
         if rules.template is None:
             raise ValueError(f"{spec.type} datasets need a chat template")
         encoder = ConversationEncoder(tokenizer, rules.template, train_on_inputs=rules.train_on_inputs,
                                       train_on=rules.train_on)
-        pieces, unwritten = _conversation_samples(spec, encoder)
+        pieces, unwritten, trailing = _conversation_samples(spec, encoder)
     if not pieces:
         raise DataError(Problem("the dataset has no records", file=spec.path, hint="check the path and the file"))
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     lengths = np.fromiter((len(ids) for ids, _ in pieces), dtype=np.int64, count=len(pieces))
     tokens = np.concatenate([ids for ids, _ in pieces]).astype(dtype)
     targets = np.concatenate([flags for _, flags in pieces])
-    return Tokenized(tokens=tokens, targets=targets, ends=np.cumsum(lengths), unwritten=unwritten)
+    return Tokenized(tokens=tokens, targets=targets, ends=np.cumsum(lengths), unwritten=unwritten, trailing=trailing)
 
 
 # ---------------------------------------------------------------- documents and conversations
@@ -148,11 +151,14 @@ def _document_samples(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase) -> 
     return out
 
 
-def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder) -> tuple[list[Piece], dict[str, list[int]]]:
-    """The samples, and the conversations whose template left messages out (Tokenized.unwritten)."""
+def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder
+                          ) -> tuple[list[Piece], dict[str, list[int]], list[int]]:
+    """The samples, the conversations whose template left messages out (Tokenized.unwritten), and those that go
+    on past their last answer (Tokenized.trailing)."""
     located = _collect(spec, lambda record, line: (line, to_conversation(record, spec, spec.path, line)))
     out: list[Piece] = []
     unwritten: dict[str, list[int]] = {}
+    trailing: list[int] = []
     problems = FileProblems(spec.path)
     for start in range(0, len(located), BATCH_RECORDS):
         batch = located[start:start + BATCH_RECORDS]
@@ -164,8 +170,10 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder) -> tu
             out.append(_piece(result.ids, result.targets))
             for role in {messages[i]["role"] for i in result.unwritten}:
                 unwritten.setdefault(role, [0, line])[0] += 1
+            if messages[-1]["role"] != "assistant":
+                trailing[:] = [trailing[0] + 1, trailing[1]] if trailing else [1, line]
     problems.raise_if_any()
-    return out, unwritten
+    return out, unwritten, trailing
 
 
 def _collect(spec: DatasetSpec, convert) -> list:
@@ -201,10 +209,12 @@ def _load(paths: dict[str, Path], notes: Path) -> Tokenized | None:
         return None
     try:
         arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
-        unwritten = json.loads(notes.read_text())["unwritten"] if notes.exists() else {}
-    except (OSError, ValueError, KeyError, TypeError):
+        said = json.loads(notes.read_text()) if notes.exists() else {}
+        unwritten, trailing = said.get("unwritten", {}), said.get("trailing", [])
+    except (OSError, ValueError, AttributeError, TypeError):
         return None
     ends = arrays["ends"]
     if not len(ends) or int(ends[-1]) != len(arrays["tokens"]) or len(arrays["targets"]) != len(arrays["tokens"]):
         return None
-    return Tokenized(tokens=arrays["tokens"], targets=arrays["targets"], ends=np.asarray(ends), unwritten=unwritten)
+    return Tokenized(tokens=arrays["tokens"], targets=arrays["targets"], ends=np.asarray(ends), unwritten=unwritten,
+                     trailing=trailing)
