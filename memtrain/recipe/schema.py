@@ -171,9 +171,17 @@ def _one_dataset_as_list(value: object) -> object:
     return [value] if isinstance(value, dict) else value
 
 
+# The keys of a DatasetSpec that only some types of dataset read, with those types.
+TYPE_KEYS = {"field": ("text",), "prompt_field": ("completion",), "completion_field": ("completion",),
+             "instruction_field": ("instruction",), "input_field": ("instruction",), "output_field": ("instruction",),
+             "system_field": ("instruction", "chat"), "messages_field": ("chat",), "chat_format": ("chat",),
+             "roles": ("chat",)}
+
+
 class DatasetSpec(Section):
     """One dataset of `data.train` / `data.validation` when they are a list: where it is, what kind of records it
-    holds, which fields to read, and its share of an epoch."""
+    holds, which fields to read, and its share of an epoch. A key that only another type reads (the type each
+    description starts with) is refused."""
 
     path: str = Field(..., min_length=1, description="A .jsonl, .json (a list of records), .parquet or .txt file (.jsonl and .json also gzipped: .gz), a "
                       "directory written by Hugging Face datasets' save_to_disk, or 'builtin:chat' "
@@ -208,6 +216,18 @@ class DatasetSpec(Section):
     roles: dict[str, Role] = Field(
         default_factory=dict, description="chat: extra role names mapped to system / user / assistant, on top of the "
         "defaults (human, user -> user; gpt, assistant -> assistant; system -> system).")
+
+    @field_validator(*TYPE_KEYS, mode="after")
+    @classmethod
+    def _key_of_this_type(cls, value: object, info: ValidationInfo) -> object:
+        # a key written for another type of dataset does nothing: refused (a default is not validated, so only
+        # keys the recipe sets are); `type` comes before these keys, so it is known unless it was itself invalid
+        kind = info.data.get("type")
+        types = TYPE_KEYS[info.field_name]
+        if value is not None and kind is not None and kind not in types:
+            raise ValueError(f"is read only for {' and '.join(types)} datasets, and this dataset's type is {kind}, so "
+                             "it would do nothing — remove the key, or correct the dataset's type if it is wrong")
+        return value
 
 
 DatasetList = Annotated[list[DatasetSpec], Len(min_length=1)]
