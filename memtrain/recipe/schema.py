@@ -275,6 +275,10 @@ class Data(Section):
     truncation: Literal["truncate", "drop"] = Field(
         "truncate", description="A sample longer than seq_len: truncate keeps its first seq_len tokens, drop leaves "
         "it out; either way the count is reported, and a sample left with no target tokens is dropped.")
+    skip_untrainable: bool = Field(
+        False, description="Leave out a completion, instruction or chat record with nothing to train on (no assistant "
+        "message, or an empty or null answer, as scraped ShareGPT dumps have), counted and warned about with the first "
+        "one's line; an error if every record of a dataset is one. False: such a record is an error naming its line.")
     add_special_tokens: bool = Field(
         False, description="Add the template's markers (e.g. <|im_start|>, <|im_end|>) to the tokenizer when it lacks "
         "them; the model's embeddings grow to match and are trained. False: a missing marker is an error.")
