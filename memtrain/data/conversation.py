@@ -3,11 +3,15 @@
 completion:  user = prompt, assistant = completion.
 instruction: user = instruction, followed by a blank line and the input when there is one; assistant = output;
              a system message first when the dataset names a system_field and the record holds text there.
+             A user message with an input also carries the two apart (PART_KEYS: "instruction", "input"), for a
+             template that writes them in blocks of their own (alpaca's "### Input:"); others write its content.
 chat:        the record's messages (OpenAI role/content) or conversations (sharegpt from/value), roles mapped;
              a system_field's text first (LLaMA-Factory's sharegpt "system" column) unless the messages start
              with a system message; an empty system message is left out.
 The chat template then decides how a conversation is written out; nothing here knows about tokens.
-A record that cannot become a valid conversation raises `DataError` naming file, line and field.
+A record that cannot become a valid conversation raises `DataError` naming file, line and field; one whose answer
+is missing or empty (no assistant message, an empty output) raises its subclass `Untrainable`, which
+`data.skip_untrainable` turns into a record left out and counted.
 """
 from __future__ import annotations
 
@@ -25,6 +29,15 @@ DEFAULT_ROLE_NAMES = {"system": "system", "user": "user", "human": "user", "assi
 # The keys a message is read with, per chat layout.
 LAYOUT_KEYS = {"openai": ("role", "content"), "sharegpt": ("from", "value")}
 LAYOUT_FIELDS = {"openai": "messages", "sharegpt": "conversations"}
+# Keys beside "content" that hold parts of a message's text, which a template may write instead of the content
+# (render.py finds them in the rendered text as it finds content). Only an instruction record's user message has them.
+PART_KEYS = ("instruction", "input")
+# How to go on past records without an answer, said where one is found.
+SKIP_HINT = " (data.skip_untrainable: true leaves such records out, counted and warned about)"
+
+
+class Untrainable(DataError):
+    """A record with nothing to train on: no assistant message, or an answer that is empty (or null)."""
 
 
 def to_conversation(record: dict, spec: DatasetSpec, file: str, line: int) -> list[Message]:
@@ -36,7 +49,8 @@ def to_conversation(record: dict, spec: DatasetSpec, file: str, line: int) -> li
     where = _Where(file, line)
     if spec.type == "completion":
         return [{"role": "user", "content": where.text(record, spec.prompt_field, "prompt_field")},
-                {"role": "assistant", "content": where.text(record, spec.completion_field, "completion_field")}]
+                {"role": "assistant", "content": where.text(record, spec.completion_field, "completion_field",
+                                                            answer=True)}]
     if spec.type == "instruction":
         return _instruction(record, spec, where)
     if spec.type == "chat":
@@ -55,10 +69,11 @@ class _Where:
     def __init__(self, file: str, line: int):
         self.file, self.line = file, line
 
-    def fail(self, message: str, key: str, hint: str) -> DataError:
-        return DataError(Problem(message, file=self.file, line=self.line, key=key, hint=hint))
+    def fail(self, message: str, key: str, hint: str, *, untrainable: bool = False) -> DataError:
+        problem = Problem(message, file=self.file, line=self.line, key=key, hint=hint)
+        return Untrainable(problem) if untrainable else DataError(problem)
 
-    def text(self, record: dict, field: str, setting: str, *, allow_empty: bool = False) -> str:
+    def text(self, record: dict, field: str, setting: str, *, allow_empty: bool = False, answer: bool = False) -> str:
         """The string in `field`, which the dataset's `setting` (output_field, ...) names."""
         if field not in record:
             fields = ", ".join(record) or "none"
@@ -66,27 +81,34 @@ class _Where:
             hint = (f"set the dataset's {setting}: {close[0]} if that field holds it" if close
                     else f"set the dataset's {setting} to the field that holds it")
             raise self.fail(f"no field {field!r}; fields here: {fields}", field, hint)
-        return self.content(record[field], field, allow_empty=allow_empty)
+        return self.content(record[field], field, allow_empty=allow_empty, answer=answer)
 
     def optional_text(self, record: dict, field: str) -> str:
         """The string in `field`, or "" where the record has no such field or null there (columnar files)."""
         value = record.get(field)
         return "" if value is None else self.content(value, field, allow_empty=True)
 
-    def content(self, value: object, key: str, *, allow_empty: bool = False) -> str:
+    def content(self, value: object, key: str, *, allow_empty: bool = False, answer: bool = False) -> str:
+        """`value` as text; `answer`: the response a record trains on, whose absence (null, empty) is Untrainable."""
         if not isinstance(value, str):
-            raise self.fail(f"is {json_kind(value)}, not a string", key, "the field must hold text")
+            raise self.fail(f"is {json_kind(value)}, not a string", key,
+                            f"the field must hold text{SKIP_HINT if answer and value is None else ''}",
+                            untrainable=answer and value is None)
         if not allow_empty and not value.strip():
-            raise self.fail("is empty", key, "give it text, or remove the record")
+            raise self.fail("is empty", key, f"give it text, or remove the record{SKIP_HINT if answer else ''}",
+                            untrainable=answer)
         return value
 
 
 def _instruction(record: dict, spec: DatasetSpec, where: _Where) -> list[Message]:
     instruction = where.text(record, spec.instruction_field, "instruction_field")
     extra = where.optional_text(record, spec.input_field)
-    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-    messages = [{"role": "user", "content": user},
-                {"role": "assistant", "content": where.text(record, spec.output_field, "output_field")}]
+    if extra.strip():
+        user = {"role": "user", "content": f"{instruction}\n\n{extra}", "instruction": instruction, "input": extra}
+    else:
+        user = {"role": "user", "content": instruction}
+    messages = [user,
+                {"role": "assistant", "content": where.text(record, spec.output_field, "output_field", answer=True)}]
     return _with_system(messages, record, spec, where)
 
 
@@ -110,7 +132,8 @@ def _chat(record: dict, spec: DatasetSpec, where: _Where) -> list[Message]:
     messages = _with_system([m for m in messages if m["role"] != "system" or m["content"].strip()], record, spec, where)
     if not any(m["role"] == "assistant" for m in messages):
         raise where.fail("the conversation has no assistant turn, so nothing to train on", field,
-                         "add the response, or map the responding role to assistant with roles:")
+                         "add the response, map the responding role to assistant with the dataset's roles:, or remove "
+                         f"the record{SKIP_HINT}", untrainable=True)
     return messages
 
 
@@ -152,4 +175,4 @@ def _message(turn: object, key: str, layout: str, role_names: dict[str, str], wh
                          f"{{{name}: user}} for one that asks) or fix the record")
     # an empty system message is left out (_chat); every other message needs text
     return {"role": role, "content": where.content(turn[content_key], f"{key}.{content_key}",
-                                                   allow_empty=role == "system")}
+                                                   allow_empty=role == "system", answer=role == "assistant")}

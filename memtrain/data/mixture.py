@@ -113,6 +113,52 @@ def unwritten_messages_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -
             "message (data.template: chatml, with data.add_special_tokens)")
 
 
+def trailing_turns_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """A warning for people when conversations go on past their last answer (a user or system message after the
+    last assistant message, as scraped chat logs often end): those messages are tokens no trained answer follows,
+    kept as they are (with data.train_on_inputs they are targets like every token). None when every conversation
+    ends with an answer. Reads the token cache that building the rows filled (`tokenizer` as for
+    `held_out_records`)."""
+    if isinstance(data.train, str):
+        return None
+    rules = _sample_rules(data, tokenizer)
+    said = []
+    for spec in [*data.train, *(data.validation or [])]:
+        if spec.type != "chat":  # completion and instruction records end with their answer
+            continue
+        trailing = tokenized_dataset(spec, tokenizer, rules, data.cache_dir).trailing
+        if trailing:
+            count, line = trailing
+            said.append(f"{count} conversation{'s' if count != 1 else ''} of {spec.path} (the first at line {line})")
+    if not said:
+        return None
+    trained = ("are trained on as targets (data.train_on_inputs)" if data.train_on_inputs
+               else "are tokens no trained answer follows: they take sequence length and compute and teach nothing")
+    return (f"{'; '.join(said)} end with a user or system message after the last assistant message: those messages "
+            f"{trained} — end each conversation with its answer (drop what follows it), or leave it if that is meant")
+
+
+def untrainable_records_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """A warning for people when data.skip_untrainable left records out (no assistant message, an empty answer):
+    which dataset, how many, the first one's line. None when it left none out. Reads the token cache that building
+    the rows filled (`tokenizer` as for `held_out_records`)."""
+    if isinstance(data.train, str) or not data.skip_untrainable:
+        return None
+    rules = _sample_rules(data, tokenizer)
+    said = []
+    for spec in [*data.train, *(data.validation or [])]:
+        if spec.type == "text":
+            continue
+        skipped = tokenized_dataset(spec, tokenizer, rules, data.cache_dir).skipped
+        if skipped:
+            count, line = skipped
+            said.append(f"{count} record{'s' if count != 1 else ''} of {spec.path} (the first at line {line})")
+    if not said:
+        return None
+    return (f"data.skip_untrainable: left out {'; '.join(said)} with nothing to train on (no assistant message, or an "
+            "empty or null answer) — fix those records to train on them, or leave them out of the files")
+
+
 def held_out_records(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[HeldOutRecords]:
     """For each conversation dataset that validation draws from (data.validation's, else data.train's), the
     records its validation samples come from, as `build_rows` splits them: a training sample is never among
@@ -143,7 +189,8 @@ def _sample_rules(data: Data, tokenizer: PreTrainedTokenizerBase) -> SampleRules
     """How the recipe's records become samples: the same for the rows and for `held_out_records`, so both read
     the same cached samples."""
     return SampleRules(template=resolve_template(data.template, tokenizer) if needs_template(data) else None,
-                       train_on_inputs=data.train_on_inputs, train_on=data.train_on)
+                       train_on_inputs=data.train_on_inputs, train_on=data.train_on,
+                       skip_untrainable=data.skip_untrainable)
 
 
 def _prepare(spec: DatasetSpec, tokenizer, rules: SampleRules, data: Data, key: str) -> _Part:

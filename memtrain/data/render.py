@@ -29,11 +29,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
-from memtrain.data.conversation import Message
+from memtrain.data.conversation import PART_KEYS, Message
 from memtrain.data.templates import (
     TOKENIZER_TEMPLATE,
     ChatTemplate,
@@ -51,7 +52,9 @@ _SENTINEL_SPLIT = re.compile("\ue000(\\d+)\ue001")
 _PROBE: list[Message] = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
 # How conversations become ids and targets; part of the token cache's key (a change re-tokenises chat data).
 # 2: the rendered text tokenised whole (1: template and content pieces tokenised apart).
-CHAT_ENCODING_VERSION = "2"
+# 3: with a token boundary where an answer that starts with whitespace starts (`_answer_cuts`); an instruction's
+#    input in parts of its own (PART_KEYS).
+CHAT_ENCODING_VERSION = "3"
 
 
 class RenderError(ValueError):
@@ -106,20 +109,31 @@ class ConversationEncoder:
             i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
 
     def render(self, messages: list[Message]) -> Rendered:
-        """Split the rendered conversation into template and content pieces; RenderError when it cannot."""
-        masked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
+        """Split the rendered conversation into template and content pieces; RenderError when it cannot.
+
+        A message's content is one piece; a template that writes a message's parts instead (an instruction
+        record's "instruction" and "input", PART_KEYS) gives a piece for each part it writes."""
+        slots: list[tuple[int, str]] = []  # (message, key) behind each sentinel, in message order
+        masked = []
+        for i, message in enumerate(messages):
+            masked.append(dict(message))
+            for key in ("content", *(k for k in PART_KEYS if isinstance(message.get(k), str))):
+                masked[-1][key] = _SENTINEL.format(len(slots))
+                slots.append((i, key))
         text = self._apply(masked)
         parts = _SENTINEL_SPLIT.split(text)
-        template_pieces, order = parts[0::2], [int(i) for i in parts[1::2]]
-        if any(b <= a for a, b in zip(order, order[1:])):
+        template_pieces, numbers = parts[0::2], [int(j) for j in parts[1::2]]
+        if any(b <= a for a, b in zip(numbers, numbers[1:])):  # slots are numbered in message order
             raise RenderError(f"{self._template_said} writes the messages' content out of order or more "
                               "than once, so their tokens cannot be told apart")
+        order = [slots[j] for j in numbers]
+        written = {i for i, _ in order}
         for strip in (False, True):
-            contents = [messages[i]["content"].strip() if strip else messages[i]["content"] for i in order]
+            contents = [messages[i][key].strip() if strip else messages[i][key] for i, key in order]
             joined = "".join(t + c for t, c in zip(template_pieces, contents + [""]))
             if joined == self._apply(messages):
-                unwritten = tuple(i for i, m in enumerate(messages) if i not in order and m["content"].strip())
-                return Rendered(template_pieces, contents, order, unwritten)
+                unwritten = tuple(i for i, m in enumerate(messages) if i not in written and m["content"].strip())
+                return Rendered(template_pieces, contents, [i for i, _ in order], unwritten)
         raise RenderError(f"{self._template_said} changes the messages' content while writing it, so "
                           "the content's tokens cannot be found")
 
@@ -144,10 +158,13 @@ class ConversationEncoder:
                 out.append(err)
         by_pieces = rendered
         if self.tokenizer.is_fast and rendered:
-            whole = self.tokenizer([r.text for _, r in rendered], add_special_tokens=False, verbose=False,
-                                   return_offsets_mapping=True)
+            whole = self._tokenize_at([r.text for _, r in rendered], [[] for _ in rendered])
+            cuts = [self._answer_cuts(conversations[at], r, offsets) for (at, r), (_, offsets) in zip(rendered, whole)]
+            again = [k for k, c in enumerate(cuts) if c]
+            for k, tokenized in zip(again, self._tokenize_at([rendered[k][1].text for k in again], [cuts[k] for k in again])):
+                whole[k] = tokenized
             by_pieces = []
-            for (at, r), ids, offsets in zip(rendered, whole["input_ids"], whole["offset_mapping"]):
+            for (at, r), (ids, offsets) in zip(rendered, whole):
                 assembled = self._assemble_whole(conversations[at], r, ids, offsets)
                 if assembled is None:  # content that spells a special token
                     by_pieces.append((at, r))
@@ -205,6 +222,44 @@ class ConversationEncoder:
             return []
         return self.tokenizer(texts, add_special_tokens=False, split_special_tokens=split_special,
                               verbose=False)["input_ids"]
+
+    def _tokenize_at(self, texts: list[str], cuts: list[list[int]]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """(ids, character offsets) of each text, tokenised whole but for token boundaries forced at its `cuts`
+        (the text is tokenised in pieces between them, in one call for all)."""
+        pieces, bounds = [], []
+        for text, at in zip(texts, cuts):
+            edges = [0, *at, len(text)]
+            bounds.append(list(pairwise(edges)))
+            pieces += [text[a:b] for a, b in bounds[-1]]
+        if not pieces:
+            return []
+        done = self.tokenizer(pieces, add_special_tokens=False, verbose=False, return_offsets_mapping=True)
+        results, k = [], 0
+        for spans in bounds:
+            ids: list[int] = []
+            offsets: list[tuple[int, int]] = []
+            for start, _ in spans:
+                ids += done["input_ids"][k]
+                offsets += [(a + start, b + start) for a, b in done["offset_mapping"][k]]
+                k += 1
+            results.append((ids, offsets))
+        return results
+
+    def _answer_cuts(self, messages: list[Message], r: Rendered, offsets: list[tuple[int, int]]) -> list[int]:
+        """Where an assistant's content starts with whitespace that the text's tokenisation joined to the template's
+        text before it (the header's newline: "assistant\n" + "  Paris" gave the token "\n " and the prompt ended
+        at "assistant"): that content's start, to tokenise the text with a token boundary there, so the prompt
+        before the answer ends as the template's generation prompt does and the header is no target. (Content that
+        starts with a word keeps the join, as inference tokenises it: Mistral's "[/INST] answer" is "▁answer".)"""
+        cuts = []
+        j = 0
+        for (start, end), message, content in zip(r.content_spans(), r.content_messages, r.content_pieces):
+            while j < len(offsets) and _ends_before(offsets[j], start):
+                j += 1
+            if (messages[message]["role"] == "assistant" and content[:1].isspace() and j < len(offsets)
+                    and offsets[j][0] < start and _overlaps(offsets[j], start, end)):
+                cuts.append(start)
+        return cuts
 
     def _assemble(self, messages: list[Message], r: Rendered, template_ids: list[list[int]],
                   content_ids: list[list[int]]) -> tuple[list[int], list[bool]]:

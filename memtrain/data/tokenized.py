@@ -19,7 +19,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.cache import cache_dir_of, save_atomic
-from memtrain.data.conversation import document_text, to_conversation
+from memtrain.data.conversation import Untrainable, document_text, to_conversation
 from memtrain.data.corpus import read_documents
 from memtrain.data.problems import FileProblems
 from memtrain.data.records import dataset_fingerprint, read_records, record_format
@@ -50,6 +50,12 @@ class Tokenized:
     # first such record's line: {"system": [count, line]} (Mistral's template writes a system message only into a
     # conversation's last user turn, so never into one that ends with an answer)
     unwritten: dict[str, list[int]] = field(default_factory=dict)
+    # conversations with a user or system message after their last assistant message (context no answer follows),
+    # as [count, the first one's line]; empty when none
+    trailing: list[int] = field(default_factory=list)
+    # records with nothing to train on left out (data.skip_untrainable) as [count, the first one's line]: each is an
+    # empty sample, so that sample i is still record i
+    skipped: list[int] = field(default_factory=list)
 
     @property
     def starts(self) -> np.ndarray:
@@ -63,13 +69,14 @@ class SampleRules:
     template: ChatTemplate | None   # None for text datasets
     train_on_inputs: bool = False
     train_on: str = "all_turns"
+    skip_untrainable: bool = False
 
     def fingerprint(self) -> str:
         if self.template is None:
             return "text"
         t = self.template
         return json.dumps([CHAT_ENCODING_VERSION, t.name, t.source, t.special_tokens, t.end_of_turn,
-                           self.train_on_inputs, self.train_on])
+                           self.train_on_inputs, self.train_on, *(["skip_untrainable"] if self.skip_untrainable else [])])
 
 
 def tokenized_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: SampleRules,
@@ -89,8 +96,9 @@ def tokenized_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rul
     samples = tokenize_dataset(spec, tokenizer, rules)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        if samples.unwritten:  # an entry without notes has none
-            write_atomically(notes, json.dumps({"unwritten": samples.unwritten}))
+        if samples.unwritten or samples.trailing or samples.skipped:  # an entry without notes has none of them
+            write_atomically(notes, json.dumps({"unwritten": samples.unwritten, "trailing": samples.trailing,
+                                                "skipped": samples.skipped}))
         for name in ("ends", "targets", "tokens"):  # tokens last: its presence marks a complete entry
             save_atomic(paths[name], getattr(samples, name))
     except OSError as err:
@@ -103,20 +111,27 @@ def tokenized_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rul
 def tokenize_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: SampleRules) -> Tokenized:
     """Tokenise every record of `spec` (no cache): documents for text, rendered conversations otherwise."""
     if spec.type == "text":
-        pieces, unwritten = _document_samples(spec, tokenizer), {}
+        pieces, unwritten, trailing, skipped = _document_samples(spec, tokenizer), {}, [], []
     else:
         if rules.template is None:
             raise ValueError(f"{spec.type} datasets need a chat template")
         encoder = ConversationEncoder(tokenizer, rules.template, train_on_inputs=rules.train_on_inputs,
                                       train_on=rules.train_on)
-        pieces, unwritten = _conversation_samples(spec, encoder)
+        pieces, unwritten, trailing, skipped = _conversation_samples(spec, encoder, rules.skip_untrainable)
     if not pieces:
         raise DataError(Problem("the dataset has no records", file=spec.path, hint="check the path and the file"))
+    if skipped and skipped[0] == len(pieces):
+        raise DataError(Problem(f"every record of the dataset ({len(pieces)}) has nothing to train on (no assistant "
+                                f"message, or an empty answer; the first at line {skipped[1]}), so all were left out",
+                                file=spec.path, key="data.skip_untrainable",
+                                hint="check the dataset's type and field names (output_field, completion_field, "
+                                "messages_field, roles:) against the records"))
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     lengths = np.fromiter((len(ids) for ids, _ in pieces), dtype=np.int64, count=len(pieces))
     tokens = np.concatenate([ids for ids, _ in pieces]).astype(dtype)
     targets = np.concatenate([flags for _, flags in pieces])
-    return Tokenized(tokens=tokens, targets=targets, ends=np.cumsum(lengths), unwritten=unwritten)
+    return Tokenized(tokens=tokens, targets=targets, ends=np.cumsum(lengths), unwritten=unwritten, trailing=trailing,
+                     skipped=skipped)
 
 
 # ---------------------------------------------------------------- documents and conversations
@@ -148,15 +163,35 @@ def _document_samples(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase) -> 
     return out
 
 
-def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder) -> tuple[list[Piece], dict[str, list[int]]]:
-    """The samples, and the conversations whose template left messages out (Tokenized.unwritten)."""
-    located = _collect(spec, lambda record, line: (line, to_conversation(record, spec, spec.path, line)))
+def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_untrainable: bool = False
+                          ) -> tuple[list[Piece], dict[str, list[int]], list[int], list[int]]:
+    """The samples, the conversations whose template left messages out (Tokenized.unwritten), those that go on
+    past their last answer (Tokenized.trailing), and the records left out with nothing to train on
+    (Tokenized.skipped; with `skip_untrainable`, else such a record is a problem)."""
+    def convert(record: dict, line: int) -> tuple[int, list | None]:
+        try:
+            return line, to_conversation(record, spec, spec.path, line)
+        except Untrainable:
+            if not skip_untrainable:
+                raise
+            return line, None
+
+    located = _collect(spec, convert)
     out: list[Piece] = []
     unwritten: dict[str, list[int]] = {}
+    trailing: list[int] = []
+    skipped: list[int] = []
     problems = FileProblems(spec.path)
     for start in range(0, len(located), BATCH_RECORDS):
         batch = located[start:start + BATCH_RECORDS]
-        for (line, messages), result in zip(batch, encoder.encode_many([messages for _, messages in batch])):
+        kept = [(line, messages) for line, messages in batch if messages is not None]
+        results = iter(encoder.encode_many([messages for _, messages in kept]))
+        for line, messages in batch:
+            if messages is None:  # an empty sample: sample i stays record i (mixture.held_out_records)
+                out.append(_piece([], []))
+                skipped[:] = [skipped[0] + 1, skipped[1]] if skipped else [1, line]
+                continue
+            result = next(results)
             if isinstance(result, Exception):
                 problems.add(Problem(str(result), file=spec.path, line=line, key="data.template",
                                      hint="fix the record, or pick a template that can write it"))
@@ -164,8 +199,10 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder) -> tu
             out.append(_piece(result.ids, result.targets))
             for role in {messages[i]["role"] for i in result.unwritten}:
                 unwritten.setdefault(role, [0, line])[0] += 1
+            if messages[-1]["role"] != "assistant":
+                trailing[:] = [trailing[0] + 1, trailing[1]] if trailing else [1, line]
     problems.raise_if_any()
-    return out, unwritten
+    return out, unwritten, trailing, skipped
 
 
 def _collect(spec: DatasetSpec, convert) -> list:
@@ -201,10 +238,12 @@ def _load(paths: dict[str, Path], notes: Path) -> Tokenized | None:
         return None
     try:
         arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
-        unwritten = json.loads(notes.read_text())["unwritten"] if notes.exists() else {}
-    except (OSError, ValueError, KeyError, TypeError):
+        said = json.loads(notes.read_text()) if notes.exists() else {}
+        unwritten, trailing, skipped = said.get("unwritten", {}), said.get("trailing", []), said.get("skipped", [])
+    except (OSError, ValueError, AttributeError, TypeError):
         return None
     ends = arrays["ends"]
     if not len(ends) or int(ends[-1]) != len(arrays["tokens"]) or len(arrays["targets"]) != len(arrays["tokens"]):
         return None
-    return Tokenized(tokens=arrays["tokens"], targets=arrays["targets"], ends=np.asarray(ends), unwritten=unwritten)
+    return Tokenized(tokens=arrays["tokens"], targets=arrays["targets"], ends=np.asarray(ends), unwritten=unwritten,
+                     trailing=trailing, skipped=skipped)

@@ -171,9 +171,17 @@ def _one_dataset_as_list(value: object) -> object:
     return [value] if isinstance(value, dict) else value
 
 
+# The keys of a DatasetSpec that only some types of dataset read, with those types.
+TYPE_KEYS = {"field": ("text",), "prompt_field": ("completion",), "completion_field": ("completion",),
+             "instruction_field": ("instruction",), "input_field": ("instruction",), "output_field": ("instruction",),
+             "system_field": ("instruction", "chat"), "messages_field": ("chat",), "chat_format": ("chat",),
+             "roles": ("chat",)}
+
+
 class DatasetSpec(Section):
     """One dataset of `data.train` / `data.validation` when they are a list: where it is, what kind of records it
-    holds, which fields to read, and its share of an epoch."""
+    holds, which fields to read, and its share of an epoch. A key that only another type reads (the type each
+    description starts with) is refused."""
 
     path: str = Field(..., min_length=1, description="A .jsonl, .json (a list of records), .parquet or .txt file (.jsonl and .json also gzipped: .gz), a "
                       "directory written by Hugging Face datasets' save_to_disk, or 'builtin:chat' "
@@ -194,7 +202,8 @@ class DatasetSpec(Section):
     instruction_field: str = Field("instruction", min_length=1, description="instruction: the field holding the "
                                    "instruction.")
     input_field: str = Field("input", min_length=1, description="instruction: the optional field holding the "
-                             "input; when present and not empty it follows the instruction after a blank line.")
+                             "input; when present and not empty it follows the instruction after a blank line (data.template alpaca: in "
+                             "an '### Input:' block after Stanford Alpaca's preamble for a task with an input).")
     output_field: str = Field("output", min_length=1, description="instruction: the field holding the response.")
     system_field: str | None = Field(None, description="instruction and chat: a field holding a system prompt (none by default; a record without "
         "text there has none; chat: used unless the messages start with a system message, as LLaMA-Factory's "
@@ -207,6 +216,18 @@ class DatasetSpec(Section):
     roles: dict[str, Role] = Field(
         default_factory=dict, description="chat: extra role names mapped to system / user / assistant, on top of the "
         "defaults (human, user -> user; gpt, assistant -> assistant; system -> system).")
+
+    @field_validator(*TYPE_KEYS, mode="after")
+    @classmethod
+    def _key_of_this_type(cls, value: object, info: ValidationInfo) -> object:
+        # a key written for another type of dataset does nothing: refused (a default is not validated, so only
+        # keys the recipe sets are); `type` comes before these keys, so it is known unless it was itself invalid
+        kind = info.data.get("type")
+        types = TYPE_KEYS[info.field_name]
+        if value is not None and kind is not None and kind not in types:
+            raise ValueError(f"is read only for {' and '.join(types)} datasets, and this dataset's type is {kind}, so "
+                             "it would do nothing — remove the key, or correct the dataset's type if it is wrong")
+        return value
 
 
 DatasetList = Annotated[list[DatasetSpec], Len(min_length=1)]
@@ -254,6 +275,10 @@ class Data(Section):
     truncation: Literal["truncate", "drop"] = Field(
         "truncate", description="A sample longer than seq_len: truncate keeps its first seq_len tokens, drop leaves "
         "it out; either way the count is reported, and a sample left with no target tokens is dropped.")
+    skip_untrainable: bool = Field(
+        False, description="Leave out a completion, instruction or chat record with nothing to train on (no assistant "
+        "message, or an empty or null answer, as scraped ShareGPT dumps have), counted and warned about with the first "
+        "one's line; an error if every record of a dataset is one. False: such a record is an error naming its line.")
     add_special_tokens: bool = Field(
         False, description="Add the template's markers (e.g. <|im_start|>, <|im_end|>) to the tokenizer when it lacks "
         "them; the model's embeddings grow to match and are trained. False: a missing marker is an error.")

@@ -19,7 +19,11 @@ import torch
 
 from memtrain.data.dataset import build_datasets
 from memtrain.data.loader import BatchLoader, SampleOrder, sample_order
-from memtrain.data.mixture import unwritten_messages_warning
+from memtrain.data.mixture import (
+    trailing_turns_warning,
+    untrainable_records_warning,
+    unwritten_messages_warning,
+)
 from memtrain.data.render import generation_prompt_warning, unclosed_turn_warning
 from memtrain.data.templates import ensure_template_tokens
 from memtrain.data.tokenizer import load_tokenizer
@@ -94,7 +98,9 @@ def build_data(recipe: Recipe) -> RunData:
             hint="add data, lower data.seq_len, or lower batch.global_batch"))
     warnings = (unclosed_turn_warning(recipe.data, tokenizer),  # a template that leaves nothing to stop at,
                 generation_prompt_warning(recipe.data, tokenizer),  # prompts otherwise than it trains,
-                unwritten_messages_warning(recipe.data, tokenizer))  # or leaves messages out
+                unwritten_messages_warning(recipe.data, tokenizer),  # or leaves messages out,
+                trailing_turns_warning(recipe.data, tokenizer),  # conversations that go on past their answer,
+                untrainable_records_warning(recipe.data, tokenizer))  # records left out with nothing to train on
     return RunData(tokenizer, train_set, val_set, added, vocab_size, tuple(w for w in warnings if w))
 
 

@@ -104,8 +104,8 @@ def test_sharegpt_with_mapped_role_names(chat_tokenizer, write_jsonl, make_data)
     ])
 
 
-ALPACA_PREAMBLE = ("Below is an instruction that describes a task. Write a response that appropriately completes "
-                   "the request.\n\n")
+ALPACA_INPUT_PREAMBLE = ("Below is an instruction that describes a task, paired with an input that provides further "
+                         "context. Write a response that appropriately completes the request.\n\n")
 
 
 def test_instruction_with_input_through_the_alpaca_template(text_tokenizer, write_jsonl, make_data):
@@ -113,7 +113,8 @@ def test_instruction_with_input_through_the_alpaca_template(text_tokenizer, writ
     path = write_jsonl("alpaca.jsonl", [record])
     got = first_row(text_tokenizer, one_dataset(make_data, path, "instruction", template="alpaca"))
     assert got == expected(text_tokenizer, [
-        (T, ALPACA_PREAMBLE + "### Instruction:\n", False), (C, "Write the word in capital letters.\n\nking", False),
+        (T, ALPACA_INPUT_PREAMBLE + "### Instruction:\n", False), (C, "Write the word in capital letters.", False),
+        (T, "\n\n### Input:\n", False), (C, "king", False),
         (T, "\n\n### Response:\n", False), (C, "KING", True), (T, "<|endoftext|>", True), (T, "\n\n", False),
     ])
 

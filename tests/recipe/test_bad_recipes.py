@@ -114,3 +114,13 @@ def test_dataset_entries_are_named_by_their_own_keys_and_described_by_dataset_sp
     assert "required key is missing — add 'type' to data.train.1: text: documents" in lines["data.train.1.type"]
     assert "got '' — text: the field holding the document" in lines["data.validation.field"]
     assert "Training data" not in result.output  # data.train's own description is not the hint for its items
+
+
+def test_a_dataset_key_of_another_type_names_the_types_it_applies_to_and_this_ones():
+    result = CliRunner().invoke(app, ["validate", str(BAD_DIR / "35_dataset_keys_of_another_type.yaml")])
+    lines = {line.split(": ", 2)[1]: line.split(": ", 2)[2] for line in problem_lines(result.output)}
+    assert lines["data.train.0.prompt_field"].startswith(
+        "is read only for completion datasets, and this dataset's type is chat, so it would do nothing — remove")
+    assert lines["data.validation.0.system_field"].startswith(
+        "is read only for instruction and chat datasets, and this dataset's type is completion")
+    assert "data.train.0.system_field" not in lines and "data.train.1.field" not in lines
