@@ -220,11 +220,13 @@ class DatasetSpec(Section):
     @field_validator(*TYPE_KEYS, mode="after")
     @classmethod
     def _key_of_this_type(cls, value: object, info: ValidationInfo) -> object:
-        # a key written for another type of dataset does nothing: refused (a default is not validated, so only
-        # keys the recipe sets are); `type` comes before these keys, so it is known unless it was itself invalid
+        # a key written for another type of dataset does nothing: refused. Only a value other than the default is:
+        # a recipe dumped whole (run.json, a checkpoint's recipe) spells every default out, and reads back. `type`
+        # comes before these keys, so it is known unless it was itself invalid
         kind = info.data.get("type")
         types = TYPE_KEYS[info.field_name]
-        if value is not None and kind is not None and kind not in types:
+        default = cls.model_fields[info.field_name].get_default(call_default_factory=True)
+        if value is not None and value != default and kind is not None and kind not in types:
             raise ValueError(f"is read only for {' and '.join(types)} datasets, and this dataset's type is {kind}, so "
                              "it would do nothing — remove the key, or correct the dataset's type if it is wrong")
         return value

@@ -124,3 +124,14 @@ def test_a_dataset_key_of_another_type_names_the_types_it_applies_to_and_this_on
     assert lines["data.validation.0.system_field"].startswith(
         "is read only for instruction and chat datasets, and this dataset's type is completion")
     assert "data.train.0.system_field" not in lines and "data.train.1.field" not in lines
+
+
+def test_a_recipe_dumped_whole_with_datasets_of_every_type_reads_back():
+    """run.json and every checkpoint keep the recipe with each default spelled out (prompt_field: prompt on a chat
+    dataset too); the check above must not refuse what memtrain itself wrote (it did, until the default was let
+    through: `memtrain eval` and resuming such a run failed)."""
+    from memtrain.recipe.schema import Recipe
+
+    datasets = [{"path": "builtin:chat", "type": kind} for kind in ("text", "completion", "instruction", "chat")]
+    recipe = Recipe.model_validate({"model": {"preset": "tiny"}, "data": {"train": datasets}, "train": {"steps": 1}})
+    assert Recipe.model_validate(recipe.model_dump(mode="json")) == recipe
