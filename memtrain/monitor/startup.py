@@ -9,6 +9,7 @@ record of metrics.jsonl after the first step (scripts/bench_startup.py reads it)
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -16,10 +17,12 @@ import time
 import psutil
 
 
-# The phases in the order a single-process run passes them (a torchrun worker starts at "checks"); the
-# record holds those that ran, and scripts/bench_startup.py keeps a column for each.
-PHASES = ("launch", "load_recipe", "checks", "data", "plan", "process", "model", "cpu_adam_op", "deepspeed_init",
-          "loaders", "loop_start", "eval_generate", "first_step")
+# The phases in the order a run passes them; the record holds those that ran, and scripts/bench_startup.py keeps a
+# column for each. With several processes the launcher's phases come first ("launch" to "plan", handed to the
+# workers in CLOCK_ENV), then "workers" (torchrun and each worker's interpreter and imports), then the worker's own.
+PHASES = ("launch", "load_recipe", "checks", "data", "plan", "workers", "process", "model", "cpu_adam_op",
+          "deepspeed_init", "loaders", "loop_start", "eval_generate", "first_step")
+CLOCK_ENV = "MEMTRAIN_STARTUP_CLOCK"  # the launcher's clock, for its workers (StartupClock.to_env / from_env)
 
 
 class StartupClock:
@@ -41,6 +44,25 @@ class StartupClock:
     def elapsed_s(self) -> float:
         """Seconds from the origin to the last mark (the sum of the phases)."""
         return self._last_s - self.origin_s
+
+    def to_env(self) -> str:
+        """This clock for a process the launcher starts (CLOCK_ENV), which goes on from its last mark."""
+        return json.dumps({"origin_s": self.origin_s, "last_s": self._last_s, "phases_s": self.phases_s})
+
+    @classmethod
+    def from_env(cls, text: str | None) -> "StartupClock":
+        """The launcher's clock (CLOCK_ENV) with the time since its last mark as "workers" (torchrun and this
+        worker's start); a clock from this process's start when there is none or it cannot be read."""
+        clock = cls()
+        try:
+            launched = json.loads(text) if text else None
+            origin_s, last_s = float(launched["origin_s"]), float(launched["last_s"])
+            phases_s = {str(name): float(seconds) for name, seconds in launched["phases_s"].items()}
+        except (ValueError, TypeError, KeyError):
+            return clock
+        clock.origin_s, clock._last_s, clock.phases_s = origin_s, last_s, phases_s
+        clock.mark("workers")
+        return clock
 
     def record(self) -> dict:
         """The `startup` record's fields: first_step_s and phases_s (rounded to milliseconds)."""

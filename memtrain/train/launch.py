@@ -25,7 +25,7 @@ from memtrain.data.identity import data_fingerprint
 from memtrain.errors import Problem, UserError
 from memtrain.model.architecture import check_attention_kernel
 from memtrain.model.config import model_architecture
-from memtrain.monitor.startup import StartupClock, bytecode_note
+from memtrain.monitor.startup import CLOCK_ENV, StartupClock, bytecode_note
 from memtrain.plan.params import count_parameters
 from memtrain.recipe.sources import LoadedRecipe
 from memtrain.train.allocator import exact_pinned_supported
@@ -119,6 +119,8 @@ def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report
         return result.exit_code
     _check_devices(hw.gpus)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, usable_cpus() // hw.gpus))))
+    if prepared.clock is not None:  # the workers' start-up record begins at this command, as one process's does
+        env[CLOCK_ENV] = prepared.clock.to_env()
     with tempfile.TemporaryDirectory(prefix="memtrain-node-") as local:
         run_file = run.save(None if rendezvous.is_first else Path(local))
         while True:
@@ -131,6 +133,7 @@ def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report
             if code != EXIT_RESTART:
                 return code
             options = dataclasses.replace(options, resume=True)
+            env.pop(CLOCK_ENV, None)  # a restart's first step is no start-up of the command's
 
 
 def torchrun_command(nproc: int, rendezvous: Rendezvous, worker_args: list[str]) -> list[str]:

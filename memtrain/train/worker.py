@@ -44,13 +44,15 @@ def main(argv: list[str]) -> int:
         with stop_on_signals():
             # torch, transformers and DeepSpeed import for seconds: under the handlers, a Ctrl-C then is one line
             # (imported at the top, it was a KeyboardInterrupt traceback from each worker, audit 18d)
+            from memtrain.monitor.startup import CLOCK_ENV, StartupClock  # noqa: PLC0415
             from memtrain.train.hooks import Hooks  # noqa: PLC0415
             from memtrain.train.launch import train_here  # noqa: PLC0415
             from memtrain.train.run import ResolvedRun  # noqa: PLC0415
 
+            clock = StartupClock.from_env(os.environ.get(CLOCK_ENV))  # from the command's start, as one process's
             run_file, options = parse_options(argv)
             run = ResolvedRun.from_json(run_file.read_text())
-            result = train_here(run, options, Hooks.from_env())
+            result = train_here(run, options, Hooks.from_env(), clock=clock)
         if run.recipe.hardware.nodes > 1:
             leave_after_node_0()
     except RestartEveryProcess as restart:  # this process ran out of memory in backward; its note is written

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from memtrain.monitor.startup import StartupClock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,3 +44,22 @@ def test_a_start_that_keeps_no_bytecode_is_named_and_one_that_does_is_not(tmp_pa
     assert not cache.exists()  # nothing was written: the next start compiles again
     assert _note_in_child(tmp_path, PYTHONPYCACHEPREFIX=str(cache)) == "None"  # written on import, found after it
     assert any(cache.rglob("__init__*.pyc"))
+
+
+def test_a_worker_goes_on_from_the_launchers_clock_with_its_own_start_as_workers():
+    """Two processes: the workers' start-up record begins at the command (the launcher's phases), not at their own
+    start; the time between the launcher's last mark and the worker's clock is "workers"."""
+    import time
+
+    ticks = iter([100.0, 101.5])
+    launcher = StartupClock(origin_s=99.0, now=lambda: next(ticks))
+    launcher.mark("launch")
+    launcher.mark("plan")
+    worker = StartupClock.from_env(launcher.to_env())
+    assert worker.origin_s == 99.0
+    assert list(worker.phases_s) == ["launch", "plan", "workers"]
+    assert worker.phases_s["launch"] == 1.0 and worker.phases_s["plan"] == 1.5
+    assert worker.phases_s["workers"] == pytest.approx(time.time() - 101.5, abs=5.0)
+    assert worker.elapsed_s == pytest.approx(sum(worker.phases_s.values()))
+    for unreadable in (None, "", "{", '{"origin_s": 1}'):  # no launcher, or a clock that cannot be read: this process's
+        assert StartupClock.from_env(unreadable).phases_s == {}

@@ -29,7 +29,7 @@ def test_a_row_per_recipe_whose_phases_sum_to_the_first_step(tmp_path):
                        "--runs", str(tmp_path / "runs")]) == 0
     [row] = list(csv.DictReader(out.open()))
     assert list(row) == ["recipe", "machine_state", "first_step_s", "prepare_s", "launch", "load_recipe", "checks",
-                         "data", "plan", "process", "model", "cpu_adam_op", "deepspeed_init", "loaders", "loop_start",
+                         "data", "plan", "workers", "process", "model", "cpu_adam_op", "deepspeed_init", "loaders", "loop_start",
                          "eval_generate", "first_step", "machine", "date", "command"]
     assert row["recipe"].startswith("quickstart data.seq_len=32") and row["machine_state"] == "warm"
     phases = [float(row[p]) for p in bench.PHASES if row[p] != ""]

@@ -326,6 +326,12 @@ def test_ranks_recover_together_from_an_oom_on_one_rank(write_recipe, tmp_path, 
     for step in la:
         assert lb[step] == pytest.approx(la[step], rel=1e-4, abs=1e-4), step
     assert read_records(run_dir, "train")[-1]["micro_batch"] < 4
+    # the start-up record of a two-process run begins at the command, as one process's does (it began at the
+    # worker's own start, leaving out the launcher's checks, data and plan and torchrun's start)
+    startup = read_records(run_dir, "startup")[0]
+    assert list(startup["phases_s"])[:6] == ["launch", "load_recipe", "checks", "data", "plan", "workers"]
+    assert {"process", "model", "deepspeed_init", "first_step"} <= set(startup["phases_s"])
+    assert sum(startup["phases_s"].values()) == pytest.approx(startup["first_step_s"], abs=0.02)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
