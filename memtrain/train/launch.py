@@ -38,7 +38,7 @@ from memtrain.train.preflight import check_dtype, check_memory
 from memtrain.train.result import EXIT_RESTART, RunResult
 from memtrain.train.run import ResolvedRun, RunOptions, resolve_run
 from memtrain.train.setup import RunData, build_data, setup
-from memtrain.train.signals import SAID_DIR_ENV, run_forwarding_signals
+from memtrain.train.signals import SAID_DIR_ENV, python_command, run_forwarding_signals, unsaid_stop_line
 
 Report = Callable[[RunResult], None]
 
@@ -130,6 +130,9 @@ def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report
             said = tempfile.mkdtemp(dir=local, prefix="said-")  # a problem every worker meets is printed once
             code = run_forwarding_signals(torchrun_command(hw.gpus, meet, [str(run_file), *options.to_flags()]),
                                           {**env, SAID_DIR_ENV: said})
+            line = unsaid_stop_line(Path(said), code)  # stopped before rank 0 (on the first node) could say so
+            if line and rendezvous.is_first:
+                print(line, file=sys.stderr)
             if code != EXIT_RESTART:
                 return code
             options = dataclasses.replace(options, resume=True)
@@ -139,8 +142,8 @@ def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report
 def torchrun_command(nproc: int, rendezvous: Rendezvous, worker_args: list[str]) -> list[str]:
     """The torchrun command line that starts `nproc` workers on this node and joins the others at the
     rendezvous (torchrun dying with its launcher)."""
-    return [sys.executable, "-m", "memtrain.train.signals", f"--nproc_per_node={nproc}",
-            *rendezvous.torchrun_flags(), "-m", "memtrain.train.worker", *worker_args]
+    return [*python_command("memtrain.train.signals"), f"--nproc_per_node={nproc}", *rendezvous.torchrun_flags(),
+            "--no-python", *python_command("memtrain.train.worker"), *worker_args]
 
 
 def _release() -> None:

@@ -105,6 +105,30 @@ def die_with_parent(signum: int, parent_pid: int | None = None) -> None:
         os.kill(os.getpid(), signum)
 
 
+def python_command(module: str) -> list[str]:
+    """`python -m MODULE` whose start a Ctrl-C cannot turn into a traceback: runpy imports the module's packages
+    and the module itself before any handler of memtrain's is set, and a SIGINT the launcher forwards right then
+    (torchrun just started, or a worker) ended in a KeyboardInterrupt traceback from <frozen runpy>. Here it ends
+    with 130; the launcher says the line (`unsaid_stop_line`)."""
+    code = (f"import runpy, sys\ntry:\n    runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
+            "except KeyboardInterrupt:\n    sys.exit(130)\n")
+    return [sys.executable, "-u", "-c", code]
+
+
+def unsaid_stop_line(said_dir: Path, code: int) -> str | None:
+    """The line for a run its launcher stopped (exit 130 / 143) when no worker said anything: they were stopped
+    before their handlers were set, or before they started. None when one of them spoke or the run was not
+    stopped."""
+    if code not in (exit_code(sig) for sig in STOP_SIGNALS):
+        return None
+    try:
+        if any(said_dir.iterdir()):
+            return None
+    except OSError:
+        pass
+    return f"■ {not_saved_line(code - 128)}"
+
+
 def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
     """Run `command` (torchrun) in its own process group, forwarding SIGINT/SIGTERM to it, and wait.
 

@@ -74,16 +74,20 @@ def main(argv: list[str]) -> int:
         if received_stop() is None:
             raise
         return stopped_unsaved(received_stop())
-    if os.environ.get("RANK", "0") == "0":  # one line per run, not one per process
-        print(f"{'✓' if result.finished else '■'} {result.summary()}", file=sys.stderr)
+    say_for_the_run(f"{'✓' if result.finished else '■'} {result.summary()}")
     return result.exit_code
 
 
 def stopped_unsaved(signum: int) -> int:
     """A stop before this run saved: one line for the run (from rank 0), the shell's code for the signal."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"■ {not_saved_line(signum)}", file=sys.stderr)
+    say_for_the_run(f"■ {not_saved_line(signum)}")
     return exit_code(signum)
+
+
+def say_for_the_run(line: str) -> None:
+    """Rank 0 says how the run ended, marked as said (the launcher says it when no worker could)."""
+    if os.environ.get("RANK", "0") == "0" and say_once([line]):
+        print(line, file=sys.stderr)
 
 
 def leave_after_node_0() -> None:

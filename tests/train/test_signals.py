@@ -138,3 +138,39 @@ def test_torchruns_lines_about_its_workers_ends_are_left_out_and_others_kept():
             logger.removeFilter(quiet)
             logger.removeHandler(handler)
     assert out.getvalue().splitlines() == ["failed (exitcode: -11) local_rank: 0 (pid: 4242) of binary: python"]
+
+
+def test_ctrl_c_as_torchrun_starts_ends_with_130_and_no_traceback():
+    """A Ctrl-C the launcher forwards while torchrun (or a worker) is still being imported by runpy, before any of
+    memtrain's handlers is set, ended in a KeyboardInterrupt traceback from <frozen runpy> and no line at all
+    (seen on the CPU with the signal 8 s into a two-process start). python_command ends such a start with 130."""
+    import subprocess
+
+    from memtrain.train.signals import python_command
+    from tests.test_main import INTERRUPT_ONCE_TORCH_LOADS
+
+    executable, unbuffered, flag, code = python_command("memtrain.train.signals")
+    done = subprocess.run([executable, unbuffered, flag, INTERRUPT_ONCE_TORCH_LOADS + code, "--nproc_per_node=1",
+                           "--no-python", "true"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_the_launcher_says_the_stop_when_no_worker_could(tmp_path):
+    import signal
+
+    from memtrain.train.signals import say_once, unsaid_stop_line
+
+    said = tmp_path / "said"
+    said.mkdir()
+    assert unsaid_stop_line(said, 130) == ("■ stopped by Ctrl-C before the run could save; the run directory keeps its "
+                                           "last complete checkpoint, if any — run the same command to resume")
+    assert unsaid_stop_line(said, 128 + signal.SIGTERM).startswith("■ stopped by SIGTERM before the run could save")
+    assert [unsaid_stop_line(said, code) for code in (0, 1, 2, 75)] == [None] * 4
+    import os
+    os.environ["MEMTRAIN_SAID_DIR"] = str(said)
+    try:
+        assert say_once(["■ interrupted at step 3; checkpoint in runs/x/checkpoints"])  # rank 0 said how it ended
+    finally:
+        del os.environ["MEMTRAIN_SAID_DIR"]
+    assert unsaid_stop_line(said, 130) is None
