@@ -500,7 +500,8 @@ class Train(Section):
     steps: int | None = Field(None, ge=1, description="Optimizer steps; give exactly one of steps and epochs.")
     epochs: float | None = Field(None, gt=0, description="Passes over the training data, instead of steps.")
     eval_every: int = Field(100, ge=1, description="Evaluate every N optimizer steps (and at the end).")
-    eval_batches: int = Field(8, ge=1, description="Validation micro-batches (of the starting micro-batch size, over all GPUs) per evaluation.")
+    eval_batches: int = Field(8, ge=1, description="Validation batches per evaluation, over all GPUs, each of batch.micro_batch "
+                              "samples, or of 4 when it is 'auto' (the set does not depend on the card or the GPU count).")
     eval_generate: int = Field(
         0, ge=0, description="Held-out conversations the model answers by greedy generation at step 0 and at the "
         "end of the run, scored by exact match with the last assistant message (a 'generation' record in "

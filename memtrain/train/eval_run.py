@@ -34,7 +34,7 @@ from memtrain.train.generate_eval import (
     stop_token_ids,
 )
 from memtrain.train.loop import evaluate
-from memtrain.train.run import RUN_FILE, ResolvedRun
+from memtrain.train.run import RUN_FILE, ResolvedRun, eval_batch_samples
 
 TEXT_ONLY_NOTE = ("the run's held-out data is text, which has no answers to check: exact match needs completion, "
                   "instruction or chat data; the loss is reported alone")
@@ -99,7 +99,7 @@ def _run_settings(run_dir: Path) -> tuple[Recipe, int, int]:
     path = run_dir / RUN_FILE
     if not path.is_file():  # a run from before run.json: the recipe and its own numbers
         recipe = run_recipe(run_dir)
-        micro_batch = recipe.batch.micro_batch if isinstance(recipe.batch.micro_batch, int) else 1
+        micro_batch = eval_batch_samples(recipe)
         return recipe, recipe.train.eval_batches * micro_batch, micro_batch
     try:
         run = ResolvedRun.from_json(path.read_text())

@@ -80,8 +80,9 @@ class ResolvedRun:
 
     @property
     def eval_samples(self) -> int:
-        """Validation samples per evaluation: independent of the GPU count and of the current micro-batch."""
-        return self.recipe.train.eval_batches * self.recipe_micro_batch
+        """Validation samples per evaluation: independent of the GPU count, of the current micro-batch and of the
+        card (see eval_batch_samples)."""
+        return self.recipe.train.eval_batches * eval_batch_samples(self.recipe)
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -101,6 +102,17 @@ class ResolvedRun:
         path = (directory or self.run_dir) / RUN_FILE
         write_atomically(path, self.to_json())
         return path
+
+
+# Samples per validation batch when batch.micro_batch is 'auto': the size the planner picks depends on the card, and
+# the validation set must not (runs on two cards compare). 4 was batch.micro_batch's default before 'auto' was.
+AUTO_EVAL_BATCH_SAMPLES = 4
+
+
+def eval_batch_samples(recipe: Recipe) -> int:
+    """The samples that one of train.eval_batches counts: the recipe's micro-batch, or AUTO_EVAL_BATCH_SAMPLES."""
+    micro_batch = recipe.batch.micro_batch
+    return micro_batch if isinstance(micro_batch, int) else AUTO_EVAL_BATCH_SAMPLES
 
 
 def total_steps(recipe: Recipe, n_train_samples: int) -> int:

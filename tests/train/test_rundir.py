@@ -204,3 +204,19 @@ def test_a_run_directory_that_cannot_be_created_says_why_at_its_key(tmp_path, mo
     [problem] = raised.value.problems
     assert problem.key == "train.output_dir"
     assert problem.message == f"cannot create '{tmp_path / 'run' / LOCK_FILE}': no permission to create files in '{tmp_path}'"
+
+
+def test_the_validation_set_does_not_depend_on_the_card_the_auto_micro_batch_is_sized_for():
+    """batch.micro_batch 'auto' (the default) is sized for the card, so counting train.eval_batches in micro-batches
+    of that size made two cards evaluate different validation sets; they count batches of 4 samples instead."""
+    from memtrain.recipe.load import load_recipe
+    from memtrain.train.run import resolve_run
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tinyllama-1.1b-full-offload-24gb.yaml"
+    runs = {gpu: resolve_run(load_recipe(recipe, [f"hardware.gpu={gpu}"]).recipe, "r", Path("/tmp/unused"), 10_000,
+                             exact_pinned=True) for gpu in ("rtx3090", "6GiB")}
+    assert runs["rtx3090"].micro_batch == 16 and runs["6GiB"].micro_batch < 16  # the planner sized them apart
+    assert runs["rtx3090"].eval_samples == runs["6GiB"].eval_samples == 8 * 4
+    fixed = resolve_run(load_recipe(recipe, ["batch.micro_batch=2"]).recipe, "r", Path("/tmp/unused"), 10_000,
+                        exact_pinned=True)
+    assert fixed.eval_samples == 8 * 2  # a recipe that names its micro-batch counts in it, as before
