@@ -70,11 +70,14 @@ def verdict(plan: Plan) -> str:
     return text
 
 
-def plan_table(plan: Plan) -> Table:
-    """The article's breakdown per GPU, then the phases, host, NVMe, capacity and verdict."""
+def plan_table(plan: Plan, auto_micro_batch: bool = False) -> Table:
+    """The article's breakdown per GPU, then the phases, host, NVMe, capacity and verdict.
+    auto_micro_batch: the recipe's batch.micro_batch is 'auto' (the title says the size is the planner's)."""
     machines = f"{plan.nodes} nodes × " if plan.nodes > 1 else ""
+    chosen = " (auto)" if auto_micro_batch else ""
     table = Table(title=f"{plan.recipe_name} on {machines}{plan.gpus} × {plan.gpu_name} — ZeRO-{plan.zero_stage}, "
-                        f"micro-batch {plan.micro_batch} × {plan.seq_len} tokens, checkpointing {plan.checkpointing}"
+                        f"micro-batch {plan.micro_batch}{chosen} × {plan.seq_len} tokens, checkpointing "
+                        f"{plan.checkpointing}"
                         + (", compiled layers" if plan.compiled_layers else ""),
                   title_justify="left")
     table.add_column("per GPU", style="bold")
@@ -287,7 +290,7 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
                                        if recompute_less else None,
                                        "compile_layers": offer_compile}))
         return code
-    console.print(plan_table(plan))
+    console.print(plan_table(plan, auto_micro_batch=loaded.recipe.batch.micro_batch == "auto"))
     if per_step is not None:
         console.print(_data_table(per_step))
     for warning in data_warnings:
