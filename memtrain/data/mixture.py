@@ -95,19 +95,13 @@ def unwritten_messages_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -
     (Mistral's writes a system message only before the last user turn, so never in a conversation that ends with
     an answer): the model trains without them, and is prompted with them. None when it wrote every message.
     Reads the token cache that building the rows filled (`tokenizer` as for `held_out_records`)."""
-    if isinstance(data.train, str):
-        return None
-    rules = _sample_rules(data, tokenizer)
-    said = []
-    for spec in [*data.train, *(data.validation or [])]:
-        if spec.type == "text":
-            continue
-        for role, (count, line) in sorted(tokenized_dataset(spec, tokenizer, rules, data.cache_dir).unwritten.items()):
-            said.append(f"the {role} message of {count} conversation{'s' if count != 1 else ''} of {spec.path} "
-                        f"(the first at line {line})")
+    said = [f"the {role} message of {_first_at(count, 'conversation', spec.path, line)}"
+            for spec, tokenized in _noted_datasets(data, tokenizer, ("completion", "instruction", "chat"))
+            for role, (count, line) in sorted(tokenized.unwritten.items())]
     if not said:
         return None
-    return (f"{template_where(rules.template)} did not write {'; '.join(said)}: the model trains without those messages, though a "
+    template = template_where(_sample_rules(data, tokenizer).template)
+    return (f"{template} did not write {'; '.join(said)}: the model trains without those messages, though a "
             "prompt may hold them (a template that writes the system message only before the last user turn, as "
             "Mistral's does) — put that text into the first user message, or set a template that writes every "
             "message (data.template: chatml, with data.add_special_tokens)")
@@ -119,17 +113,9 @@ def trailing_turns_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> st
     kept as they are (with data.train_on_inputs they are targets like every token). None when every conversation
     ends with an answer. Reads the token cache that building the rows filled (`tokenizer` as for
     `held_out_records`)."""
-    if isinstance(data.train, str):
-        return None
-    rules = _sample_rules(data, tokenizer)
-    said = []
-    for spec in [*data.train, *(data.validation or [])]:
-        if spec.type != "chat":  # completion and instruction records end with their answer
-            continue
-        trailing = tokenized_dataset(spec, tokenizer, rules, data.cache_dir).trailing
-        if trailing:
-            count, line = trailing
-            said.append(f"{count} conversation{'s' if count != 1 else ''} of {spec.path} (the first at line {line})")
+    # completion and instruction records end with their answer
+    said = [_first_at(tokenized.trailing[0], "conversation", spec.path, tokenized.trailing[1])
+            for spec, tokenized in _noted_datasets(data, tokenizer, ("chat",)) if tokenized.trailing]
     if not said:
         return None
     trained = ("are trained on as targets (data.train_on_inputs)" if data.train_on_inputs
@@ -142,21 +128,30 @@ def untrainable_records_warning(data: Data, tokenizer: PreTrainedTokenizerBase) 
     """A warning for people when data.skip_untrainable left records out (no assistant message, an empty answer):
     which dataset, how many, the first one's line. None when it left none out. Reads the token cache that building
     the rows filled (`tokenizer` as for `held_out_records`)."""
-    if isinstance(data.train, str) or not data.skip_untrainable:
+    if not data.skip_untrainable:
         return None
-    rules = _sample_rules(data, tokenizer)
-    said = []
-    for spec in [*data.train, *(data.validation or [])]:
-        if spec.type == "text":
-            continue
-        skipped = tokenized_dataset(spec, tokenizer, rules, data.cache_dir).skipped
-        if skipped:
-            count, line = skipped
-            said.append(f"{count} record{'s' if count != 1 else ''} of {spec.path} (the first at line {line})")
+    said = [_first_at(tokenized.skipped[0], "record", spec.path, tokenized.skipped[1])
+            for spec, tokenized in _noted_datasets(data, tokenizer, ("completion", "instruction", "chat"))
+            if tokenized.skipped]
     if not said:
         return None
     return (f"data.skip_untrainable: left out {'; '.join(said)} with nothing to train on (no assistant message, or an "
             "empty or null answer) — fix those records to train on them, or leave them out of the files")
+
+
+def _noted_datasets(data: Data, tokenizer: PreTrainedTokenizerBase, types: tuple[str, ...]):
+    """(spec, its token-cache entry) for each listed dataset of `types`, train's then validation's; none when the
+    data is one text path. The entries' notes (counts and first lines) are what the data warnings say."""
+    if isinstance(data.train, str):
+        return
+    rules = _sample_rules(data, tokenizer)
+    for spec in [*data.train, *(data.validation or [])]:
+        if spec.type in types:
+            yield spec, tokenized_dataset(spec, tokenizer, rules, data.cache_dir)
+
+
+def _first_at(count: int, noun: str, path: str, line: int) -> str:
+    return f"{count} {noun}{'s' if count != 1 else ''} of {path} (the first at line {line})"
 
 
 def held_out_records(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[HeldOutRecords]:
