@@ -213,7 +213,8 @@ def _prepare(spec: DatasetSpec, tokenizer, rules: SampleRules, data: Data, key: 
     views = SampleViews((tokenized.tokens,), (tokenized.targets,), np.zeros(len(starts), dtype=np.int64),
                         starts.astype(np.int64), lengths.astype(np.int64))
     useful = views.target_counts() > 0
-    part = _Part(views, truncated, dropped_too_long, int((~useful).sum()), records).take(np.flatnonzero(useful))
+    skipped = tokenized.skipped[0] if tokenized.skipped else 0  # data.skip_untrainable's empty samples: said apart
+    part = _Part(views, truncated, dropped_too_long, int((~useful).sum()) - skipped, records).take(np.flatnonzero(useful))
     if len(part.views) == 0:
         if data.truncation == "drop":
             said = (f"{dropped_too_long} longer than {seq_len} tokens (truncation: drop), {part.dropped_no_targets} "

@@ -51,6 +51,7 @@ def test_skip_untrainable_leaves_them_out_counts_them_and_trains_on_the_rest(cha
     for _ in range(2):  # tokenised, then read back from the cache with its notes
         train, validation = build_datasets(data, chat_tokenizer, seed=0)
         assert len(train) == len(validation) == 4 and rows(train) == rows(expected)
+        assert train.stats.dropped_no_targets == 0  # said by the warning, not counted again as "without targets"
         warning = untrainable_records_warning(data, chat_tokenizer)
         assert warning == (f"data.skip_untrainable: left out 3 records of {path} (the first at line 2); 3 records of "
                            f"{path} (the first at line 2) with nothing to train on (no assistant message, or an empty "
