@@ -68,7 +68,9 @@ class SampleViews:
             if not mine.any():
                 continue
             cumulative = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(targets, dtype=np.int64)])
-            counts[mine] = cumulative[self.start[mine] + self.length[mine]] - cumulative[self.start[mine] + 1]
+            start, length = self.start[mine], self.length[mine]
+            # an empty sample (a record data.skip_untrainable left out) has none; it may start past the last token
+            counts[mine] = cumulative[start + length] - cumulative[start + np.minimum(length, 1)]
         return counts
 
     def take(self, indices) -> SampleViews:

@@ -68,3 +68,12 @@ def test_skip_untrainable_with_no_record_left_is_an_error(chat_tokenizer, write_
     [problem] = err.value.problems
     assert (problem.file, problem.key) == (path, "data.skip_untrainable")
     assert problem.message.startswith("every record of the dataset (2) has nothing to train on") and "line 1" in problem.message
+
+
+def test_a_left_out_last_record_counts_no_targets_and_breaks_nothing(chat_tokenizer, write_jsonl, make_data):
+    """Audit 19 F1: the empty sample of a last record left out starts past the file's last token; counting its
+    targets read past the end (IndexError in preview, plan --data and run alike)."""
+    path = write_jsonl("ends-bad.jsonl", [*GOOD, NO_ANSWER])
+    train, _ = build_datasets(make_data(train=[{"path": path, "type": "chat"}], skip_untrainable=True,
+                                        validation_fraction=0.25, seq_len=64, packing=False), chat_tokenizer, seed=0)
+    assert len(train) == 3 and train.stats.dropped_no_targets == 0
