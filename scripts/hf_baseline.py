@@ -47,6 +47,7 @@ from memtrain.errors import UserError  # noqa: E402
 from memtrain.model.build import add_lora  # noqa: E402
 from memtrain.model.config import model_config  # noqa: E402
 from memtrain.model.wrapper import check_packed_attention, needs_one_sequence, one_sequence  # noqa: E402
+from memtrain.plan.planner import resolve_micro_batch  # noqa: E402
 from memtrain.plan.zero import grad_accum_steps  # noqa: E402
 from memtrain.recipe.load import load_recipe  # noqa: E402
 from memtrain.recipe.schema import Recipe  # noqa: E402
@@ -136,7 +137,9 @@ def main() -> int:
         total = torch.cuda.get_device_properties(0).total_memory
         cap = min(gpu_profile(recipe.hardware.gpu).memory_bytes, total)
         torch.cuda.set_per_process_memory_fraction(cap / total, 0)
-    micro = recipe.batch.micro_batch if recipe.batch.micro_batch != "auto" else 1
+    # 'auto' (the default): the size memtrain's planner gives this recipe, so both sides run one micro-batch size
+    # unless the case names one (bench_vs_hf: a shared batch.micro_batch=4 gives HF what a user would write)
+    micro = recipe.batch.micro_batch if recipe.batch.micro_batch != "auto" else resolve_micro_batch(recipe)
     accum = grad_accum_steps(recipe.batch.global_batch, micro, recipe.hardware.gpus)
     config = hf_deepspeed_config(ds_config(recipe, micro))
     with loaded.sources.located():  # problems at the recipe's file:line

@@ -486,6 +486,8 @@ def resolve_micro_batch(recipe: Recipe, gpu: str | None = None, exact_pinned: bo
 
     Memory grows with the micro-batch, so the search stops at the first size that misses.
     """
+    if recipe.optimizer.step_in_backward:  # every micro-batch is an optimizer step: the whole batch, the only size
+        return recipe.batch.global_batch // recipe.hardware.world_size
     best = 1
     for candidate in micro_batch_candidates(recipe):
         plan = plan_recipe(recipe, gpu, micro_batch=candidate, exact_pinned=exact_pinned)

@@ -374,7 +374,7 @@ def _check_step_in_backward(loaded: LoadedRecipe) -> list[Problem]:
     why = "with optimizer.step_in_backward each parameter is updated as soon as its gradient exists, so "
     problems = []
     b = r.batch
-    if b.micro_batch != b.global_batch or b.policy != "fixed":
+    if b.micro_batch not in (b.global_batch, "auto") or b.policy != "fixed":  # auto: the global batch (planner.py)
         problems.append(src.problem(("batch", "micro_batch"), why + "every micro-batch is an optimizer step: there "
                                     f"is no gradient to accumulate (micro_batch {b.micro_batch}, global_batch "
                                     f"{b.global_batch}, policy {b.policy})",

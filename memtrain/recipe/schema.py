@@ -474,7 +474,7 @@ class Optimizer(Section):
     step_in_backward: bool = Field(
         False, description="Update each parameter as soon as backward has its gradient, and free the gradient "
         "(torchtune's optimizer-in-backward): a full fine-tune never holds the model's gradients. Needs one "
-        "micro-batch per step (batch.micro_batch = batch.global_batch), optimizer.grad_clip=0, one GPU, "
+        "micro-batch per step (batch.micro_batch = batch.global_batch, which 'auto' gives it), optimizer.grad_clip=0, one GPU, "
         "offload.zero_stage=0, batch.policy=fixed, precision.mode=cast and the weights as their own master copy "
         "(precision.master=bf16, or fp32 with compute fp32); with "
         "paged_adamw_8bit the states page between the card and the host.")

@@ -135,3 +135,23 @@ def test_a_recipe_dumped_whole_with_datasets_of_every_type_reads_back():
     datasets = [{"path": "builtin:chat", "type": kind} for kind in ("text", "completion", "instruction", "chat")]
     recipe = Recipe.model_validate({"model": {"preset": "tiny"}, "data": {"train": datasets}, "train": {"steps": 1}})
     assert Recipe.model_validate(recipe.model_dump(mode="json")) == recipe
+
+
+def test_stepping_in_backward_takes_the_default_micro_batch_as_the_whole_batch(tmp_path):
+    """Audit 19 F6: with batch.micro_batch 'auto' (the default, never written) step_in_backward was refused for a
+    micro-batch other than the global batch; auto is the global batch there, the only size it can run."""
+    from memtrain.plan.planner import plan_recipe
+    from memtrain.recipe.load import load_recipe
+
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    shipped = recipes / "llama2-7b-full-32gb-host.yaml"
+    recipe = tmp_path / "in-backward.yaml"
+    recipe.write_text(shipped.read_text().replace("  micro_batch: 16\n", "") + f"# from {shipped}\n")
+    recipe.with_name("llama2-7b-full-offload-2x24gb.yaml").write_text(
+        (recipes / "llama2-7b-full-offload-2x24gb.yaml").read_text().replace("  micro_batch: 2\n", ""))
+    result = CliRunner().invoke(app, ["validate", str(recipe)])
+    assert result.exit_code == 0, result.output
+    loaded = load_recipe(recipe)
+    assert loaded.recipe.batch.micro_batch == "auto" and plan_recipe(loaded.recipe).micro_batch == 16
+    refused = CliRunner().invoke(app, ["validate", str(recipe), "batch.micro_batch=8"])
+    assert refused.exit_code == 2 and "set batch.micro_batch=16 (= batch.global_batch)" in refused.output
