@@ -35,6 +35,7 @@ from memtrain.train.hooks import Hooks
 from memtrain.train.loop import train
 from memtrain.train.nodes import Rendezvous
 from memtrain.train.preflight import check_dtype, check_memory
+from memtrain.train.restart_note import read_note
 from memtrain.train.result import EXIT_RESTART, RunResult
 from memtrain.train.run import ResolvedRun, RunOptions, resolve_run
 from memtrain.train.setup import RunData, build_data, setup
@@ -114,7 +115,8 @@ def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report
         result = train_here(run, options, hooks, prepared.data, prepared.clock)
         while result.status == "restart":  # an OOM in ZeRO-1/2 backward: saved; resume smaller
             _release()
-            result = train_here(run, dataclasses.replace(options, resume=True), hooks, prepared.data)
+            options = dataclasses.replace(options, resume=True, max_steps=result.max_steps_left)
+            result = train_here(run, options, hooks, prepared.data)
         report(result)
         return result.exit_code
     _check_devices(hw.gpus)
@@ -135,7 +137,9 @@ def launch(prepared: Prepared, options: RunOptions, hooks: Hooks, report: Report
                 print(line, file=sys.stderr)
             if code != EXIT_RESTART:
                 return code
-            options = dataclasses.replace(options, resume=True)
+            note = read_note(run.run_dir)  # what the process that ran out of memory left (restart_note.py)
+            options = dataclasses.replace(options, resume=True,
+                                          max_steps=note.max_steps_left if note is not None else options.max_steps)
             env.pop(CLOCK_ENV, None)  # a restart's first step is no start-up of the command's
 
 

@@ -22,6 +22,7 @@ from memtrain.train.export import export_model
 from memtrain.train.guard import Guard
 from memtrain.train.progress import Progress
 from memtrain.train.result import RunResult
+from memtrain.train.run import max_steps_left
 from memtrain.train.setup import Training
 from memtrain.train.signals import note_stop, received_stop
 
@@ -93,7 +94,7 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                     **_data_fields(t.data.train_set))
     if t.startup is not None:
         t.startup.mark("loop_start")  # the run's start record
-    stop_at = run.total_steps if t.options.max_steps is None else min(run.total_steps, state.step + t.options.max_steps)
+    stop_at = min(run.total_steps, session.max_steps_stop or run.total_steps)
     interrupted = Interrupted()
     early = received_stop()  # asked during start-up, where the handler's exception can be lost (audit 18d)
     if early is not None:
@@ -114,7 +115,8 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                 targets = t.data.train_set.targets(samples)  # of the whole global batch: every rank knows all samples
                 outcome = session.forward_backward(samples[rank * per_rank_batch:(rank + 1) * per_rank_batch], targets)
                 if outcome is None:  # an OOM in ZeRO-1/2 backward: saved; the launcher resumes from there
-                    return RunResult(status="restart", step=state.step, run_dir=run.run_dir)
+                    return RunResult(status="restart", step=state.step, run_dir=run.run_dir,
+                                     max_steps_left=max_steps_left(session.max_steps_stop, state.step))
                 loss_sum, micro_batches, ooms = outcome
                 skipped_before = t.engine.skipped_steps
                 with phase("optimizer_step"):

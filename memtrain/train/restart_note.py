@@ -39,6 +39,7 @@ class RestartNote:
     failed_micro_batch: int
     micro_batch: int        # where the next attempt starts, on every rank
     error: str              # PyTorch's first line
+    max_steps_left: int | None = None  # the next attempt's --max-steps: the same stop step (None: no --max-steps)
 
     def applies_to(self, resumed_step: int) -> bool:
         return self.resume_step == resumed_step

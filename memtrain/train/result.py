@@ -19,6 +19,7 @@ class RunResult:
     signum: int = signal.SIGINT    # "interrupted": the signal that asked (exit 128 + it: 130 SIGINT, 143 SIGTERM)
     warning: str | None = None     # something to say even though it trained to the end (the loss diverged)
     saved: bool = True             # False under --no-save: no checkpoint was written
+    max_steps_left: int | None = None  # "restart": the --max-steps of the next attempt (the same stop step)
 
     @property
     def exit_code(self) -> int:

@@ -115,6 +115,16 @@ def eval_batch_samples(recipe: Recipe) -> int:
     return micro_batch if isinstance(micro_batch, int) else AUTO_EVAL_BATCH_SAMPLES
 
 
+def max_steps_stop(options: RunOptions, start_step: int) -> int | None:
+    """The step --max-steps stops at, counted from where this attempt starts (None: no --max-steps)."""
+    return None if options.max_steps is None else start_step + options.max_steps
+
+
+def max_steps_left(stop_at: int | None, resume_step: int) -> int | None:
+    """--max-steps for an attempt that starts again from `resume_step` (after an OOM restart): the same stop step."""
+    return None if stop_at is None else max(1, stop_at - resume_step)
+
+
 def total_steps(recipe: Recipe, n_train_samples: int) -> int:
     """train.steps, or the optimizer steps of train.epochs over the training samples."""
     if recipe.train.steps is not None:

@@ -28,6 +28,7 @@ from memtrain.train.distributed import Place, any_rank, max_over_ranks, peer_gon
 from memtrain.train.hooks import Hooks
 from memtrain.train.oom import dump_memory_snapshot, release_memory
 from memtrain.train.restart_note import RestartEveryProcess, RestartNote, mark_restart, remove_note, write_note
+from memtrain.train.run import max_steps_left
 from memtrain.train.step import OomDuringStep, run_micro_batches, split
 from memtrain.train.storage import expected_checkpoint_bytes, is_disk_full, save_failed, say, space_warning
 
@@ -62,6 +63,7 @@ class Session:
     save: bool
     state: LoopState
     cap_bytes: int
+    max_steps_stop: int | None = None  # the step --max-steps stops this attempt at (run.max_steps_stop)
 
     def checkpoint(self) -> Path:
         self.state.batch_policy = self.policy.state_dict()
@@ -202,7 +204,8 @@ class Session:
         if self.r.hardware.nodes > 1:  # the launchers of the other nodes would not start again
             return UserError(Problem(f"{what}", key="batch.micro_batch", hint=f"run the same command on every node "
                                      f"with batch.micro_batch={smaller}: it resumes from step {resume_step}"))
-        write_note(self.run_dir, RestartNote(resume_step, step, rank, failed, smaller, said))
+        write_note(self.run_dir, RestartNote(resume_step, step, rank, failed, smaller, said,
+                                             max_steps_left(self.max_steps_stop, resume_step)))
         mark_restart()
         where = f"step {resume_step}, its last checkpoint" if resume_step else "the start (no checkpoint yet)"
         return RestartEveryProcess(f"{what}: every process starts again from {where}, at micro-batch {smaller}")

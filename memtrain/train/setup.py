@@ -56,7 +56,7 @@ from memtrain.train.nodes import agree_on_run
 from memtrain.train.oom import start_memory_history
 from memtrain.train.restart_note import read_note
 from memtrain.train.resume import follow_recipe, optimizer_settings
-from memtrain.train.run import ResolvedRun, RunOptions
+from memtrain.train.run import ResolvedRun, RunOptions, max_steps_stop
 from memtrain.train.rundir import start_metrics
 from memtrain.train.schedule import lr_scheduler_factory
 from memtrain.train.session import Session
@@ -262,7 +262,7 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
     hooks.nan.attach(model)  # NaN losses (MEMTRAIN_INJECT_NAN)
     clock.mark("loaders")  # resume, metrics, data loaders
     session = Session(r, place, engine, policy, metrics, PeakForecast(), loader, hooks, run.run_dir,
-                      r.offload.stage == 3, options.save, state, cap_bytes)
+                      r.offload.stage == 3, options.save, state, cap_bytes, max_steps_stop(options, state.step))
     return Training(run=run, options=options, hooks=hooks, place=place, cap_bytes=cap_bytes, data=data, model=model,
                     engine=engine, scheduler=scheduler, state=state, resumed_from=checkpoint,
                     order=sample_order(r.data, data.train_set, r.train.seed, r.batch.global_batch), loader=loader, val_loader=val_loader,

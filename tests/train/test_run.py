@@ -364,6 +364,28 @@ def test_an_oom_in_one_ranks_backward_restarts_every_process_from_the_last_check
     assert not (run_dir / NOTE_FILE).exists()  # spent by the checkpoint of step 4
 
 
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_max_steps_stops_at_the_same_step_through_an_oom_restart(write_recipe, monkeypatch, gpus):
+    """Audit 19 F2: each attempt counted --max-steps from where it resumed, so a run asked for 3 steps whose
+    backward ran out of memory in step 3 stopped at step 5, saying "as asked". One process saves the step before
+    and starts again there; two start again from the last checkpoint (step 2)."""
+    from memtrain.train.checkpoint import complete_checkpoints
+
+    recipe = write_recipe(f"max-steps-{gpus}", {"hardware": {"gpus": gpus},
+                                                "batch": {"global_batch": 8, "micro_batch": 4 // gpus,
+                                                          "policy": "adaptive"},
+                                                "train": {"steps": 8, "eval_every": 100, "save_every": 2}})
+    monkeypatch.setenv("MEMTRAIN_INJECT_OOM_BACKWARD", f"2:0:mb>={4 // gpus}")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    if gpus == 2:
+        monkeypatch.setenv("MEMTRAIN_INJECT_RANK", "1")
+    assert run(recipe, max_steps=3) == 0
+    run_dir = run_dir_of(recipe)
+    assert [r["step"] for r in read_records(run_dir, "oom")] == [2]
+    assert max(r["step"] for r in read_records(run_dir, "train")) == 3
+    assert [p.name for p in complete_checkpoints(run_dir)][-1] == "step-000003"
+
+
 def test_repeated_ooms_at_the_smallest_size_stop_with_a_checkpoint_and_advice(write_recipe, monkeypatch):
     recipe = write_recipe("giveup", {"batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
                                      "train": {"steps": 5, "eval_every": 100, "save_every": 100}})
