@@ -19,7 +19,7 @@ from memtrain.files import write_atomically
 from memtrain.train.signals import SAID_DIR_ENV
 
 NOTE_FILE = "oom-restart.json"
-RESTART_MARK = "restart"  # in this attempt's SAID_DIR_ENV directory: a peer that breaks off knows why
+ENDING_MARK = "ending"  # in this attempt's SAID_DIR_ENV directory: a peer that breaks off knows why
 
 
 class RestartEveryProcess(Exception):
@@ -64,17 +64,24 @@ def remove_note(run_dir: Path) -> None:
     (run_dir / NOTE_FILE).unlink(missing_ok=True)
 
 
-def mark_restart() -> None:
-    """Tell this attempt's other workers on this node that the attempt ends in a restart: their collective breaks
-    (or torchrun stops them) because of it, not because something went wrong with them."""
+def mark_ending(code: int) -> None:
+    """Tell this attempt's other workers on this node that this one is ending on purpose, with `code` (EXIT_RESTART
+    for a restart, 2 for a problem it has said): their collective breaks, or torchrun stops them, because of it, and
+    they end quietly with the same code instead of a gloo traceback."""
     said_dir = os.environ.get(SAID_DIR_ENV)
     if said_dir:
         try:
-            Path(said_dir, RESTART_MARK).touch()
+            Path(said_dir, ENDING_MARK).write_text(str(code))
         except OSError:
-            pass  # they then say that a peer left; the restart happens all the same
+            pass  # they then say that a peer left; the run ends all the same
 
 
-def restart_marked() -> bool:
+def marked_ending() -> int | None:
+    """The code another worker of this attempt on this node ends with on purpose (mark_ending), else None."""
     said_dir = os.environ.get(SAID_DIR_ENV)
-    return bool(said_dir) and Path(said_dir, RESTART_MARK).exists()
+    if not said_dir:
+        return None
+    try:
+        return int(Path(said_dir, ENDING_MARK).read_text())
+    except (OSError, ValueError):
+        return None

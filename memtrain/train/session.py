@@ -27,7 +27,8 @@ from memtrain.train.checkpoint import (LoopState, kept_while_saving, latest_chec
 from memtrain.train.distributed import Place, any_rank, max_over_ranks, peer_gone
 from memtrain.train.hooks import Hooks
 from memtrain.train.oom import dump_memory_snapshot, release_memory
-from memtrain.train.restart_note import RestartEveryProcess, RestartNote, mark_restart, remove_note, write_note
+from memtrain.train.restart_note import RestartEveryProcess, RestartNote, marked_ending, remove_note, write_note
+from memtrain.train.result import EXIT_RESTART
 from memtrain.train.run import max_steps_left
 from memtrain.train.step import OomDuringStep, run_micro_batches, split
 from memtrain.train.storage import expected_checkpoint_bytes, is_disk_full, save_failed, say, space_warning
@@ -134,6 +135,11 @@ class Session:
                     if backward_injector else None,
                     any_rank=(lambda flag: any_rank(flag, device)) if self.place.world_size > 1 else None)
                 remaining = []
+            except RuntimeError as error:  # a collective broke: another process left
+                ending = marked_ending()
+                if self.place.is_main and ending is not None and peer_gone(error):  # on purpose, having said why
+                    self._end(step, "restart" if ending == EXIT_RESTART else "ended_on_another_rank")
+                raise
             except OomDuringStep as oom:
                 if self.r.optimizer.step_in_backward:
                     raise self._oom_stepping_in_backward(oom) from None
@@ -206,7 +212,6 @@ class Session:
                                      f"with batch.micro_batch={smaller}: it resumes from step {resume_step}"))
         write_note(self.run_dir, RestartNote(resume_step, step, rank, failed, smaller, said,
                                              max_steps_left(self.max_steps_stop, resume_step)))
-        mark_restart()
         where = f"step {resume_step}, its last checkpoint" if resume_step else "the start (no checkpoint yet)"
         return RestartEveryProcess(f"{what}: every process starts again from {where}, at micro-batch {smaller}")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from memtrain.errors import UserError
-from memtrain.train.restart_note import RestartEveryProcess, restart_marked
+from memtrain.train.restart_note import RestartEveryProcess, mark_ending, marked_ending
 from memtrain.train.result import EXIT_RESTART
 from memtrain.train.signals import (die_with_parent, exit_code, not_saved_line, received_stop, say_once, signum_of,
                                    stop_on_signals)
@@ -56,21 +56,23 @@ def main(argv: list[str]) -> int:
         if run.recipe.hardware.nodes > 1:
             leave_after_node_0()
     except RestartEveryProcess as restart:  # this process ran out of memory in backward; its note is written
+        mark_ending(EXIT_RESTART)  # before it leaves: the others' collectives break then
         if say_once([restart.line]):
             print(f"■ {restart.line}", file=sys.stderr)
         return EXIT_RESTART
     except UserError as error:
+        mark_ending(error.exit_code)
         lines = [f"✗ {problem.format()}" for problem in error.problems]
         if lines and say_once(lines):  # every rank meets a full disk: one line per node, not one per process
             print("\n".join(lines), file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt as stop:  # during start-up, or a second Ctrl-C: nothing saved
-        if restart_marked():  # torchrun stopped this process for another's restart
-            return EXIT_RESTART
+        if marked_ending() is not None:  # torchrun stopped this process because another ended on purpose
+            return marked_ending()
         return stopped_unsaved(signum_of(stop))
     except RuntimeError:  # a collective broke: after a stop, a peer that was still starting has left
-        if restart_marked():  # the peer left to restart every process (restart_note.py)
-            return EXIT_RESTART
+        if marked_ending() is not None:  # the peer ended on purpose and said why (restart_note.py)
+            return marked_ending()
         if received_stop() is None:
             raise
         return stopped_unsaved(received_stop())

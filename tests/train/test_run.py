@@ -364,6 +364,25 @@ def test_an_oom_in_one_ranks_backward_restarts_every_process_from_the_last_check
     assert not (run_dir / NOTE_FILE).exists()  # spent by the checkpoint of step 4
 
 
+def test_an_oom_in_one_ranks_backward_at_the_smallest_size_ends_both_ranks_with_one_line(write_recipe, monkeypatch,
+                                                                                          capfd):
+    """Audit 19 F3, F4: rank 1 stopped with its problem said (exit 2) and rank 0, whose collective broke, added a gloo
+    traceback and no end record, so `report` said "running or killed". Rank 0 now ends quietly with the same code and
+    records how the run ended."""
+    recipe = write_recipe("smallest-two", {"hardware": {"gpus": 2}, "batch": {"global_batch": 4, "micro_batch": 1},
+                                           "train": {"steps": 4, "eval_every": 100, "save_every": 1}})
+    monkeypatch.setenv("MEMTRAIN_INJECT_OOM_BACKWARD", "2:0")
+    monkeypatch.setenv("MEMTRAIN_INJECT_RANK", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert run(recipe) == 2
+    said = " ".join(capfd.readouterr().err.split())
+    assert said.count("out of memory in backward at step 3 on rank 1 (micro-batch 1)") == 1, said[-3000:]
+    assert "micro-batch 1 is the smallest this run may use" in said
+    assert "Traceback" not in said and "Connection closed" not in said and "exitcode" not in said, said[-3000:]
+    ends = [r["status"] for r in read_records(run_dir_of(recipe), "run") if r.get("event") == "end"]
+    assert ends == ["ended_on_another_rank"]
+
+
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_max_steps_stops_at_the_same_step_through_an_oom_restart(write_recipe, monkeypatch, gpus):
     """Audit 19 F2: each attempt counted --max-steps from where it resumed, so a run asked for 3 steps whose
