@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import resource
 import signal
+import sys
 import time
 from contextlib import contextmanager
 
@@ -22,6 +23,7 @@ from memtrain.train.export import export_model
 from memtrain.train.guard import Guard
 from memtrain.train.progress import Progress
 from memtrain.train.result import RunResult
+from memtrain.train.restart_note import NOTE_FILE
 from memtrain.train.run import max_steps_left
 from memtrain.train.setup import Training
 from memtrain.train.signals import note_stop, received_stop
@@ -92,6 +94,16 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                     process_started=psutil.Process().create_time(),  # the origin of "time to first step"
                     pinned_sizes="exact" if place.on_cuda and run.exact_pinned else "power_of_two",
                     **_data_fields(t.data.train_set))
+    if t.restarted_after is not None:  # after the run's start record: what made this attempt start smaller
+        note = t.restarted_after
+        t.metrics.event("oom", note.oom_step, micro_batch=note.failed_micro_batch, in_backward=True, rank=note.rank,
+                        error=note.error, restarted_from=note.resume_step)
+        t.metrics.event("batch", state.step, old_micro_batch=note.failed_micro_batch,
+                        new_micro_batch=session.policy.micro_batch, reason="oom")
+        if place.is_main:
+            print(f"· starting at micro-batch {session.policy.micro_batch}: rank {note.rank} ran out of memory in the "
+                  f"backward of step {note.oom_step + 1} at micro-batch {note.failed_micro_batch} ({NOTE_FILE} in "
+                  "the run directory, until the next checkpoint)", file=sys.stderr, flush=True)
     if t.startup is not None:
         t.startup.mark("loop_start")  # the run's start record
     stop_at = min(run.total_steps, session.max_steps_stop or run.total_steps)

@@ -54,7 +54,7 @@ from memtrain.train.hooks import Hooks
 from memtrain.train.in_backward import StepInBackward
 from memtrain.train.nodes import agree_on_run
 from memtrain.train.oom import start_memory_history
-from memtrain.train.restart_note import read_note
+from memtrain.train.restart_note import RestartNote, read_note
 from memtrain.train.resume import follow_recipe, optimizer_settings
 from memtrain.train.run import ResolvedRun, RunOptions, max_steps_stop
 from memtrain.train.rundir import start_metrics
@@ -200,6 +200,7 @@ class Training:
     session: Session
     generation: GenerationEval | None = None  # train.eval_generate, on rank 0
     startup: StartupClock | None = None       # the start-up phases; the loop adds the first step and records them
+    restarted_after: RestartNote | None = None  # the OOM this attempt starts smaller after (restart_note.py)
 
     @property
     def recipe(self) -> Recipe:
@@ -250,10 +251,8 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
     note = read_note(run.run_dir) if options.resume else None
     if note is not None and note.applies_to(state.step):  # another process ran out of memory in backward: smaller
         policy.restarted_after_oom(note.failed_micro_batch, note.micro_batch)
-        metrics.event("oom", note.oom_step, micro_batch=note.failed_micro_batch, in_backward=True, rank=note.rank,
-                      error=note.error, restarted_from=note.resume_step)
-        metrics.event("batch", state.step, old_micro_batch=note.failed_micro_batch, new_micro_batch=policy.micro_batch,
-                      reason="oom")
+    else:
+        note = None
     trim = r.data.groups_by_length  # micro-batches cut to their longest row (data/loader.py)
     loader = stack.enter_context(BatchLoader(data.train_set, place.device, trim=trim))
     val_loader = stack.enter_context(BatchLoader(data.val_set, place.device, trim=trim))
@@ -268,4 +267,4 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
                     order=sample_order(r.data, data.train_set, r.train.seed, r.batch.global_batch), loader=loader, val_loader=val_loader,
                     metrics=metrics, profiler=StepProfiler(run.run_dir, options.profile_steps, place.device),
                     session=session, generation=GenerationEval.for_run(r, data.tokenizer, place.is_main),
-                    startup=clock)
+                    startup=clock, restarted_after=note)

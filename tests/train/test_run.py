@@ -360,8 +360,13 @@ def test_an_oom_in_one_ranks_backward_restarts_every_process_from_the_last_check
             "their gradient reduction, so it cannot be retried in place: every process starts again from step 2, "
             "its last checkpoint, at micro-batch 2")
     assert said.count(line) == 1, said[-3000:]
+    assert said.count("· starting at micro-batch 2: rank 1 ran out of memory in the backward of step 3 at micro-batch "
+                      "4 (oom-restart.json in the run directory, until the next checkpoint)") == 1, said[-3000:]
     assert "Traceback" not in said and "exitcode" not in said, said[-3000:]
     assert not (run_dir / NOTE_FILE).exists()  # spent by the checkpoint of step 4
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    resumed = next(i for i, r in enumerate(records) if r["kind"] == "run" and r.get("event") == "resume")
+    assert records[resumed + 1]["kind"] == "oom" and records[resumed + 2]["kind"] == "batch"  # after the resume record
 
 
 def test_an_oom_in_one_ranks_backward_at_the_smallest_size_ends_both_ranks_with_one_line(write_recipe, monkeypatch,
