@@ -114,13 +114,15 @@ def trailing_turns_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> st
     ends with an answer. Reads the token cache that building the rows filled (`tokenizer` as for
     `held_out_records`)."""
     # completion and instruction records end with their answer
-    said = [_first_at(tokenized.trailing[0], "conversation", spec.path, tokenized.trailing[1])
-            for spec, tokenized in _noted_datasets(data, tokenizer, ("chat",)) if tokenized.trailing]
-    if not said:
+    noted = [(tokenized.trailing[0], spec.path, tokenized.trailing[1])
+             for spec, tokenized in _noted_datasets(data, tokenizer, ("chat",)) if tokenized.trailing]
+    if not noted:
         return None
+    said = [_first_at(count, "conversation", path, line) for count, path, line in noted]
+    verb = "ends" if sum(count for count, _, _ in noted) == 1 else "end"
     trained = ("are trained on as targets (data.train_on_inputs)" if data.train_on_inputs
                else "are tokens no trained answer follows: they take sequence length and compute and teach nothing")
-    return (f"{'; '.join(said)} end with a user or system message after the last assistant message: those messages "
+    return (f"{'; '.join(said)} {verb} with a user or system message after the last assistant message: those messages "
             f"{trained} — end each conversation with its answer (drop what follows it), or leave it if that is meant")
 
 

@@ -269,7 +269,8 @@ class Data(Section):
     template: str | None = Field(
         None, description="Chat template for completion, instruction and chat datasets: a shipped one (chatml, "
         "llama-3, alpaca) or null for the tokenizer's own chat_template. A conversation is tokenised as "
-        "apply_chat_template(tokenize=True) tokenises it, so training sees the token ids inference prompts with.")
+        "apply_chat_template(tokenize=True) tokenises it, so training sees the token ids inference prompts with; "
+        "an answer that starts with whitespace starts at a token boundary, as the generation prompt ends.")
     train_on_inputs: bool = Field(False, description="Train on every token (prompts, system text and template markers "
                                   "too); false: only on the responses.")
     train_on: Literal["all_turns", "last_turn"] = Field(

@@ -32,6 +32,11 @@ def test_conversations_after_their_last_answer_are_counted_and_warned_about(chat
     on_inputs = make_data(train=[{"path": path, "type": "chat"}], seq_len=64, train_on_inputs=True)
     build_datasets(on_inputs, chat_tokenizer, seed=0)
     assert "are trained on as targets (data.train_on_inputs)" in trailing_turns_warning(on_inputs, chat_tokenizer)
+    one = write_jsonl("one.jsonl", records()[:2])
+    single = make_data(train=[{"path": one, "type": "chat"}], seq_len=64, validation_fraction=0.5)
+    build_datasets(single, chat_tokenizer, seed=0)
+    assert trailing_turns_warning(single, chat_tokenizer).startswith(
+        f"1 conversation of {one} (the first at line 2) ends with a user or system message")
 
 
 def test_conversations_that_end_with_their_answer_are_not_warned_about(chat_tokenizer, write_jsonl, make_data):
