@@ -76,6 +76,12 @@ def prepare(loaded: LoadedRecipe, hooks: Hooks, clock: StartupClock | None = Non
         run = resolve_run(r, loaded.name, loaded.output_dir, len(data.train_set), exact_pinned,
                           data_fingerprint=fingerprint)
     clock.mark("plan")
+    if r.batch.micro_batch == "auto":  # the default: the size is the planner's, for the recipe's card
+        steps = run.per_rank_batch // run.micro_batch
+        why = ("the whole batch, as optimizer.step_in_backward needs" if r.optimizer.step_in_backward else
+               f"the largest that divides the {run.per_rank_batch} samples per GPU and step and fits {r.hardware.gpu}")
+        notes.append(f"micro-batch {run.micro_batch} (batch.micro_batch auto: {why}; {steps} "
+                     f"micro-batch{'es' if steps != 1 else ''} per step)")
     if not r.data.is_text:  # instruction and chat data: what truncation, packing and masking made of it
         cut = "; length-bucketed micro-batches are cut to their longest row, so less padding is computed " \
               "(`memtrain plan --data` says how much)" if r.data.groups_by_length else ""

@@ -220,3 +220,17 @@ def test_the_validation_set_does_not_depend_on_the_card_the_auto_micro_batch_is_
     fixed = resolve_run(load_recipe(recipe, ["batch.micro_batch=2"]).recipe, "r", Path("/tmp/unused"), 10_000,
                         exact_pinned=True)
     assert fixed.eval_samples == 8 * 2  # a recipe that names its micro-batch counts in it, as before
+
+
+def test_a_run_says_the_micro_batch_auto_chose_and_why(tmp_path):
+    """Audit 19 F10: with the default 'auto' nothing said which micro-batch the run trains at."""
+    from memtrain.checks.load import load_checked
+    from memtrain.train.hooks import Hooks
+    from memtrain.train.launch import prepare
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+    auto = prepare(load_checked(recipe, ["batch.micro_batch=auto", f"data.cache_dir={tmp_path}"]), Hooks())
+    assert ("micro-batch 16 (batch.micro_batch auto: the largest that divides the 16 samples per GPU and step and "
+            "fits rtx3090; 1 micro-batch per step)") in auto.notes
+    fixed = prepare(load_checked(recipe, [f"data.cache_dir={tmp_path}"]), Hooks())
+    assert not [note for note in fixed.notes if "batch.micro_batch auto" in note]
