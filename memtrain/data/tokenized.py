@@ -189,7 +189,7 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
         for line, messages in batch:
             if messages is None:  # an empty sample: sample i stays record i (mixture.held_out_records)
                 out.append(_piece([], []))
-                skipped[:] = [skipped[0] + 1, skipped[1]] if skipped else [1, line]
+                _count(skipped, line)
                 continue
             result = next(results)
             if isinstance(result, Exception):
@@ -198,11 +198,16 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
                 continue
             out.append(_piece(result.ids, result.targets))
             for role in {messages[i]["role"] for i in result.unwritten}:
-                unwritten.setdefault(role, [0, line])[0] += 1
+                _count(unwritten.setdefault(role, []), line)
             if messages[-1]["role"] != "assistant":
-                trailing[:] = [trailing[0] + 1, trailing[1]] if trailing else [1, line]
+                _count(trailing, line)
     problems.raise_if_any()
     return out, unwritten, trailing, skipped
+
+
+def _count(noted: list[int], line: int) -> None:
+    """One more record into a note of [count, the first one's line] (Tokenized.unwritten, trailing, skipped)."""
+    noted[:] = [noted[0] + 1, noted[1]] if noted else [1, line]
 
 
 def _collect(spec: DatasetSpec, convert) -> list:

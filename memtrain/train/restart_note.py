@@ -11,15 +11,12 @@ carries the batch policy's state, and the note is removed then.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from memtrain.files import write_atomically
-from memtrain.train.signals import SAID_DIR_ENV
 
 NOTE_FILE = "oom-restart.json"
-ENDING_MARK = "ending"  # in this attempt's SAID_DIR_ENV directory: a peer that breaks off knows why
 
 
 class RestartEveryProcess(Exception):
@@ -62,26 +59,3 @@ def read_note(run_dir: Path) -> RestartNote | None:
 
 def remove_note(run_dir: Path) -> None:
     (run_dir / NOTE_FILE).unlink(missing_ok=True)
-
-
-def mark_ending(code: int) -> None:
-    """Tell this attempt's other workers on this node that this one is ending on purpose, with `code` (EXIT_RESTART
-    for a restart, 2 for a problem it has said): their collective breaks, or torchrun stops them, because of it, and
-    they end quietly with the same code instead of a gloo traceback."""
-    said_dir = os.environ.get(SAID_DIR_ENV)
-    if said_dir:
-        try:
-            Path(said_dir, ENDING_MARK).write_text(str(code))
-        except OSError:
-            pass  # they then say that a peer left; the run ends all the same
-
-
-def marked_ending() -> int | None:
-    """The code another worker of this attempt on this node ends with on purpose (mark_ending), else None."""
-    said_dir = os.environ.get(SAID_DIR_ENV)
-    if not said_dir:
-        return None
-    try:
-        return int(Path(said_dir, ENDING_MARK).read_text())
-    except (OSError, ValueError):
-        return None

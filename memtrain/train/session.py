@@ -27,10 +27,11 @@ from memtrain.train.checkpoint import (LoopState, kept_while_saving, latest_chec
 from memtrain.train.distributed import Place, any_rank, max_over_ranks, peer_gone
 from memtrain.train.hooks import Hooks
 from memtrain.train.oom import dump_memory_snapshot, release_memory
-from memtrain.train.restart_note import RestartEveryProcess, RestartNote, marked_ending, remove_note, write_note
+from memtrain.train.restart_note import RestartEveryProcess, RestartNote, remove_note, write_note
 from memtrain.train.result import EXIT_RESTART
 from memtrain.train.run import max_steps_left
 from memtrain.train.step import OomDuringStep, run_micro_batches, split
+from memtrain.train.signals import marked_ending
 from memtrain.train.storage import expected_checkpoint_bytes, is_disk_full, save_failed, say, space_warning
 
 if TYPE_CHECKING:  # for the reader only: importing DeepSpeed is slow and sets up its accelerator

@@ -31,6 +31,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from memtrain.errors import UserError
+from memtrain.train.result import EXIT_RESTART
+
 PR_SET_PDEATHSIG = 1
 LAUNCHER_PID_ENV = "MEMTRAIN_LAUNCHER_PID"
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
@@ -111,7 +114,7 @@ def python_command(module: str) -> list[str]:
     (torchrun just started, or a worker) ended in a KeyboardInterrupt traceback from <frozen runpy>. Here it ends
     with 130; the launcher says the line (`unsaid_stop_line`)."""
     code = (f"import runpy, sys\ntry:\n    runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
-            "except KeyboardInterrupt:\n    sys.exit(130)\n")
+            f"except KeyboardInterrupt:\n    sys.exit({exit_code(signal.SIGINT)})\n")
     return [sys.executable, "-u", "-c", code]
 
 
@@ -158,6 +161,7 @@ EXIT_BARRIER_LOGGER = "torch.distributed.elastic.agent.server.api"
 EXIT_BARRIER_ERROR = "Error waiting on exit barrier"
 WORKERS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 SAID_DIR_ENV = "MEMTRAIN_SAID_DIR"  # where the workers of one node mark the problem lines one of them printed
+ENDING_MARK = "ending"  # in SAID_DIR_ENV: the code a worker that ends on purpose ends with (mark_ending)
 
 
 class QuietExitBarrier(logging.Filter):
@@ -184,9 +188,32 @@ class QuietWorkerEnds(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         said = record.getMessage()
-        return not (said.startswith(("failed (exitcode: 2)", "failed (exitcode: 75)"))
+        return not (said.startswith((f"failed (exitcode: {UserError.exit_code})", f"failed (exitcode: {EXIT_RESTART})"))
                     or (said.startswith("Received") and "death signal" in said)
                     or (said.startswith("Sending process") and "closing signal" in said))
+
+
+def mark_ending(code: int) -> None:
+    """Tell this attempt's other workers on this node that this one is ending on purpose, with `code` (EXIT_RESTART
+    for a restart, 2 for a problem it has said): their collective breaks, or torchrun stops them, because of it, and
+    they end quietly with the same code instead of a gloo traceback."""
+    said_dir = os.environ.get(SAID_DIR_ENV)
+    if said_dir:
+        try:
+            Path(said_dir, ENDING_MARK).write_text(str(code))
+        except OSError:
+            pass  # they then say that a peer left; the run ends all the same
+
+
+def marked_ending() -> int | None:
+    """The code another worker of this attempt on this node ends with on purpose (mark_ending), else None."""
+    said_dir = os.environ.get(SAID_DIR_ENV)
+    if not said_dir:
+        return None
+    try:
+        return int(Path(said_dir, ENDING_MARK).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def say_once(lines: list[str]) -> bool:

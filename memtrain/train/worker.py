@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from memtrain.errors import UserError
-from memtrain.train.restart_note import RestartEveryProcess, mark_ending, marked_ending
+from memtrain.train.restart_note import RestartEveryProcess
 from memtrain.train.result import EXIT_RESTART
-from memtrain.train.signals import (die_with_parent, exit_code, not_saved_line, received_stop, say_once, signum_of,
-                                   stop_on_signals)
+from memtrain.train.signals import (die_with_parent, exit_code, mark_ending, marked_ending, not_saved_line,
+                                   received_stop, say_once, signum_of, stop_on_signals)
 
 if TYPE_CHECKING:  # for the reader: main imports them under its signal handlers
     from memtrain.train.run import RunOptions
@@ -67,12 +67,12 @@ def main(argv: list[str]) -> int:
             print("\n".join(lines), file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt as stop:  # during start-up, or a second Ctrl-C: nothing saved
-        if marked_ending() is not None:  # torchrun stopped this process because another ended on purpose
-            return marked_ending()
+        if (ending := marked_ending()) is not None:  # torchrun stopped this process: another ended on purpose
+            return ending
         return stopped_unsaved(signum_of(stop))
     except RuntimeError:  # a collective broke: after a stop, a peer that was still starting has left
-        if marked_ending() is not None:  # the peer ended on purpose and said why (restart_note.py)
-            return marked_ending()
+        if (ending := marked_ending()) is not None:  # the peer ended on purpose and said why (signals.mark_ending)
+            return ending
         if received_stop() is None:
             raise
         return stopped_unsaved(received_stop())
