@@ -24,7 +24,7 @@ from memtrain.data.packing import pack_rows
 from memtrain.data.rows import DataStats, SampleRows, SampleViews
 from memtrain.data.templates import ensure_template_tokens, needs_template, resolve_template
 from memtrain.data.render import template_where
-from memtrain.data.tokenized import SampleRules, tokenized_dataset
+from memtrain.data.tokenized import SampleRules, Tokenized, tokenized_dataset
 from memtrain.errors import DataError, Problem
 from memtrain.recipe.schema import Data, DatasetSpec
 
@@ -90,14 +90,27 @@ def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tup
             _rows(list(held_out), data, tokenizer.pad_token_id, seed))
 
 
-def unwritten_messages_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> str | None:
+def noted_datasets(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[tuple[DatasetSpec, Tokenized]]:
+    """(spec, its token-cache entry) of each listed conversation dataset (completion, instruction, chat), train's then
+    validation's; none when the data is one text path. The entries' notes (counts and first lines) are what the data
+    warnings below say: read once (each read hashes the data file), handed to each of them. Reads the token cache
+    that building the rows filled (`tokenizer` as for `held_out_records`)."""
+    if isinstance(data.train, str):
+        return []
+    rules = _sample_rules(data, tokenizer)
+    return [(spec, tokenized_dataset(spec, tokenizer, rules, data.cache_dir))
+            for spec in [*data.train, *(data.validation or [])] if spec.type != "text"]
+
+
+def unwritten_messages_warning(data: Data, tokenizer: PreTrainedTokenizerBase,
+                               noted: list[tuple[DatasetSpec, Tokenized]] | None = None) -> str | None:
     """A warning for people when the chat template left some messages of the conversations out of what it wrote
     (Mistral's writes a system message only before the last user turn, so never in a conversation that ends with
     an answer): the model trains without them, and is prompted with them. None when it wrote every message.
-    Reads the token cache that building the rows filled (`tokenizer` as for `held_out_records`)."""
+    noted: `noted_datasets` (read here when not given)."""
+    noted = noted_datasets(data, tokenizer) if noted is None else noted
     said = [f"the {role} message of {_first_at(count, 'conversation', spec.path, line)}"
-            for spec, tokenized in _noted_datasets(data, tokenizer, ("completion", "instruction", "chat"))
-            for role, (count, line) in sorted(tokenized.unwritten.items())]
+            for spec, tokenized in noted for role, (count, line) in sorted(tokenized.unwritten.items())]
     if not said:
         return None
     template = template_where(_sample_rules(data, tokenizer).template)
@@ -107,49 +120,40 @@ def unwritten_messages_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -
             "message (data.template: chatml, with data.add_special_tokens)")
 
 
-def trailing_turns_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> str | None:
+def trailing_turns_warning(data: Data, tokenizer: PreTrainedTokenizerBase,
+                           noted: list[tuple[DatasetSpec, Tokenized]] | None = None) -> str | None:
     """A warning for people when conversations go on past their last answer (a user or system message after the
     last assistant message, as scraped chat logs often end): those messages are tokens no trained answer follows,
     kept as they are (with data.train_on_inputs they are targets like every token). None when every conversation
-    ends with an answer. Reads the token cache that building the rows filled (`tokenizer` as for
-    `held_out_records`)."""
-    # completion and instruction records end with their answer
-    noted = [(tokenized.trailing[0], spec.path, tokenized.trailing[1])
-             for spec, tokenized in _noted_datasets(data, tokenizer, ("chat",)) if tokenized.trailing]
-    if not noted:
+    ends with an answer (completion and instruction records always do). noted: `noted_datasets` (read here when
+    not given)."""
+    noted = noted_datasets(data, tokenizer) if noted is None else noted
+    trailing = [(tokenized.trailing[0], spec.path, tokenized.trailing[1]) for spec, tokenized in noted
+                if tokenized.trailing]
+    if not trailing:
         return None
-    said = [_first_at(count, "conversation", path, line) for count, path, line in noted]
-    verb = "ends" if sum(count for count, _, _ in noted) == 1 else "end"
+    said = [_first_at(count, "conversation", path, line) for count, path, line in trailing]
+    verb = "ends" if sum(count for count, _, _ in trailing) == 1 else "end"
     trained = ("are trained on as targets (data.train_on_inputs)" if data.train_on_inputs
                else "are tokens no trained answer follows: they take sequence length and compute and teach nothing")
     return (f"{'; '.join(said)} {verb} with a user or system message after the last assistant message: those messages "
             f"{trained} — end each conversation with its answer (drop what follows it), or leave it if that is meant")
 
 
-def untrainable_records_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> str | None:
+def untrainable_records_warning(data: Data, tokenizer: PreTrainedTokenizerBase,
+                                noted: list[tuple[DatasetSpec, Tokenized]] | None = None) -> str | None:
     """A warning for people when data.skip_untrainable left records out (no assistant message, an empty answer):
-    which dataset, how many, the first one's line. None when it left none out. Reads the token cache that building
-    the rows filled (`tokenizer` as for `held_out_records`)."""
+    which dataset, how many, the first one's line. None when it left none out. noted: `noted_datasets` (read here
+    when not given)."""
     if not data.skip_untrainable:
         return None
+    noted = noted_datasets(data, tokenizer) if noted is None else noted
     said = [_first_at(tokenized.skipped[0], "record", spec.path, tokenized.skipped[1])
-            for spec, tokenized in _noted_datasets(data, tokenizer, ("completion", "instruction", "chat"))
-            if tokenized.skipped]
+            for spec, tokenized in noted if tokenized.skipped]
     if not said:
         return None
     return (f"data.skip_untrainable: left out {'; '.join(said)} with nothing to train on (no assistant message, or an "
             "empty or null answer) — fix those records to train on them, or leave them out of the files")
-
-
-def _noted_datasets(data: Data, tokenizer: PreTrainedTokenizerBase, types: tuple[str, ...]):
-    """(spec, its token-cache entry) for each listed dataset of `types`, train's then validation's; none when the
-    data is one text path. The entries' notes (counts and first lines) are what the data warnings say."""
-    if isinstance(data.train, str):
-        return
-    rules = _sample_rules(data, tokenizer)
-    for spec in [*data.train, *(data.validation or [])]:
-        if spec.type in types:
-            yield spec, tokenized_dataset(spec, tokenizer, rules, data.cache_dir)
 
 
 def _first_at(count: int, noun: str, path: str, line: int) -> str:
