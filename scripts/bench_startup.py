@@ -16,11 +16,14 @@ The token cache (MEMTRAIN_CACHE) is emptied with them since session 16; earlier 
 --prepare runs `memtrain prepare` on the first recipe before it (the one-time work done ahead, as in a
 container's set-up) and gives its seconds in the `prepare_s` column, outside first_step_s.
 A recipe may carry overrides after it ("RECIPE key=value ...").
+--jsonl-mb N writes N MB of JSONL text (the bundled plays in ~2 KB documents, repeated; under --runs, kept between
+invocations) and puts its path where a recipe spec says {jsonl}: start-up with data of the size users bring.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gzip
 import json
 import os
 import shlex
@@ -69,6 +72,20 @@ def prepare(spec: str, env: dict, timeout: int) -> float:
     return time.perf_counter() - started
 
 
+def make_jsonl(path: Path, megabytes: int) -> Path:
+    """`megabytes` MB of {"text": ...} lines cut from the bundled plays, repeated; made once per size."""
+    if path.exists() and path.stat().st_size >= megabytes << 20:
+        return path
+    corpus = gzip.decompress((ROOT / "memtrain/assets/corpus/shakespeare/train.txt.gz").read_bytes()).decode()
+    lines = [json.dumps({"text": corpus[i:i + 2048]}) + "\n" for i in range(0, len(corpus), 2048)]
+    block = "".join(lines).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as handle:
+        for _ in range(-(-(megabytes << 20) // len(block))):
+            handle.write(block)
+    return path
+
+
 def row_of(name: str, state: str, startup: dict, command: str, prepare_s: float | None = None) -> dict:
     phases = startup["phases_s"]
     unknown = sorted(set(phases) - set(PHASES))
@@ -91,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default="",
                         help="added to each row's recipe name in parentheses (a session, a setting)")
     parser.add_argument("--prepare", action="store_true", help="run `memtrain prepare` on the first recipe before it")
+    parser.add_argument("--jsonl-mb", type=int, default=0, help="generate this many MB of JSONL text for {jsonl}")
     args = parser.parse_args(argv)
+    jsonl = make_jsonl(args.runs / f"plays-{args.jsonl_mb}mb.jsonl", args.jsonl_mb) if args.jsonl_mb else None
     env = without_rank_variables(os.environ)  # each run starts its own process group
     if args.machine_state == "fresh":
         caches = args.runs / "fresh-caches"
@@ -106,9 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         name += f" ({args.label})" if args.label else ""
         command = f"python scripts/bench_startup.py --machine-state {args.machine_state} --steps {args.steps} " \
                   f"--recipe '{spec}'" + (f" --label '{args.label}'" if args.label else "") + \
-                  (" --prepare" if args.prepare and index == 0 else "")
+                  (" --prepare" if args.prepare and index == 0 else "") + \
+                  (f" --jsonl-mb {args.jsonl_mb}" if jsonl else "")
+        if "{jsonl}" in spec and jsonl is None:
+            parser.error(f"{spec!r} names {{jsonl}}: give --jsonl-mb")
         try:
-            startup = run_once(spec, args.steps, args.runs / f"run-{index}", env, args.timeout)
+            startup = run_once(spec.replace("{jsonl}", str(jsonl)), args.steps, args.runs / f"run-{index}", env, args.timeout)
         except (RuntimeError, subprocess.TimeoutExpired, StopIteration, FileNotFoundError) as error:
             print(f"{name}: no startup record ({type(error).__name__}: {error})", file=sys.stderr, flush=True)
             failed += 1
