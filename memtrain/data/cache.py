@@ -36,9 +36,9 @@ def cache_dir_of(cache_dir: str | None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
 
 
-def cache_key(spec: str, fmt: str, field: str, tokenizer: PreTrainedTokenizerBase) -> str:
+def cache_key(spec: str, fmt: str, field: str, tokenizer: PreTrainedTokenizerBase, directory: Path) -> str:
     """sha256 of the data's content fingerprint and the tokenizer's fingerprint."""
-    parts = (CACHE_VERSION, source_fingerprint(spec, fmt, field), tokenizer_fingerprint(tokenizer))
+    parts = (CACHE_VERSION, source_fingerprint(spec, fmt, field, directory), tokenizer_fingerprint(tokenizer))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
@@ -46,7 +46,7 @@ def cache_paths(spec: str, fmt: str, field: str, tokenizer: PreTrainedTokenizerB
                 cache_dir: str | None) -> tuple[Path, Path]:
     """(tokens file, document-ends file) for this data and tokenizer; they may not exist yet."""
     directory = cache_dir_of(cache_dir)
-    key = cache_key(spec, fmt, field, tokenizer)
+    key = cache_key(spec, fmt, field, tokenizer, directory)
     return directory / f"{key}.tokens.npy", directory / f"{key}.doc_ends.npy"
 
 

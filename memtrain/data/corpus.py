@@ -12,6 +12,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from memtrain.data.file_memo import remembered_fingerprint
 from memtrain.data.problems import FileProblems
 from memtrain.errors import DataError, Problem
 from memtrain.files import digest_file
@@ -98,16 +99,22 @@ def read_documents(spec: str, fmt: str = "auto", field: str = "text") -> Iterato
         yield from _read_jsonl(spec, path, field)
 
 
-def source_fingerprint(spec: str, fmt: str, field: str) -> str:
-    """sha256 over the file's bytes, its resolved format and the field: changes when any of them does."""
+def source_fingerprint(spec: str, fmt: str, field: str, memo_root: Path | None = None) -> str:
+    """sha256 over the file's bytes, its resolved format and the field: changes when any of them does;
+    hashed once per version of the file when `memo_root` (the token cache) is given (file_memo.py)."""
     path = resolve_path(spec)
-    digest = hashlib.sha256()
-    try:
-        digest_file(digest, path)
-    except OSError as err:
-        raise _unreadable(spec, path, err) from None
-    digest.update(f"\0{resolve_format(spec, fmt)}\0{field}".encode())
-    return digest.hexdigest()
+    suffix = f"\0{resolve_format(spec, fmt)}\0{field}"
+
+    def compute() -> str:
+        digest = hashlib.sha256()
+        try:
+            digest_file(digest, path)
+        except OSError as err:
+            raise _unreadable(spec, path, err) from None
+        digest.update(suffix.encode())
+        return digest.hexdigest()
+
+    return remembered_fingerprint([path], f"corpus{suffix}", compute, memo_root)
 
 
 # ---------------------------------------------------------------- readers

@@ -93,7 +93,7 @@ def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tup
 def noted_datasets(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[tuple[DatasetSpec, Tokenized]]:
     """(spec, its token-cache entry) of each listed conversation dataset (completion, instruction, chat), train's then
     validation's; none when the data is one text path. The entries' notes (counts and first lines) are what the data
-    warnings below say: read once (each read hashes the data file), handed to each of them. Reads the token cache
+    warnings below say: read once, handed to each of them. Reads the token cache
     that building the rows filled (`tokenizer` as for `held_out_records`)."""
     if isinstance(data.train, str):
         return []

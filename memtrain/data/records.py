@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from memtrain.data.corpus import ASSETS, builtin_corpus_names, json_kind, resolve_path
+from memtrain.data.file_memo import remembered_fingerprint
 from memtrain.data.problems import FileProblems
 from memtrain.errors import DataError, Problem
 from memtrain.files import digest_file
@@ -105,19 +106,24 @@ def read_records(spec: str, split: str | None = None, problems: FileProblems | N
         found.raise_if_any()
 
 
-def dataset_fingerprint(spec: str, split: str | None = None) -> str:
-    """sha256 over the bytes of the file (or of every file of a directory, with their names) and the split."""
+def dataset_fingerprint(spec: str, split: str | None = None, memo_root: Path | None = None) -> str:
+    """sha256 over the bytes of the file (or of every file of a directory, with their names) and the split;
+    hashed once per version of the files when `memo_root` (the token cache) is given (file_memo.py)."""
     path = resolve_dataset_path(spec)
-    digest = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    try:
-        for file in files:
-            digest.update(f"\0{file.relative_to(path) if path.is_dir() else ''}\0".encode())
-            digest_file(digest, file)
-    except OSError as err:
-        raise _unreadable(spec, path, err) from None
-    digest.update(f"\0split={split}".encode())
-    return digest.hexdigest()
+
+    def compute() -> str:
+        digest = hashlib.sha256()
+        try:
+            for file in files:
+                digest.update(f"\0{file.relative_to(path) if path.is_dir() else ''}\0".encode())
+                digest_file(digest, file)
+        except OSError as err:
+            raise _unreadable(spec, path, err) from None
+        digest.update(f"\0split={split}".encode())
+        return digest.hexdigest()
+
+    return remembered_fingerprint(files, f"records\0{path}\0split={split}", compute, memo_root)
 
 
 # ---------------------------------------------------------------- readers

@@ -87,7 +87,7 @@ def tokenized_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rul
     when the cache directory cannot be written.
     """
     directory = cache_dir_of(cache_dir)
-    key = _cache_key(spec, tokenizer, rules)
+    key = _cache_key(spec, tokenizer, rules, directory)
     paths = {name: directory / f"{key}.{name}.npy" for name in ("ends", "targets", "tokens")}
     notes = directory / f"{key}.notes.json"
     cached = _load(paths, notes)
@@ -229,10 +229,10 @@ def _collect(spec: DatasetSpec, convert) -> list:
 # ---------------------------------------------------------------- cache
 
 
-def _cache_key(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: SampleRules) -> str:
+def _cache_key(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: SampleRules, directory: Path) -> str:
     options = json.dumps({name: getattr(spec, name) for name in SAMPLE_OPTIONS}, sort_keys=True)
     template = rules.fingerprint() if spec.type != "text" else "text"
-    parts = (TOKENIZED_VERSION, dataset_fingerprint(spec.path, spec.split), options, template,
+    parts = (TOKENIZED_VERSION, dataset_fingerprint(spec.path, spec.split, directory), options, template,
              tokenizer_fingerprint(tokenizer))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
