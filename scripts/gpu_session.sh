@@ -175,7 +175,7 @@ speed19b)  # session 19, issue 23, ~9 min: the 3B offload recipe as shipped (mic
   ;;
 speed19c)  # session 19, issue 23, ~9 min: the 7B LoRA levers not measured with compiled layers, each against HF eager and
   # HF + Liger in one invocation (one HF run each): ZeRO-0 (no per-parameter reduce hooks on the 448 adapter tensors;
-  # scripts/micro_batch_overhead.py times their host cost on the CPU, no table committed), the planner's micro-batch
+  # on the CPU they cost +14 ms per micro-batch, benchmarks/micro_batch_overhead.csv), the planner's micro-batch
   # (8), and checkpointing auto
   cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
   lora="recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2"

@@ -3,25 +3,37 @@ ZeRO stages cost on the host, whatever the GPU. A 32-layer Llama with hidden siz
 seven projections (the 7B LoRA recipe's 448 trainable tensors) runs forward + backward on 16 tokens,
 plainly and under a single-process DeepSpeed engine on the CPU accelerator.
 
+Each engine's micro-batch is timed in --rounds rounds of --repeats calls, the engines taking turns within a round
+(so a busy machine slows them alike); the row is the median round. One row per (checkpointing, engine) in --out
+(default benchmarks/micro_batch_overhead.csv), with the extra milliseconds over plain PEFT, and its Markdown view.
+
     python scripts/micro_batch_overhead.py --stages 0,1,2 --checkpointing none,every_layer
 """
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_run import machine_name, upsert_row  # noqa: E402
 
 from memtrain.model.build import add_lora  # noqa: E402
 from memtrain.model.checkpointing import apply_checkpointing  # noqa: E402
 from memtrain.model.wrapper import TrainableLM  # noqa: E402
 from memtrain.recipe.schema import Checkpointing, Lora, Model, Precision  # noqa: E402
 
+COLUMNS = ["checkpointing", "engine", "ms_per_micro_batch", "extra_ms_over_plain", "rounds_ms", "machine", "date",
+           "command"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -39,8 +51,6 @@ def model(strategy: str) -> TrainableLM:
 
 
 def ms_per_call(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
@@ -51,7 +61,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", default="0,1,2")
     parser.add_argument("--checkpointing", default="none,every_layer")
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=10, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "micro_batch_overhead.csv")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -61,19 +73,21 @@ def main() -> int:
     setup_process("rtx3090", cap_memory=False)  # the process group as a run sets it up (gloo on the CPU)
     torch.set_num_threads(1)
     ids = torch.randint(0, 512, (1, 16))
-    print("checkpointing  engine        ms per micro-batch (forward + backward)")
+    command = (f"python scripts/micro_batch_overhead.py --stages {args.stages} --checkpointing {args.checkpointing} "
+               f"--repeats {args.repeats} --rounds {args.rounds}")
     for strategy in args.checkpointing.split(","):
+        calls = {}
         lm = model(strategy)
 
-        def plain():
+        def plain(lm=lm):
             loss_sum, tokens = lm(input_ids=ids, labels=ids)
             (loss_sum / tokens).backward()
-
-        print(f"{strategy:14s} plain PEFT    {ms_per_call(plain, args.repeats):7.1f}")
+        calls["plain PEFT"] = plain
         for stage in (int(s) for s in args.stages.split(",")):
+            lm = model(strategy)  # a module of its own for each engine
             optimizer = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=1e-4)
             engine, *_ = deepspeed.initialize(model=lm, optimizer=optimizer, config={
-                "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 16,
+                "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 10 ** 6,
                 "zero_allow_untested_optimizer": True,
                 "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}})
 
@@ -81,9 +95,25 @@ def main() -> int:
                 engine.set_gradient_accumulation_boundary(False)
                 loss_sum, tokens = engine(input_ids=ids, labels=ids)
                 engine.backward(loss_sum / tokens, scale_wrt_gas=False)
-
-            print(f"{strategy:14s} ZeRO-{stage}        {ms_per_call(micro_step, args.repeats):7.1f}")
-            lm = model(strategy)  # a fresh module for the next engine
+            calls[f"ZeRO-{stage}"] = micro_step
+        for call in calls.values():  # warm-up
+            for _ in range(3):
+                call()
+        rounds = {name: [] for name in calls}
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                rounds[name].append(ms_per_call(call, args.repeats))
+        plain_ms = statistics.median(rounds["plain PEFT"])
+        for name, times in rounds.items():
+            median = statistics.median(times)
+            print(f"{strategy:14s} {name:12s} {median:7.1f} ms  (+{median - plain_ms:.1f})", flush=True)
+            upsert_row(args.out, {"checkpointing": strategy, "engine": name, "ms_per_micro_batch": f"{median:.1f}",
+                                  "extra_ms_over_plain": f"{median - plain_ms:+.1f}",
+                                  "rounds_ms": " ".join(f"{t:.1f}" for t in times), "machine": machine_name(),
+                                  "date": dt.date.today().isoformat(), "command": command},
+                       COLUMNS, "Host time per micro-batch (forward + backward) of a 32-layer LoRA model with next to "
+                                "no compute: what PEFT, checkpointing and DeepSpeed's ZeRO stages cost",
+                       keys=("checkpointing", "engine", "machine"))
     return 0
 
 
