@@ -14,16 +14,13 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.corpus import read_documents, source_fingerprint
-from memtrain.data.long_text import pieces
+from memtrain.data.long_text import encode_documents
 from memtrain.data.tokenizer import tokenizer_fingerprint
 from memtrain.errors import Problem, UserError
 from memtrain.files import atomic_path
 
 # Bump when the layout or the tokenisation rules below change, so old entries are not reused.
 CACHE_VERSION = "1"
-# Characters handed to the tokenizer per call: large enough for its batch parallelism, small enough for memory.
-BATCH_CHARS = 8 << 20
-BATCH_DOCUMENTS = 4096
 
 
 def default_cache_dir() -> Path:
@@ -75,38 +72,12 @@ def tokenize_documents(spec: str, fmt: str, field: str,
     """Tokenise every document of `spec` in batches: (flat tokens with eos after each, document end offsets).
     A long document goes to the tokenizer in pieces that tokenise as the whole does (long_text.py)."""
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
-    eos = tokenizer.eos_token_id
+    eos = np.asarray([tokenizer.eos_token_id], dtype=dtype)
     chunks: list[np.ndarray] = []
     lengths: list[int] = []
-    batch: list[str] = []
-    ends_document: list[bool] = []  # beside batch: whether the piece is its document's last
-    unfinished = 0  # tokens of the document whose pieces are not all tokenised yet
-    batch_chars = 0
-
-    def flush() -> None:
-        nonlocal unfinished
-        # split_special_tokens: text that spells "<|endoftext|>" must not turn into a real separator.
-        encoded = tokenizer(batch, add_special_tokens=False, split_special_tokens=True, verbose=False)
-        for ids, last in zip(encoded["input_ids"], ends_document):
-            chunks.append(np.asarray(ids + [eos] if last else ids, dtype=dtype))
-            unfinished += len(chunks[-1])
-            if last:
-                lengths.append(unfinished)
-                unfinished = 0
-        batch.clear()
-        ends_document.clear()
-
-    for document in read_documents(spec, fmt, field):
-        parts = pieces(document, tokenizer)
-        for i, part in enumerate(parts):
-            batch.append(part)
-            ends_document.append(i + 1 == len(parts))
-            batch_chars += len(part)
-            if batch_chars >= BATCH_CHARS or len(batch) >= BATCH_DOCUMENTS:
-                flush()
-                batch_chars = 0
-    if batch:
-        flush()
+    for ids in encode_documents(read_documents(spec, fmt, field), tokenizer):
+        chunks += [ids.astype(dtype), eos]
+        lengths.append(len(ids) + 1)
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
     return tokens, np.cumsum(np.asarray(lengths, dtype=np.int64))
 

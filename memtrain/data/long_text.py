@@ -13,13 +13,49 @@ Pieces also let the tokenizer's threads share one long document.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 PIECE_CHARS = 1 << 20
+# Characters handed to the tokenizer per call: large enough for its batch parallelism, small enough for memory.
+BATCH_CHARS = 8 << 20
+BATCH_DOCUMENTS = 4096
 CHECK_CHARS = 200
 CANDIDATES = 32  # cuts tried near each place before the rest goes in one call
 _CUT = re.compile(r"(?<=[^\W\d_])(?= [^\W\d_]|[^\w\s])")  # after a letter: before " letter" or punctuation
+
+
+def encode_documents(documents: Iterable[str], tokenizer: PreTrainedTokenizerBase) -> Iterator[np.ndarray]:
+    """Each document's token ids (uint32, no eos), in order: documents go to the tokenizer in batches of about
+    BATCH_CHARS characters, a long one in pieces."""
+    batch: list[str] = []
+    last_piece: list[bool] = []  # beside batch: whether the piece ends its document
+    done: list[np.ndarray] = []  # the pieces of the document under way
+    chars = 0
+    for document in documents:
+        parts = pieces(document, tokenizer)
+        for i, part in enumerate(parts):
+            batch.append(part)
+            last_piece.append(i + 1 == len(parts))
+            chars += len(part)
+            if chars >= BATCH_CHARS or len(batch) >= BATCH_DOCUMENTS:
+                yield from _encode(batch, last_piece, done, tokenizer)
+                batch, last_piece, chars = [], [], 0
+    if batch:
+        yield from _encode(batch, last_piece, done, tokenizer)
+
+
+def _encode(batch: list[str], last_piece: list[bool], done: list[np.ndarray],
+            tokenizer: PreTrainedTokenizerBase) -> Iterator[np.ndarray]:
+    # split_special_tokens: text that spells "<|endoftext|>" must not turn into a real separator.
+    encoded = tokenizer(batch, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"]
+    for ids, last in zip(encoded, last_piece):
+        done.append(np.asarray(ids, dtype=np.uint32))
+        if last:
+            yield done[0] if len(done) == 1 else np.concatenate(done)
+            done.clear()
 
 
 def pieces(document: str, tokenizer: PreTrainedTokenizerBase) -> list[str]:

@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from memtrain.data.cache import cache_dir_of, save_atomic
 from memtrain.data.conversation import Untrainable, document_text, to_conversation
 from memtrain.data.corpus import read_documents
+from memtrain.data.long_text import encode_documents
 from memtrain.data.problems import FileProblems
 from memtrain.data.records import dataset_fingerprint, read_records, record_format
 from memtrain.data.render import CHAT_ENCODING_VERSION, ConversationEncoder
@@ -152,15 +153,9 @@ def _document_samples(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase) -> 
         documents = list(read_documents(spec.path, "text"))
     else:
         documents = _collect(spec, lambda record, line: document_text(record, spec, spec.path, line))
-    documents = [d for d in documents if d]
-    eos = tokenizer.eos_token_id
-    out = []
-    for start in range(0, len(documents), BATCH_RECORDS):
-        batch = documents[start:start + BATCH_RECORDS]
-        # split_special_tokens: text that spells "<|endoftext|>" must not turn into a real separator.
-        for ids in tokenizer(batch, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"]:
-            out.append(_piece(ids + [eos], [True] * (len(ids) + 1)))
-    return out
+    eos = np.asarray([tokenizer.eos_token_id], dtype=np.uint32)
+    return [(np.concatenate([ids, eos]), np.ones(len(ids) + 1, dtype=np.uint8))
+            for ids in encode_documents((d for d in documents if d), tokenizer)]
 
 
 def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_untrainable: bool = False

@@ -15,6 +15,8 @@ from transformers import PreTrainedTokenizerFast
 from memtrain.data import long_text
 from memtrain.data.cache import tokenize_documents
 from memtrain.data.corpus import ASSETS
+from memtrain.data.tokenized import SampleRules, tokenize_dataset
+from memtrain.recipe.schema import DatasetSpec
 
 PLAYS = gzip.decompress((ASSETS / "corpus/shakespeare/train.txt.gz").read_bytes()).decode()[:200_000]
 # Text without spaces between words, where only punctuation can be cut at.
@@ -81,3 +83,13 @@ def test_documents_of_a_jsonl_file_keep_their_ends_when_some_are_cut(text_tokeni
     expected = [whole(text_tokenizer, d) + [text_tokenizer.eos_token_id] for d in documents]
     assert tokens.tolist() == [t for ids in expected for t in ids]
     assert ends.tolist() == np.cumsum([len(ids) for ids in expected]).tolist()
+
+
+def test_a_text_dataset_of_a_long_txt_file_is_cut_too_and_trains_on_every_token(text_tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setattr(long_text, "PIECE_CHARS", 5_000)
+    path = tmp_path / "plays.txt"
+    path.write_text(PLAYS[:60_000])
+    assert len(long_text.pieces(PLAYS[:60_000], text_tokenizer)) > 1
+    samples = tokenize_dataset(DatasetSpec(path=str(path), type="text"), text_tokenizer, SampleRules(template=None))
+    assert samples.tokens.tolist() == whole(text_tokenizer, PLAYS[:60_000]) + [text_tokenizer.eos_token_id]
+    assert samples.targets.tolist() == [1] * len(samples.tokens) and samples.ends.tolist() == [len(samples.tokens)]
