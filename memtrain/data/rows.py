@@ -47,6 +47,33 @@ class DataStats:
                 f"{self.dropped_too_long} too long and {self.dropped_no_targets} without targets left out")
 
 
+PREFIX_CHUNK = 1 << 22  # elements summed at a time by prefix_sums: a 32 MB int64 temporary
+
+
+def span_sums(values: np.ndarray, begin: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """values[begin[i]:end[i]].sum() for each i (0 <= begin <= end <= len(values)), as int64."""
+    prefix = prefix_sums(values, np.concatenate([begin, end]))
+    return prefix[len(begin):] - prefix[:len(begin)]
+
+
+def prefix_sums(values: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """values[:p].sum() for each p in `points` (0 <= p <= len(values)), as int64, a chunk at a time: a cumulative sum
+    over the whole array (the token cache's target flags, memory-mapped) took 16 bytes per token at every start."""
+    order = np.argsort(points, kind="stable")
+    ordered = points[order]
+    sums = np.zeros(len(points), dtype=np.int64)
+    carry = 0
+    for low in range(0, len(values), PREFIX_CHUNK):
+        high = min(low + PREFIX_CHUNK, len(values))
+        chunk = np.cumsum(values[low:high], dtype=np.int64)
+        first, stop = np.searchsorted(ordered, [low, high], side="right")  # the points in (low, high]
+        sums[first:stop] = carry + chunk[ordered[first:stop] - low - 1]
+        carry += int(chunk[-1])
+    out = np.empty(len(points), dtype=np.int64)
+    out[order] = sums
+    return out
+
+
 @dataclass(frozen=True)
 class SampleViews:
     """Samples as views into tokenised datasets: sample i is sources[source[i]] from start[i], length[i] tokens."""
@@ -64,13 +91,10 @@ class SampleViews:
         """Target tokens of each sample, its first token excluded (see the module doc)."""
         counts = np.zeros(len(self), dtype=np.int64)
         for s, targets in enumerate(self.targets):
-            mine = self.source == s
-            if not mine.any():
-                continue
-            cumulative = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(targets, dtype=np.int64)])
+            mine = np.flatnonzero(self.source == s)
             start, length = self.start[mine], self.length[mine]
             # an empty sample (a record data.skip_untrainable left out) has none; it may start past the last token
-            counts[mine] = cumulative[start + length] - cumulative[start + np.minimum(length, 1)]
+            counts[mine] = span_sums(targets, start + np.minimum(length, 1), start + length)
         return counts
 
     def take(self, indices) -> SampleViews:
