@@ -6,8 +6,11 @@ The tokens file is written last and is the sign that an entry is complete.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +20,12 @@ from memtrain.data.corpus import read_documents, source_fingerprint
 from memtrain.data.long_text import encode_documents
 from memtrain.data.tokenizer import tokenizer_fingerprint
 from memtrain.errors import Problem, UserError
-from memtrain.files import atomic_path
+from memtrain.files import atomic_path, leftovers, write_atomically
 
 # Bump when the layout or the tokenisation rules below change, so old entries are not reused.
 CACHE_VERSION = "1"
+# A killed write's temporary this old is removed by the next write of its entry (np.save keeps a live one fresh).
+STALE_S = 600
 
 
 def default_cache_dir() -> Path:
@@ -90,17 +95,7 @@ def _ensure(spec, fmt, field, tokenizer, cache_dir) -> tuple[Path, Path]:
     if _complete(tokens_path, ends_path):
         return tokens_path, ends_path
     tokens, ends = tokenize_documents(spec, fmt, field, tokenizer)
-    try:
-        tokens_path.parent.mkdir(parents=True, exist_ok=True)
-        # Ends first: a present tokens file then always has its ends file beside it.
-        save_atomic(ends_path, ends)
-        save_atomic(tokens_path, tokens)
-    except OSError as err:
-        raise UserError(Problem(
-            f"cannot write the token cache in {tokens_path.parent}: {err.strerror or err}",
-            key="data.cache_dir",
-            hint="set data.cache_dir (or $MEMTRAIN_CACHE) to a writable directory",
-        )) from None
+    write_entry([(ends_path, ends), (tokens_path, tokens)])  # a present tokens file always has its ends file beside it
     return tokens_path, ends_path
 
 
@@ -114,6 +109,50 @@ def _complete(tokens_path: Path, ends_path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return len(ends) > 0 and int(ends[-1]) == len(tokens)
+
+
+def write_entry(files: list[tuple[Path, np.ndarray | str]]) -> None:
+    """Write a cache entry's files in order, the last one marking the entry complete; each is whole or absent.
+
+    Temporaries that a killed write left beside them (files.leftovers) go first, once older than STALE_S, so a
+    write under way in another process is left alone. When a file cannot be written, the entry's files written so
+    far are removed and a UserError says why: a full disk (with the entry's size), no permission, or else."""
+    directory = files[0][0].parent
+    written: list[Path] = []
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for path, content in files:
+            for stale in leftovers(path):
+                with contextlib.suppress(OSError):
+                    if time.time() - stale.stat().st_mtime > STALE_S:
+                        stale.unlink()
+            if isinstance(content, str):
+                write_atomically(path, content)
+            else:
+                save_atomic(path, content)
+            written.append(path)
+    except (OSError, UserError) as err:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise UserError(_unwritable(directory, err, files)) from None
+
+
+def _unwritable(directory: Path, err: OSError | UserError, files: list[tuple[Path, np.ndarray | str]]) -> Problem:
+    # the OSError itself, or the one behind atomic_path's UserError (raised while handling it)
+    cause = err if isinstance(err, OSError) else next(
+        (e for e in (err.__cause__, err.__context__) if isinstance(e, OSError)), None)
+    entry_mb = sum(c.nbytes if isinstance(c, np.ndarray) else len(c) for _, c in files) / 2**20
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        return Problem(f"cannot write the token cache in {directory}: its filesystem is full (this entry needs "
+                       f"{entry_mb:.0f} MB)", key="data.cache_dir",
+                       hint="free some space there, or set data.cache_dir (or $MEMTRAIN_CACHE) to a filesystem with "
+                            "room; the data is tokenised again on the next start")
+    if isinstance(cause, PermissionError):
+        return Problem(f"cannot write the token cache in {directory}: no permission", key="data.cache_dir",
+                       hint="set data.cache_dir (or $MEMTRAIN_CACHE) to a directory you can write to")
+    reason = (cause.strerror or str(cause)) if isinstance(cause, OSError) else str(err)
+    return Problem(f"cannot write the token cache in {directory}: {reason}", key="data.cache_dir",
+                   hint="set data.cache_dir (or $MEMTRAIN_CACHE) to a writable directory")
 
 
 def save_atomic(path: Path, array: np.ndarray) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from memtrain.data.cache import cache_dir_of, save_atomic
+from memtrain.data.cache import cache_dir_of, write_entry
 from memtrain.data.conversation import Untrainable, document_text, to_conversation
 from memtrain.data.corpus import read_documents
 from memtrain.data.long_text import encode_documents
@@ -27,8 +27,7 @@ from memtrain.data.records import dataset_fingerprint, read_records, record_form
 from memtrain.data.render import CHAT_ENCODING_VERSION, ConversationEncoder
 from memtrain.data.templates import ChatTemplate
 from memtrain.data.tokenizer import tokenizer_fingerprint
-from memtrain.errors import DataError, Problem, UserError
-from memtrain.files import write_atomically
+from memtrain.errors import DataError, Problem
 from memtrain.recipe.schema import DatasetSpec
 
 # Bump when the layout or the rules that make samples change, so old entries are not reused.
@@ -95,18 +94,11 @@ def tokenized_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rul
     if cached is not None:
         return cached
     samples = tokenize_dataset(spec, tokenizer, rules)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if samples.unwritten or samples.trailing or samples.skipped:  # an entry without notes has none of them
-            write_atomically(notes, json.dumps({"unwritten": samples.unwritten, "trailing": samples.trailing,
-                                                "skipped": samples.skipped}))
-        for name in ("ends", "targets", "tokens"):  # tokens last: its presence marks a complete entry
-            save_atomic(paths[name], getattr(samples, name))
-    except OSError as err:
-        raise UserError(Problem(f"cannot write the token cache in {directory}: {err.strerror or err}",
-                                key="data.cache_dir",
-                                hint="set data.cache_dir (or $MEMTRAIN_CACHE) to a writable directory")) from None
-    return _load(paths, notes) or samples
+    noted = samples.unwritten or samples.trailing or samples.skipped  # an entry without notes has none of them
+    write_entry([*([(notes, json.dumps({"unwritten": samples.unwritten, "trailing": samples.trailing,
+                                         "skipped": samples.skipped}))] if noted else []),
+                 *[(paths[name], getattr(samples, name)) for name in ("ends", "targets", "tokens")]])  # tokens last:
+    return _load(paths, notes) or samples  # its presence marks a complete entry
 
 
 def tokenize_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: SampleRules) -> Tokenized:

@@ -265,7 +265,9 @@ class Data(Section):
         "seeded mega-batch of 50 steps, the step groups shuffled) and each micro-batch is cut to its longest row "
         "(rounded up to 8 tokens), so padding is not computed; every row is still seen once per epoch and a "
         "resumed run sees the same batches. null: on when packing is off, off when it is on.")
-    cache_dir: str | None = Field(None, description="Token cache directory (default $MEMTRAIN_CACHE, else ~/.cache/memtrain/tokens).")
+    cache_dir: str | None = Field(None, description="Token cache directory (default $MEMTRAIN_CACHE, else ~/.cache/memtrain/tokens). It keeps an entry "
+                           "per version of the data and tokenizer, about the size of the data, and is never pruned: delete it, or "
+                           "entries in it, to free the space; what a run needs is tokenised again.")
     template: str | None = Field(
         None, description="Chat template for completion, instruction and chat datasets: a shipped one (chatml, "
         "llama-3, alpaca) or null for the tokenizer's own chat_template. A conversation is tokenised as "

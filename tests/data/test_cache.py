@@ -1,8 +1,11 @@
 """The token cache: tokenise once, reuse by content and tokenizer, write atomically."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -141,3 +144,33 @@ def test_unwritable_cache_dir(tokenizer, corpus, tmp_path):
         cached_tokens(corpus, "auto", "text", tokenizer, str(blocker / "cache"))
     [problem] = excinfo.value.problems
     assert problem.key == "data.cache_dir" and "cannot write the token cache" in problem.message
+
+
+def test_a_full_disk_says_so_with_the_entrys_size_and_leaves_no_part_of_the_entry(tokenizer, corpus, tmp_path,
+                                                                                   monkeypatch):
+    real_save = np.save
+
+    def full_at_tokens(handle, array):
+        if array.dtype != np.int64:  # the ends are written first; the tokens after them do not fit
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(handle, array)
+    monkeypatch.setattr(cache.np, "save", full_at_tokens)
+    with pytest.raises(UserError) as excinfo:
+        cached_tokens(corpus, "auto", "text", tokenizer, str(tmp_path / "c"))
+    [problem] = excinfo.value.problems
+    assert problem.key == "data.cache_dir" and "filesystem is full (this entry needs" in problem.message
+    assert problem.hint.startswith("free some space there")
+    assert list((tmp_path / "c").iterdir()) == []  # the ends file written before is gone, and no temporary is left
+
+
+def test_a_killed_writes_old_temporaries_are_removed_by_the_next_write_and_live_ones_kept(tokenizer, corpus,
+                                                                                          tmp_path):
+    tokens_path, ends_path = cache_paths(corpus, "auto", "text", tokenizer, str(tmp_path / "c"))
+    tokens_path.parent.mkdir(parents=True)
+    old, live = (tokens_path.parent / f".{tokens_path.name}.{tag}.tmp" for tag in ("s8cx6h8_", "abcd1234"))
+    for leftover in (old, live):
+        leftover.write_bytes(b"\0" * 1000)
+    os.utime(old, (time.time() - cache.STALE_S - 5,) * 2)  # a kill -9 eleven minutes ago
+    cached_tokens(corpus, "auto", "text", tokenizer, str(tmp_path / "c"))
+    assert not old.exists() and live.exists()
+    assert sorted(p.name for p in tokens_path.parent.iterdir()) == sorted([live.name, tokens_path.name, ends_path.name])
