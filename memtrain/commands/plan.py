@@ -23,6 +23,7 @@ from memtrain.recipe.load import apply_overrides, input_paths, is_relative_path
 from memtrain.recipe.schema import gpu_spec
 from memtrain.recipe.sources import COMMAND_LINE, LoadedRecipe, Sources
 from memtrain.train.allocator import exact_pinned_supported
+from memtrain.train.progress import tokenising_progress
 from memtrain.train.setup import build_data
 from memtrain.units import gib
 
@@ -276,7 +277,7 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
     offer_compile = plan.fits and compile_offered(loaded, plan)
     per_step, data_warnings = None, ()
     if with_data:
-        with loaded.sources.located():
+        with tokenising_progress(), loaded.sources.located():
             data = build_data(loaded.recipe)
         per_step, data_warnings = data_per_step(loaded.recipe, data.train_set, plan.micro_batch), data.warnings
     if as_json:

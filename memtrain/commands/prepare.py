@@ -26,6 +26,7 @@ from memtrain.data.cache import cache_dir_of
 from memtrain.recipe.sources import LoadedRecipe
 from memtrain.train.deepspeed_ops import Built, build, check_buildable, machine_has_gpu, ops_for
 from memtrain.train.op_locks import clear_stale_locks, extensions_root
+from memtrain.train.progress import tokenising_progress
 from memtrain.train.setup import build_data
 
 
@@ -56,7 +57,7 @@ def _prepare(loaded: LoadedRecipe, console: Console) -> tuple[DataPrepared, list
     cache_dir = cache_dir_of(r.data.cache_dir)
     entries_before = _entries(cache_dir)
     started = time.perf_counter()
-    with console.status("tokenising the data into the cache (once per data and tokenizer)"), loaded.sources.located():
+    with tokenising_progress(), loaded.sources.located():  # a bar per file it tokenises
         data = build_data(r)
     for warning in data.warnings:
         console.print(f"[yellow]![/] {warning}", highlight=False, soft_wrap=True)

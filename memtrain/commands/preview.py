@@ -19,6 +19,7 @@ from memtrain.checks.load import load_checked
 from memtrain.data.preview import RowView, row_view
 from memtrain.errors import Problem, UserError
 from memtrain.recipe.schema import Data
+from memtrain.train.progress import tokenising_progress
 from memtrain.train.setup import build_data
 
 SPLITS = ("train", "validation")
@@ -32,7 +33,7 @@ def preview_command(recipe: Path, overrides: list[str], rows: int, start: int, s
         raise UserError(Problem(f"must be train or validation, not {split!r}", key="--split"))
     loaded = load_checked(recipe, overrides)
     data_section = loaded.recipe.data
-    with console.status("reading the data (tokenised once, then from the cache)"), loaded.sources.located():
+    with tokenising_progress(), loaded.sources.located():  # a bar per file it tokenises, once per data
         data = build_data(loaded.recipe)
     for warning in data.warnings:
         Console(stderr=True).print(f"[yellow]![/] {warning}", highlight=False, soft_wrap=True)

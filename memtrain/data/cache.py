@@ -80,7 +80,7 @@ def tokenize_documents(spec: str, fmt: str, field: str,
     eos = np.asarray([tokenizer.eos_token_id], dtype=dtype)
     chunks: list[np.ndarray] = []
     lengths: list[int] = []
-    for ids in encode_documents(read_documents(spec, fmt, field), tokenizer):
+    for ids in encode_documents(read_documents(spec, fmt, field), tokenizer, f"tokenising {Path(spec).name}"):
         chunks += [ids.astype(dtype), eos]
         lengths.append(len(ids) + 1)
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from memtrain.data.progress import report
+
 PIECE_CHARS = 1 << 20
 # Characters handed to the tokenizer per call: large enough for its batch parallelism, small enough for memory.
 BATCH_CHARS = 8 << 20
@@ -27,9 +29,11 @@ CANDIDATES = 32  # cuts tried near each place before the rest goes in one call
 _CUT = re.compile(r"(?<=[^\W\d_])(?= [^\W\d_]|[^\w\s])")  # after a letter: before " letter" or punctuation
 
 
-def encode_documents(documents: Iterable[str], tokenizer: PreTrainedTokenizerBase) -> Iterator[np.ndarray]:
+def encode_documents(documents: Iterable[str], tokenizer: PreTrainedTokenizerBase,
+                     what: str = "tokenising") -> Iterator[np.ndarray]:
     """Each document's token ids (uint32, no eos), in order: documents go to the tokenizer in batches of about
-    BATCH_CHARS characters, a long one in pieces."""
+    BATCH_CHARS characters, a long one in pieces. Reports the pieces done under `what` (data/progress.py)."""
+    encoded = 0
     batch: list[str] = []
     last_piece: list[bool] = []  # beside batch: whether the piece ends its document
     done: list[np.ndarray] = []  # the pieces of the document under way
@@ -42,6 +46,8 @@ def encode_documents(documents: Iterable[str], tokenizer: PreTrainedTokenizerBas
             chars += len(part)
             if chars >= BATCH_CHARS or len(batch) >= BATCH_DOCUMENTS:
                 yield from _encode(batch, last_piece, done, tokenizer)
+                encoded += len(batch)
+                report(what, encoded, 0)  # how many there are is known only at the end
                 batch, last_piece, chars = [], [], 0
     if batch:
         yield from _encode(batch, last_piece, done, tokenizer)

@@ -23,6 +23,7 @@ from memtrain.data.conversation import Untrainable, document_text, to_conversati
 from memtrain.data.corpus import read_documents
 from memtrain.data.long_text import encode_documents
 from memtrain.data.problems import FileProblems
+from memtrain.data.progress import report
 from memtrain.data.records import dataset_fingerprint, read_records, record_format
 from memtrain.data.render import CHAT_ENCODING_VERSION, ConversationEncoder
 from memtrain.data.templates import ChatTemplate
@@ -147,7 +148,7 @@ def _document_samples(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase) -> 
         documents = _collect(spec, lambda record, line: document_text(record, spec, spec.path, line))
     eos = np.asarray([tokenizer.eos_token_id], dtype=np.uint32)
     return [(np.concatenate([ids, eos]), np.ones(len(ids) + 1, dtype=np.uint8))
-            for ids in encode_documents((d for d in documents if d), tokenizer)]
+            for ids in encode_documents((d for d in documents if d), tokenizer, f"tokenising {Path(spec.path).name}")]
 
 
 def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_untrainable: bool = False
@@ -169,7 +170,9 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
     trailing: list[int] = []
     skipped: list[int] = []
     problems = FileProblems(spec.path)
+    what = f"tokenising {Path(spec.path).name}"
     for start in range(0, len(located), BATCH_RECORDS):
+        report(what, start, len(located))
         batch = located[start:start + BATCH_RECORDS]
         kept = [(line, messages) for line, messages in batch if messages is not None]
         results = iter(encoder.encode_many([messages for _, messages in kept]))
@@ -188,6 +191,7 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
                 _count(unwritten.setdefault(role, []), line)
             if messages[-1]["role"] != "assistant":
                 _count(trailing, line)
+    report(what, len(located), len(located))
     problems.raise_if_any()
     return out, unwritten, trailing, skipped
 

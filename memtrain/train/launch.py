@@ -35,6 +35,7 @@ from memtrain.train.hooks import Hooks
 from memtrain.train.loop import train
 from memtrain.train.nodes import Rendezvous
 from memtrain.train.preflight import check_dtype, check_memory
+from memtrain.train.progress import tokenising_progress
 from memtrain.train.restart_note import read_note
 from memtrain.train.result import EXIT_RESTART, RunResult
 from memtrain.train.run import ResolvedRun, RunOptions, resolve_run
@@ -66,7 +67,7 @@ def prepare(loaded: LoadedRecipe, hooks: Hooks, clock: StartupClock | None = Non
     if hooks.oom.layers:  # @layerK points must name layers the model has, before a run directory exists
         hooks.oom.check_layers(count_parameters(r.model).num_layers)
     clock.mark("checks")
-    with loaded.sources.located():
+    with tokenising_progress(), loaded.sources.located():
         data = build_data(r)
     fingerprint = data_fingerprint(r.data, data.train_set, data.val_set)  # the cache keys and row layout: no re-read
     clock.mark("data")

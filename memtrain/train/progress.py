@@ -1,12 +1,52 @@
 """The run's progress bar: step, loss, tokens/s, GPU memory — refreshed from flushed metrics only,
-so drawing it never forces a host-device sync."""
+so drawing it never forces a host-device sync. And the data's first tokenisation, while it lasts."""
 from __future__ import annotations
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+import contextlib
+from collections.abc import Iterator
 
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.progress import Progress as RichProgress
+
+from memtrain.data.progress import listening
 from memtrain.monitor.perplexity import perplexity_text
 from memtrain.units import gib
+
+
+@contextlib.contextmanager
+def tokenising_progress(console: Console | None = None) -> Iterator[None]:
+    """A bar per data file while the data layer tokenises it (data/progress.py): records done of all, or pieces
+    done when their number is not known yet. Drawn only on a terminal, removed when done; nothing when the data
+    comes from the token cache."""
+    console = console or Console(stderr=True)
+    bar: RichProgress | None = None
+    tasks: dict[str, int] = {}
+
+    def show(what: str, done: int, total: int) -> None:
+        nonlocal bar
+        if not console.is_terminal:
+            return
+        if bar is None:
+            bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                               TextColumn("eta"), TimeRemainingColumn(), console=console, transient=True)
+            bar.start()
+        if what not in tasks:
+            tasks[what] = bar.add_task(what, total=total or None)
+        bar.update(tasks[what], completed=done, total=total or None)
+
+    try:
+        with listening(show):
+            yield
+    finally:
+        if bar is not None:
+            bar.stop()
 
 
 class Progress:
