@@ -22,6 +22,7 @@ from memtrain.data.cache import cache_dir_of, write_entry
 from memtrain.data.conversation import Untrainable, document_text, to_conversation
 from memtrain.data.corpus import read_documents
 from memtrain.data.long_text import encode_documents
+from memtrain.data.parallel import map_batches
 from memtrain.data.problems import FileProblems
 from memtrain.data.progress import report
 from memtrain.data.records import dataset_fingerprint, read_records, record_format
@@ -171,11 +172,12 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
     skipped: list[int] = []
     problems = FileProblems(spec.path)
     what = f"tokenising {Path(spec.path).name}"
-    for start in range(0, len(located), BATCH_RECORDS):
-        report(what, start, len(located))
-        batch = located[start:start + BATCH_RECORDS]
-        kept = [(line, messages) for line, messages in batch if messages is not None]
-        results = iter(encoder.encode_many([messages for _, messages in kept]))
+    batches = [located[start:start + BATCH_RECORDS] for start in range(0, len(located), BATCH_RECORDS)]
+    kept = [[messages for _, messages in batch if messages is not None] for batch in batches]
+    report(what, 0, len(located))
+    for done, (batch, encoded) in enumerate(zip(batches, map_batches(encoder.encode_many, kept))):
+        report(what, done * BATCH_RECORDS, len(located))
+        results = iter(encoded)
         for line, messages in batch:
             if messages is None:  # an empty sample: sample i stays record i (mixture.held_out_records)
                 out.append(_piece([], []))
