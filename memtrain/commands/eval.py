@@ -11,6 +11,7 @@ from rich.table import Table
 from memtrain.errors import Problem, UserError
 from memtrain.monitor.perplexity import perplexity_text
 from memtrain.train.eval_run import RunEvaluation, evaluate_run
+from memtrain.train.progress import bars
 
 
 def eval_command(run_dir: Path, as_json: bool, samples: int, limit: int | None, console: Console) -> int:
@@ -20,7 +21,9 @@ def eval_command(run_dir: Path, as_json: bool, samples: int, limit: int | None, 
     if limit is not None and limit < 1:
         raise UserError(Problem(f"--limit must be 1 or more, got {limit}",
                                 hint="leave it out to answer every held-out conversation"))
-    result = evaluate_run(Path(run_dir), limit=limit, keep_samples=samples)
+    with bars() as show:  # minutes on a CPU for a few thousand held-out questions: say how far it got
+        result = evaluate_run(Path(run_dir), limit=limit, keep_samples=samples,
+                              on_answers=lambda done, total: show("answering held-out questions", done, total))
     if as_json:
         console.out(json.dumps(result.as_json(), indent=2), highlight=False)
     else:

@@ -11,6 +11,7 @@ result then has a loss and a note saying why there is no exact match.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,8 +68,10 @@ class RunEvaluation:
 
 
 def evaluate_run(run_dir: Path, *, limit: int | None = None, keep_samples: int = SAMPLES_KEPT,
-                 device: torch.device | None = None) -> RunEvaluation:
+                 device: torch.device | None = None,
+                 on_answers: Callable[[int, int], None] | None = None) -> RunEvaluation:
     """Score RUN_DIR's final model (module doc). `limit`: held-out conversations to generate for (None: all).
+    on_answers(answered, all): after each batch of greedy answers, for a progress bar.
 
     Raises UserError for a missing run directory, a run without a final model, an unreadable recipe, or a
     LoRA run whose base weights cannot be found.
@@ -90,7 +93,7 @@ def evaluate_run(run_dir: Path, *, limit: int | None = None, keep_samples: int =
         return RunEvaluation(run_dir, loss, samples, targets, None, TEXT_ONLY_NOTE)
     prompts, skipped = held_out_prompts(recipe.data, tokenizer, limit=limit)
     score = generation_eval(model, tokenizer, prompts, stop_token_ids(recipe.data.template, tokenizer),
-                            skipped=skipped, keep_samples=keep_samples)
+                            skipped=skipped, keep_samples=keep_samples, on_batch=on_answers)
     return RunEvaluation(run_dir, loss, samples, targets, score)
 
 

@@ -19,6 +19,7 @@ model is put back in the mode it was in, so a run with the evaluation trains exa
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -80,11 +81,12 @@ def stop_token_ids(template_name: str | None, tokenizer: PreTrainedTokenizerBase
 
 
 def greedy_generate(model: torch.nn.Module, prompts: list[list[int]], stop_ids: list[int], pad_id: int,
-                    max_new_tokens: int, batch_size: int = BATCH_SIZE) -> list[list[int]]:
+                    max_new_tokens: int, batch_size: int = BATCH_SIZE,
+                    on_batch: Callable[[int, int], None] | None = None) -> list[list[int]]:
     """The tokens the model writes after each prompt, greedily, up to (not including) the first stop token.
 
     Prompts are left-padded into batches of `batch_size` (the attention mask hides the padding). The caller
-    sets the model's mode (eval) and the no-grad context.
+    sets the model's mode (eval) and the no-grad context. on_batch(prompts answered, all): after each batch.
     """
     device = next(model.parameters()).device
     config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
@@ -103,13 +105,16 @@ def greedy_generate(model: torch.nn.Module, prompts: list[list[int]], stop_ids: 
         for row in generated[:, width:].tolist():
             cut = next((i for i, token in enumerate(row) if token in stop_ids), len(row))
             out.append(row[:cut])
+        if on_batch is not None:
+            on_batch(len(out), len(prompts))
     return out
 
 
 def generation_eval(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[HeldOutPrompt],
                     stop_ids: list[int], *, skipped: int = 0, keep_samples: int = SAMPLES_KEPT,
-                    batch_size: int = BATCH_SIZE) -> GenerationScore:
-    """Exact match of the model's greedy answers to `prompts`.
+                    batch_size: int = BATCH_SIZE, on_batch: Callable[[int, int], None] | None = None
+                    ) -> GenerationScore:
+    """Exact match of the model's greedy answers to `prompts` (on_batch: as greedy_generate's).
 
     Leaves the model in the mode it found it in and every RNG (CPU and CUDA) in the state it found it in.
     """
@@ -123,7 +128,7 @@ def generation_eval(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
             model.eval()
             answers = greedy_generate(model, [p.prompt_ids for p in prompts], stop_ids, tokenizer.pad_token_id,
-                                      longest + MAX_NEW_TOKENS_MARGIN, batch_size)
+                                      longest + MAX_NEW_TOKENS_MARGIN, batch_size, on_batch)
     finally:
         model.train(was_training)
     texts = tokenizer.batch_decode(answers, skip_special_tokens=False)

@@ -3,7 +3,7 @@ so drawing it never forces a host-device sync. And the data's first tokenisation
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import (
@@ -21,10 +21,9 @@ from memtrain.units import gib
 
 
 @contextlib.contextmanager
-def tokenising_progress(console: Console | None = None) -> Iterator[None]:
-    """A bar per data file while the data layer tokenises it (data/progress.py): records done of all, or pieces
-    done when their number is not known yet. Drawn only on a terminal, removed when done; nothing when the data
-    comes from the token cache."""
+def bars(console: Console | None = None) -> Iterator[Callable[[str, int, int], None]]:
+    """show(what, done, total): a bar per `what` (total 0: not known yet, a count without a bar), drawn only on a
+    terminal and removed when the block ends; nothing is drawn until the first call."""
     console = console or Console(stderr=True)
     bar: RichProgress | None = None
     tasks: dict[str, int] = {}
@@ -42,11 +41,18 @@ def tokenising_progress(console: Console | None = None) -> Iterator[None]:
         bar.update(tasks[what], completed=done, total=total or None)
 
     try:
-        with listening(show):
-            yield
+        yield show
     finally:
         if bar is not None:
             bar.stop()
+
+
+@contextlib.contextmanager
+def tokenising_progress(console: Console | None = None) -> Iterator[None]:
+    """A bar per data file while the data layer tokenises it (data/progress.py): records done of all, or pieces
+    done when their number is not known yet; nothing when the data comes from the token cache."""
+    with bars(console) as show, listening(show):
+        yield
 
 
 class Progress:

@@ -85,6 +85,10 @@ def test_batched_generation_with_left_padding_equals_one_by_one(tokenizer, model
     batched = greedy_generate(model, prompts, [-1], tokenizer.pad_token_id, 6, batch_size=4)
     alone = [greedy_generate(model, [p], [-1], tokenizer.pad_token_id, 6)[0] for p in prompts]
     assert batched == alone
+    answered = []  # the progress a command draws (memtrain eval): after each batch, how many of all
+    assert greedy_generate(model, prompts, [-1], tokenizer.pad_token_id, 6, batch_size=3,
+                           on_batch=lambda done, total: answered.append((done, total))) == batched
+    assert answered == [(3, 4), (4, 4)]
 
 
 def test_scores_count_exact_matches_and_keep_the_first_samples(tokenizer, model, monkeypatch):
