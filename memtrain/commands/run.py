@@ -8,15 +8,16 @@ from pathlib import Path
 from rich.console import Console
 
 from memtrain.checks.load import load_checked
-from memtrain.monitor.startup import StartupClock
+from memtrain.data.identity import data_files
 from memtrain.errors import Problem, UserError
+from memtrain.monitor.startup import StartupClock
 from memtrain.train.hooks import Hooks
 from memtrain.train.hostfile import (NodeCommand, check_remote_shell, local_command, read_hostfile, remote_command,
                                      run_nodes)
 from memtrain.train.launch import launch, prepare
 from memtrain.train.nodes import DEFAULT_MASTER_PORT, NodeFlags, node_count, rendezvous_for, run_digest
-from memtrain.train.resume import ResumePlan, check_resume
 from memtrain.train.result import RunResult
+from memtrain.train.resume import ResumePlan, check_resume, refuse_changed_files
 from memtrain.train.run import ResolvedRun, RunOptions
 from memtrain.train.rundir import FINAL_DIR, RunDirLock, claim_run_dir
 from memtrain.train.signals import exit_code, not_saved_line, signum_of, stop_on_signals
@@ -46,7 +47,11 @@ def _run(recipe: Path, overrides: list[str], options: RunOptions, console: Conso
     clock.mark("load_recipe")
     rendezvous = rendezvous_for(loaded.recipe.hardware.nodes, nodes, os.environ)  # before the slow part
     hooks = Hooks.from_env()  # test hooks: the environment is read here, once
-    prepared = prepare(loaded, hooks, clock)
+    with loaded.sources.located():
+        files = data_files(loaded.recipe.data)
+    if rendezvous.is_first:  # a changed data file: said now, not after it is tokenised again
+        refuse_changed_files(loaded.output_dir, options, loaded.recipe, files)
+    prepared = prepare(loaded, hooks, clock, files)
     if rendezvous.nodes > 1:
         console.print(f"[dim]·[/] {rendezvous.describe()}, joining within {rendezvous.join_timeout_s} s; "
                       f"run {run_digest(prepared.run)} (every node must show the same)", highlight=False)

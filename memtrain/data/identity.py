@@ -18,12 +18,26 @@ import os
 
 import numpy as np
 
+from memtrain.data.cache import cache_dir_of
+from memtrain.data.corpus import source_fingerprint
 from memtrain.data.dataset import TokenWindows
+from memtrain.data.records import dataset_fingerprint
 from memtrain.data.rows import SampleRows
 from memtrain.recipe.schema import Data
 
 TRAIN_KEY = "data.train"
 VALIDATION_KEY = "data.validation"
+
+
+def data_files(data: Data) -> dict[str, list[str]]:
+    """{recipe key: the fingerprint of each file it names}, without building anything: what a resume compares
+    before the data is tokenised again (each fingerprint is remembered per version of its file: file_memo.py)."""
+    memo = cache_dir_of(data.cache_dir)
+    if isinstance(data.train, str):
+        return {key: [source_fingerprint(path, data.format, data.field, memo)]
+                for key, path in ((TRAIN_KEY, data.train), (VALIDATION_KEY, data.validation)) if path is not None}
+    return {key: [dataset_fingerprint(spec.path, spec.split, memo) for spec in specs]
+            for key, specs in ((TRAIN_KEY, data.train), (VALIDATION_KEY, data.validation)) if specs is not None}
 
 
 def data_fingerprint(data: Data, train_set, val_set) -> dict[str, str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from memtrain.data.identity import data_fingerprint
+from memtrain.data.identity import data_files, data_fingerprint
 from memtrain.errors import Problem, UserError
 from memtrain.model.architecture import check_attention_kernel
 from memtrain.model.config import model_architecture
@@ -54,8 +54,10 @@ class Prepared:
     clock: StartupClock | None = None  # the start-up phases so far (the command's); setup and the loop go on
 
 
-def prepare(loaded: LoadedRecipe, hooks: Hooks, clock: StartupClock | None = None) -> Prepared:
-    """Check what can be checked before anything is built or written, then resolve the run."""
+def prepare(loaded: LoadedRecipe, hooks: Hooks, clock: StartupClock | None = None,
+            files: dict[str, list[str]] | None = None) -> Prepared:
+    """Check what can be checked before anything is built or written, then resolve the run.
+    files: the data files' fingerprints (memtrain.data.identity.data_files), when the caller has them already."""
     r = loaded.recipe
     clock = clock or StartupClock()
     check_dtype(loaded)
@@ -68,6 +70,7 @@ def prepare(loaded: LoadedRecipe, hooks: Hooks, clock: StartupClock | None = Non
         hooks.oom.check_layers(count_parameters(r.model).num_layers)
     clock.mark("checks")
     with tokenising_progress(), loaded.sources.located():
+        files = files if files is not None else data_files(r.data)
         data = build_data(r)
     fingerprint = data_fingerprint(r.data, data.train_set, data.val_set)  # the cache keys and row layout: no re-read
     clock.mark("data")
@@ -75,7 +78,7 @@ def prepare(loaded: LoadedRecipe, hooks: Hooks, clock: StartupClock | None = Non
     warnings = [*data.warnings, *check_memory(loaded, exact_pinned)]  # the data's own (render.py), then memory
     with loaded.sources.located():
         run = resolve_run(r, loaded.name, loaded.output_dir, len(data.train_set), exact_pinned,
-                          data_fingerprint=fingerprint)
+                          data_fingerprint=fingerprint, data_files=files)
     clock.mark("plan")
     if r.batch.micro_batch == "auto":  # the default: the size is the planner's, for the recipe's card
         steps = run.per_rank_batch // run.micro_batch

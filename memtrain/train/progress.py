@@ -6,14 +6,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-from rich.progress import Progress as RichProgress
+from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from memtrain.data.progress import listening
 from memtrain.monitor.perplexity import perplexity_text

@@ -165,12 +165,40 @@ def check_resume(run: ResolvedRun, options: RunOptions) -> ResumePlan | None:
         problems.append(Problem(f"the checkpoint is at step {step}, past this recipe's {run.total_steps} steps",
                                 key="train.steps"))
     if problems:
-        problems.append(Problem(
-            f"cannot resume {checkpoint} exactly with this recipe",
-            hint="undo the change to resume, or start a new run: in another directory (train.output_dir=runs/NEW) "
-                 "or over this one (--no-resume --overwrite moves the old run aside)"))
-        raise UserError(problems)
+        raise UserError([*problems, _cannot_resume(checkpoint)])
     return ResumePlan(checkpoint, step, tuple(safe), notes)
+
+
+def refuse_changed_files(run_dir: Path, options: RunOptions, recipe: Recipe, files: dict[str, list[str]]) -> None:
+    """Before the data is built: refuse to resume when a file the data names holds other bytes than when the run
+    recorded it (run.json's data_files), so that is said at once, not after the file is tokenised again (minutes
+    for a large one). check_resume still compares the data as built (the tokenizer, the template, memtrain's own
+    tokenising) once it is. Nothing to compare: no checkpoint, not resuming, or a run.json without data_files."""
+    checkpoint = latest_checkpoint(run_dir) if options.resume and not options.overwrite else None
+    if checkpoint is None:
+        return
+    try:
+        recorded = json.loads((run_dir / RUN_FILE).read_text()).get("data_files")
+    except (OSError, ValueError, AttributeError):
+        return
+    if not isinstance(recorded, dict):
+        return
+    changed = [key for key in sorted(set(recorded) | set(files)) if recorded.get(key) != files.get(key)]
+    if changed:
+        raise UserError([*(_changed_files_problem(key, recipe) for key in changed), _cannot_resume(checkpoint)])
+
+
+def _changed_files_problem(key: str, recipe: Recipe) -> Problem:
+    named = recipe.data.train if key == TRAIN_KEY else recipe.data.validation
+    files = ", ".join([named] if isinstance(named, str) else [spec.path for spec in named or []]) or key
+    return Problem(f"changed since the checkpoint: {files} no longer holds the bytes the checkpoint was trained on",
+                   key=key, hint="put back the data files the run was trained on to resume it")
+
+
+def _cannot_resume(checkpoint: Path) -> Problem:
+    return Problem(f"cannot resume {checkpoint} exactly with this recipe",
+                   hint="undo the change to resume, or start a new run: in another directory (train.output_dir=runs/NEW) "
+                        "or over this one (--no-resume --overwrite moves the old run aside)")
 
 
 def recipe_json(recipe: Recipe) -> dict:

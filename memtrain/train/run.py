@@ -72,6 +72,9 @@ class ResolvedRun:
     # The data as built, {recipe key: digest} (memtrain.data.identity): what a resume compares, as it compares the
     # recipe. None: not recorded (a run.json from before memtrain recorded it).
     data_fingerprint: dict[str, str] | None = None
+    # The fingerprint of each file each data key names (memtrain.data.identity.data_files): a changed file is refused
+    # before the data is tokenised again. None: not recorded (a run.json from before memtrain recorded it).
+    data_files: dict[str, list[str]] | None = None
 
     @property
     def per_rank_batch(self) -> int:
@@ -140,12 +143,14 @@ def resolve_micro_batch_of(recipe: Recipe, exact_pinned: bool) -> int:
 
 
 def resolve_run(recipe: Recipe, name: str, run_dir: Path, n_train_samples: int, exact_pinned: bool,
-                kernels: KernelSupport | None = None, data_fingerprint: dict[str, str] | None = None) -> ResolvedRun:
+                kernels: KernelSupport | None = None, data_fingerprint: dict[str, str] | None = None,
+                data_files: dict[str, list[str]] | None = None) -> ResolvedRun:
     """Resolve a validated recipe for this machine: kernels, micro-batch, recomputed layers, steps, the plan's figures.
 
     kernels: what this machine offers Liger's kernels and compilation (default: asked of this machine). Compiled
     layers, then the kernels (which depend on them) are resolved first, so the planner prices the loss and layers
-    the run will build. data_fingerprint: the built data's digests (memtrain.data.identity), kept in run.json.
+    the run will build. data_fingerprint, data_files: the built data's digests and its files' fingerprints
+    (memtrain.data.identity), kept in run.json.
     """
     support = kernels or KernelSupport.current()
     recipe = with_compile(recipe, resolve_compile(recipe, support.cuda))
@@ -157,7 +162,8 @@ def resolve_run(recipe: Recipe, name: str, run_dir: Path, n_train_samples: int, 
     return ResolvedRun(name=name, recipe=resolved, run_dir=run_dir, recipe_micro_batch=recipe_micro_batch,
                        micro_batch=micro_batch, total_steps=total_steps(recipe, n_train_samples),
                        exact_pinned=exact_pinned, plan_peak_reserved_bytes=_planned_peak(resolved, exact_pinned),
-                       planner_prior=_planner_prior(resolved, exact_pinned), data_fingerprint=data_fingerprint)
+                       planner_prior=_planner_prior(resolved, exact_pinned), data_fingerprint=data_fingerprint,
+                       data_files=data_files)
 
 
 def with_compile(recipe: Recipe, compiled: bool) -> Recipe:

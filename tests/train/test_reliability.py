@@ -119,20 +119,22 @@ def test_resume_refuses_data_whose_contents_changed_and_continues_once_it_is_put
     data.write_text(conversations(40))
     recipe = write_recipe("data", {
         "data": {"train": [{"path": str(data), "type": "chat"}], "validation": None, "template": "chatml",
-                 "add_special_tokens": True, "packing": False, "seq_len": 64},
+                 "add_special_tokens": True, "packing": False, "seq_len": 64, "cache_dir": str(tmp_path / "tokens")},
         "batch": {"global_batch": 4, "micro_batch": 4},
         "train": {"steps": 6, "save_every": 2, "eval_every": 100, "eval_generate": 2}})
     assert run(recipe, max_steps=2)[0] == 0
     run_dir = run_dir_of(recipe)
+    entries = sorted((tmp_path / "tokens").glob("*.tokens.npy"))
 
     data.write_text(conversations(40, answer_of_first="3"))  # one record's answer edited, as many records
     refused = cli(recipe)
     assert refused.exit_code == 2, refused.output
     output = " ".join(refused.output.split())  # as one line, however the console wrapped it
-    assert "data.train: changed since the checkpoint: the samples built from" in output
-    assert "a file's contents changed" in output and "--no-resume --overwrite" in output
+    assert f"data.train: changed since the checkpoint: {data} no longer holds the bytes the checkpoint" in output
+    assert "put back the data files" in output and "--no-resume --overwrite" in output
     assert "Traceback" not in output
     assert train_steps(run_dir) == [1, 2]  # nothing ran
+    assert sorted((tmp_path / "tokens").glob("*.tokens.npy")) == entries  # refused before tokenising it again (audit 20 F7)
 
     data.write_text(conversations(40))  # put back: resumes, and a new eval_generate is applied (finding 4)
     code, said = run(recipe, "train.eval_generate=0", max_steps=2)  # two more steps: to step 4

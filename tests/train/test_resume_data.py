@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from memtrain.data.identity import data_fingerprint
+from memtrain.data.identity import data_files, data_fingerprint
 from memtrain.errors import UserError
 from memtrain.recipe.schema import Recipe
 from memtrain.train.checkpoint import STATE_FILE, checkpoint_root
-from memtrain.train.resume import UNCOMPARED_DATA_NOTE, check_resume, differences, recipe_json
+from memtrain.train.resume import (UNCOMPARED_DATA_NOTE, check_resume, differences, recipe_json,
+                                   refuse_changed_files)
 from memtrain.train.run import RUN_FILE, ResolvedRun, RunOptions
 from memtrain.train.setup import build_data
 
@@ -42,8 +43,8 @@ def resolved(recipe: Recipe) -> ResolvedRun:
     data = build_data(recipe)
     return ResolvedRun(name="run", recipe=recipe, run_dir=Path(recipe.train.output_dir), recipe_micro_batch=4,
                        micro_batch=4, total_steps=recipe.train.steps, exact_pinned=True, plan_peak_reserved_bytes=None,
-                       planner_prior=None,
-                       data_fingerprint=data_fingerprint(recipe.data, data.train_set, data.val_set))
+                       planner_prior=None, data_fingerprint=data_fingerprint(recipe.data, data.train_set, data.val_set),
+                       data_files=data_files(recipe.data))
 
 
 def trained(run: ResolvedRun, step: int = 3) -> None:
@@ -134,3 +135,21 @@ def test_the_text_path_fingerprints_its_windows_and_a_changed_text_file_differs(
     assert resolved(recipe).data_fingerprint == before
     text.write_text("To be, or not to be, that is the question!\n" * 40)
     assert resolved(recipe).data_fingerprint != before
+
+
+def test_a_changed_file_is_refused_before_the_data_is_built_and_an_unchanged_one_passes(tmp_path):
+    run = resolved(chat_recipe(tmp_path, validation=True))
+    trained(run)
+    recipe = chat_recipe(tmp_path, validation=True)
+    refuse_changed_files(run.run_dir, RunOptions(), recipe, data_files(recipe.data))  # nothing changed: no word
+    (tmp_path / "val.jsonl").write_text(conversations(6).replace("plus", "and"))
+    with pytest.raises(UserError) as refused:
+        refuse_changed_files(run.run_dir, RunOptions(), recipe, data_files(recipe.data))
+    [changed, closing] = refused.value.problems
+    assert changed.key == "data.validation" and str(tmp_path / "val.jsonl") in changed.message
+    assert "cannot resume" in closing.message
+    refuse_changed_files(run.run_dir, RunOptions(resume=False), recipe, data_files(recipe.data))  # a new run
+    recorded = json.loads((run.run_dir / RUN_FILE).read_text())
+    del recorded["data_files"]  # run.json as memtrain wrote it before session 20: check_resume compares it later
+    (run.run_dir / RUN_FILE).write_text(json.dumps(recorded))
+    refuse_changed_files(run.run_dir, RunOptions(), recipe, data_files(recipe.data))
