@@ -1,10 +1,14 @@
-"""First tokenisation of a large plain-text file: wall time and peak memory of filling the token cache.
+"""First tokenisation of a large data file: wall time and peak memory of filling the token cache.
 
-A .txt file is one document. Each case tokenises a generated file (the bundled plays, repeated to --mb MB) into an
-empty token cache in a fresh process, with the memtrain found at --code (default: this checkout; another checkout
-or worktree gives the before of a change), and writes one row to benchmarks/tokenize.csv with its Markdown view.
+--kind text: a .txt file (one document), the bundled plays repeated to --mb MB. --kind chat: a JSONL file of the
+bundled chat conversations repeated to --mb MB, built as `type: chat` with the chatml template (seq_len 512). Each
+case tokenises into an empty token cache in a fresh process, with the memtrain found at --code (default: this
+checkout; another checkout or worktree gives the before of a change), and writes one row to benchmarks/tokenize.csv
+with its Markdown view. peak_rss_gib is the largest of the processes' peaks (Linux's RUSAGE_CHILDREN), so with
+worker processes it is one process's, not their sum.
 
     python scripts/bench_tokenize.py --mb 100 --label "session 20"
+    python scripts/bench_tokenize.py --kind chat --mb 40 --label "session 20"
 """
 from __future__ import annotations
 
@@ -29,12 +33,19 @@ COLUMNS = ["case", "file_mb", "tokens", "seconds", "peak_rss_gib", "code", "mach
 CHILD = """
 import json, sys, time
 from memtrain.data.cache import cached_tokens
+from memtrain.data.dataset import build_datasets
 from memtrain.data.tokenizer import load_tokenizer
-from memtrain.recipe.schema import Model
-tokenizer = load_tokenizer(Model(preset="tiny", tokenizer="builtin:shakespeare"))
+from memtrain.recipe.schema import Data, Model
+path, cache, kind = sys.argv[1:]
+tokenizer = load_tokenizer(Model(preset="tiny", tokenizer="builtin:shakespeare" + ("-chat" if kind == "chat" else "")))
 started = time.perf_counter()
-tokens = cached_tokens(sys.argv[1], "auto", "text", tokenizer, sys.argv[2])
-print(json.dumps({"tokens": len(tokens), "seconds": time.perf_counter() - started}))
+if kind == "text":
+    tokens = len(cached_tokens(path, "auto", "text", tokenizer, cache))
+else:
+    data = Data(train=[{"path": path, "type": "chat"}], template="chatml", seq_len=512, cache_dir=cache)
+    train, validation = build_datasets(data, tokenizer, seed=0)
+    tokens = train.stats.tokens + validation.stats.tokens
+print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - started}))
 """
 
 
@@ -50,6 +61,18 @@ def make_text(path: Path, megabytes: int) -> Path:
     return path
 
 
+def make_chat(path: Path, megabytes: int) -> Path:
+    """`megabytes` MB of the bundled chat conversations (JSONL), repeated."""
+    if path.exists() and path.stat().st_size >= megabytes << 20:
+        return path
+    block = (ROOT / "memtrain/assets/chat/train.jsonl").read_bytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as handle:
+        for _ in range(-(-(megabytes << 20) // len(block))):
+            handle.write(block)
+    return path
+
+
 def commit_of(code: Path) -> str:
     done = subprocess.run(["git", "-C", str(code), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return done.stdout.strip() or str(code)
@@ -57,17 +80,19 @@ def commit_of(code: Path) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kind", choices=("text", "chat"), default="text")
     parser.add_argument("--mb", type=int, default=100)
     parser.add_argument("--code", type=Path, default=ROOT, help="checkout whose memtrain tokenises")
     parser.add_argument("--label", default="")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-tokenize"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "tokenize.csv")
     args = parser.parse_args()
-    text = make_text(args.runs / f"plays-{args.mb}mb.txt", args.mb)
+    text = make_text(args.runs / f"plays-{args.mb}mb.txt", args.mb) if args.kind == "text" else \
+        make_chat(args.runs / f"chat-{args.mb}mb.jsonl", args.mb)
     cache = Path(tempfile.mkdtemp(dir=args.runs, prefix="tokens-"))
     env = {**os.environ, "PYTHONPATH": str(args.code.resolve())}
     try:
-        done = subprocess.run([sys.executable, "-c", CHILD, str(text), str(cache)], env=env, cwd=args.code,
+        done = subprocess.run([sys.executable, "-c", CHILD, str(text), str(cache), args.kind], env=env, cwd=args.code,
                               capture_output=True, text=True)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
@@ -77,9 +102,10 @@ def main() -> int:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1024**3  # Linux: KiB
     code = commit_of(args.code)
-    command = f"python scripts/bench_tokenize.py --mb {args.mb}" + (f" --code {args.code}" if args.code != ROOT else "") \
+    command = f"python scripts/bench_tokenize.py" + (" --kind chat" if args.kind == "chat" else "") + f" --mb {args.mb}" + (f" --code {args.code}" if args.code != ROOT else "") \
         + (f" --label '{args.label}'" if args.label else "")
-    row = {"case": f"{args.mb} MB .txt ({args.label}, {code})" if args.label else f"{args.mb} MB .txt ({code})",
+    what = f"{args.mb} MB " + (".txt" if args.kind == "text" else "chat JSONL")
+    row = {"case": f"{what} ({args.label}, {code})" if args.label else f"{what} ({code})",
            "file_mb": str(round(text.stat().st_size / 2**20)), "tokens": str(result["tokens"]),
            "seconds": f"{result['seconds']:.1f}", "peak_rss_gib": f"{peak_gib:.2f}", "code": code,
            "machine": machine_name(), "date": dt.date.today().isoformat(), "command": command}
