@@ -7,10 +7,13 @@ from collections.abc import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Column
 
 from memtrain.data.progress import listening
 from memtrain.monitor.perplexity import perplexity_text
 from memtrain.units import gib
+
+BAR_MIN_CHARS = 10  # the training bar's narrowest bar
 
 
 @contextlib.contextmanager
@@ -49,17 +52,22 @@ def tokenising_progress(console: Console | None = None) -> Iterator[None]:
 
 
 class Progress:
-    def __init__(self, total_steps: int, enabled: bool = True):
+    def __init__(self, total_steps: int, enabled: bool = True, console: Console | None = None):
         self.enabled = enabled
         self.total = total_steps
         self._bar = None
         self._task = None
         self._eval = ""
+        self._stats = ""
         if enabled:
+            # The step count keeps its width and the stats are cut to what is left (fit_stats), so a narrow console
+            # (80 columns, 61,234 steps of a large dataset's epoch) still shows the step, its total and the ETA.
             self._bar = RichProgress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+                TextColumn("[bold]train"), BarColumn(bar_width=None),
+                MofNCompleteColumn(table_column=Column(no_wrap=True, min_width=2 * len(str(total_steps)) + 1)),
+                TextColumn("{task.fields[stats]}", table_column=Column(no_wrap=True)),
                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                console=Console(stderr=True), transient=False, refresh_per_second=2,
+                console=console or Console(stderr=True), transient=False, refresh_per_second=2,
             )
 
     def __enter__(self):
@@ -85,14 +93,21 @@ class Progress:
             if record.get("gpu_peak_reserved_bytes"):
                 parts.append(f"gpu {gib(record['gpu_peak_reserved_bytes']):.1f}/{gib(record.get('gpu_cap_bytes', 0)):.0f} GiB")
             parts.append(f"mb {record.get('micro_batch')}")
-            fields["stats"] = " · ".join(parts) + self._eval
+            self._stats = " · ".join(parts)
+            fields["stats"] = self._fitted()
         self._bar.update(self._task, completed=step, **fields)
 
+    def _fitted(self) -> str:
+        """The stats and the last validation perplexity, cut with '…' to the room the other columns leave."""
+        text = self._stats + self._eval
+        room = self._bar.console.width - (len("train") + BAR_MIN_CHARS + 2 * len(str(self.total)) + 1
+                                          + len("0:00:00 eta -:--:--") + 6)  # 6: the spaces between the columns
+        return text if len(text) <= room else text[:max(room - 1, 0)] + "…"
+
     def note_eval(self, step: int, loss: float) -> None:
-        self._eval = f" · val ppl {perplexity_text(loss, 1)}"
+        self._eval = f" · val ppl {perplexity_text(loss, 1)}"  # replaces the previous one
         if self._bar is not None:
-            stats = self._bar.tasks[0].fields.get("stats", "") if self._bar.tasks else ""
-            self._bar.update(self._task, stats=stats.split(" · val ppl")[0] + self._eval)  # not the previous one
+            self._bar.update(self._task, stats=self._fitted())
             self._bar.console.print(f"step {step}: validation loss {loss:.4f}, perplexity {perplexity_text(loss)}")
 
     def note(self, text: str) -> None:
