@@ -39,6 +39,11 @@ def cache_dir_of(cache_dir: str | None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
 
 
+def token_dtype(tokenizer: PreTrainedTokenizerBase) -> type:
+    """uint16 when every id fits, else uint32: how the cache stores tokens (and samples hold them while made)."""
+    return np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
+
+
 def cache_key(spec: str, fmt: str, field: str, tokenizer: PreTrainedTokenizerBase, directory: Path) -> str:
     """sha256 of the data's content fingerprint and the tokenizer's fingerprint."""
     parts = (CACHE_VERSION, source_fingerprint(spec, fmt, field, directory), tokenizer_fingerprint(tokenizer))
@@ -76,7 +81,7 @@ def tokenize_documents(spec: str, fmt: str, field: str,
                        tokenizer: PreTrainedTokenizerBase) -> tuple[np.ndarray, np.ndarray]:
     """Tokenise every document of `spec` in batches: (flat tokens with eos after each, document end offsets).
     A long document goes to the tokenizer in pieces that tokenise as the whole does (long_text.py)."""
-    dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
+    dtype = token_dtype(tokenizer)
     eos = np.asarray([tokenizer.eos_token_id], dtype=dtype)
     chunks: list[np.ndarray] = []
     lengths: list[int] = []

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from memtrain.data.cache import cache_dir_of, write_entry
+from memtrain.data.cache import cache_dir_of, token_dtype, write_entry
 from memtrain.data.conversation import Untrainable, document_text, to_conversation
 from memtrain.data.corpus import read_documents
 from memtrain.data.long_text import encode_documents
@@ -121,9 +121,8 @@ def tokenize_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rule
                                 file=spec.path, key="data.skip_untrainable",
                                 hint="check the dataset's type and field names (output_field, completion_field, "
                                 "messages_field, roles:) against the records"))
-    dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     lengths = np.fromiter((len(ids) for ids, _ in pieces), dtype=np.int64, count=len(pieces))
-    tokens = np.concatenate([ids for ids, _ in pieces]).astype(dtype)
+    tokens = np.concatenate([ids for ids, _ in pieces])  # already token_dtype's: no whole uint32 copy
     targets = np.concatenate([flags for _, flags in pieces])
     return Tokenized(tokens=tokens, targets=targets, ends=np.cumsum(lengths), unwritten=unwritten, trailing=trailing,
                      skipped=skipped)
@@ -132,13 +131,13 @@ def tokenize_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rule
 # ---------------------------------------------------------------- documents and conversations
 
 
-# A sample while a dataset is tokenised: (token ids as uint32, target flags as uint8); arrays, not lists of
+# A sample while a dataset is tokenised: (token ids as token_dtype, target flags as uint8); arrays, not lists of
 # Python ints, which would take ten times the memory.
 Piece = tuple[np.ndarray, np.ndarray]
 
 
-def _piece(ids: list[int], flags: list[bool]) -> Piece:
-    return np.asarray(ids, dtype=np.uint32), np.asarray(flags, dtype=np.uint8)
+def _piece(ids: list[int], flags: list[bool], dtype: type) -> Piece:
+    return np.asarray(ids, dtype=dtype), np.asarray(flags, dtype=np.uint8)
 
 
 def _document_samples(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase) -> list[Piece]:
@@ -147,8 +146,8 @@ def _document_samples(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase) -> 
         documents = list(read_documents(spec.path, "text"))
     else:
         documents = _collect(spec, lambda record, line: document_text(record, spec, spec.path, line))
-    eos = np.asarray([tokenizer.eos_token_id], dtype=np.uint32)
-    return [(np.concatenate([ids, eos]), np.ones(len(ids) + 1, dtype=np.uint8))
+    eos = np.asarray([tokenizer.eos_token_id], dtype=token_dtype(tokenizer))
+    return [(np.concatenate([ids.astype(eos.dtype), eos]), np.ones(len(ids) + 1, dtype=np.uint8))
             for ids in encode_documents((d for d in documents if d), tokenizer, f"tokenising {Path(spec.path).name}")]
 
 
@@ -166,6 +165,7 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
             return line, None
 
     located = _collect(spec, convert)
+    dtype = token_dtype(encoder.tokenizer)
     out: list[Piece] = []
     unwritten: dict[str, list[int]] = {}
     trailing: list[int] = []
@@ -180,7 +180,7 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
         results = iter(encoded)
         for line, messages in batch:
             if messages is None:  # an empty sample: sample i stays record i (mixture.held_out_records)
-                out.append(_piece([], []))
+                out.append(_piece([], [], dtype))
                 _count(skipped, line)
                 continue
             result = next(results)
@@ -188,7 +188,7 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
                 problems.add(Problem(str(result), file=spec.path, line=line, key="data.template",
                                      hint="fix the record, or pick a template that can write it"))
                 continue
-            out.append(_piece(result.ids, result.targets))
+            out.append(_piece(result.ids, result.targets, dtype))
             for role in {messages[i]["role"] for i in result.unwritten}:
                 _count(unwritten.setdefault(role, []), line)
             if messages[-1]["role"] != "assistant":
