@@ -5,10 +5,13 @@ A chat template renders in Python, one conversation at a time, so tokenising cha
 processes, one per core up to MAX_WORKERS, and yields their results in order, so the samples, their order and the
 problems found are those of one process. The workers inherit what encodes (the tokenizer and the template) from the
 fork, so only the batches and their results cross between processes; they ignore Ctrl-C, which the command handles
-(the pool is ended with it). Few batches, one core, or no fork (Windows) mean this process does the work.
+(the pool is ended with it), and end quietly on SIGTERM, which they also get when the command dies (_start_worker).
+Few batches, one core, or no fork (Windows) mean this process does the work.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -18,6 +21,7 @@ from typing import TypeVar
 Batch = TypeVar("Batch")
 Result = TypeVar("Result")
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 MAX_WORKERS = 16
 MIN_BATCHES = 8  # with fewer, starting the workers costs more than they save
 _work: Callable | None = None  # what the forked workers call: set before the fork
@@ -43,7 +47,7 @@ def map_batches(work: Callable[[Batch], Result], batches: list[Batch]) -> Iterat
     parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        pool = multiprocessing.get_context("fork").Pool(workers, initializer=_ignore_interrupts)
+        pool = multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker, initargs=(os.getpid(),))
     finally:
         _restore("TOKENIZERS_PARALLELISM", parallelism)
     try:
@@ -59,8 +63,16 @@ def _call(batch):
     return _work(batch)
 
 
-def _ignore_interrupts() -> None:
+def _start_worker(parent: int) -> None:
+    """Ctrl-C is the command's to handle; SIGTERM ends a worker quietly: the pool's end sends it, and so does Linux
+    when the parent dies (a command killed, or one whose SIGTERM handler did not run), so no worker is left
+    writing a BrokenPipeError traceback under the shell's prompt. A command's own SIGTERM handler is not inherited."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(OSError, AttributeError):  # prctl is Linux's; elsewhere the pool's end still ends it
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(0)
 
 
 def _restore(name: str, value: str | None) -> None:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +65,38 @@ def test_problems_found_in_workers_are_said_in_line_order(chat_tokenizer, make_d
                                  skip_untrainable=True), chat_tokenizer, seed=0)
     assert [p.line for p in err.value.problems] == [21, 151]
     assert all(p.key == "data.template" for p in err.value.problems)
+
+
+CHILD = """
+import signal, sys, time
+from memtrain.data import parallel
+def stop(signum, frame):
+    raise KeyboardInterrupt  # as memtrain run's handler raises Stopped
+signal.signal(signal.SIGTERM, stop)
+parallel.MIN_BATCHES = 1
+def slow(batch):
+    time.sleep(0.3)
+    return batch
+try:
+    for result in parallel.map_batches(slow, list(range(200))):
+        print("result", result, flush=True)
+except KeyboardInterrupt:
+    print("stopped", flush=True)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_workers_end_quietly_when_the_command_is_stopped_or_killed(signum):
+    """Audit 20b G1, G3: SIGTERM to the command (its handler raises) or kill -9 of it left a traceback per worker."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(Path(parallel.__file__).parents[2])})
+    assert child.stdout.readline().startswith("result")  # the workers are at work
+    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(child.pid)], capture_output=True,
+                                              text=True).stdout.split()]
+    child.send_signal(signum)
+    out, err = child.communicate(timeout=30)  # the pipes close only when the workers are gone too
+    assert "Traceback" not in err, err
+    assert ("stopped" in out) == (signum == signal.SIGTERM)
+    time.sleep(0.5)
+    assert len(workers) >= 1 and not [w for w in workers if Path(f"/proc/{w}").exists()
+                                      and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]]
