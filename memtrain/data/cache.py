@@ -10,6 +10,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from memtrain.data.corpus import read_documents, source_fingerprint
 from memtrain.data.long_text import encode_documents
 from memtrain.data.tokenizer import tokenizer_fingerprint
 from memtrain.errors import Problem, UserError
-from memtrain.files import atomic_path, leftovers, write_atomically
+from memtrain.files import atomic_path, write_atomically
 
 # Bump when the layout or the tokenisation rules below change, so old entries are not reused.
 CACHE_VERSION = "1"
@@ -119,18 +120,19 @@ def _complete(tokens_path: Path, ends_path: Path) -> bool:
 def write_entry(files: list[tuple[Path, np.ndarray | str]]) -> None:
     """Write a cache entry's files in order, the last one marking the entry complete; each is whole or absent.
 
-    Temporaries that a killed write left beside them (files.leftovers) go first, once older than STALE_S, so a
-    write under way in another process is left alone. When a file cannot be written, the entry's files written so
+    Temporaries that killed writes left in the cache (of any entry) go first, once older than STALE_S, so a write
+    under way in another process is left alone. When a file cannot be written, the entry's files written so
     far are removed and a UserError says why: a full disk (with the entry's size), no permission, or else."""
     directory = files[0][0].parent
     written: list[Path] = []
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        # what killed writes left, of this entry or another one (a write of data since changed is never redone)
+        for stale in [*directory.glob(".*.npy.*.tmp"), *directory.glob(".*.notes.json.*.tmp")]:
+            with contextlib.suppress(OSError):
+                if time.time() - stale.stat().st_mtime > STALE_S:
+                    stale.unlink()
         for path, content in files:
-            for stale in leftovers(path):
-                with contextlib.suppress(OSError):
-                    if time.time() - stale.stat().st_mtime > STALE_S:
-                        stale.unlink()
             if isinstance(content, str):
                 write_atomically(path, content)
             else:
@@ -146,10 +148,11 @@ def _unwritable(directory: Path, err: OSError | UserError, files: list[tuple[Pat
     # the OSError itself, or the one behind atomic_path's UserError (raised while handling it)
     cause = err if isinstance(err, OSError) else next(
         (e for e in (err.__cause__, err.__context__) if isinstance(e, OSError)), None)
-    entry_mb = sum(c.nbytes if isinstance(c, np.ndarray) else len(c) for _, c in files) / 2**20
-    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+    entry_bytes = sum(c.nbytes if isinstance(c, np.ndarray) else len(c) for _, c in files)
+    # numpy says a short write as "N requested and M written", with no errno: the room left tells then
+    if isinstance(cause, OSError) and (cause.errno in (errno.ENOSPC, errno.EDQUOT) or _room(directory) < entry_bytes):
         return Problem(f"cannot write the token cache in {directory}: its filesystem is full (this entry needs "
-                       f"{entry_mb:.0f} MB)", key="data.cache_dir",
+                       f"{entry_bytes / 2**20:.0f} MB)", key="data.cache_dir",
                        hint="free some space there, or set data.cache_dir (or $MEMTRAIN_CACHE) to a filesystem with "
                             "room; the data is tokenised again on the next start")
     if isinstance(cause, PermissionError):
@@ -158,6 +161,14 @@ def _unwritable(directory: Path, err: OSError | UserError, files: list[tuple[Pat
     reason = (cause.strerror or str(cause)) if isinstance(cause, OSError) else str(err)
     return Problem(f"cannot write the token cache in {directory}: {reason}", key="data.cache_dir",
                    hint="set data.cache_dir (or $MEMTRAIN_CACHE) to a writable directory")
+
+
+def _room(directory: Path) -> float:
+    """Bytes free on `directory`'s filesystem (infinite when that cannot be asked)."""
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return float("inf")
 
 
 def save_atomic(path: Path, array: np.ndarray) -> None:

@@ -174,3 +174,25 @@ def test_a_killed_writes_old_temporaries_are_removed_by_the_next_write_and_live_
     cached_tokens(corpus, "auto", "text", tokenizer, str(tmp_path / "c"))
     assert not old.exists() and live.exists()
     assert sorted(p.name for p in tokens_path.parent.iterdir()) == sorted([live.name, tokens_path.name, ends_path.name])
+
+
+def test_a_short_write_with_no_room_left_is_a_full_disk_too(tokenizer, corpus, tmp_path, monkeypatch):
+    def short(handle, array):  # how numpy says a full disk while it writes an array: no errno
+        raise OSError(f"{array.nbytes} requested and 1089472 written")
+    monkeypatch.setattr(cache.np, "save", short)
+    for room, said in ((10, "filesystem is full (this entry needs"), (10**15, "requested and 1089472 written")):
+        monkeypatch.setattr(cache, "_room", lambda directory, room=room: room)
+        with pytest.raises(UserError) as excinfo:
+            cached_tokens(corpus, "auto", "text", tokenizer, str(tmp_path / "c"))
+        assert said in excinfo.value.problems[0].message
+
+
+def test_old_temporaries_of_other_entries_go_too(tokenizer, corpus, tmp_path):
+    cache_dir = tmp_path / "c"
+    cache_dir.mkdir()
+    other_old, other_live = cache_dir / ".0ther.tokens.npy.s8cx6h8_.tmp", cache_dir / ".0ther.ends.npy.abcd1234.tmp"
+    for leftover in (other_old, other_live):
+        leftover.write_bytes(b"\0" * 100)
+    os.utime(other_old, (time.time() - cache.STALE_S - 5,) * 2)
+    cached_tokens(corpus, "auto", "text", tokenizer, str(cache_dir))
+    assert not other_old.exists() and other_live.exists()
