@@ -4,8 +4,8 @@ The token cache is keyed by a sha256 of the data files' bytes (cache.py, tokeniz
 read and hash each data file again before it could find its cache entry: two or three times per process (the
 build, the data warnings, the held-out answers) and again in each worker. A fingerprint is now remembered, in
 this process and in a small file under the token cache, by what identifies that version of the files, as git's
-index does: each file's resolved path, device, inode, size, mtime_ns and ctime_ns. Any write to a file changes
-its ctime, which no user can set back, so a changed file is hashed again. Two things are never remembered:
+index does: each file's name as given and resolved path, device, inode, size, mtime_ns and ctime_ns. Any write to a
+file changes its ctime, which no user can set back, so a changed file is hashed again. Two things are never remembered:
 - files changed less than RACY_S before the hash began (a write within the same clock tick could keep the stat
   identity while changing the bytes);
 - files whose identity changed while they were hashed.
@@ -61,9 +61,9 @@ def _identity(files: list[Path], salt: str) -> tuple[str, float]:
     digest = hashlib.sha256(salt.encode())
     newest = 0.0
     for file in files:
-        path = Path(file).resolve()
+        path = Path(file).resolve()  # the name as given too: a renamed link keeps its target's identity
         stat = os.stat(path)
-        digest.update(f"\0{path}\0{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}:"
+        digest.update(f"\0{file}\0{path}\0{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}:"
                       f"{stat.st_ctime_ns}".encode())
         newest = max(newest, stat.st_mtime_ns / 1e9, stat.st_ctime_ns / 1e9)
     return digest.hexdigest(), newest
@@ -91,6 +91,7 @@ def _write(memo: Path | None, value: str) -> None:
     try:
         with os.fdopen(handle, "w") as stream:
             stream.write(value)
+        os.chmod(tmp, 0o644)  # as the cache's entries: other users of a shared cache read it too
         os.replace(tmp, memo)
     except OSError:
         with contextlib.suppress(OSError):

@@ -130,3 +130,18 @@ def test_a_warm_build_of_chat_data_reads_no_data_file_to_find_its_cache_entry(tm
     assert sum(len(r["input_ids"]) for r in (changed[i] for i in range(len(changed)))) > 0
     assert [changed[i]["labels"].tolist() for i in range(len(changed))] != \
         [cold[i]["labels"].tolist() for i in range(len(cold))]
+
+
+def test_a_renamed_link_in_a_dataset_directory_is_another_version_and_the_memo_is_readable_by_all(tmp_path, hashed,
+                                                                                                  settled):
+    target = write_chat(tmp_path / "a.jsonl")
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    (folder / "x.jsonl").symlink_to(target)
+    memo = tmp_path / "cache"
+    before = dataset_fingerprint(str(folder), None, memo)
+    (folder / "x.jsonl").rename(folder / "y.jsonl")  # the member's name is hashed; its target is the same file
+    after = dataset_fingerprint(str(folder), None, memo)
+    file_memo.forget()
+    assert after != before and after == dataset_fingerprint(str(folder))
+    assert {entry.stat().st_mode & 0o777 for entry in (memo / file_memo.MEMO_DIR).iterdir()} == {0o644}
