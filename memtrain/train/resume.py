@@ -177,6 +177,9 @@ def refuse_changed_files(run_dir: Path, options: RunOptions, recipe: Recipe, fil
     checkpoint = latest_checkpoint(run_dir) if options.resume and not options.overwrite else None
     if checkpoint is None:
         return
+    old, new = recorded_recipe(checkpoint).get("data") or {}, recipe_json(recipe)["data"]
+    if any(old.get(key) != new.get(key) for key in ("train", "validation", "format", "field")):
+        return  # the recipe names other data: check_resume says what changed in it, not that bytes did
     try:
         recorded = json.loads((run_dir / RUN_FILE).read_text()).get("data_files")
     except (OSError, ValueError, AttributeError):
@@ -197,8 +200,8 @@ def _changed_files_problem(key: str, recipe: Recipe) -> Problem:
 
 def _cannot_resume(checkpoint: Path) -> Problem:
     return Problem(f"cannot resume {checkpoint} exactly with this recipe",
-                   hint="undo the change to resume, or start a new run: in another directory (train.output_dir=runs/NEW) "
-                        "or over this one (--no-resume --overwrite moves the old run aside)")
+                   hint="undo the change to resume, or start a new run: in another directory "
+                        "(train.output_dir=runs/NEW) or over this one (--no-resume --overwrite moves the old run aside)")
 
 
 def recipe_json(recipe: Recipe) -> dict:

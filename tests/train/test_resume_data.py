@@ -153,3 +153,14 @@ def test_a_changed_file_is_refused_before_the_data_is_built_and_an_unchanged_one
     del recorded["data_files"]  # run.json as memtrain wrote it before session 20: check_resume compares it later
     (run.run_dir / RUN_FILE).write_text(json.dumps(recorded))
     refuse_changed_files(run.run_dir, RunOptions(), recipe, data_files(recipe.data))
+
+
+def test_a_recipe_that_names_other_data_is_left_to_the_recipe_comparison(tmp_path):
+    """Audit 20b G6: a changed data spec (a split, a dropped validation set) is no changed bytes: check_resume says it."""
+    run = resolved(chat_recipe(tmp_path, validation=True))
+    trained(run)
+    changed = chat_recipe(tmp_path, validation=True).model_copy(deep=True)
+    changed.data.validation = None
+    refuse_changed_files(run.run_dir, RunOptions(), changed, data_files(changed.data))  # not this check's to say
+    said = refusal(resolved(changed))
+    assert "data.validation" in said and "no longer holds the bytes" not in said
