@@ -111,21 +111,32 @@ def recorded_recipe(checkpoint: Path) -> dict:
 
 def recorded_data_fingerprint(run_dir: Path) -> dict[str, str] | None:
     """The data fingerprint of the run in `run_dir` (see the module doc); None when its run.json has none."""
+    return _recorded(run_dir, "data_fingerprint")
+
+
+def _recorded(run_dir: Path, name: str) -> dict | None:
+    """A {recipe key: ...} record of the run.json in `run_dir`; None when it has none (or no run.json)."""
     try:
-        return json.loads((run_dir / RUN_FILE).read_text()).get("data_fingerprint") or None
+        recorded = json.loads((run_dir / RUN_FILE).read_text()).get(name)
     except (OSError, ValueError, AttributeError):
         return None
+    return recorded if isinstance(recorded, dict) and recorded else None
 
 
-def changed_data_keys(old: dict[str, str], new: dict[str, str]) -> list[str]:
-    """The recipe keys whose data, as built, differs between two fingerprints."""
+def changed_data_keys(old: dict, new: dict) -> list[str]:
+    """The recipe keys whose data differs between two records of it (as built, or its files' fingerprints)."""
     return [key for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+
+
+def _named_files(key: str, recipe: Recipe) -> str:
+    """The files a data key of the recipe lists, for messages."""
+    named = recipe.data.train if key == TRAIN_KEY else recipe.data.validation
+    return ", ".join([named] if isinstance(named, str) else [spec.path for spec in named or []]) or key
 
 
 def data_problem(key: str, run: ResolvedRun, other_changes: bool) -> Problem:
     """A data key whose samples changed since the checkpoint, named by the files it lists."""
-    named = run.recipe.data.train if key == TRAIN_KEY else run.recipe.data.validation
-    files = ", ".join([named] if isinstance(named, str) else [spec.path for spec in named or []]) or key
+    files = _named_files(key, run.recipe)
     causes = ["a file's contents changed", "the tokenizer or its chat template changed (model.path, model.tokenizer)",
               "memtrain now tokenises this data otherwise (chat data, after an upgrade)"]
     if other_changes:
@@ -180,28 +191,22 @@ def refuse_changed_files(run_dir: Path, options: RunOptions, recipe: Recipe, fil
     old, new = recorded_recipe(checkpoint).get("data") or {}, recipe_json(recipe)["data"]
     if any(old.get(key) != new.get(key) for key in ("train", "validation", "format", "field")):
         return  # the recipe names other data: check_resume says what changed in it, not that bytes did
-    try:
-        recorded = json.loads((run_dir / RUN_FILE).read_text()).get("data_files")
-    except (OSError, ValueError, AttributeError):
-        return
-    if not isinstance(recorded, dict):
-        return
-    changed = [key for key in sorted(set(recorded) | set(files)) if recorded.get(key) != files.get(key)]
+    recorded = _recorded(run_dir, "data_files")
+    changed = changed_data_keys(recorded, files) if recorded is not None else []
     if changed:
         raise UserError([*(_changed_files_problem(key, recipe) for key in changed), _cannot_resume(checkpoint)])
 
 
 def _changed_files_problem(key: str, recipe: Recipe) -> Problem:
-    named = recipe.data.train if key == TRAIN_KEY else recipe.data.validation
-    files = ", ".join([named] if isinstance(named, str) else [spec.path for spec in named or []]) or key
-    return Problem(f"changed since the checkpoint: {files} no longer holds the bytes the checkpoint was trained on",
-                   key=key, hint="put back the data files the run was trained on to resume it")
+    return Problem(f"changed since the checkpoint: {_named_files(key, recipe)} no longer holds the bytes the "
+                   "checkpoint was trained on", key=key,
+                   hint="put back the data files the run was trained on to resume it")
 
 
 def _cannot_resume(checkpoint: Path) -> Problem:
     return Problem(f"cannot resume {checkpoint} exactly with this recipe",
-                   hint="undo the change to resume, or start a new run: in another directory "
-                        "(train.output_dir=runs/NEW) or over this one (--no-resume --overwrite moves the old run aside)")
+                   hint="undo the change to resume, or start a new run: in another directory (train.output_dir="
+                        "runs/NEW) or over this one (--no-resume --overwrite moves the old run aside)")
 
 
 def recipe_json(recipe: Recipe) -> dict:
