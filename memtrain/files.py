@@ -95,11 +95,20 @@ def leftovers(path: Path) -> list[Path]:
     """What atomic_path left beside `path` when its process was killed: temporaries that were never renamed
     onto `path`, and old directories renamed aside and not yet deleted. Only names atomic_path makes."""
     path = Path(path)
+    return _left_in(path.parent, re.escape(path.name))
+
+
+def leftovers_in(directory: Path) -> list[Path]:
+    """What atomic_path left in `directory` for any path, as `leftovers` finds for one."""
+    return _left_in(Path(directory), r".+")
+
+
+def _left_in(directory: Path, name: str) -> list[Path]:
     # _new_directory's and _unused_name's 12 hex digits, or tempfile.mkstemp's 8 characters
-    pattern = re.compile(rf"\.{re.escape(path.name)}\.(?:[0-9a-f]{{12}}\.(?:tmp|old)|[a-z0-9_]{{8}}\.tmp)")
-    if not path.parent.is_dir():
+    pattern = re.compile(rf"\.{name}\.(?:[0-9a-f]{{12}}\.(?:tmp|old)|[a-z0-9_]{{8}}\.tmp)")
+    if not directory.is_dir():
         return []
-    return sorted(p for p in path.parent.iterdir() if pattern.fullmatch(p.name))
+    return sorted(p for p in directory.iterdir() if pattern.fullmatch(p.name))
 
 
 def _remove_empty(folders: list[Path]) -> None:

@@ -21,7 +21,7 @@ from memtrain.data.corpus import read_documents, source_fingerprint
 from memtrain.data.long_text import encode_documents
 from memtrain.data.tokenizer import tokenizer_fingerprint
 from memtrain.errors import Problem, UserError
-from memtrain.files import atomic_path, write_atomically
+from memtrain.files import atomic_path, leftovers_in, write_atomically
 
 # Bump when the layout or the tokenisation rules below change, so old entries are not reused.
 CACHE_VERSION = "1"
@@ -128,7 +128,7 @@ def write_entry(files: list[tuple[Path, np.ndarray | str]]) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         # what killed writes left, of this entry or another one (a write of data since changed is never redone)
-        for stale in [*directory.glob(".*.npy.*.tmp"), *directory.glob(".*.notes.json.*.tmp")]:
+        for stale in leftovers_in(directory):
             with contextlib.suppress(OSError):
                 if time.time() - stale.stat().st_mtime > STALE_S:
                     stale.unlink()
