@@ -97,10 +97,11 @@ def tokenized_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rul
         return cached
     samples = tokenize_dataset(spec, tokenizer, rules)
     noted = samples.unwritten or samples.trailing or samples.skipped  # an entry without notes has none of them
+    # tokens last: its presence marks a complete entry
     write_entry([*([(notes, json.dumps({"unwritten": samples.unwritten, "trailing": samples.trailing,
                                          "skipped": samples.skipped}))] if noted else []),
-                 *[(paths[name], getattr(samples, name)) for name in ("ends", "targets", "tokens")]])  # tokens last:
-    return _load(paths, notes) or samples  # its presence marks a complete entry
+                 *[(paths[name], getattr(samples, name)) for name in ("ends", "targets", "tokens")]])
+    return _load(paths, notes) or samples
 
 
 def tokenize_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: SampleRules) -> Tokenized:
@@ -174,9 +175,9 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
     what = f"tokenising {Path(spec.path).name}"
     batches = [located[start:start + BATCH_RECORDS] for start in range(0, len(located), BATCH_RECORDS)]
     kept = [[messages for _, messages in batch if messages is not None] for batch in batches]
-    report(what, 0, len(located))
-    for done, (batch, encoded) in enumerate(zip(batches, map_batches(encoder.encode_many, kept))):
-        report(what, done * BATCH_RECORDS, len(located))
+    done = 0
+    report(what, done, len(located))
+    for batch, encoded in zip(batches, map_batches(encoder.encode_many, kept)):
         results = iter(encoded)
         for line, messages in batch:
             if messages is None:  # an empty sample: sample i stays record i (mixture.held_out_records)
@@ -193,7 +194,8 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
                 _count(unwritten.setdefault(role, []), line)
             if messages[-1]["role"] != "assistant":
                 _count(trailing, line)
-    report(what, len(located), len(located))
+        done += len(batch)
+        report(what, done, len(located))
     problems.raise_if_any()
     return out, unwritten, trailing, skipped
 
