@@ -58,9 +58,7 @@ def encode_documents(documents: Iterable[str], tokenizer: PreTrainedTokenizerBas
 
 def _encode(batch: list[str], last_piece: list[bool], done: list[np.ndarray],
             tokenizer: PreTrainedTokenizerBase) -> Iterator[np.ndarray]:
-    # split_special_tokens: text that spells "<|endoftext|>" must not turn into a real separator.
-    encoded = tokenizer(batch, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"]
-    for ids, last in zip(encoded, last_piece):
+    for ids, last in zip(_ids(tokenizer, batch), last_piece):
         done.append(np.asarray(ids, dtype=np.uint32))
         if last:
             yield done[0] if len(done) == 1 else np.concatenate(done)
@@ -91,5 +89,7 @@ def _stable_cut(document: str, near: int, tokenizer: PreTrainedTokenizerBase) ->
     return None
 
 
-def _ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+def _ids(tokenizer: PreTrainedTokenizerBase, text: str | list[str]) -> list:
+    """The token ids of `text` (of each text of a list), as a document's: no added special tokens, and text that
+    spells "<|endoftext|>" does not turn into a real separator (split_special_tokens)."""
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"]
