@@ -62,8 +62,8 @@
 #                                         # HF eager and HF + Liger at micro-batch 4; offloaded optimizer or not, one invocation
 #   bash scripts/gpu_session.sh speed19b  # session 19, issue 23 (not run yet): the 3B recipe as shipped vs HF eager; its
 #                                         # held-out plan-accuracy row (micro-batch 16)
-#   bash scripts/gpu_session.sh speed19c  # session 19, issue 23 (not run yet): 7B LoRA compiled with ZeRO-0, micro-batch auto,
-#                                         # checkpointing auto, each vs HF eager and HF + Liger in one invocation
+#   bash scripts/gpu_session.sh speed21   # session 21, issue 23: 7B LoRA as shipped, then checkpointing auto, ZeRO-0,
+#                                         # micro-batch auto, each vs HF eager and HF + Liger in one invocation
 #   bash scripts/gpu_session.sh startup15 # session 15, issue 23: where the offload recipes' start goes: import times, pinning
 #                                         # speed per allocator setting, cProfile of a warm 1.1B and 3B start; then the
 #                                         # Mistral-7B ZeRO-3 accuracy row again (issue 22)
@@ -173,18 +173,18 @@ speed19b)  # session 19, issue 23, ~9 min: the 3B offload recipe as shipped (mic
   step accuracy 200 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 190 \
     --only 3b-zero3-cpu-every-mb16-s1024
   ;;
-speed19c)  # session 19, issue 23, ~9 min: the 7B LoRA levers not measured with compiled layers, each against HF eager and
-  # HF + Liger in one invocation (one HF run each): ZeRO-0 (no per-parameter reduce hooks on the 448 adapter tensors;
-  # on the CPU they cost +14 ms per micro-batch, benchmarks/micro_batch_overhead.csv), the planner's micro-batch
-  # (8), and checkpointing auto
+speed21)  # session 21, issue 23, ~7 min (the device time left): 7B LoRA as shipped against HF eager and HF + Liger in one
+  # invocation (one HF run each), then the levers not measured with compiled layers, most promising first: checkpointing
+  # auto (the plan keeps 8 of 32 layers, 22.25 GiB predicted), ZeRO-0 (no per-parameter reduce hooks on the 448 adapter
+  # tensors; +14 ms per micro-batch on the CPU, benchmarks/micro_batch_overhead.csv), the planner's micro-batch (8)
   cp benchmarks/vs_hf.csv "$OUT/vs_hf.csv"
   lora="recipes/llama2-7b-lora-24gb.yaml schedule.warmup_steps=2"
-  step vs-hf 540 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 110 \
+  step vs-hf 560 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 8 --warmup 2 --timeout 110 \
     --baseline hf,hf-liger \
-    --case "7b-lora-mb4x1024 (session 19, memtrain as shipped)=$lora" \
-    --case "7b-lora-mb4x1024 (session 19, memtrain ZeRO-0)=$lora :: offload.zero_stage=0" \
-    --case "7b-lora-mb4x1024 (session 19, memtrain micro-batch auto)=$lora :: batch.micro_batch=auto" \
-    --case "7b-lora-mb4x1024 (session 19, memtrain checkpointing auto)=$lora :: checkpointing.strategy=auto"
+    --case "7b-lora-mb4x1024 (session 21, memtrain as shipped)=$lora" \
+    --case "7b-lora-mb4x1024 (session 21, memtrain checkpointing auto)=$lora :: checkpointing.strategy=auto" \
+    --case "7b-lora-mb4x1024 (session 21, memtrain ZeRO-0)=$lora :: offload.zero_stage=0" \
+    --case "7b-lora-mb4x1024 (session 21, memtrain micro-batch auto)=$lora :: batch.micro_batch=auto"
   ;;
 startup18)  # session 18, ~9 min: the warm rows startup16b ran once (each recipe's second run is its warm row), the 3B
   # offload recipe warm with either CPU Adam, and the 1.1B recipe's tokens/s with either CPU Adam in one invocation
