@@ -10,6 +10,7 @@ Nothing is written unless every record of the dataset turned into a sample.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -177,25 +178,29 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
     kept = [[messages for _, messages in batch if messages is not None] for batch in batches]
     done = 0
     report(what, done, len(located))
-    for batch, encoded in zip(batches, map_batches(encoder.encode_many, kept)):
-        results = iter(encoded)
-        for line, messages in batch:
-            if messages is None:  # an empty sample: sample i stays record i (mixture.held_out_records)
-                out.append(_piece([], [], dtype))
-                _count(skipped, line)
-                continue
-            result = next(results)
-            if isinstance(result, Exception):
-                problems.add(Problem(str(result), file=spec.path, line=line, key="data.template",
-                                     hint="fix the record, or pick a template that can write it"))
-                continue
-            out.append(_piece(result.ids, result.targets, dtype))
-            for role in {messages[i]["role"] for i in result.unwritten}:
-                _count(unwritten.setdefault(role, []), line)
-            if messages[-1]["role"] != "assistant":
-                _count(trailing, line)
-        done += len(batch)
-        report(what, done, len(located))
+    with contextlib.closing(map_batches(encoder.encode_many, kept)) as encoded_batches:  # a stop ends the workers
+        for batch, encoded in zip(batches, encoded_batches):
+            results = iter(encoded)
+            for line, messages in batch:
+                if messages is None:  # an empty sample: sample i stays record i (mixture.held_out_records)
+                    out.append(_piece([], [], dtype))
+                    _count(skipped, line)
+                    continue
+                result = next(results)
+                if isinstance(result, Exception):
+                    problems.add(Problem(str(result), file=spec.path, line=line, key="data.template",
+                                         hint="fix the record, or pick a template that can write it"))
+                    continue
+                out.append(_piece(result.ids, result.targets, dtype))
+                for role in {messages[i]["role"] for i in result.unwritten}:
+                    _count(unwritten.setdefault(role, []), line)
+                if messages[-1]["role"] != "assistant":
+                    _count(trailing, line)
+            done += len(batch)
+            report(what, done, len(located))
+            if problems.full and done < len(located):  # said now, not after tokenising the rest (minutes for large data)
+                problems.stop_after(batch[-1][0])
+                break
     problems.raise_if_any()
     return out, unwritten, trailing, skipped
 

@@ -67,6 +67,34 @@ def test_problems_found_in_workers_are_said_in_line_order(chat_tokenizer, make_d
     assert all(p.key == "data.template" for p in err.value.problems)
 
 
+@pytest.mark.parametrize("min_batches", [10**9, 1], ids=["one process", "workers"])
+def test_tokenising_stops_once_ten_problems_are_found(chat_tokenizer, make_data, tmp_path, monkeypatch, min_batches):
+    """Audit 20 F8: a template that cannot write some records was said only after every record was tokenised."""
+    records = conversations(400)
+    bad = list(range(5, 400, 9))  # 45 records the alpaca template cannot write, 12 of them in the first 7 batches
+    for i in bad:
+        records[i]["messages"].insert(2, {"role": "system", "content": "Be brief."})
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.setattr(parallel, "MIN_BATCHES", min_batches)
+    monkeypatch.setattr(tokenized, "BATCH_RECORDS", 16)
+    encoded = []
+    encode_many = tokenized.ConversationEncoder.encode_many
+    monkeypatch.setattr(tokenized.ConversationEncoder, "encode_many",
+                        lambda self, batch: encoded.append(len(batch)) or encode_many(self, batch))
+    with pytest.raises(DataError) as err:
+        build_datasets(make_data(train=[{"path": str(path), "type": "chat"}], template="alpaca",
+                                 skip_untrainable=True, cache_dir=str(tmp_path / "cache")), chat_tokenizer, seed=0)
+    problems = err.value.problems
+    assert [p.line for p in problems[:10]] == [i + 1 for i in bad[:10]]  # lines count from 1
+    # the tenth is record 86, in the sixth batch (records 80-95): checking stops after that batch's last line
+    assert problems[10].message == "… checking stopped after line 96 (1 more problem up to there, the lines after " \
+                                   "it were not checked)"
+    assert len(problems) == 11
+    if min_batches > 1:  # in this process: the batches after it were never encoded (workers may run ahead)
+        assert len(encoded) == 6
+
+
 CHILD = """
 import signal, sys, time
 from memtrain.data import parallel
