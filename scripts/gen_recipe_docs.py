@@ -36,7 +36,8 @@ JSON Schema for editor completion.
   the working directory. What a run writes (`train.output_dir`, `data.cache_dir`, `hardware.nvme_path`)
   is relative to the working directory.
 - **overrides**: any key can be set on the command line after the recipe as `key.path=value`, with the
-  value written as YAML: `memtrain run recipe.yaml batch.micro_batch=2 precision.fp32_modules=[lm_head]`.
+  value written as YAML: `memtrain run recipe.yaml batch.micro_batch=2 precision.fp32_modules=[lm_head]`. A number
+  in the path is a list's index: `data.train.1.weight=2` sets the second dataset's weight.
 - **sizes** (`host_memory`, a `gpu` given as a size) are written like `24GiB`, `16GB` or `512MiB`.
 """
 

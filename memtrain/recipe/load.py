@@ -243,7 +243,8 @@ def resolve_input_paths(data: dict, sources: Sources) -> None:
 
 
 def apply_overrides(data: dict, overrides: list[str], sources: Sources) -> tuple[dict, list[Problem]]:
-    """Apply `key.path=value` overrides (values parsed as YAML: 3, true, [a, b], 24GiB).
+    """Apply `key.path=value` overrides (values parsed as YAML: 3, true, [a, b], 24GiB); a number in the path
+    is a list's index (data.train.1.weight=2).
 
     Returns the data and one problem per override that could not be applied; the others apply.
     """
@@ -261,24 +262,34 @@ def apply_overrides(data: dict, overrides: list[str], sources: Sources) -> tuple
         except yaml.YAMLError:
             value = raw  # not YAML: take it as the literal text the user typed
         node = data
-        for depth, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-                # a section the override brings into being is the command line's: an error about it
-                # (nonexistent.key=1: 'nonexistent' is unknown) points there, not at the recipe file
-                sources.origin.setdefault(tuple(parts[: depth + 1]), (COMMAND_LINE, None))
-            if not isinstance(child, dict):
-                prefix = ".".join(parts[: depth + 1])
+        for depth, part in enumerate(parts):
+            prefix = ".".join(parts[:depth])
+            if isinstance(node, list):  # a list's item by its index: data.train.0.path=...
+                if not (part.isdigit() and int(part) < len(node)):
+                    problems.append(Problem(f"cannot set '{key}': '{prefix}' is a list of {len(node)}, and "
+                                            f"'{part}' is not one of its indexes", key=key, file=COMMAND_LINE,
+                                            hint=f"use an index from 0 to {len(node) - 1}" if node else
+                                            f"set {prefix}=[...] instead"))
+                    break
+                part = int(part)
+            elif not isinstance(node, dict):
                 problems.append(Problem(f"cannot set '{key}': '{prefix}' is a value, not a section",
                                         key=key, file=COMMAND_LINE, hint=f"set {prefix}=... instead"))
                 break
-            node = child
-        else:
-            node[parts[-1]] = value
-            sources.forget_below(tuple(parts))
-            sources.origin[tuple(parts)] = (COMMAND_LINE, None)
-            _drop_replaced_choice(node, tuple(parts), value, sources)
+            if depth == len(parts) - 1:
+                node[part] = value
+                sources.forget_below(tuple(parts))
+                sources.origin[tuple(parts)] = (COMMAND_LINE, None)
+                if isinstance(node, dict):
+                    _drop_replaced_choice(node, tuple(parts), value, sources)
+            elif isinstance(node, dict) and node.get(part) is None:
+                node[part] = {}
+                node = node[part]
+                # a section the override brings into being is the command line's: an error about it
+                # (nonexistent.key=1: 'nonexistent' is unknown) points there, not at the recipe file
+                sources.origin.setdefault(tuple(parts[: depth + 1]), (COMMAND_LINE, None))
+            else:
+                node = node[part]
     return data, problems
 
 

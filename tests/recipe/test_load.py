@@ -109,6 +109,29 @@ def test_model_path_on_the_command_line_replaces_the_recipes_preset_and_the_othe
     assert any("exactly one of model.preset or model.path" in p.message for p in both)
 
 
+def test_an_override_reaches_into_a_list_by_index(tmp_path):
+    """Audit 20 F11: `data.train.1.weight=2` was refused ('data.train' is a value, not a section), so changing one
+    dataset of a list meant copying the recipe."""
+    recipe = write(tmp_path / "r.yaml", BASE.replace(
+        "  train: builtin:shakespeare\n",
+        "  train:\n    - path: builtin:shakespeare\n      type: text\n    - path: builtin:shakespeare-chat\n"
+        "      type: chat\n"))
+    loaded = load_recipe(recipe, ["data.train.1.weight=2", ("data.train.0={path: builtin:shakespeare, type: text, "
+                                  "weight: 0.5}")], check=False)
+    assert [(spec.weight, spec.type) for spec in loaded.recipe.data.train] == [(0.5, "text"), (2.0, "chat")]
+    assert loaded.sources.where(("data", "train", "1", "weight")) == (COMMAND_LINE, None)
+    assert loaded.sources.where(("data", "train", "1", "type"))[1] == 8  # the file's line, kept
+    problems = problems_of(lambda: load_recipe(recipe, ["data.train.2.weight=2", "data.train.first.weight=2",
+                                                       "data.seq_len.0=2"]))
+    assert [(p.file, p.message, p.hint) for p in problems] == [
+        (COMMAND_LINE, ("cannot set 'data.train.2.weight': 'data.train' is a list of 2, and '2' is not one of its "
+                        "indexes"), "use an index from 0 to 1"),
+        (COMMAND_LINE, ("cannot set 'data.train.first.weight': 'data.train' is a list of 2, and 'first' is not one "
+                        "of its indexes"), "use an index from 0 to 1"),
+        (COMMAND_LINE, "cannot set 'data.seq_len.0': 'data.seq_len' is a value, not a section",
+         "set data.seq_len=... instead")]
+
+
 def test_an_unknown_section_made_by_an_override_is_reported_at_the_command_line(tmp_path):
     recipe = write(tmp_path / "r.yaml", BASE)
     problems = problems_of(lambda: load_recipe(recipe, ["nonexistent.key=1", "model.nothing.deeper=2"]))
