@@ -3,7 +3,8 @@
 A chat template renders in Python, one conversation at a time, so tokenising chat or instruction data used one core
 (audit 20: 1.3-2.4 MB/s, about 100 % CPU, on a machine with more). `map_batches` hands the batches to forked worker
 processes, one per core up to MAX_WORKERS, and yields their results in order, so the samples, their order and the
-problems found are those of one process. The workers inherit what encodes (the tokenizer and the template) from the
+problems found are those of one process, reading the batches only a few ahead of the one it yields, so a stream of
+records is never all in memory. The workers inherit what encodes (the tokenizer and the template) from the
 fork, so only the batches and their results cross between processes; they ignore Ctrl-C, which the command handles
 (the pool is ended with it), and end quietly on SIGTERM, which they also get when the command dies (_start_worker).
 Few batches, one core, or no fork (Windows) mean this process does the work.
@@ -15,7 +16,8 @@ import ctypes
 import multiprocessing
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 Batch = TypeVar("Batch")
@@ -24,6 +26,7 @@ Result = TypeVar("Result")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 MAX_WORKERS = 16
 MIN_BATCHES = 8  # with fewer, starting the workers costs more than they save
+LOOKAHEAD = 4  # batches handed to the pool per worker before the first of them is waited for
 _work: Callable | None = None  # what the forked workers call: set before the fork
 
 
@@ -35,12 +38,15 @@ def worker_count(batches: int) -> int:
     return max(1, min(cores, MAX_WORKERS, batches))
 
 
-def map_batches(work: Callable[[Batch], Result], batches: list[Batch]) -> Iterator[Result]:
-    """work(batch) for each batch, in order, in forked workers when worker_count says so."""
+def map_batches(work: Callable[[Batch], Result], batches: Iterable[Batch], count: int
+                ) -> Iterator[tuple[Batch, Result]]:
+    """(batch, work(batch)) for each of the `count` batches, in order, in forked workers when worker_count says so.
+    `batches` is read as the workers take them, at most LOOKAHEAD per worker ahead of the one yielded, so a
+    stream of batches is never all in memory."""
     global _work
-    workers = worker_count(len(batches))
+    workers = worker_count(count)
     if workers == 1:
-        yield from map(work, batches)
+        yield from ((batch, work(batch)) for batch in batches)
         return
     _work = work
     # The tokenizers library warns in every forked child once its threads have run, unless the setting is explicit.
@@ -50,8 +56,16 @@ def map_batches(work: Callable[[Batch], Result], batches: list[Batch]) -> Iterat
         pool = multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker, initargs=(os.getpid(),))
     finally:
         _restore("TOKENIZERS_PARALLELISM", parallelism)
+    pending: deque = deque()  # (batch, its AsyncResult), in order
     try:
-        yield from pool.imap(_call, batches)
+        for batch in batches:
+            pending.append((batch, pool.apply_async(_call, (batch,))))
+            if len(pending) >= LOOKAHEAD * workers:
+                batch, result = pending.popleft()
+                yield batch, result.get()
+        while pending:
+            batch, result = pending.popleft()
+            yield batch, result.get()
         pool.close()
     finally:
         pool.terminate()

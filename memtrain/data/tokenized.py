@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -166,7 +168,10 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
                 raise
             return line, None
 
-    located = _collect(spec, convert)
+    # Two reads: the first checks every record and keeps none, so a bad field anywhere is said before any
+    # tokenising; the second streams batches to the encoders, so the parsed records (ten times the file's
+    # bytes as Python objects: audit 20 F3) are never all in memory at once.
+    records = _check(spec, convert)
     dtype = token_dtype(encoder.tokenizer)
     out: list[Piece] = []
     unwritten: dict[str, list[int]] = {}
@@ -174,12 +179,12 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
     skipped: list[int] = []
     problems = FileProblems(spec.path)
     what = f"tokenising {Path(spec.path).name}"
-    batches = [located[start:start + BATCH_RECORDS] for start in range(0, len(located), BATCH_RECORDS)]
-    kept = [[messages for _, messages in batch if messages is not None] for batch in batches]
+    batches = _batched(_converted(spec, convert, problems), BATCH_RECORDS)
     done = 0
-    report(what, done, len(located))
-    with contextlib.closing(map_batches(encoder.encode_many, kept)) as encoded_batches:  # a stop ends the workers
-        for batch, encoded in zip(batches, encoded_batches):
+    report(what, done, records)
+    with contextlib.closing(map_batches(lambda batch: encoder.encode_many([m for _, m in batch if m is not None]),
+                                        batches, -(-records // BATCH_RECORDS))) as encoded_batches:
+        for batch, encoded in encoded_batches:  # closing: a stop ends the workers
             results = iter(encoded)
             for line, messages in batch:
                 if messages is None:  # an empty sample: sample i stays record i (mixture.held_out_records)
@@ -197,8 +202,8 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
                 if messages[-1]["role"] != "assistant":
                     _count(trailing, line)
             done += len(batch)
-            report(what, done, len(located))
-            if problems.full and done < len(located):  # said now, not after tokenising the rest (minutes for large data)
+            report(what, done, records)
+            if problems.full and done < records:  # said now, not after tokenising the rest (minutes for large data)
                 problems.stop_after(batch[-1][0])
                 break
     problems.raise_if_any()
@@ -210,20 +215,42 @@ def _count(noted: list[int], line: int) -> None:
     noted[:] = [noted[0] + 1, noted[1]] if noted else [1, line]
 
 
-def _collect(spec: DatasetSpec, convert) -> list:
-    """convert(record, line) for every record; the problems of bad records and of the file's lines (invalid
-    JSON) raised together, in line order."""
-    out, problems = [], FileProblems(spec.path)
+def _converted(spec: DatasetSpec, convert, problems: FileProblems) -> Iterator:
+    """convert(record, line) for each record it converts; the problems of the others and of the file's lines
+    (invalid JSON, a damaged file) added to `problems`."""
     try:
         for line, record in read_records(spec.path, spec.split, problems):
             try:
-                out.append(convert(record, line))
+                converted = convert(record, line)
             except DataError as err:
                 problems.add(*err.problems)
+                continue
+            yield converted
     except DataError as err:  # the file could not be read on (damaged): said after what came before it
         problems.add(*err.problems)
+
+
+def _collect(spec: DatasetSpec, convert) -> list:
+    """convert(record, line) for every record; the problems of bad records and of the file's lines (invalid
+    JSON) raised together, in line order."""
+    problems = FileProblems(spec.path)
+    out = list(_converted(spec, convert, problems))
     problems.raise_if_any()
     return out
+
+
+def _check(spec: DatasetSpec, convert) -> int:
+    """How many records there are, each converted and let go; problems raised as `_collect` raises them."""
+    problems = FileProblems(spec.path)
+    records = sum(1 for _ in _converted(spec, convert, problems))
+    problems.raise_if_any()
+    return records
+
+
+def _batched(items: Iterator, size: int) -> Iterator[list]:
+    """Lists of `size` items (the last may be shorter), read from `items` as they are asked for."""
+    while batch := list(itertools.islice(items, size)):
+        yield batch
 
 
 # ---------------------------------------------------------------- cache

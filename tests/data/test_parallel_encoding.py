@@ -95,6 +95,25 @@ def test_tokenising_stops_once_ten_problems_are_found(chat_tokenizer, make_data,
         assert len(encoded) == 6
 
 
+@pytest.mark.parametrize("min_batches", [10**9, 1], ids=["one process", "workers"])
+def test_batches_are_read_a_few_ahead_of_the_one_yielded(monkeypatch, min_batches):
+    """Audit 20 F3: every parsed record was held before the first was encoded (ten times the file's bytes)."""
+    monkeypatch.setattr(parallel, "MIN_BATCHES", min_batches)
+    monkeypatch.setattr(parallel, "MAX_WORKERS", 2)
+    drawn = []
+
+    def batches():
+        for i in range(100):
+            drawn.append(i)
+            yield [i, i + 1]
+
+    results = parallel.map_batches(sum, batches(), 100)
+    assert next(results) == ([0, 1], 1)
+    workers = parallel.worker_count(100)
+    assert len(drawn) == (1 if workers == 1 else parallel.LOOKAHEAD * workers)
+    assert list(results) == [([i, i + 1], 2 * i + 1) for i in range(1, 100)]
+
+
 CHILD = """
 import signal, sys, time
 from memtrain.data import parallel
@@ -106,7 +125,7 @@ def slow(batch):
     time.sleep(0.3)
     return batch
 try:
-    for result in parallel.map_batches(slow, list(range(200))):
+    for _, result in parallel.map_batches(slow, iter(range(200)), 200):
         print("result", result, flush=True)
 except KeyboardInterrupt:
     print("stopped", flush=True)
