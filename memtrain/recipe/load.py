@@ -261,36 +261,42 @@ def apply_overrides(data: dict, overrides: list[str], sources: Sources) -> tuple
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw  # not YAML: take it as the literal text the user typed
-        node = data
-        for depth, part in enumerate(parts):
-            prefix = ".".join(parts[:depth])
-            if isinstance(node, list):  # a list's item by its index: data.train.0.path=...
-                if not (part.isdigit() and int(part) < len(node)):
-                    problems.append(Problem(f"cannot set '{key}': '{prefix}' is a list of {len(node)}, and "
-                                            f"'{part}' is not one of its indexes", key=key, file=COMMAND_LINE,
-                                            hint=f"use an index from 0 to {len(node) - 1}" if node else
-                                            f"set {prefix}=[...] instead"))
-                    break
-                part = int(part)
-            elif not isinstance(node, dict):
-                problems.append(Problem(f"cannot set '{key}': '{prefix}' is a value, not a section",
-                                        key=key, file=COMMAND_LINE, hint=f"set {prefix}=... instead"))
-                break
-            if depth == len(parts) - 1:
-                node[part] = value
-                sources.forget_below(tuple(parts))
-                sources.origin[tuple(parts)] = (COMMAND_LINE, None)
-                if isinstance(node, dict):
-                    _drop_replaced_choice(node, tuple(parts), value, sources)
-            elif isinstance(node, dict) and node.get(part) is None:
-                node[part] = {}
-                node = node[part]
-                # a section the override brings into being is the command line's: an error about it
-                # (nonexistent.key=1: 'nonexistent' is unknown) points there, not at the recipe file
-                sources.origin.setdefault(tuple(parts[: depth + 1]), (COMMAND_LINE, None))
-            else:
-                node = node[part]
+        problem = _set(data, key, value, sources)
+        if problem is not None:
+            problems.append(problem)
     return data, problems
+
+
+def _set(data: dict, key: str, value: object, sources: Sources) -> Problem | None:
+    """data[key path] = value, sections the path names made as needed; the problem when the path cannot be set."""
+    parts = key.split(".")
+    node = data
+    for depth, part in enumerate(parts):
+        prefix = ".".join(parts[:depth])
+        if isinstance(node, list):  # a list's item by its index: data.train.0.path=...
+            if not (part.isdigit() and int(part) < len(node)):
+                return Problem(f"cannot set '{key}': '{prefix}' is a list of {len(node)}, and '{part}' is not one of "
+                               "its indexes", key=key, file=COMMAND_LINE,
+                               hint=f"use an index from 0 to {len(node) - 1}" if node else f"set {prefix}=[...] instead")
+            part = int(part)
+        elif not isinstance(node, dict):
+            return Problem(f"cannot set '{key}': '{prefix}' is a value, not a section", key=key, file=COMMAND_LINE,
+                           hint=f"set {prefix}=... instead")
+        if depth == len(parts) - 1:
+            node[part] = value
+            sources.forget_below(tuple(parts))
+            sources.origin[tuple(parts)] = (COMMAND_LINE, None)
+            if isinstance(node, dict):
+                _drop_replaced_choice(node, tuple(parts), value, sources)
+        elif isinstance(node, dict) and node.get(part) is None:
+            node[part] = {}
+            node = node[part]
+            # a section the override brings into being is the command line's: an error about it
+            # (nonexistent.key=1: 'nonexistent' is unknown) points there, not at the recipe file
+            sources.origin.setdefault(tuple(parts[: depth + 1]), (COMMAND_LINE, None))
+        else:
+            node = node[part]
+    return None
 
 
 # Keys of which a recipe gives one: an override of one replaces the other where the recipe file set it
