@@ -33,7 +33,8 @@ JSON Schema for editor completion.
 - **relative paths**: the files a recipe reads (`model.path`, `model.tokenizer`, `data.train`,
   `data.validation` and each dataset's `path`) are relative to the recipe file that names them, as
   `extends` is, so a recipe runs the same from any directory; on the command line they are relative to
-  the working directory. What a run writes (`train.output_dir`, `data.cache_dir`, `hardware.nvme_path`)
+  the working directory. The run records them absolute, so `memtrain eval` and `export` find them from any
+  directory. What a run writes (`train.output_dir`, `data.cache_dir`, `hardware.nvme_path`)
   is relative to the working directory.
 - **overrides**: any key can be set on the command line after the recipe as `key.path=value`, with the
   value written as YAML: `memtrain run recipe.yaml batch.micro_batch=2 precision.fp32_modules=[lm_head]`. A number

@@ -7,6 +7,7 @@ Nothing here prints.
 """
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -232,14 +233,30 @@ def is_relative_path(value) -> bool:
 
 
 def resolve_input_paths(data: dict, sources: Sources) -> None:
-    """Make every relative input path (see `input_paths`) absolute against the directory of the recipe file
-    that wrote it (the recipe, or a file it extends), as `extends:` is; one given on the command line is
-    relative to the working directory, where it was typed, and is left as it is. A recipe then runs the
-    same from any directory."""
+    """Make every relative input path (see `input_paths`) absolute: against the directory of the recipe file
+    that wrote it (the recipe, or a file it extends), as `extends:` is, and one given on the command line
+    against the working directory, where it was typed. A recipe then runs the same from any directory, and the
+    run's record names the files it read, wherever `eval` or `export` runs later (audit 21: a path typed
+    relative was recorded as typed, so `memtrain eval RUN_DIR` from another directory could not find it)."""
     for holder, key, path in input_paths(data):
         file, _ = sources.where(path)
-        if is_relative_path(holder.get(key)) and file != COMMAND_LINE and Path(file).is_file():
+        if not is_relative_path(holder.get(key)):
+            continue
+        if file == COMMAND_LINE:
+            holder[key] = os.path.abspath(holder[key])
+        elif Path(file).is_file():
             holder[key] = os.path.abspath(os.path.join(Path(file).parent, holder[key]))
+
+
+def absolute_input_paths(recipe: dict) -> dict:
+    """A copy of a recipe as JSON with its relative input paths made absolute against the working directory: a
+    run recorded before `resolve_input_paths` resolved command-line paths kept those as typed, relative to where
+    it started (where it resumes), and compares with today's recipe this way."""
+    recipe = copy.deepcopy(recipe)
+    for holder, key, _ in input_paths(recipe):
+        if is_relative_path(holder.get(key)):
+            holder[key] = os.path.abspath(holder[key])
+    return recipe
 
 
 def apply_overrides(data: dict, overrides: list[str], sources: Sources) -> tuple[dict, list[Problem]]:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from memtrain.data.identity import TRAIN_KEY
 from memtrain.errors import Problem, UserError
+from memtrain.recipe.load import absolute_input_paths
 from memtrain.recipe.schema import Recipe
 from memtrain.train.checkpoint import STATE_FILE, LoopState, latest_checkpoint
 from memtrain.train.run import RUN_FILE, ResolvedRun, RunOptions
@@ -102,11 +103,13 @@ def differences(old: dict, new: dict) -> tuple[list[Change], list[Change]]:
 
 
 def recorded_recipe(checkpoint: Path) -> dict:
-    """The recipe a checkpoint was trained with ({} when it predates the record)."""
+    """The recipe a checkpoint was trained with ({} when it predates the record), its input paths absolute as
+    today's recipe has them (`absolute_input_paths`)."""
     try:
-        return json.loads((checkpoint / STATE_FILE).read_text()).get("recipe") or {}
+        recipe = json.loads((checkpoint / STATE_FILE).read_text()).get("recipe") or {}
     except (OSError, ValueError):
         return {}
+    return absolute_input_paths(recipe) if isinstance(recipe, dict) else {}
 
 
 def recorded_data_fingerprint(run_dir: Path) -> dict[str, str] | None:

@@ -287,7 +287,7 @@ def test_input_paths_are_relative_to_the_file_that_names_them(tmp_path, monkeypa
     assert model.path == str(tmp_path / "models" / "m")            # from base.yaml: relative to it
     assert model.tokenizer == str(tmp_path / "recipes" / "tok")     # from child.yaml: relative to it
     assert data.validation[0].path == "/abs/v.jsonl"
-    assert data.train[0].path == "mine.jsonl"                       # typed on the command line: the working directory's
+    assert data.train[0].path == str(tmp_path / "elsewhere" / "mine.jsonl")  # typed: the working directory's
     assert data.cache_dir == "cache" and loaded.recipe.train.output_dir == "runs/x"  # outputs: where the run starts
     kept = load_recipe(Path("..") / "recipes" / "child.yaml", check=False).recipe.data
     assert [d.path for d in kept.train] == [str(tmp_path / "data" / "a.jsonl"), "builtin:chat"]

@@ -164,3 +164,21 @@ def test_a_recipe_that_names_other_data_is_left_to_the_recipe_comparison(tmp_pat
     refuse_changed_files(run.run_dir, RunOptions(), changed, data_files(changed.data))  # not this check's to say
     said = refusal(resolved(changed))
     assert "data.validation" in said and "no longer holds the bytes" not in said
+
+
+def test_a_path_recorded_as_typed_resumes_as_the_same_file(tmp_path, monkeypatch):
+    """Before audit 21 a data path typed relative on the command line was recorded as typed; today's recipe has it
+    absolute (so `eval` finds it from any directory). Resuming from where the run started is no recipe change."""
+    monkeypatch.chdir(tmp_path)
+    run = resolved(chat_recipe(tmp_path))
+    recorded = recipe_json(run.recipe)
+    recorded["data"]["train"][0]["path"] = "train.jsonl"
+    checkpoint = checkpoint_root(run.run_dir) / "step-000003"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / STATE_FILE).write_text(json.dumps({"step": 3, "recipe": recorded}))
+    run.save()
+    assert check_resume(run, RunOptions()).step == 3
+    recorded["data"]["train"][0]["path"] = "other.jsonl"  # another file: a change, as before
+    (checkpoint / STATE_FILE).write_text(json.dumps({"step": 3, "recipe": recorded}))
+    said = refusal(run)
+    assert said.startswith("data.train: changed since the checkpoint") and str(tmp_path / "other.jsonl") in said
