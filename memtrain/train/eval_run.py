@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from memtrain.data.dataset import build_datasets
+from memtrain.data.identity import TRAIN_KEY, VALIDATION_KEY, data_files
 from memtrain.data.loader import BatchLoader
 from memtrain.data.prompts import has_answers, held_out_prompts
 from memtrain.dtypes import DTYPES
@@ -35,6 +36,7 @@ from memtrain.train.generate_eval import (
     stop_token_ids,
 )
 from memtrain.train.loop import evaluate
+from memtrain.train.resume import named_files, recorded_data_files
 from memtrain.train.run import RUN_FILE, ResolvedRun, eval_batch_samples
 
 TEXT_ONLY_NOTE = ("the run's held-out data is text, which has no answers to check: exact match needs completion, "
@@ -82,6 +84,7 @@ def evaluate_run(run_dir: Path, *, limit: int | None = None, keep_samples: int =
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # bf16 matmuls are slow on a CPU, and scoring needs no memory saving there
     dtype = DTYPES[recipe.precision.compute] if device.type == "cuda" else torch.float32
+    _refuse_changed_held_out(run_dir, recipe)
     tokenizer = _tokenizer(final)
     model = _model(final, recipe, run_dir, dtype).to(device)
     _, val_set = build_datasets(recipe.data, tokenizer, recipe.train.seed)
@@ -110,6 +113,21 @@ def _run_settings(run_dir: Path) -> tuple[Recipe, int, int]:
         raise UserError(Problem(f"cannot read the run's settings {path}: {str(error).splitlines()[0]}",
                                 hint="the run directory must be one `memtrain run` wrote")) from None
     return run.recipe, run.eval_samples, run.micro_batch
+
+
+def _refuse_changed_held_out(run_dir: Path, recipe: Recipe) -> None:
+    """The held-out records are found again from the files the run read: its validation files, or the tail of its
+    training files. Files with other bytes than the run recorded would be scored as held out when they are not
+    (audit 21: a shuffled training file put trained records in the tail, and the score rose without a word)."""
+    key = TRAIN_KEY if recipe.data.validation is None else VALIDATION_KEY
+    recorded = (recorded_data_files(run_dir) or {}).get(key)
+    if recorded is None:
+        return  # a run.json from before session 20: nothing to compare with
+    if data_files(recipe.data).get(key) != recorded:
+        raise UserError(Problem(
+            f"{named_files(key, recipe)} no longer holds the bytes the run was trained on, so the records it holds "
+            "out are not the ones the run held out", key=key,
+            hint="put back the data files the run was trained on to score it"))
 
 
 def _tokenizer(final: Path) -> PreTrainedTokenizerBase:

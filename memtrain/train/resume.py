@@ -112,6 +112,12 @@ def recorded_recipe(checkpoint: Path) -> dict:
     return absolute_input_paths(recipe) if isinstance(recipe, dict) else {}
 
 
+def recorded_data_files(run_dir: Path) -> dict[str, list[str]] | None:
+    """The fingerprints of the data files the run in `run_dir` read (identity.data_files); None when its run.json
+    has none (written before session 20)."""
+    return _recorded(run_dir, "data_files")
+
+
 def recorded_data_fingerprint(run_dir: Path) -> dict[str, str] | None:
     """The data fingerprint of the run in `run_dir` (see the module doc); None when its run.json has none."""
     return _recorded(run_dir, "data_fingerprint")
@@ -131,7 +137,7 @@ def changed_data_keys(old: dict, new: dict) -> list[str]:
     return [key for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
 
 
-def _named_files(key: str, recipe: Recipe) -> str:
+def named_files(key: str, recipe: Recipe) -> str:
     """The files a data key of the recipe lists, for messages."""
     named = recipe.data.train if key == TRAIN_KEY else recipe.data.validation
     return ", ".join([named] if isinstance(named, str) else [spec.path for spec in named or []]) or key
@@ -139,7 +145,7 @@ def _named_files(key: str, recipe: Recipe) -> str:
 
 def data_problem(key: str, run: ResolvedRun, other_changes: bool) -> Problem:
     """A data key whose samples changed since the checkpoint, named by the files it lists."""
-    files = _named_files(key, run.recipe)
+    files = named_files(key, run.recipe)
     causes = ["a file's contents changed", "the tokenizer or its chat template changed (model.path, model.tokenizer)",
               "memtrain now tokenises this data otherwise (chat data, after an upgrade)"]
     if other_changes:
@@ -194,14 +200,14 @@ def refuse_changed_files(run_dir: Path, options: RunOptions, recipe: Recipe, fil
     old, new = recorded_recipe(checkpoint).get("data") or {}, recipe_json(recipe)["data"]
     if any(old.get(key) != new.get(key) for key in ("train", "validation", "format", "field")):
         return  # the recipe names other data: check_resume says what changed in it, not that bytes did
-    recorded = _recorded(run_dir, "data_files")
+    recorded = recorded_data_files(run_dir)
     changed = changed_data_keys(recorded, files) if recorded is not None else []
     if changed:
         raise UserError([*(_changed_files_problem(key, recipe) for key in changed), _cannot_resume(checkpoint)])
 
 
 def _changed_files_problem(key: str, recipe: Recipe) -> Problem:
-    return Problem(f"changed since the checkpoint: {_named_files(key, recipe)} no longer holds the bytes the "
+    return Problem(f"changed since the checkpoint: {named_files(key, recipe)} no longer holds the bytes the "
                    "checkpoint was trained on", key=key,
                    hint="put back the data files the run was trained on to resume it")
 

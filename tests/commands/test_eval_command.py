@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from memtrain.cli import app
 from memtrain.commands.eval import eval_command
+from memtrain.data.identity import data_files
 from memtrain.data.tokenizer import load_tokenizer
 from memtrain.errors import UserError
 from memtrain.model.config import model_config
@@ -40,7 +41,8 @@ def make_run(root: Path, data: dict, cache: Path, final: bool = True) -> Path:
                                     "train": {"steps": 1, "eval_batches": 2}})
     run_dir.mkdir(parents=True)
     ResolvedRun(name="run", recipe=recipe, run_dir=run_dir, recipe_micro_batch=4, micro_batch=4, total_steps=1,
-                exact_pinned=True, plan_peak_reserved_bytes=None, planner_prior=None).save()
+                exact_pinned=True, plan_peak_reserved_bytes=None, planner_prior=None,
+                data_files=data_files(recipe.data)).save()
     if final:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(model_config(model)).save_pretrained(run_dir / "final")
@@ -81,6 +83,25 @@ def test_the_table_shows_exact_match_and_samples(tmp_path, cache):
     eval_command(make_run(tmp_path, CHAT_DATA, cache), as_json=False, samples=1, limit=3, console=Console(file=out, width=200))
     text = out.getvalue()
     assert "exact match" in text and "0.000 (0/3 held-out answers)" in text and "first letter of 'sound'" in text
+
+
+def test_held_out_data_with_other_bytes_is_refused_not_scored(tmp_path, cache):
+    """Audit 21: the training file whose tail is held out, shuffled after the run, put trained records among the
+    held-out ones, and eval scored them without a word."""
+    path = tmp_path / "chat.jsonl"
+    records = [json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus 1?"},
+                                        {"role": "assistant", "content": str(i + 1)}]}) for i in range(200)]
+    path.write_text("\n".join(records) + "\n")
+    run_dir = make_run(tmp_path, {"train": [{"path": str(path), "type": "chat"}], "template": "chatml",
+                                  "seq_len": 64}, cache)
+    assert eval_json(run_dir, limit=2)["total"] == 2
+    path.write_text("\n".join(reversed(records)) + "\n")
+    with pytest.raises(UserError) as refused:
+        eval_json(run_dir, limit=2)
+    [problem] = refused.value.problems
+    assert problem.key == "data.train" and problem.message == (
+        f"{path} no longer holds the bytes the run was trained on, so the records it holds out are not the ones the "
+        "run held out")
 
 
 def test_bad_inputs_are_user_errors(tmp_path, cache):
