@@ -63,8 +63,7 @@ def report_user_errors(command):
             raise typer.Exit(code=exit_code(signum)) from None
         except UserError as error:
             kind = type(error).__name__.replace("Error", " error").lower()
-            count = len(error.problems)
-            err_console.print(f"[bold red]{kind}[/]: {count} problem{'s' if count != 1 else ''}", highlight=False)
+            err_console.print(f"[bold red]{kind}[/]: {error.count}", highlight=False)
             for problem in error.problems:
                 err_console.print(f"  [red]✗[/] {escape(problem.format())}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=error.exit_code) from None

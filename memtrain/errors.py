@@ -43,12 +43,14 @@ class UserError(Exception):
 
     exit_code = 2
 
-    def __init__(self, problems: list[Problem] | Problem | str):
+    def __init__(self, problems: list[Problem] | Problem | str, count: str | None = None):
         if isinstance(problems, str):
             problems = [Problem(problems)]
         elif isinstance(problems, Problem):
             problems = [problems]
         self.problems: list[Problem] = list(problems)
+        # how many problems there are, for the headline, where the list holds only the first and a line for the rest
+        self.count = count or f"{len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}"
         super().__init__("\n".join(p.format() for p in self.problems))
 
 

@@ -149,8 +149,14 @@ def _chat_field(record: dict, spec: DatasetSpec, where: _Where) -> tuple[str, st
     if present:
         return present[0], spec.chat_format
     fields = ", ".join(record) or "none"
+    kind = next((kind for kind, wanted in _OTHER_TYPES.items() if all(record.get(f) is not None for f in wanted)), None)
     raise where.fail(f"no field {' or '.join(repr(c) for c in candidates)}; fields here: {fields}", candidates[0],
+                     f"these look like {kind} records: set the dataset's type: {kind}" if kind else
                      "set the dataset's messages_field to the field that holds the list of messages")
+
+
+# The default fields of the other record types: a chat dataset whose records have them is of that type (audit 21).
+_OTHER_TYPES = {"instruction": ("instruction", "output"), "completion": ("prompt", "completion")}
 
 
 def _message(turn: object, key: str, layout: str, role_names: dict[str, str], where: _Where) -> Message:

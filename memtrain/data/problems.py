@@ -46,6 +46,11 @@ class FileProblems:
         if not self.kept:
             return
         problems = sorted(self.kept, key=lambda p: p.line if p.line is not None else 0)
+        total = len(self.kept) + self.more
+        count = None  # the headline's: the problems listed, unless there are more (audit 21: "11 problems" for 400)
+        if self.more or self.stopped_after is not None:
+            count = f"{'at least ' if self.stopped_after is not None else ''}{total} problems, the first " \
+                    f"{len(self.kept)} listed"
         if self.stopped_after is not None:
             found = f"{self.more} more problem{'s' if self.more != 1 else ''} up to there, " if self.more else ""
             problems.append(Problem(f"… checking stopped after line {self.stopped_after} ({found}the lines after it "
@@ -54,4 +59,4 @@ class FileProblems:
         elif self.more:
             problems.append(Problem(f"… and {self.more} more problem{'s' if self.more != 1 else ''} in this file",
                                     file=self.spec, hint="fix the ones above, then check again for the rest"))
-        raise DataError(problems)
+        raise DataError(problems, count)

@@ -90,7 +90,7 @@ def test_tokenising_stops_once_ten_problems_are_found(chat_tokenizer, make_data,
     # the tenth is record 86, in the sixth batch (records 80-95): checking stops after that batch's last line
     assert problems[10].message == "… checking stopped after line 96 (1 more problem up to there, the lines after " \
                                    "it were not checked)"
-    assert len(problems) == 11
+    assert len(problems) == 11 and err.value.count == "at least 11 problems, the first 10 listed"
     if min_batches > 1:  # in this process: the batches after it were never encoded (workers may run ahead)
         assert len(encoded) == 6
 

@@ -161,11 +161,21 @@ def test_past_ten_problems_the_first_ten_in_file_order_and_a_count_of_the_rest(c
     problems past the tenth are counted rather than silently dropped."""
     lines = [GOOD, GOOD, '{"messages": [', *[GOOD] * 20, *[{"turns": []}] * 12, GOOD]  # line 3; lines 24-35
     path = write_jsonl("bad.jsonl", lines)
-    problems = problems_of(make_data(train=[{"path": path, "type": "chat"}]), chat_tokenizer)
+    with pytest.raises(DataError) as err:
+        build_datasets(make_data(train=[{"path": path, "type": "chat"}]), chat_tokenizer, seed=0)
+    problems = err.value.problems
     assert [p.line for p in problems[:10]] == [3, *range(24, 33)]
     assert "invalid JSON" in problems[0].message
     assert problems[10].message == "… and 3 more problems in this file" and problems[10].file == path
     assert len(problems) == 11
+    assert err.value.count == "13 problems, the first 10 listed"  # the headline said "11 problems" (audit 21)
+
+
+def test_instruction_records_read_as_chat_say_which_type_they_are(chat_tokenizer, write_jsonl, make_data):
+    path = write_jsonl("alpaca.jsonl", [{"instruction": "Add 1 and 2.", "input": "", "output": "3"}])
+    [problem] = problems_of(make_data(train=[{"path": path, "type": "chat"}]), chat_tokenizer)
+    assert problem.message == "no field 'messages' or 'conversations'; fields here: instruction, input, output"
+    assert problem.hint == "these look like instruction records: set the dataset's type: instruction"
 
 
 def test_a_text_jsonl_with_many_bad_lines_counts_those_past_the_tenth(text_tokenizer, write_jsonl, make_data):
