@@ -13,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from memtrain.errors import Problem, UserError
 from memtrain.files import write_atomically
 from memtrain.model.compiled import resolve_compile
 from memtrain.model.kernels import KernelSupport, resolve_kernels
@@ -129,10 +130,18 @@ def max_steps_left(stop_at: int | None, resume_step: int) -> int | None:
 
 
 def total_steps(recipe: Recipe, n_train_samples: int) -> int:
-    """train.steps, or the optimizer steps of train.epochs over the training samples."""
+    """train.steps, or the optimizer steps of train.epochs over the training samples. A warmup longer than the
+    run is refused, as the recipe's rules refuse one longer than train.steps (audit 21: with train.epochs it was
+    cut to the run's length, and the schedule's decay never came)."""
     if recipe.train.steps is not None:
         return recipe.train.steps
-    return max(1, math.ceil(recipe.train.epochs * n_train_samples / recipe.batch.global_batch))
+    steps = max(1, math.ceil(recipe.train.epochs * n_train_samples / recipe.batch.global_batch))
+    if recipe.schedule.warmup_steps > steps:
+        raise UserError(Problem(
+            f"warmup of {recipe.schedule.warmup_steps} steps is longer than the whole run ({steps} steps: "
+            f"train.epochs {recipe.train.epochs:g} of {n_train_samples} samples in batches of "
+            f"{recipe.batch.global_batch})", key="schedule.warmup_steps", hint=f"use at most {steps} warmup steps"))
+    return steps
 
 
 def resolve_micro_batch_of(recipe: Recipe, exact_pinned: bool) -> int:
