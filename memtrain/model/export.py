@@ -58,8 +58,13 @@ def final_model_dir(run_dir: Path) -> Path:
         checkpoints = sorted(p.name for p in run_dir.glob("checkpoints/step-*") if p.is_dir())
         state = (f"it has checkpoints ({', '.join(checkpoints[-2:])}) but the run did not finish"
                  if checkpoints else "the run did not finish, or this is not a run directory")
+        hint = "resume the run with `memtrain run RECIPE` until it ends; it writes final/ at the end"
+        last = checkpoints[-1].removeprefix("step-") if checkpoints else ""
+        if last.isdigit():  # an interrupted run can end where it stopped (audit 21: users export a checkpoint)
+            hint += (f", or end it at its last checkpoint now: `memtrain run RECIPE train.steps={int(last)}` writes "
+                     "final/ from it without training more")
         raise UserError(Problem(f"'{run_dir}' has no final model (final/ with a model or adapter): {state}",
-                                hint="resume the run with `memtrain run RECIPE` until it ends; it writes final/ at the end"))
+                                hint=hint))
     return final
 
 
