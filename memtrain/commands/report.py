@@ -45,6 +45,7 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
     table.add_row("final train loss", _number(summary["final_loss"], "{:.4f}", f" (step {summary['final_loss_step']})"))
     table.add_row("best validation perplexity",
                   _number(summary["best_eval_perplexity"], "{:.3f}", f" (step {summary['best_eval_step']})"))
+    table.add_row("held-out exact match", _exact_match(summary))
     table.add_row("peak GPU reserved", _peak_vs_plan(summary))
     table.add_row("peak host RSS", _gib(summary["peak_host_rss_bytes"]))
     table.add_row("micro-batch", f"{summary['final_micro_batch']} ({summary['batch_changes']} changes)"
@@ -61,6 +62,16 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
         console.print(f"[yellow]skipped {summary['unreadable_lines']} unreadable line(s) (a killed run's last write)[/]")
     if summary.get("plots"):
         console.print("plots: " + ", ".join(summary["plots"]), highlight=False, soft_wrap=True)
+
+
+def _exact_match(summary: dict[str, Any]) -> str:
+    """The first and last generation scores (train.eval_generate): what the training did to the answers."""
+    if summary["final_exact_match"] is None:
+        return "- (train.eval_generate is off, or the data has no answers)"
+    final = f"{summary['final_exact_match']:.3f} at step {summary['final_exact_match_step']}"
+    if summary["first_exact_match_step"] != summary["final_exact_match_step"]:
+        final = f"{summary['first_exact_match']:.3f} at step {summary['first_exact_match_step']} → {final}"
+    return final + (f" ({summary['exact_match_answers']} answers)" if summary["exact_match_answers"] else "")
 
 
 def _peak_vs_plan(summary: dict[str, Any]) -> str:

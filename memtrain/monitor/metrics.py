@@ -19,6 +19,7 @@ import torch
 from memtrain.monitor.tensorboard import TensorBoardWriter, open_tensorboard
 
 METRICS_FILE = "metrics.jsonl"
+GENERATION_KIND = "generation"  # the record of a generation evaluation (train/generate_eval.py): exact match
 
 
 class MetricsLog:

@@ -9,7 +9,7 @@ from statistics import median
 from typing import Any
 
 from memtrain.errors import Problem, UserError
-from memtrain.monitor.metrics import METRICS_FILE, read_metrics_counted
+from memtrain.monitor.metrics import GENERATION_KIND, METRICS_FILE, read_metrics_counted
 from memtrain.monitor.series import is_start, series, steady_speeds
 
 MEMORY_VIEWER_URL = "https://pytorch.org/memory_viz"
@@ -49,6 +49,8 @@ def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int 
     peak_reserved = _max_positive(records, "train", ("gpu_peak_reserved_bytes", "gpu_reserved_bytes"))
     ooms = [r for r in records if r["kind"] == "oom"]
     startup = next((r for r in reversed(records) if r["kind"] == "startup"), None)  # the latest start's
+    match_steps, matches = series(records, GENERATION_KIND, "exact_match")  # train.eval_generate's scores
+    answered = _last_value([r for r in records if r["kind"] == GENERATION_KIND], "total")
     return {
         "run_dir": str(run_dir),
         "name": _last_value(starts, "recipe") or _last_value(starts, "name"),
@@ -65,6 +67,11 @@ def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int 
         "median_tokens_per_s": median(speeds) if speeds else None,
         "best_eval_perplexity": perplexities[best_index] if best_index is not None else None,
         "best_eval_step": ppl_steps[best_index] if best_index is not None else None,
+        "first_exact_match": matches[0] if matches else None,
+        "first_exact_match_step": match_steps[0] if matches else None,
+        "final_exact_match": matches[-1] if matches else None,
+        "final_exact_match_step": match_steps[-1] if matches else None,
+        "exact_match_answers": answered,
         "peak_gpu_reserved_bytes": peak_reserved,
         "peak_gpu_allocated_bytes": _max_positive(records, "train", ("gpu_peak_allocated_bytes", "gpu_allocated_bytes")),
         "plan_peak_reserved_bytes": plan_peak,

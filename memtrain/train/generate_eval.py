@@ -28,9 +28,9 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from memtrain.data.prompts import HeldOutPrompt, held_out_prompts
 from memtrain.data.render import turn_end_id
 from memtrain.data.templates import resolve_template
+from memtrain.monitor.metrics import GENERATION_KIND
 from memtrain.recipe.schema import Recipe
 
-GENERATION_KIND = "generation"   # the metrics.jsonl record kind
 MAX_NEW_TOKENS_MARGIN = 16       # tokens allowed beyond the longest expected answer
 BATCH_SIZE = 16                  # prompts generated together (left-padded)
 SAMPLES_KEPT = 3

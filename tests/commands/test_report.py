@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from memtrain.errors import UserError
-from memtrain.monitor.metrics import MetricsLog, read_metrics
+from memtrain.monitor.metrics import GENERATION_KIND, MetricsLog, read_metrics
 from memtrain.monitor.plots import DPI, FIGURE_SIZE_INCHES, PLOT_FILES
 from memtrain.monitor.series import series, steady_speeds, throughput
 from memtrain.commands.report import report_command
@@ -226,6 +226,22 @@ def test_the_latest_start_up_is_reported_with_its_longest_phases(tiny_run, tmp_p
     assert summary["startup_phases_s"] == {"launch": 7.0, "model": 2.5, "loaders": 7.0, "deepspeed_init": 1.5,
                                            "first_step": 3.0}
     assert "21.0 s (longest: launch 7.0 s, loaders 7.0 s, first step 3.0 s)" in _report(run_dir)
+
+
+def test_the_held_out_exact_match_is_reported_from_its_first_to_its_last_score(tiny_run, tmp_path):
+    """Audit 21: the generation evaluation's records (train.eval_generate) were in metrics.jsonl, not in the report."""
+    run_dir = _copy(tiny_run, tmp_path)
+    [line] = [line for line in _report(run_dir).splitlines() if "held-out exact match" in line]
+    assert summarize(run_dir)["final_exact_match"] is None and "train.eval_generate is off" in line
+    with MetricsLog(run_dir / "metrics.jsonl", flush_every=1) as log:
+        for step, correct in ((0, 0), (4, 1), (8, 1)):
+            log.event(GENERATION_KIND, step, exact_match=correct / 12, correct=correct, total=12, skipped=0,
+                      by_task={}, samples=[])
+    summary = summarize(run_dir)
+    assert (summary["first_exact_match"], summary["first_exact_match_step"]) == (0.0, 0)
+    assert (summary["final_exact_match"], summary["final_exact_match_step"], summary["exact_match_answers"]) == \
+        (pytest.approx(1 / 12), 8, 12)
+    assert "0.000 at step 0 → 0.083 at step 8 (12 answers)" in _report(run_dir)
 
 
 def test_oom_snapshots_are_named_in_the_report(tiny_run, tmp_path):
