@@ -22,6 +22,7 @@ from memtrain.data.loader import BatchLoader, SampleOrder, sample_order
 from memtrain.data.mixture import (
     noted_datasets,
     trailing_turns_warning,
+    unread_system_warning,
     untrainable_records_warning,
     unwritten_messages_warning,
 )
@@ -102,7 +103,8 @@ def build_data(recipe: Recipe) -> RunData:
                 generation_prompt_warning(recipe.data, tokenizer),  # prompts otherwise than it trains,
                 unwritten_messages_warning(recipe.data, tokenizer, noted),  # or leaves messages out,
                 trailing_turns_warning(recipe.data, tokenizer, noted),  # conversations that go on past their answer,
-                untrainable_records_warning(recipe.data, tokenizer, noted))  # records left out with nothing to train on
+                untrainable_records_warning(recipe.data, tokenizer, noted),  # records left out with nothing to train on,
+                unread_system_warning(recipe.data))  # or a system prompt in a field the dataset does not read
     return RunData(tokenizer, train_set, val_set, added, vocab_size, tuple(w for w in warnings if w))
 
 
