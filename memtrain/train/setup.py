@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from memtrain.configs import model_preset, model_preset_names
 from memtrain.data.dataset import build_datasets
 from memtrain.data.loader import BatchLoader, SampleOrder, sample_order
 from memtrain.data.mixture import (
@@ -88,10 +89,15 @@ def build_data(recipe: Recipe) -> RunData:
         check_new_rows_train(recipe, added)
     vocab_size = model_config(recipe.model).vocab_size
     if len(tokenizer) - len(added) > vocab_size:
+        needed = len(tokenizer) - len(added)
+        fitting = sorted((model_preset(name)["vocab_size"], name) for name in model_preset_names()
+                         if model_preset(name).get("vocab_size", 0) >= needed)
+        closest = [name for vocab, name in fitting if vocab == fitting[0][0]][:4] if fitting else []  # least padding
+        presets = f" ({' or '.join(f'model.preset={name}' for name in closest)}: {fitting[0][0]:,})" if closest else ""
         raise DataError(Problem(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab_size}",
             key="model.tokenizer",
-            hint="use the model's own tokenizer, or a preset whose vocab_size is at least the tokenizer's"))
+            hint=f"use the model's own tokenizer, or a preset whose vocab_size is at least the tokenizer's{presets}"))
     train_set, val_set = build_datasets(recipe.data, tokenizer, recipe.train.seed)
     if len(train_set) < recipe.batch.global_batch:
         raise DataError(Problem(
