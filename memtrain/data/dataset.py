@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.cache import cached_documents
-from memtrain.data.mixture import build_rows
+from memtrain.data.mixture import build_rows, validation_rows
 from memtrain.data.rows import DataStats, SampleRows
 from memtrain.errors import DataError, Problem
 from memtrain.labels import IGNORE_INDEX
@@ -121,6 +121,16 @@ def build_datasets(data: Data, tokenizer: PreTrainedTokenizerBase,
         ))
     boundary = n_windows - n_validation
     return windows.select(np.arange(boundary)), windows.select(np.arange(boundary, n_windows))
+
+
+def build_validation(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> TokenWindows | SampleRows:
+    """build_datasets' validation samples; where data.validation names files of its own, data.train's are not read
+    (audit 21: `memtrain eval` of a run failed when its training file had moved, though it scores none of it)."""
+    if data.validation is None:
+        return build_datasets(data, tokenizer, seed)[1]
+    if isinstance(data.train, str):
+        return _windows(data, data.validation, "data.validation", tokenizer)
+    return validation_rows(data, tokenizer, seed)
 
 
 def _windows(data: Data, spec: str, key: str, tokenizer: PreTrainedTokenizerBase) -> TokenWindows:

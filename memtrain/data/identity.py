@@ -29,15 +29,18 @@ TRAIN_KEY = "data.train"
 VALIDATION_KEY = "data.validation"
 
 
-def data_files(data: Data) -> dict[str, list[str]]:
-    """{recipe key: the fingerprint of each file it names}, without building anything: what a resume compares
-    before the data is tokenised again (each fingerprint is remembered per version of its file: file_memo.py)."""
+def data_files(data: Data, keys: tuple[str, ...] = (TRAIN_KEY, VALIDATION_KEY)) -> dict[str, list[str]]:
+    """{recipe key: the fingerprint of each file it names}, of the `keys` asked for, without building anything:
+    what a resume compares before the data is tokenised again (each fingerprint is remembered per version of its
+    file: file_memo.py)."""
     memo = cache_dir_of(data.cache_dir)
     if isinstance(data.train, str):
         return {key: [source_fingerprint(path, data.format, data.field, memo)]
-                for key, path in ((TRAIN_KEY, data.train), (VALIDATION_KEY, data.validation)) if path is not None}
+                for key, path in ((TRAIN_KEY, data.train), (VALIDATION_KEY, data.validation))
+                if path is not None and key in keys}
     return {key: [dataset_fingerprint(spec.path, spec.split, memo) for spec in specs]
-            for key, specs in ((TRAIN_KEY, data.train), (VALIDATION_KEY, data.validation)) if specs is not None}
+            for key, specs in ((TRAIN_KEY, data.train), (VALIDATION_KEY, data.validation))
+            if specs is not None and key in keys}
 
 
 def data_fingerprint(data: Data, train_set, val_set) -> dict[str, str]:

@@ -74,10 +74,11 @@ def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tup
     rules = _sample_rules(data, tokenizer)
     parts = [_prepare(spec, tokenizer, rules, data, "data.train") for spec in data.train]
     if data.validation is not None:
-        held_out = [_prepare(spec, tokenizer, rules, data, "data.validation") for spec in data.validation]
+        validation = validation_rows(data, tokenizer, seed)
     else:
         parts, held_out = zip(*(_split_tail(part, spec, data.validation_fraction, data.seq_len)
                                 for part, spec in zip(parts, data.train)))
+        validation = _rows(list(held_out), data, tokenizer.pad_token_id, seed)
     chosen = [part.take(weighted_indices(len(part.views), spec.weight, seed, i))
               for i, (part, spec) in enumerate(zip(parts, data.train))]
     for i, (part, spec, kept) in enumerate(zip(parts, data.train, chosen)):
@@ -87,8 +88,16 @@ def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tup
                 "= 0 samples: this dataset would take no part in training", key=f"data.train.{i}.weight",
                 file=spec.path, hint=f"raise its weight to at least {0.5 / len(part.views):.2g} (a share of its own "
                                      "samples: 1 uses each once), or leave the dataset out"))
-    return (_rows(chosen, data, tokenizer.pad_token_id, seed),
-            _rows(list(held_out), data, tokenizer.pad_token_id, seed))
+    return _rows(chosen, data, tokenizer.pad_token_id, seed), validation
+
+
+def validation_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> SampleRows:
+    """build_rows' validation rows where data.validation names datasets of its own, built without reading
+    data.train's (`memtrain eval` of a run whose training files are gone)."""
+    ensure_template_tokens(data, tokenizer)
+    rules = _sample_rules(data, tokenizer)
+    held_out = [_prepare(spec, tokenizer, rules, data, "data.validation") for spec in data.validation]
+    return _rows(held_out, data, tokenizer.pad_token_id, seed)
 
 
 def noted_datasets(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[tuple[DatasetSpec, Tokenized]]:

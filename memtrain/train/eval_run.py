@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from memtrain.data.dataset import build_datasets
+from memtrain.data.dataset import build_validation
 from memtrain.data.identity import TRAIN_KEY, VALIDATION_KEY, data_files
 from memtrain.data.loader import BatchLoader
 from memtrain.data.prompts import has_answers, held_out_prompts
@@ -87,7 +87,7 @@ def evaluate_run(run_dir: Path, *, limit: int | None = None, keep_samples: int =
     _refuse_changed_held_out(run_dir, recipe)
     tokenizer = _tokenizer(final)
     model = _model(final, recipe, run_dir, dtype).to(device)
-    _, val_set = build_datasets(recipe.data, tokenizer, recipe.train.seed)
+    val_set = build_validation(recipe.data, tokenizer, recipe.train.seed)
     samples = min(eval_samples, len(val_set))
     targets = val_set.targets(range(samples))
     with BatchLoader(val_set, device, trim=recipe.data.groups_by_length) as loader:
@@ -123,7 +123,7 @@ def _refuse_changed_held_out(run_dir: Path, recipe: Recipe) -> None:
     recorded = (recorded_data_files(run_dir) or {}).get(key)
     if recorded is None:
         return  # a run.json from before session 20: nothing to compare with
-    if data_files(recipe.data).get(key) != recorded:
+    if data_files(recipe.data, keys=(key,)).get(key) != recorded:
         raise UserError(Problem(
             f"{named_files(key, recipe)} no longer holds the bytes the run was trained on, so the records it holds "
             "out are not the ones the run held out", key=key,

@@ -104,6 +104,25 @@ def test_held_out_data_with_other_bytes_is_refused_not_scored(tmp_path, cache):
         "run held out")
 
 
+def test_a_run_with_its_own_validation_file_is_scored_without_its_training_file(tmp_path, cache):
+    """Audit 21: eval read the training file too, and failed when it had moved, though it scores none of it."""
+    def conversations(start: int) -> str:
+        return "".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus 1?"},
+                                                {"role": "assistant", "content": str(i + 1)}]}) + "\n"
+                       for i in range(start, start + 40))
+
+    (tmp_path / "train.jsonl").write_text(conversations(0))
+    (tmp_path / "val.jsonl").write_text(conversations(100))
+    run_dir = make_run(tmp_path, {"train": [{"path": str(tmp_path / "train.jsonl"), "type": "chat"}],
+                                  "validation": [{"path": str(tmp_path / "val.jsonl"), "type": "chat"}],
+                                  "template": "chatml", "seq_len": 64}, cache)
+    scored = eval_json(run_dir, limit=3)
+    (tmp_path / "train.jsonl").rename(tmp_path / "moved.jsonl")
+    again = eval_json(run_dir, limit=3)
+    assert again["loss"] == scored["loss"] and again["total"] == scored["total"] == 3
+    assert again["validation_rows"] == scored["validation_rows"] > 0
+
+
 def test_bad_inputs_are_user_errors(tmp_path, cache):
     with pytest.raises(UserError, match="there is no run directory"):
         eval_command(tmp_path / "nothing", as_json=True, samples=1, limit=None, console=Console(file=io.StringIO()))
