@@ -17,6 +17,7 @@ from memtrain.errors import Problem, UserError
 from memtrain.model.config import model_config
 from memtrain.model.layers import decoder_layers
 from memtrain.model.lora_dropout import use_lean_dropout
+from memtrain.model.peft_quiet import peft_quietly
 from memtrain.model.quantize import bnb_config, keep_training_layout, quantized_preset, require_bitsandbytes
 from memtrain.recipe.schema import ALL_LINEAR, Lora, Model
 
@@ -109,7 +110,8 @@ def add_lora(lm: PreTrainedModel, model: Model) -> torch.nn.Module:
     # Not PEFT's prepare_model_for_kbit_training: its fp32 upcast of the unquantised weights would be
     # undone by DeepSpeed's bf16 engine (fp32_modules is the recipe's way to keep modules in fp32), and
     # checkpointing is memtrain's own; what it does that matters here is the input-grad hook below.
-    peft_model = get_peft_model(lm, lora_config(lora))
+    with peft_quietly():
+        peft_model = get_peft_model(lm, lora_config(lora))
     if lora.lean_dropout and lora.dropout > 0:
         use_lean_dropout(peft_model)
     if hasattr(peft_model, "enable_input_require_grads"):

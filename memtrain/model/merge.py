@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from memtrain.errors import Problem, UserError
 from memtrain.files import directory_atomically, require_space
+from memtrain.model.peft_quiet import peft_quietly
 from memtrain.model.quantize import bnb_config, require_bitsandbytes
 from memtrain.recipe.schema import Quantize
 
@@ -141,7 +142,8 @@ def _merged(model: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel:
 
     hint = "merge onto the base model the adapter was trained on (the run's model.path)"
     try:
-        peft_model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
+        with peft_quietly():
+            peft_model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
     except (ValueError, RuntimeError, KeyError) as error:  # adapter of another architecture or shape
         raise UserError(Problem(
             f"the adapter in '{adapter_dir}' does not fit this base model: {str(error).splitlines()[0]}",

@@ -26,6 +26,7 @@ from memtrain.dtypes import DTYPES
 from memtrain.errors import Problem, UserError
 from memtrain.model.export import base_model_dir, final_model_dir, run_recipe
 from memtrain.model.merge import load_base
+from memtrain.model.peft_quiet import peft_quietly
 from memtrain.model.wrapper import TrainableLM
 from memtrain.monitor.perplexity import perplexity
 from memtrain.recipe.schema import Recipe
@@ -149,4 +150,5 @@ def _model(final: Path, recipe: Recipe, run_dir: Path, dtype: torch.dtype) -> to
     from peft import PeftModel  # noqa: PLC0415 — optional until an adapter is scored
 
     base = load_base(base_model_dir(recipe, run_dir), dtype, recipe.model.quantize)
-    return PeftModel.from_pretrained(base, final, is_trainable=False)
+    with peft_quietly():
+        return PeftModel.from_pretrained(base, final, is_trainable=False)
