@@ -79,27 +79,24 @@ class ResumePlan:
         return lines + list(self.notes)
 
 
-def flatten(data: dict, prefix: str = "") -> dict[str, object]:
-    """{'a': {'b': 1}} -> {'a.b': 1}; lists stay values."""
-    flat: dict[str, object] = {}
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{path}."))
-        else:
-            flat[path] = value
-    return flat
-
-
 def differences(old: dict, new: dict) -> tuple[list[Change], list[Change]]:
-    """(changes that break exactness, changes safe to apply) between two recipes as JSON dicts."""
-    a, b = flatten(old), flatten(new)
+    """(changes that break exactness, changes safe to apply) between two recipes as JSON dicts, each at the
+    deepest key where they differ: a list of datasets item by item (data.train.0.path), a section that was not
+    set as one change (model.lora (unset) → {...}, not one per field of it; audit 21)."""
     breaking, safe = [], []
-    for key in sorted(set(a) | set(b)):
-        if a.get(key) != b.get(key):
-            change = Change(key, a.get(key), b.get(key))
-            (safe if _matches(key, SAFE_TO_CHANGE) else breaking).append(change)
+    for change in sorted(_changes(old, new, ""), key=lambda change: change.key):
+        (safe if _matches(change.key, SAFE_TO_CHANGE) else breaking).append(change)
     return breaking, safe
+
+
+def _changes(old: object, new: object, key: str) -> list[Change]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [change for name in {**old, **new} for change in _changes(old.get(name), new.get(name),
+                                                                        f"{key}.{name}" if key else name)]
+    if (isinstance(old, list) and isinstance(new, list) and len(old) == len(new)
+            and all(isinstance(item, dict) for item in old + new)):
+        return [change for i, (a, b) in enumerate(zip(old, new)) for change in _changes(a, b, f"{key}.{i}")]
+    return [Change(key, old, new)] if old != new else []
 
 
 def recorded_recipe(checkpoint: Path) -> dict:

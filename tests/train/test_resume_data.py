@@ -181,4 +181,5 @@ def test_a_path_recorded_as_typed_resumes_as_the_same_file(tmp_path, monkeypatch
     recorded["data"]["train"][0]["path"] = "other.jsonl"  # another file: a change, as before
     (checkpoint / STATE_FILE).write_text(json.dumps({"step": 3, "recipe": recorded}))
     said = refusal(run)
-    assert said.startswith("data.train: changed since the checkpoint") and str(tmp_path / "other.jsonl") in said
+    assert said.startswith(f'data.train.0.path: changed since the checkpoint: data.train.0.path "{tmp_path}/other.jsonl" '
+                           f'→ "{tmp_path}/train.jsonl"')

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from memtrain.cli import app
 from memtrain.errors import UserError
 from memtrain.train.checkpoint import STATE_FILE, remove_leftovers
-from memtrain.train.resume import differences, flatten
+from memtrain.train.resume import differences
 from memtrain.train.run import RunOptions
 from memtrain.train.rundir import LOCK_FILE, RunDirLock, claim_run_dir, start_metrics
 
@@ -116,12 +116,25 @@ def test_recipe_changes_are_split_into_breaking_and_safe():
     new["precision"]["compute"] = "bf16"
     new["train"].update(seed=8, steps=20, eval_every=2)
     breaking, safe = differences(old, new)
-    assert [c.key for c in breaking] == ["batch.global_batch", "data.seq_len", "model.lora.r",
+    assert [c.key for c in breaking] == ["batch.global_batch", "data.seq_len", "model.lora",
                                          "optimizer.name", "precision.compute", "train.seed"]
+    assert str(breaking[2]) == 'model.lora (unset) → {"r": 4}'  # one change, not one per field (audit 21)
     assert [c.key for c in safe] == ["batch.micro_batch", "data.cache_dir", "optimizer.lr", "train.eval_every",
                                      "train.steps"]
     assert str(safe[2]) == "optimizer.lr 0.003 → 0.001"
-    assert flatten({"a": {"b": [1, 2], "c": {}}}) == {"a.b": [1, 2], "a.c": {}}
+
+
+def test_a_list_of_datasets_is_compared_item_by_item():
+    """Audit 21: a changed data path was said as the whole list of dataset specs, one JSON line."""
+    old = {"data": {"train": [{"path": "a.jsonl", "type": "chat"}, {"path": "b.jsonl", "type": "chat"}],
+                    "validation": None}}
+    new = json.loads(json.dumps(old))
+    new["data"]["train"][1]["path"] = "c.jsonl"
+    [change], [] = differences(old, new)
+    assert str(change) == 'data.train.1.path "b.jsonl" → "c.jsonl"'
+    new["data"]["train"].append({"path": "d.jsonl", "type": "chat"})  # another length: the list as a whole
+    [change], [] = differences(old, new)
+    assert change.key == "data.train"
 
 
 def _hold_in_another_process(run_dir: Path) -> subprocess.Popen:
