@@ -185,6 +185,26 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+# What users of HF TrainingArguments, Axolotl and LLaMA-Factory write, and memtrain's key for it (audit 21:
+# optimizer.learning_rate was answered with the list of the section's keys).
+FAMILIAR_KEYS = {
+    "learning_rate": "optimizer.lr", "max_grad_norm": "optimizer.grad_clip",
+    "lr_scheduler_type": "schedule.decay", "lr_scheduler": "schedule.decay", "warmup_steps": "schedule.warmup_steps",
+    "max_steps": "train.steps", "num_train_epochs": "train.epochs", "num_epochs": "train.epochs",
+    "save_steps": "train.save_every", "eval_steps": "train.eval_every", "logging_steps": "train.log_every",
+    "seed": "train.seed", "output_dir": "train.output_dir",
+    "per_device_train_batch_size": "batch.micro_batch", "micro_batch_size": "batch.micro_batch",
+    "gradient_accumulation_steps": "batch.global_batch (global batch = micro-batch × accumulation × GPUs)",
+    "max_seq_length": "data.seq_len", "sequence_len": "data.seq_len", "cutoff_len": "data.seq_len",
+    "max_length": "data.seq_len", "datasets": "data.train", "dataset": "data.train",
+    "base_model": "model.path", "model_name_or_path": "model.path",
+    "lora_r": "model.lora.r", "lora_rank": "model.lora.r", "lora_alpha": "model.lora.alpha",
+    "lora_dropout": "model.lora.dropout", "lora_target_modules": "model.lora.target_modules",
+    "lora_target": "model.lora.target_modules",
+    "gradient_checkpointing": "checkpointing.strategy", "bf16": "precision.compute", "fp16": "precision.compute",
+}
+
+
 def _explain(error: dict, path: KeyPath, written: KeyPath) -> tuple[str, str, bool]:
     """(phrase, hint, whether to show the input) for one pydantic error at `path` (as validated: list positions
     included), which the recipe wrote as `written`."""
@@ -195,6 +215,8 @@ def _explain(error: dict, path: KeyPath, written: KeyPath) -> tuple[str, str, bo
         options = list(section.model_fields) if section else []
         close = difflib.get_close_matches(key, options, n=1, cutoff=0.6)
         hint = f"did you mean '{close[0]}'?" if close else (f"known keys here: {', '.join(options)}" if options else "")
+        if key in FAMILIAR_KEYS:  # another tool's name for it: say memtrain's, wherever it was written
+            hint = f"memtrain's key for it is {FAMILIAR_KEYS[key]}"
         return "unknown key", hint, False
     if kind == "missing":
         if not path:

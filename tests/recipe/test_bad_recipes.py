@@ -19,6 +19,10 @@ import pytest
 from typer.testing import CliRunner
 
 from memtrain.cli import app
+from memtrain.errors import RecipeError
+from memtrain.recipe.load import load_recipe_text
+from memtrain.recipe.messages import FAMILIAR_KEYS
+from memtrain.recipe.schema import Recipe
 
 BAD_DIR = Path(__file__).parent / "bad_recipes"
 BAD_RECIPES = sorted(BAD_DIR.glob("*.yaml"))
@@ -83,6 +87,22 @@ def test_unknown_keys_suggest_the_key_meant():
                         ("grow_belw", "grow_below")]:
         line = next(line for line in problem_lines(result.output) if f".{typo}:" in line)
         assert f"did you mean '{meant}'?" in line
+
+
+def test_another_tools_key_names_memtrains_own():
+    """Audit 21: optimizer.learning_rate listed the section's keys; seq_length already suggested seq_len."""
+    text = "model: {preset: tiny}\ndata: {train: 'builtin:shakespeare'}\ntrain: {steps: 4}\n"
+    with pytest.raises(RecipeError) as refused:
+        load_recipe_text(text, overrides=["optimizer.learning_rate=1e-4", "num_train_epochs=2"])
+    hints = {p.key: p.hint for p in refused.value.problems}
+    assert hints == {"optimizer.learning_rate": "memtrain's key for it is optimizer.lr",
+                     "num_train_epochs": "memtrain's key for it is train.epochs"}
+    for key in {target.split(" ")[0] for target in FAMILIAR_KEYS.values()}:  # each names a key the schema has
+        section = Recipe
+        for part in key.split("."):
+            field = section.model_fields[part]
+            section = next((a for a in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                            if hasattr(a, "model_fields")), None)
 
 
 def test_out_of_range_messages_are_short_and_show_the_value():
