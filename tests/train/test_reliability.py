@@ -79,7 +79,8 @@ def test_resume_refuses_changes_that_break_exactness_and_lists_them(write_recipe
     assert run(recipe, max_steps=6)[0] == 0
     refused = cli(recipe, "data.seq_len=64", "batch.global_batch=16", "train.seed=8", "model.lora.r=4")
     assert refused.exit_code == 2, refused.output
-    for change in ("data.seq_len", "32 → 64", "batch.global_batch", "8 → 16", "train.seed", "model.lora.r"):
+    for change in ("data.seq_len", "32 → 64", "batch.global_batch", "8 → 16", "train.seed",
+                   'model.lora (unset) → {"r": 4, '):  # a section that was not set: one change (audit 21)
         assert change in refused.output, change
     assert "train.output_dir" in refused.output and "--overwrite" in refused.output
     assert "Traceback" not in refused.output
