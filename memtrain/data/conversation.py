@@ -112,6 +112,19 @@ def _instruction(record: dict, spec: DatasetSpec, where: _Where) -> list[Message
     return _with_system(messages, record, spec, where)
 
 
+# Fields that hold a system prompt in the layouts users bring: LLaMA-Factory's sharegpt and alpaca "system" column,
+# OpenOrca's "system_prompt". A dataset reads one only when it names it (system_field).
+SYSTEM_FIELDS = ("system", "system_prompt")
+
+
+def unread_system_field(record: dict, spec: DatasetSpec) -> str | None:
+    """The field of SYSTEM_FIELDS where an instruction or chat record holds text that its dataset does not read (it
+    names no system_field): the model trains without that prompt (audit 21). None when there is none."""
+    if spec.type not in ("instruction", "chat") or spec.system_field is not None:
+        return None
+    return next((name for name in SYSTEM_FIELDS if isinstance(record.get(name), str) and record[name].strip()), None)
+
+
 def _with_system(messages: list[Message], record: dict, spec: DatasetSpec, where: _Where) -> list[Message]:
     """`messages` after the system prompt of the record's system_field, when the dataset names one and the record
     holds text there (missing, null or empty: none), and the messages do not start with their own."""

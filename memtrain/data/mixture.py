@@ -21,7 +21,6 @@ from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.mixing import held_out_tail, weighted_indices
 from memtrain.data.packing import pack_rows
-from memtrain.data.records import read_records
 from memtrain.data.rows import DataStats, SampleRows, SampleViews
 from memtrain.data.templates import ensure_template_tokens, needs_template, resolve_template
 from memtrain.data.render import template_where
@@ -166,29 +165,18 @@ def untrainable_records_warning(data: Data, tokenizer: PreTrainedTokenizerBase,
             "empty or null answer) — fix those records to train on them, or leave them out of the files")
 
 
-# Fields that hold a system prompt in the layouts users bring: LLaMA-Factory's sharegpt and alpaca "system" column,
-# OpenOrca's "system_prompt". A dataset reads one only when it names it (system_field).
-SYSTEM_FIELDS = ("system", "system_prompt")
-
-
-def unread_system_warning(data: Data) -> str | None:
-    """A warning for people when the first record of an instruction or chat dataset that names no system_field
-    has a system prompt in one of SYSTEM_FIELDS: the model trains without it, and nothing else says so (audit 21).
-    One record is read per dataset; None when no first record has one."""
-    if isinstance(data.train, str):
-        return None
-    said = []
-    for spec in [*data.train, *(data.validation or [])]:
-        if spec.type not in ("instruction", "chat") or spec.system_field is not None:
-            continue
-        _, record = next(read_records(spec.path, spec.split), (None, {}))
-        field = next((f for f in SYSTEM_FIELDS if isinstance(record.get(f), str) and record[f].strip()), None)
-        if field is not None:
-            said.append(f"{spec.path} (its {field!r} field; system_field: {field} reads it)")
+def unread_system_warning(data: Data, tokenizer: PreTrainedTokenizerBase,
+                          noted: list[tuple[DatasetSpec, Tokenized]] | None = None) -> str | None:
+    """A warning for people when records hold a system prompt in a field their dataset does not read
+    (conversation.unread_system_field): the model trains without it, and nothing else says so (audit 21). None when
+    no record does. noted: `noted_datasets` (read here when not given)."""
+    noted = noted_datasets(data, tokenizer) if noted is None else noted
+    said = [f"the {name!r} field of {_first_at(count, 'record', spec.path, line)} (system_field: {name} reads it)"
+            for spec, tokenized in noted for name, (count, line) in sorted(tokenized.unread_system.items())]
     if not said:
         return None
-    return (f"the records of {'; '.join(said)} hold a system prompt that is not read: the model trains without it — "
-            "set the dataset's system_field to train with it as the system message, or leave it out of the files")
+    return (f"a system prompt is not read from {'; '.join(said)}: the model trains without it — set the dataset's "
+            "system_field to train with it as the system message, or leave it out of the files")
 
 
 def _first_at(count: int, noun: str, path: str, line: int) -> str:

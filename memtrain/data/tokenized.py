@@ -22,7 +22,12 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.cache import cache_dir_of, token_dtype, write_entry
-from memtrain.data.conversation import Untrainable, document_text, to_conversation
+from memtrain.data.conversation import (
+    Untrainable,
+    document_text,
+    to_conversation,
+    unread_system_field,
+)
 from memtrain.data.corpus import read_documents
 from memtrain.data.long_text import encode_documents
 from memtrain.data.parallel import map_batches
@@ -61,10 +66,17 @@ class Tokenized:
     # records with nothing to train on left out (data.skip_untrainable) as [count, the first one's line]: each is an
     # empty sample, so that sample i is still record i
     skipped: list[int] = field(default_factory=list)
+    # records with a system prompt in a field the dataset does not read (conversation.unread_system_field), by that
+    # field: {"system": [count, the first one's line]}; entries written before session 21 have none
+    unread_system: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def starts(self) -> np.ndarray:
         return np.concatenate([np.zeros(1, dtype=np.int64), self.ends[:-1]]) if len(self.ends) else self.ends
+
+
+# The notes of an entry (Tokenized's fields after its arrays), kept beside it in `<key>.notes.json`.
+NOTES = ("unwritten", "trailing", "skipped", "unread_system")
 
 
 @dataclass(frozen=True)
@@ -99,10 +111,9 @@ def tokenized_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rul
     if cached is not None:
         return cached
     samples = tokenize_dataset(spec, tokenizer, rules)
-    noted = samples.unwritten or samples.trailing or samples.skipped  # an entry without notes has none of them
+    said = {name: getattr(samples, name) for name in NOTES if getattr(samples, name)}  # none: no notes file
     # tokens last: its presence marks a complete entry
-    write_entry([*([(notes, json.dumps({"unwritten": samples.unwritten, "trailing": samples.trailing,
-                                         "skipped": samples.skipped}))] if noted else []),
+    write_entry([*([(notes, json.dumps(said))] if said else []),
                  *[(paths[name], getattr(samples, name)) for name in ("ends", "targets", "tokens")]])
     return _load(paths, notes) or samples
 
@@ -110,15 +121,16 @@ def tokenized_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rul
 def tokenize_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: SampleRules) -> Tokenized:
     """Tokenise every record of `spec` (no cache): documents for text, rendered conversations otherwise."""
     if spec.type == "text":
-        pieces, unwritten, trailing, skipped = _document_samples(spec, tokenizer), {}, [], []
+        pieces, said = _document_samples(spec, tokenizer), {}
     else:
         if rules.template is None:
             raise ValueError(f"{spec.type} datasets need a chat template")
         encoder = ConversationEncoder(tokenizer, rules.template, train_on_inputs=rules.train_on_inputs,
                                       train_on=rules.train_on)
-        pieces, unwritten, trailing, skipped = _conversation_samples(spec, encoder, rules.skip_untrainable)
+        pieces, said = _conversation_samples(spec, encoder, rules.skip_untrainable)
     if not pieces:
         raise DataError(Problem("the dataset has no records", file=spec.path, hint="check the path and the file"))
+    skipped = said.get("skipped")
     if skipped and skipped[0] == len(pieces):
         raise DataError(Problem(f"every record of the dataset ({len(pieces)}) has nothing to train on (no assistant "
                                 f"message, or an empty answer; the first at line {skipped[1]}), so all were left out",
@@ -128,8 +140,7 @@ def tokenize_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rule
     lengths = np.fromiter((len(ids) for ids, _ in pieces), dtype=np.int64, count=len(pieces))
     tokens = np.concatenate([ids for ids, _ in pieces])  # already token_dtype's: no whole uint32 copy
     targets = np.concatenate([flags for _, flags in pieces])
-    return Tokenized(tokens=tokens, targets=targets, ends=np.cumsum(lengths), unwritten=unwritten, trailing=trailing,
-                     skipped=skipped)
+    return Tokenized(tokens=tokens, targets=targets, ends=np.cumsum(lengths), **said)
 
 
 # ---------------------------------------------------------------- documents and conversations
@@ -156,10 +167,13 @@ def _document_samples(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase) -> 
 
 
 def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_untrainable: bool = False
-                          ) -> tuple[list[Piece], dict[str, list[int]], list[int], list[int]]:
-    """The samples, the conversations whose template left messages out (Tokenized.unwritten), those that go on
-    past their last answer (Tokenized.trailing), and the records left out with nothing to train on
-    (Tokenized.skipped; with `skip_untrainable`, else such a record is a problem)."""
+                          ) -> tuple[list[Piece], dict]:
+    """The samples and their notes (NOTES, as Tokenized's fields): the conversations whose template left messages
+    out (unwritten), those that go on past their last answer (trailing), the records left out with nothing to
+    train on (skipped; with `skip_untrainable`, else such a record is a problem), and those with a system prompt
+    the dataset does not read (unread_system)."""
+    unread_system: dict[str, list[int]] = {}
+
     def convert(record: dict, line: int) -> tuple[int, list | None]:
         try:
             return line, to_conversation(record, spec, spec.path, line)
@@ -168,10 +182,16 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
                 raise
             return line, None
 
+    def check(record: dict, line: int) -> tuple[int, list | None]:
+        unread = unread_system_field(record, spec)
+        if unread is not None:
+            _count(unread_system.setdefault(unread, []), line)
+        return convert(record, line)
+
     # Two reads: the first checks every record and keeps none, so a bad field anywhere is said before any
-    # tokenising; the second streams batches to the encoders, so the parsed records (ten times the file's
-    # bytes as Python objects: audit 20 F3) are never all in memory at once.
-    records = _check(spec, convert)
+    # tokenising; the second streams batches to the encoders, so the parsed records (about 8 bytes of Python
+    # objects per byte of the file: audit 20 F3, benchmarks/tokenize.csv) are never all in memory at once.
+    records = _check(spec, check)
     dtype = token_dtype(encoder.tokenizer)
     out: list[Piece] = []
     unwritten: dict[str, list[int]] = {}
@@ -207,7 +227,7 @@ def _conversation_samples(spec: DatasetSpec, encoder: ConversationEncoder, skip_
                 problems.stop_after(batch[-1][0])
                 break
     problems.raise_if_any()
-    return out, unwritten, trailing, skipped
+    return out, {"unwritten": unwritten, "trailing": trailing, "skipped": skipped, "unread_system": unread_system}
 
 
 def _count(noted: list[int], line: int) -> None:
@@ -271,11 +291,10 @@ def _load(paths: dict[str, Path], notes: Path) -> Tokenized | None:
     try:
         arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
         said = json.loads(notes.read_text()) if notes.exists() else {}
-        unwritten, trailing, skipped = said.get("unwritten", {}), said.get("trailing", []), said.get("skipped", [])
+        said = {name: said[name] for name in NOTES if name in said}
     except (OSError, ValueError, AttributeError, TypeError):
         return None
     ends = arrays["ends"]
     if not len(ends) or int(ends[-1]) != len(arrays["tokens"]) or len(arrays["targets"]) != len(arrays["tokens"]):
         return None
-    return Tokenized(tokens=arrays["tokens"], targets=arrays["targets"], ends=np.asarray(ends), unwritten=unwritten,
-                     trailing=trailing, skipped=skipped)
+    return Tokenized(tokens=arrays["tokens"], targets=arrays["targets"], ends=np.asarray(ends), **said)

@@ -104,13 +104,13 @@ def build_data(recipe: Recipe) -> RunData:
             f"the training data gives {len(train_set)} samples of {recipe.data.seq_len} tokens, "
             f"fewer than one global batch of {recipe.batch.global_batch}", key="batch.global_batch",
             hint="add data, lower data.seq_len, or lower batch.global_batch"))
-    noted = noted_datasets(recipe.data, tokenizer)  # the token cache's notes, read once for the three below
+    noted = noted_datasets(recipe.data, tokenizer)  # the token cache's notes, read once for the four below
     warnings = (unclosed_turn_warning(recipe.data, tokenizer),  # a template that leaves nothing to stop at,
                 generation_prompt_warning(recipe.data, tokenizer),  # prompts otherwise than it trains,
                 unwritten_messages_warning(recipe.data, tokenizer, noted),  # or leaves messages out,
                 trailing_turns_warning(recipe.data, tokenizer, noted),  # conversations that go on past their answer,
                 untrainable_records_warning(recipe.data, tokenizer, noted),  # records left out with nothing to train on,
-                unread_system_warning(recipe.data))  # or a system prompt in a field the dataset does not read
+                unread_system_warning(recipe.data, tokenizer, noted))  # or a system prompt the dataset does not read
     return RunData(tokenizer, train_set, val_set, added, vocab_size, tuple(w for w in warnings if w))
 
 
