@@ -1,4 +1,5 @@
 """memtrain: plan, compile and run memory-lean fine-tuning on DeepSpeed."""
+
 import logging
 import warnings
 
@@ -11,5 +12,6 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 # DeepSpeed's ZeRO calls torch.distributed.all_gather_into_tensor, which PyTorch 2.14 deprecates with a FutureWarning
 # printed by every process of a multi-GPU run; nothing a user of memtrain can act on.
-warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-                        category=FutureWarning)
+warnings.filterwarnings(
+    "ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated", category=FutureWarning
+)

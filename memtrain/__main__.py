@@ -3,6 +3,7 @@
 Importing the command line imports torch, transformers and DeepSpeed (seconds on a cold machine). A Ctrl-C
 then ends it as one later does: one line and the shell's 130, not an import traceback.
 """
+
 import sys
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT

@@ -3,6 +3,7 @@
 Each command reads a recipe, hands it to the module that owns the work, and prints the result for
 people (rich) or machines (--json). Input errors become one line per problem and exit code 2.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,9 +29,9 @@ from memtrain.commands.report import report_command
 from memtrain.commands.run import run_command
 from memtrain.errors import UserError
 from memtrain.recipe.schema import Recipe
-from memtrain.train.nodes import JOIN_TIMEOUT_S, NodeFlags
-from memtrain.train.run import RunOptions
-from memtrain.train.signals import exit_code, signal_name, signum_of
+from memtrain.train.resolve import RunOptions
+from memtrain.train.runtime.nodes import JOIN_TIMEOUT_S, NodeFlags
+from memtrain.train.runtime.signals import exit_code, signal_name, signum_of
 
 app = typer.Typer(
     name="memtrain",
@@ -76,6 +77,7 @@ STACK = ("torch", "deepspeed", "transformers", "peft")  # what a bug report need
 
 def print_version(value: bool) -> None:
     if value:
+
         def installed(name: str) -> str:
             try:
                 return version(name)
@@ -88,8 +90,15 @@ def print_version(value: bool) -> None:
 
 
 @app.callback()
-def main(version: bool = typer.Option(False, "--version", callback=print_version, is_eager=True,
-                                      help="Print memtrain's version and its stack's, and exit.")):
+def main(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        callback=print_version,
+        is_eager=True,
+        help="Print memtrain's version and its stack's, and exit.",
+    ),
+):
     """Fine-tune 1B-7B language models on one or two 24 GB GPUs."""
 
 
@@ -125,7 +134,9 @@ def schema():
 def compile_(
     recipe: Path = RecipeArg,
     overrides: Optional[list[str]] = OverridesArg,
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the DeepSpeed config here (default: stdout)."),
+    output: Optional[Path] = typer.Option(
+        None, "-o", "--output", help="Write the DeepSpeed config here (default: stdout)."
+    ),
 ):
     """Write the DeepSpeed ZeRO / ZeRO-Offload / ZeRO-Infinity config of a recipe.
 
@@ -139,19 +150,29 @@ def compile_(
 def plan(
     recipe: Path = RecipeArg,
     overrides: Optional[list[str]] = OverridesArg,
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="Ask about another card: a profile (rtx4090) or a size (16GiB)."),
-    fit: bool = typer.Option(False, "--fit", help="When it does not fit, apply the cheapest change that fits with margin (with -o; a recipe that fits is written as it is; with --gpu, the file names that card)."),
+    gpu: Optional[str] = typer.Option(
+        None, "--gpu", help="Ask about another card: a profile (rtx4090) or a size (16GiB)."
+    ),
+    fit: bool = typer.Option(
+        False,
+        "--fit",
+        help="When it does not fit, apply the cheapest change that fits with margin (with -o; a recipe that fits is written as it is; with --gpu, the file names that card).",
+    ),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="With --fit: write the fitted recipe here."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    data: bool = typer.Option(False, "--data", help="Also read the data (tokenised once, then cached): tokens, "
-                              "target tokens and padding per step."),
+    data: bool = typer.Option(
+        False,
+        "--data",
+        help="Also read the data (tokenised once, then cached): tokens, target tokens and padding per step.",
+    ),
 ):
     """Predict peak GPU memory, host RAM and NVMe bytes, without a GPU; say whether it fits.
 
     Example: [bold]memtrain plan recipes/llama2-7b-lora-24gb.yaml --gpu rtx4090[/]
     """
-    code = plan_command(recipe, list(overrides or []), gpu=gpu, fit=fit, output=output, as_json=as_json, console=console,
-                        with_data=data)
+    code = plan_command(
+        recipe, list(overrides or []), gpu=gpu, fit=fit, output=output, as_json=as_json, console=console, with_data=data
+    )
     raise typer.Exit(code=code)
 
 
@@ -176,7 +197,9 @@ def preview(
     recipe: Path = RecipeArg,
     overrides: Optional[list[str]] = OverridesArg,
     rows: int = typer.Option(2, "--rows", min=1, help="How many rows to show."),
-    start: int = typer.Option(0, "--start", min=0, help="The first row to show, by index (a run draws the rows in a shuffled order)."),
+    start: int = typer.Option(
+        0, "--start", min=0, help="The first row to show, by index (a run draws the rows in a shuffled order)."
+    ),
     split: str = typer.Option("train", "--split", help="train or validation."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output: every span with its token ids."),
 ):
@@ -193,18 +216,73 @@ def preview(
 def run(
     recipe: Path = RecipeArg,
     overrides: Optional[list[str]] = OverridesArg,
-    resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue from the newest complete checkpoint in the run directory."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="Stop after this many more optimizer steps, counted from where the run resumes (the schedule still follows the recipe)."),
-    profile: int = typer.Option(0, "--profile", help="Record a torch.profiler trace of N steps into the run directory."),
-    save: bool = typer.Option(True, "--save/--no-save", help="--no-save: write no checkpoints and no final model (benchmarks, smoke tests)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Start over in a run directory that holds a run; the old run is moved aside (NAME.previous-DATE)."),
-    nnodes: Optional[int] = typer.Option(None, "--nnodes", min=1, help="Machines the run spans (hardware.nodes; default: the recipe's, or SLURM_NNODES). Run the same command on each.", rich_help_panel="Several nodes"),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank", min=0, help="This machine's rank, 0..N-1; 0 hosts the rendezvous (default: NODE_RANK or SLURM_NODEID).", rich_help_panel="Several nodes"),
-    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Node 0's hostname or IP, the same on every node (default: MASTER_ADDR, or the first host of the Slurm job).", rich_help_panel="Several nodes"),
-    master_port: Optional[int] = typer.Option(None, "--master-port", min=1, max=65535, help="Node 0's rendezvous port (default: MASTER_PORT, else 29500).", rich_help_panel="Several nodes"),
-    join_timeout: int = typer.Option(JOIN_TIMEOUT_S, "--join-timeout", min=1, help="Seconds the nodes wait for each other at start-up before giving up with exit 2.", rich_help_panel="Several nodes"),
-    hostfile: Optional[Path] = typer.Option(None, "--hostfile", help="DeepSpeed-style hostfile (`host slots=N` lines, this machine first): run once, here, and memtrain starts every node (the others through --remote-shell).", rich_help_panel="Several nodes"),
-    remote_shell: str = typer.Option("ssh", "--remote-shell", help="With --hostfile: the command that runs a command on another host, as REMOTE_SHELL HOST COMMAND (e.g. \"ssh -p 2222\").", rich_help_panel="Several nodes"),
+    resume: bool = typer.Option(
+        True, "--resume/--no-resume", help="Continue from the newest complete checkpoint in the run directory."
+    ),
+    max_steps: Optional[int] = typer.Option(
+        None,
+        "--max-steps",
+        min=1,
+        help="Stop after this many more optimizer steps, counted from where the run resumes (the schedule still follows the recipe).",
+    ),
+    profile: int = typer.Option(
+        0, "--profile", help="Record a torch.profiler trace of N steps into the run directory."
+    ),
+    save: bool = typer.Option(
+        True, "--save/--no-save", help="--no-save: write no checkpoints and no final model (benchmarks, smoke tests)."
+    ),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Start over in a run directory that holds a run; the old run is moved aside (NAME.previous-DATE).",
+    ),
+    nnodes: Optional[int] = typer.Option(
+        None,
+        "--nnodes",
+        min=1,
+        help="Machines the run spans (hardware.nodes; default: the recipe's, or SLURM_NNODES). Run the same command on each.",
+        rich_help_panel="Several nodes",
+    ),
+    node_rank: Optional[int] = typer.Option(
+        None,
+        "--node-rank",
+        min=0,
+        help="This machine's rank, 0..N-1; 0 hosts the rendezvous (default: NODE_RANK or SLURM_NODEID).",
+        rich_help_panel="Several nodes",
+    ),
+    master_addr: Optional[str] = typer.Option(
+        None,
+        "--master-addr",
+        help="Node 0's hostname or IP, the same on every node (default: MASTER_ADDR, or the first host of the Slurm job).",
+        rich_help_panel="Several nodes",
+    ),
+    master_port: Optional[int] = typer.Option(
+        None,
+        "--master-port",
+        min=1,
+        max=65535,
+        help="Node 0's rendezvous port (default: MASTER_PORT, else 29500).",
+        rich_help_panel="Several nodes",
+    ),
+    join_timeout: int = typer.Option(
+        JOIN_TIMEOUT_S,
+        "--join-timeout",
+        min=1,
+        help="Seconds the nodes wait for each other at start-up before giving up with exit 2.",
+        rich_help_panel="Several nodes",
+    ),
+    hostfile: Optional[Path] = typer.Option(
+        None,
+        "--hostfile",
+        help="DeepSpeed-style hostfile (`host slots=N` lines, this machine first): run once, here, and memtrain starts every node (the others through --remote-shell).",
+        rich_help_panel="Several nodes",
+    ),
+    remote_shell: str = typer.Option(
+        "ssh",
+        "--remote-shell",
+        help='With --hostfile: the command that runs a command on another host, as REMOTE_SHELL HOST COMMAND (e.g. "ssh -p 2222").',
+        rich_help_panel="Several nodes",
+    ),
 ):
     """Train a recipe on DeepSpeed (GPUs, or the CPU when there is none); on several machines, one command per node.
 
@@ -221,10 +299,18 @@ def run(
 @report_user_errors
 def export(
     run_dir: Path = typer.Argument(..., help="A finished run directory (holds final/).", show_default=False),
-    merge: bool = typer.Option(False, "--merge", help="Merge a LoRA adapter into its base weights: a whole Hugging "
-                               "Face model that loads without PEFT (QLoRA: onto the dequantised base)."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here (default: RUN_DIR/merged with "
-                                          "--merge; without it, RUN_DIR/final is the export)."),
+    merge: bool = typer.Option(
+        False,
+        "--merge",
+        help="Merge a LoRA adapter into its base weights: a whole Hugging "
+        "Face model that loads without PEFT (QLoRA: onto the dequantised base).",
+    ),
+    output: Optional[Path] = typer.Option(
+        None,
+        "-o",
+        "--output",
+        help="Write here (default: RUN_DIR/merged with --merge; without it, RUN_DIR/final is the export).",
+    ),
 ):
     """Export a run's model: the adapter or full model as trained, or merged into its base.
 
@@ -249,7 +335,9 @@ def report(
 @app.command("eval")
 @report_user_errors
 def eval_(
-    run_dir: Path = typer.Argument(..., help="A finished run directory (holds final/ and run.json).", show_default=False),
+    run_dir: Path = typer.Argument(
+        ..., help="A finished run directory (holds final/ and run.json).", show_default=False
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the scores as JSON."),
     samples: int = typer.Option(3, "--samples", help="Generated answers to show beside the expected ones."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Answer only the first N held-out conversations."),

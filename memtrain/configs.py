@@ -1,4 +1,5 @@
 """Model shape presets (configs/models) and GPU profiles (configs/gpus)."""
+
 from __future__ import annotations
 
 import os

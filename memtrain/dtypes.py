@@ -1,4 +1,5 @@
 """The recipe's dtype names and what they mean to torch: one table for the model, the planner and the loop."""
+
 from __future__ import annotations
 
 import torch

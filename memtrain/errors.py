@@ -3,6 +3,7 @@
 Every error a user can cause by their input (a recipe, a data file, a command-line flag) is a
 `UserError`. The CLI prints it and exits with code 2, never with a traceback.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,10 +14,10 @@ class Problem:
     """One thing wrong with an input."""
 
     message: str
-    key: str = ""          # dotted key path in the recipe, e.g. "batch.micro_batch"
-    file: str = ""         # file the key came from ("<command line>" for overrides)
+    key: str = ""  # dotted key path in the recipe, e.g. "batch.micro_batch"
+    file: str = ""  # file the key came from ("<command line>" for overrides)
     line: int | None = None
-    hint: str = ""         # what to do about it
+    hint: str = ""  # what to do about it
 
     def location(self) -> str:
         where = self.file or ""

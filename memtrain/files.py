@@ -4,6 +4,7 @@ A reader (a resumed run, `memtrain report`, another run sharing the token cache)
 content or the new, never half of it: the writer fills a temporary path beside the target, which is
 renamed onto the target only when the writing finished, and removed when it failed.
 """
+
 from __future__ import annotations
 
 import errno
@@ -18,7 +19,6 @@ from pathlib import Path
 
 from memtrain.errors import Problem, UserError
 from memtrain.units import gib
-
 
 _TMP, _ASIDE = ".tmp", ".old"  # atomic_path's temporaries, and an old directory on its way out
 _FULL_DISK_FRAGMENTS = ("no space left", "file write failed", "unexpected pos")  # torch's writer on a full disk
@@ -150,20 +150,30 @@ def cannot_create(path: Path, error: OSError) -> Problem:
     """What stops `path` from being created (its folders, or a temporary file beside it), and what to do."""
     blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
-        return Problem(f"cannot create '{path}': '{blocker}' is a file, where a directory is needed",
-                       hint=f"choose a path whose folders are directories, or move '{blocker}' aside")
+        return Problem(
+            f"cannot create '{path}': '{blocker}' is a file, where a directory is needed",
+            hint=f"choose a path whose folders are directories, or move '{blocker}' aside",
+        )
     folder = next((p for p in path.parents if p.is_dir()), path.parent)
     if isinstance(error, PermissionError):
-        return Problem(f"cannot create '{path}': no permission to create files in '{folder}'",
-                       hint="choose a directory you can write to, or change its permissions")
+        return Problem(
+            f"cannot create '{path}': no permission to create files in '{folder}'",
+            hint="choose a directory you can write to, or change its permissions",
+        )
     if error.errno == errno.EROFS:
-        return Problem(f"cannot create '{path}': '{folder}' is on a read-only filesystem",
-                       hint="choose a path on a writable filesystem")
+        return Problem(
+            f"cannot create '{path}': '{folder}' is on a read-only filesystem",
+            hint="choose a path on a writable filesystem",
+        )
     if error.errno == errno.ENOSPC:
-        return Problem(f"cannot create '{path}': no space left on the filesystem of '{folder}'",
-                       hint="free some space there, or choose a path on another filesystem")
-    return Problem(f"cannot create '{path}' in '{folder}': {error.strerror or error}",
-                   hint="choose a path in an ordinary writable directory")
+        return Problem(
+            f"cannot create '{path}': no space left on the filesystem of '{folder}'",
+            hint="free some space there, or choose a path on another filesystem",
+        )
+    return Problem(
+        f"cannot create '{path}' in '{folder}': {error.strerror or error}",
+        hint="choose a path in an ordinary writable directory",
+    )
 
 
 def write_atomically(path: Path, content: str | bytes) -> None:
@@ -185,8 +195,12 @@ def directory_atomically(path: Path) -> Iterator[Path]:
     """
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise UserError(Problem(f"the output directory '{path}' already exists and is not empty",
-                                hint="choose a new directory, or remove this one first"))
+        raise UserError(
+            Problem(
+                f"the output directory '{path}' already exists and is not empty",
+                hint="choose a new directory, or remove this one first",
+            )
+        )
     with atomic_path(path, directory=True) as tmp:
         try:
             yield tmp
@@ -204,9 +218,13 @@ def require_space(path: Path, needed_bytes: int, what: str) -> None:
     free = free_bytes(path)
     if free < needed_bytes:
         folder = next((p for p in Path(path).parents if p.exists()), Path(path).parent)
-        raise UserError(Problem(
-            f"not enough space for {what} at '{path}': it takes ~{gib(needed_bytes):.1f} GiB and the disk of "
-            f"'{folder}' has {gib(free):.1f} GiB free", hint="free some space there, or write to another disk (-o DIR)"))
+        raise UserError(
+            Problem(
+                f"not enough space for {what} at '{path}': it takes ~{gib(needed_bytes):.1f} GiB and the disk of "
+                f"'{folder}' has {gib(free):.1f} GiB free",
+                hint="free some space there, or write to another disk (-o DIR)",
+            )
+        )
 
 
 def directory_bytes(path: Path) -> int:

@@ -1,4 +1,5 @@
 """Byte sizes as people write them ("24GiB", "16 GB", 1.5e9) and as code keeps them (int bytes)."""
+
 from __future__ import annotations
 
 import re
@@ -7,9 +8,16 @@ GiB = 1024**3
 MiB = 1024**2
 
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 1024, "mib": MiB, "gib": GiB, "tib": 1024**4,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1024,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": 1024**4,
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 

@@ -7,6 +7,7 @@ size and machine).
 
     python scripts/bench_cpu_adam.py --millions 100 300 --out benchmarks/cpu_adam.csv
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,13 +66,24 @@ def main() -> int:
     for millions in args.millions:
         for name in ("deepspeed", "torch"):
             ms = step_ms(name, millions * 1_000_000, args.steps)
-            row = {"implementation": name, "params_millions": str(millions), "ms_per_step": f"{ms:.1f}",
-                   "gb_per_s": f"{millions * 1e6 * BYTES_PER_PARAM_TOUCHED / ms / 1e6:.1f}",
-                   "threads": str(torch.get_num_threads()), "machine": machine, "date": dt.date.today().isoformat(),
-                   "command": command}
+            row = {
+                "implementation": name,
+                "params_millions": str(millions),
+                "ms_per_step": f"{ms:.1f}",
+                "gb_per_s": f"{millions * 1e6 * BYTES_PER_PARAM_TOUCHED / ms / 1e6:.1f}",
+                "threads": str(torch.get_num_threads()),
+                "machine": machine,
+                "date": dt.date.today().isoformat(),
+                "command": command,
+            }
             print(row, flush=True)
-            upsert_row(args.out, row, COLUMNS, "One AdamW step on the CPU (ms)",
-                       keys=("implementation", "params_millions", "machine"))
+            upsert_row(
+                args.out,
+                row,
+                COLUMNS,
+                "One AdamW step on the CPU (ms)",
+                keys=("implementation", "params_millions", "machine"),
+            )
     return 0
 
 

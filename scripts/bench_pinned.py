@@ -6,6 +6,7 @@ Each setting runs in a fresh process (PyTorch reads its allocator settings once)
 
     python scripts/bench_pinned.py --gib 4 --out benchmarks/pinned.csv
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_run import machine_name, upsert_row  # noqa: E402
 
 COLUMNS = ["setting", "gib", "pin_memory_s", "empty_pinned_s", "h2d_gbps", "machine", "date", "command"]
-SETTINGS = ("", "pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
-            "pinned_use_cuda_host_register:True,pinned_num_register_threads:16")
+SETTINGS = (
+    "",
+    "pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
+    "pinned_use_cuda_host_register:True,pinned_num_register_threads:16",
+)
 
 CHILD = """
 import json, sys, time, torch
@@ -48,18 +52,29 @@ def main() -> int:
     machine = f"{machine_name()}, {os.cpu_count()} CPU cores, PyTorch {torch.__version__.split('+')[0]}"
     for setting in SETTINGS:
         env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": setting} if setting else dict(os.environ)
-        done = subprocess.run([sys.executable, "-c", CHILD, str(args.gib)], env=env, capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, str(args.gib)], env=env, capture_output=True, text=True, timeout=300
+        )
         if done.returncode != 0:
             print(f"{setting or 'default'}: exit {done.returncode}\n{done.stderr[-2000:]}")
             continue
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        row = {"setting": setting or "default", "gib": str(args.gib), **{k: f"{v:.2f}" for k, v in result.items()},
-               "machine": machine, "date": dt.date.today().isoformat(),
-               "command": f"python scripts/bench_pinned.py --gib {args.gib:g} --out {args.out}"}
+        row = {
+            "setting": setting or "default",
+            "gib": str(args.gib),
+            **{k: f"{v:.2f}" for k, v in result.items()},
+            "machine": machine,
+            "date": dt.date.today().isoformat(),
+            "command": f"python scripts/bench_pinned.py --gib {args.gib:g} --out {args.out}",
+        }
         print(row)
-        upsert_row(args.out, row, COLUMNS, "Seconds to pin host memory, per PyTorch pinned-allocator setting",
-                   keys=("setting", "gib", "machine"))
+        upsert_row(
+            args.out,
+            row,
+            COLUMNS,
+            "Seconds to pin host memory, per PyTorch pinned-allocator setting",
+            keys=("setting", "gib", "machine"),
+        )
     return 0
 
 

@@ -7,6 +7,7 @@ and a Markdown view is rewritten from the whole CSV.
     python scripts/bench_run.py --out benchmarks/runs.csv \
         --case "1.1b-full-opt-offload=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=20"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,11 +26,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memtrain.train.distributed import without_rank_variables  # noqa: E402
+from memtrain.train.runtime.distributed import without_rank_variables  # noqa: E402
 
 GiB = 1024**3
-COLUMNS = ["recipe", "tokens_per_s", "peak_allocated_gib", "peak_reserved_gib", "host_peak_rss_gib",
-           "time_to_first_step_s", "steps", "status", "machine", "date", "command"]
+COLUMNS = [
+    "recipe",
+    "tokens_per_s",
+    "peak_allocated_gib",
+    "peak_reserved_gib",
+    "host_peak_rss_gib",
+    "time_to_first_step_s",
+    "steps",
+    "status",
+    "machine",
+    "date",
+    "command",
+]
 
 
 def machine_name() -> str:
@@ -73,13 +85,21 @@ def run_case(name: str, spec: str, runs: Path, timeout_s: int, warmup_steps: int
     runs.mkdir(parents=True, exist_ok=True)
     try:
         with log.open("w") as stream:
-            done = subprocess.run(command, cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                  env=without_rank_variables(os.environ))
+            done = subprocess.run(
+                command,
+                cwd=ROOT,
+                stdout=stream,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+                env=without_rank_variables(os.environ),
+            )
         status = "ok" if done.returncode == 0 else f"rc {done.returncode}"
     except subprocess.TimeoutExpired:
         status = "timeout"
     metrics = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    records = (
+        [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    )
     train = [r for r in records if r["kind"] == "train"]
     if "out of memory" in log.read_text(errors="replace").lower() and status != "ok":
         status = "OOM"
@@ -106,8 +126,14 @@ def write_markdown(rows: list[dict], path: Path, title: str, columns: list[str] 
     path.write_text("\n".join(lines) + "\n")
 
 
-def upsert_row(out: Path, row: dict, columns: list[str], title: str, keys: tuple[str, ...] = ("recipe",),
-               defaults: dict | None = None) -> None:
+def upsert_row(
+    out: Path,
+    row: dict,
+    columns: list[str],
+    title: str,
+    keys: tuple[str, ...] = ("recipe",),
+    defaults: dict | None = None,
+) -> None:
     """Replace the row with the same `keys` in the CSV (or add it) and rewrite its Markdown view.
 
     defaults: values for columns that rows written before the column existed lack."""

@@ -19,6 +19,7 @@ A recipe may carry overrides after it ("RECIPE key=value ...").
 --jsonl-mb N writes N MB of JSONL text (the bundled plays in ~2 KB documents, repeated; under --runs, kept between
 invocations) and puts its path where a recipe spec says {jsonl}: start-up with data of the size users bring.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_run import machine_name, upsert_row  # noqa: E402
+
 from memtrain.monitor.startup import PHASES  # noqa: E402
-from memtrain.train.distributed import without_rank_variables  # noqa: E402
+from memtrain.train.runtime.distributed import without_rank_variables  # noqa: E402
 
 COLUMNS = ["recipe", "machine_state", "first_step_s", "prepare_s", *PHASES, "machine", "date", "command"]
 
@@ -49,10 +51,23 @@ def run_once(spec: str, steps: int, run_dir: Path, env: dict, timeout: int) -> d
     recipe, *overrides = shlex.split(spec)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "memtrain", "run", recipe, *overrides, f"train.output_dir={run_dir}",
-               "train.eval_every=100000", "train.save_every=100000", "train.log_every=1", "train.eval_batches=1",
-               "--max-steps", str(steps),
-               "--no-resume", "--no-save"]
+    command = [
+        sys.executable,
+        "-m",
+        "memtrain",
+        "run",
+        recipe,
+        *overrides,
+        f"train.output_dir={run_dir}",
+        "train.eval_every=100000",
+        "train.save_every=100000",
+        "train.log_every=1",
+        "train.eval_batches=1",
+        "--max-steps",
+        str(steps),
+        "--no-resume",
+        "--no-save",
+    ]
     log = run_dir.parent / f"{run_dir.name}.log"
     with log.open("w") as stream:
         done = subprocess.run(command, cwd=ROOT, env=env, timeout=timeout, stdout=stream, stderr=subprocess.STDOUT)
@@ -67,8 +82,14 @@ def prepare(spec: str, env: dict, timeout: int) -> float:
     """`memtrain prepare RECIPE`: its wall-clock seconds."""
     recipe, *overrides = shlex.split(spec)
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "memtrain", "prepare", recipe, *overrides], cwd=ROOT, env=env,
-                   timeout=timeout, check=True, stdout=sys.stderr)
+    subprocess.run(
+        [sys.executable, "-m", "memtrain", "prepare", recipe, *overrides],
+        cwd=ROOT,
+        env=env,
+        timeout=timeout,
+        check=True,
+        stdout=sys.stderr,
+    )
     return time.perf_counter() - started
 
 
@@ -77,7 +98,7 @@ def make_jsonl(path: Path, megabytes: int) -> Path:
     if path.exists() and path.stat().st_size >= megabytes << 20:
         return path
     corpus = gzip.decompress((ROOT / "memtrain/assets/corpus/shakespeare/train.txt.gz").read_bytes()).decode()
-    lines = [json.dumps({"text": corpus[i:i + 2048]}) + "\n" for i in range(0, len(corpus), 2048)]
+    lines = [json.dumps({"text": corpus[i : i + 2048]}) + "\n" for i in range(0, len(corpus), 2048)]
     block = "".join(lines).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as handle:
@@ -91,10 +112,16 @@ def row_of(name: str, state: str, startup: dict, command: str, prepare_s: float 
     unknown = sorted(set(phases) - set(PHASES))
     if unknown:
         raise ValueError(f"phases {unknown} have no column: add them to memtrain.monitor.startup.PHASES")
-    return {"recipe": name, "machine_state": state, "first_step_s": f"{startup['first_step_s']:.1f}",
-            "prepare_s": "" if prepare_s is None else f"{prepare_s:.1f}",
-            **{phase: f"{phases[phase]:.1f}" if phase in phases else "" for phase in PHASES},
-            "machine": machine_name(), "date": dt.date.today().isoformat(), "command": command}
+    return {
+        "recipe": name,
+        "machine_state": state,
+        "first_step_s": f"{startup['first_step_s']:.1f}",
+        "prepare_s": "" if prepare_s is None else f"{prepare_s:.1f}",
+        **{phase: f"{phases[phase]:.1f}" if phase in phases else "" for phase in PHASES},
+        "machine": machine_name(),
+        "date": dt.date.today().isoformat(),
+        "command": command,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run (the first is the one timed)")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-startup"))
     parser.add_argument("--timeout", type=int, default=600)
-    parser.add_argument("--label", default="",
-                        help="added to each row's recipe name in parentheses (a session, a setting)")
+    parser.add_argument(
+        "--label", default="", help="added to each row's recipe name in parentheses (a session, a setting)"
+    )
     parser.add_argument("--prepare", action="store_true", help="run `memtrain prepare` on the first recipe before it")
     parser.add_argument("--jsonl-mb", type=int, default=0, help="generate this many MB of JSONL text for {jsonl}")
     args = parser.parse_args(argv)
@@ -115,30 +143,45 @@ def main(argv: list[str] | None = None) -> int:
     if args.machine_state == "fresh":
         caches = args.runs / "fresh-caches"
         shutil.rmtree(caches, ignore_errors=True)
-        env.update(TORCH_EXTENSIONS_DIR=str(caches / "torch_extensions"), TRITON_CACHE_DIR=str(caches / "triton"),
-                   TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), MEMTRAIN_CACHE=str(caches / "tokens"))
+        env.update(
+            TORCH_EXTENSIONS_DIR=str(caches / "torch_extensions"),
+            TRITON_CACHE_DIR=str(caches / "triton"),
+            TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
+            MEMTRAIN_CACHE=str(caches / "tokens"),
+        )
     prepare_s = prepare(args.recipe[0], env, args.timeout) if args.prepare else None
     failed = 0
     for index, spec in enumerate(args.recipe):
         state = "fresh" if args.machine_state == "fresh" and index == 0 else "warm"
         name = " ".join(Path(part).stem if i == 0 else part for i, part in enumerate(shlex.split(spec)))
         name += f" ({args.label})" if args.label else ""
-        command = f"python scripts/bench_startup.py --machine-state {args.machine_state} --steps {args.steps} " \
-                  f"--recipe '{spec}'" + (f" --label '{args.label}'" if args.label else "") + \
-                  (" --prepare" if args.prepare and index == 0 else "") + \
-                  (f" --jsonl-mb {args.jsonl_mb}" if jsonl else "")
+        command = (
+            f"python scripts/bench_startup.py --machine-state {args.machine_state} --steps {args.steps} "
+            f"--recipe '{spec}'"
+            + (f" --label '{args.label}'" if args.label else "")
+            + (" --prepare" if args.prepare and index == 0 else "")
+            + (f" --jsonl-mb {args.jsonl_mb}" if jsonl else "")
+        )
         if "{jsonl}" in spec and jsonl is None:
             parser.error(f"{spec!r} names {{jsonl}}: give --jsonl-mb")
         try:
-            startup = run_once(spec.replace("{jsonl}", str(jsonl)), args.steps, args.runs / f"run-{index}", env, args.timeout)
+            startup = run_once(
+                spec.replace("{jsonl}", str(jsonl)), args.steps, args.runs / f"run-{index}", env, args.timeout
+            )
         except (RuntimeError, subprocess.TimeoutExpired, StopIteration, FileNotFoundError) as error:
             print(f"{name}: no startup record ({type(error).__name__}: {error})", file=sys.stderr, flush=True)
             failed += 1
             continue  # the next recipe still runs
         row = row_of(name, state, startup, command, prepare_s if index == 0 else None)
         print(json.dumps(row), flush=True)
-        upsert_row(args.out, row, COLUMNS, "memtrain start-up: command to first optimizer step, per phase (s)",
-                   keys=("recipe", "machine_state"), defaults={"prepare_s": ""})
+        upsert_row(
+            args.out,
+            row,
+            COLUMNS,
+            "memtrain start-up: command to first optimizer step, per phase (s)",
+            keys=("recipe", "machine_state"),
+            defaults={"prepare_s": ""},
+        )
     return 1 if failed else 0
 
 

@@ -10,6 +10,7 @@ worker processes it is one process's, not their sum.
     python scripts/bench_tokenize.py --mb 100 --label "session 20"
     python scripts/bench_tokenize.py --kind chat --mb 40 --label "session 20"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,9 @@ from bench_run import machine_name, upsert_row  # noqa: E402
 COLUMNS = ["case", "file_mb", "tokens", "seconds", "peak_rss_gib", "code", "machine", "date", "command"]
 CHILD = """
 import json, sys, time
-from memtrain.data.cache import cached_tokens
-from memtrain.data.dataset import build_datasets
-from memtrain.data.tokenizer import load_tokenizer
+from memtrain.data.tokens.cache import cached_tokens
+from memtrain.data.rows.dataset import build_datasets
+from memtrain.data.tokens.tokenizer import load_tokenizer
 from memtrain.recipe.schema import Data, Model
 path, cache, kind = sys.argv[1:]
 tokenizer = load_tokenizer(Model(preset="tiny", tokenizer="builtin:shakespeare" + ("-chat" if kind == "chat" else "")))
@@ -87,13 +88,21 @@ def main() -> int:
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-tokenize"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "tokenize.csv")
     args = parser.parse_args()
-    text = make_text(args.runs / f"plays-{args.mb}mb.txt", args.mb) if args.kind == "text" else \
-        make_chat(args.runs / f"chat-{args.mb}mb.jsonl", args.mb)
+    text = (
+        make_text(args.runs / f"plays-{args.mb}mb.txt", args.mb)
+        if args.kind == "text"
+        else make_chat(args.runs / f"chat-{args.mb}mb.jsonl", args.mb)
+    )
     cache = Path(tempfile.mkdtemp(dir=args.runs, prefix="tokens-"))
     env = {**os.environ, "PYTHONPATH": str(args.code.resolve())}
     try:
-        done = subprocess.run([sys.executable, "-c", CHILD, str(text), str(cache), args.kind], env=env, cwd=args.code,
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, str(text), str(cache), args.kind],
+            env=env,
+            cwd=args.code,
+            capture_output=True,
+            text=True,
+        )
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     if done.returncode != 0:
@@ -102,16 +111,33 @@ def main() -> int:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1024**3  # Linux: KiB
     code = commit_of(args.code)
-    command = f"python scripts/bench_tokenize.py" + (" --kind chat" if args.kind == "chat" else "") + f" --mb {args.mb}" + (f" --code {args.code}" if args.code != ROOT else "") \
+    command = (
+        "python scripts/bench_tokenize.py"
+        + (" --kind chat" if args.kind == "chat" else "")
+        + f" --mb {args.mb}"
+        + (f" --code {args.code}" if args.code != ROOT else "")
         + (f" --label '{args.label}'" if args.label else "")
+    )
     what = f"{args.mb} MB " + (".txt" if args.kind == "text" else "chat JSONL")
-    row = {"case": f"{what} ({args.label}, {code})" if args.label else f"{what} ({code})",
-           "file_mb": str(round(text.stat().st_size / 2**20)), "tokens": str(result["tokens"]),
-           "seconds": f"{result['seconds']:.1f}", "peak_rss_gib": f"{peak_gib:.2f}", "code": code,
-           "machine": machine_name(), "date": dt.date.today().isoformat(), "command": command}
+    row = {
+        "case": f"{what} ({args.label}, {code})" if args.label else f"{what} ({code})",
+        "file_mb": str(round(text.stat().st_size / 2**20)),
+        "tokens": str(result["tokens"]),
+        "seconds": f"{result['seconds']:.1f}",
+        "peak_rss_gib": f"{peak_gib:.2f}",
+        "code": code,
+        "machine": machine_name(),
+        "date": dt.date.today().isoformat(),
+        "command": command,
+    }
     print(json.dumps(row), flush=True)
-    upsert_row(args.out, row, COLUMNS, "First tokenisation of one large text file: time and peak memory",
-               keys=("case", "machine"))
+    upsert_row(
+        args.out,
+        row,
+        COLUMNS,
+        "First tokenisation of one large text file: time and peak memory",
+        keys=("case", "machine"),
+    )
     return 0
 
 

@@ -18,6 +18,7 @@ run the Hugging Face side once per invocation and share its numbers.
 (the `baseline` column; the hf_* columns are that baseline's): hf is HF Trainer eager, hf-liger the same
 with `use_liger_kernel=True` (Liger's fused linear cross-entropy, RMSNorm, SwiGLU and RoPE).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,13 +34,29 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_run import machine_name, run_dir_for, upsert_row  # noqa: E402
-from memtrain.train.distributed import without_rank_variables  # noqa: E402
+
+from memtrain.train.runtime.distributed import without_rank_variables  # noqa: E402
 
 BASELINES = ("hf", "hf-liger")
-COLUMNS = ["recipe", "baseline", "memtrain_tokens_per_s", "hf_tokens_per_s", "ratio", "memtrain_target_tokens_per_s",
-           "hf_target_tokens_per_s", "memtrain_peak_reserved_gib",
-           "hf_peak_reserved_gib", "memtrain_host_gib", "hf_host_gib", "memtrain_first_step_s", "hf_first_step_s",
-           "memtrain_setup", "machine", "date", "command"]
+COLUMNS = [
+    "recipe",
+    "baseline",
+    "memtrain_tokens_per_s",
+    "hf_tokens_per_s",
+    "ratio",
+    "memtrain_target_tokens_per_s",
+    "hf_target_tokens_per_s",
+    "memtrain_peak_reserved_gib",
+    "hf_peak_reserved_gib",
+    "memtrain_host_gib",
+    "hf_host_gib",
+    "memtrain_first_step_s",
+    "hf_first_step_s",
+    "memtrain_setup",
+    "machine",
+    "date",
+    "command",
+]
 GiB = 1024**3
 
 
@@ -47,17 +64,35 @@ def _run(command: list[str], log: Path, timeout: int) -> None:
     """Run one side with its output in `log`; on failure, show the log's tail."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as stream:
-        done = subprocess.run(command, cwd=ROOT, timeout=timeout, stdout=stream, stderr=subprocess.STDOUT,
-                              env=without_rank_variables(os.environ))
+        done = subprocess.run(
+            command,
+            cwd=ROOT,
+            timeout=timeout,
+            stdout=stream,
+            stderr=subprocess.STDOUT,
+            env=without_rank_variables(os.environ),
+        )
     if done.returncode != 0:
         print(f"{command[1]} exited {done.returncode}; last lines of {log}:", file=sys.stderr)
         print("\n".join(log.read_text(errors="replace").splitlines()[-15:]), file=sys.stderr)
 
 
 def memtrain_side(recipe: str, overrides: list[str], steps: int, warmup: int, run_dir: Path, timeout: int) -> dict:
-    command = [sys.executable, "-m", "memtrain", "run", recipe, *overrides, f"train.steps={steps}",
-               "train.eval_every=100000", "train.save_every=100000", "train.log_every=1",
-               f"train.output_dir={run_dir}", "--no-resume", "--no-save"]
+    command = [
+        sys.executable,
+        "-m",
+        "memtrain",
+        "run",
+        recipe,
+        *overrides,
+        f"train.steps={steps}",
+        "train.eval_every=100000",
+        "train.save_every=100000",
+        "train.log_every=1",
+        f"train.output_dir={run_dir}",
+        "--no-resume",
+        "--no-save",
+    ]
     _run(command, run_dir.parent / f"{run_dir.name}.log", timeout)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     start = next(r for r in records if r["kind"] == "run" and r.get("event") == "start")
@@ -92,10 +127,23 @@ def _setup(start: dict, recipe: dict) -> str:
     return f"mb {start.get('micro_batch')}, {checkpointing}, {allocator}{compiled}{liger}"
 
 
-def hf_side(recipe: str, overrides: list[str], steps: int, warmup: int, out: Path, timeout: int,
-            baseline: str = "hf") -> dict:
-    command = [sys.executable, str(ROOT / "scripts" / "hf_baseline.py"), recipe, *overrides,
-               "--steps", str(steps), "--warmup", str(warmup), "--out", str(out), "--baseline", baseline]
+def hf_side(
+    recipe: str, overrides: list[str], steps: int, warmup: int, out: Path, timeout: int, baseline: str = "hf"
+) -> dict:
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "hf_baseline.py"),
+        recipe,
+        *overrides,
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--out",
+        str(out),
+        "--baseline",
+        baseline,
+    ]
     _run(command, out.with_suffix(".log"), timeout)
     return json.loads(out.read_text())
 
@@ -109,11 +157,17 @@ def _global_batch(recipe: str, overrides: list[str]) -> int:
 def prebuild_cpu_adam() -> None:
     """Build DeepSpeed's CPU Adam once before either side runs, so neither side's time to first step
     includes the one-time JIT build (whichever ran first used to pay it, ~45 s on the H200 machine)."""
-    done = subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder import CPUAdamBuilder; "
-                           "CPUAdamBuilder().load()"], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
-        print(f"could not prebuild DeepSpeed's CPU Adam (the first offload run will): {done.stderr[-300:]}",
-              file=sys.stderr)
+        print(
+            f"could not prebuild DeepSpeed's CPU Adam (the first offload run will): {done.stderr[-300:]}",
+            file=sys.stderr,
+        )
 
 
 def baselines(text: str) -> list[str]:
@@ -145,15 +199,26 @@ def main(argv: list[str] | None = None) -> int:
         if _global_batch(recipe, overrides) != _global_batch(recipe, memtrain_overrides):
             parser.error(f"case {name}: the memtrain-only overrides change the global batch")
         args.runs.mkdir(parents=True, exist_ok=True)
-        command = f"python scripts/bench_vs_hf.py --steps {args.steps} --warmup {args.warmup} " \
-                  f"--baseline {','.join(args.baseline)} --case '{' '.join(case.split())}'"  # a case over several lines: one line
+        command = (
+            f"python scripts/bench_vs_hf.py --steps {args.steps} --warmup {args.warmup} "
+            f"--baseline {','.join(args.baseline)} --case '{' '.join(case.split())}'"
+        )  # a case over several lines: one line
         base = {"recipe": name, "machine": machine_name(), "date": dt.date.today().isoformat(), "command": command}
-        failures = (subprocess.TimeoutExpired, FileNotFoundError, StopIteration, ValueError, ZeroDivisionError,
-                    KeyError, IndexError, TypeError)
+        failures = (
+            subprocess.TimeoutExpired,
+            FileNotFoundError,
+            StopIteration,
+            ValueError,
+            ZeroDivisionError,
+            KeyError,
+            IndexError,
+            TypeError,
+        )
         ours, ours_error = None, None
         try:
-            ours = memtrain_side(recipe, memtrain_overrides, args.steps, args.warmup, run_dir_for(args.runs, name),
-                                 args.timeout)
+            ours = memtrain_side(
+                recipe, memtrain_overrides, args.steps, args.warmup, run_dir_for(args.runs, name), args.timeout
+            )
         except failures as error:
             ours_error = error
         for baseline in args.baseline:
@@ -161,32 +226,51 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if ours is None:
                     raise ours_error
-                row.update(memtrain_tokens_per_s=f"{ours['tokens_per_s']:.0f}",
-                           memtrain_peak_reserved_gib=f"{ours['peak_reserved_gib']:.2f}",
-                           memtrain_host_gib=f"{ours['host_peak_rss_gib']:.1f}",
-                           memtrain_first_step_s=f"{ours['first_step_s']:.0f}", memtrain_setup=ours["setup"],
-                           memtrain_target_tokens_per_s=f"{ours['target_tokens_per_s']:.0f}")
+                row.update(
+                    memtrain_tokens_per_s=f"{ours['tokens_per_s']:.0f}",
+                    memtrain_peak_reserved_gib=f"{ours['peak_reserved_gib']:.2f}",
+                    memtrain_host_gib=f"{ours['host_peak_rss_gib']:.1f}",
+                    memtrain_first_step_s=f"{ours['first_step_s']:.0f}",
+                    memtrain_setup=ours["setup"],
+                    memtrain_target_tokens_per_s=f"{ours['target_tokens_per_s']:.0f}",
+                )
                 key = (baseline, recipe, *overrides)
                 if key not in hf_results:
-                    hf_results[key] = hf_side(recipe, overrides, args.steps, args.warmup,
-                                              args.runs / f"{name}.{baseline}.json", args.timeout, baseline)
+                    hf_results[key] = hf_side(
+                        recipe,
+                        overrides,
+                        args.steps,
+                        args.warmup,
+                        args.runs / f"{name}.{baseline}.json",
+                        args.timeout,
+                        baseline,
+                    )
                 theirs = hf_results[key]
-                row.update(hf_tokens_per_s=f"{theirs['tokens_per_s']:.0f}",
-                           ratio=f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}",
-                           hf_peak_reserved_gib=f"{theirs['peak_reserved_gib']:.2f}",
-                           hf_host_gib=f"{theirs['host_peak_rss_gib']:.1f}",
-                           hf_first_step_s=f"{theirs['time_to_first_step_s']:.0f}",
-                           hf_target_tokens_per_s=f"{theirs['target_tokens_per_s']:.0f}")
+                row.update(
+                    hf_tokens_per_s=f"{theirs['tokens_per_s']:.0f}",
+                    ratio=f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}",
+                    hf_peak_reserved_gib=f"{theirs['peak_reserved_gib']:.2f}",
+                    hf_host_gib=f"{theirs['host_peak_rss_gib']:.1f}",
+                    hf_first_step_s=f"{theirs['time_to_first_step_s']:.0f}",
+                    hf_target_tokens_per_s=f"{theirs['target_tokens_per_s']:.0f}",
+                )
             except failures as error:  # a side that did not finish is a row that says so
                 side = "memtrain" if "memtrain_tokens_per_s" not in row else baseline
                 log = run_dir_for(args.runs, name) if side == "memtrain" else args.runs / f"{name}.{baseline}"
                 log = log.parent / f"{log.name}.log"
                 text = log.read_text(errors="replace") if log.exists() else ""
-                row["ratio"] = f"{side} ran out of GPU memory" if "OutOfMemoryError" in text else \
-                    f"failed: {type(error).__name__}"
+                row["ratio"] = (
+                    f"{side} ran out of GPU memory" if "OutOfMemoryError" in text else f"failed: {type(error).__name__}"
+                )
             print(json.dumps(row), flush=True)
-            upsert_row(args.out, row, COLUMNS, "memtrain vs Hugging Face Trainer + DeepSpeed",
-                       keys=("recipe", "baseline"), defaults={"baseline": "hf"})
+            upsert_row(
+                args.out,
+                row,
+                COLUMNS,
+                "memtrain vs Hugging Face Trainer + DeepSpeed",
+                keys=("recipe", "baseline"),
+                defaults={"baseline": "hf"},
+            )
     return 0
 
 

@@ -3,6 +3,7 @@
 Run once; its output (memtrain/assets/tokenizer/shakespeare) is committed so that no run needs a
 download or a training step. `python scripts/build_tokenizer.py` rebuilds it identically.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -30,8 +31,13 @@ def main() -> None:
         show_progress=False,
     )
     tokenizer.train_from_iterator(text.split("\n\n"), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=SPECIAL[0], pad_token=SPECIAL[1],
-                                   bos_token=SPECIAL[0], model_max_length=1_000_000)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=SPECIAL[0],
+        pad_token=SPECIAL[1],
+        bos_token=SPECIAL[0],
+        model_max_length=1_000_000,
+    )
     OUT.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(OUT)
     print(f"wrote {OUT} ({tokenizer.get_vocab_size()} tokens)")

@@ -8,6 +8,7 @@ a plain torch AdamW, runs --steps optimizer steps on Shakespeare tokens, and bec
 A strategy that runs out of memory is a row with 'oom', not the end of the sweep. An existing
 --out file is appended to, so the 1.1B and 7B runs can share one table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,15 +26,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memtrain.model.checkpointing import apply_checkpointing  # noqa: E402
 from memtrain.model.config import model_config  # noqa: E402
 from memtrain.model.precision import apply_precision, compute_dtype  # noqa: E402
+from memtrain.model.recompute import apply_checkpointing  # noqa: E402
 from memtrain.model.wrapper import TrainableLM  # noqa: E402
 from memtrain.recipe.schema import Checkpointing, Lora, Model, Precision  # noqa: E402
 
-GiB = 1024 ** 3
-COLUMNS = ["recipe", "strategy", "peak_allocated_gib", "peak_reserved_gib", "step_time_s", "tokens_per_s",
-           "machine", "date", "command"]
+GiB = 1024**3
+COLUMNS = [
+    "recipe",
+    "strategy",
+    "peak_allocated_gib",
+    "peak_reserved_gib",
+    "step_time_s",
+    "tokens_per_s",
+    "machine",
+    "date",
+    "command",
+]
 STRATEGIES = {
     "none": Checkpointing(strategy="none"),
     "every_1": Checkpointing(strategy="every_layer"),
@@ -48,7 +58,9 @@ STRATEGIES = {
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", required=True, help="model shape preset in configs/models")
-    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (recipe defaults) instead of all weights")
+    parser.add_argument(
+        "--lora", action="store_true", help="train LoRA adapters (recipe defaults) instead of all weights"
+    )
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per strategy; the first is warm-up")
@@ -69,7 +81,7 @@ def shakespeare_ids(n_tokens: int, vocab_size: int) -> torch.Tensor:
     """The first n_tokens of the bundled corpus with the bundled tokenizer (ids < 4096 fit any preset)."""
     from transformers import PreTrainedTokenizerFast
 
-    from memtrain.data.corpus import read_documents
+    from memtrain.data.read.corpus import read_documents
 
     tokenizer_file = Path(__file__).resolve().parents[1] / "memtrain/assets/tokenizer/shakespeare/tokenizer.json"
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file))
@@ -125,8 +137,10 @@ def measure(args, name: str, device: torch.device) -> dict:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         step_time_s = statistics.median(times[1:])
-        row = {"step_time_s": f"{step_time_s:.4f}",
-               "tokens_per_s": f"{args.micro_batch * args.seq_len / step_time_s:.1f}"}
+        row = {
+            "step_time_s": f"{step_time_s:.4f}",
+            "tokens_per_s": f"{args.micro_batch * args.seq_len / step_time_s:.1f}",
+        }
         if cuda:
             row["peak_allocated_gib"] = f"{torch.cuda.max_memory_allocated() / GiB:.3f}"
             row["peak_reserved_gib"] = f"{torch.cuda.max_memory_reserved() / GiB:.3f}"
@@ -163,8 +177,14 @@ def main(argv=None) -> int:
         if new_file:
             writer.writeheader()
         for name in args.strategies.split(","):
-            row = {"recipe": recipe, "strategy": name, "machine": machine, "date": date, "command": command,
-                   **measure(args, name, device)}
+            row = {
+                "recipe": recipe,
+                "strategy": name,
+                "machine": machine,
+                "date": date,
+                "command": command,
+                **measure(args, name, device),
+            }
             writer.writerow(row)
             f.flush()
     return 0

@@ -12,6 +12,7 @@ fp32 AdamW states). Rows go to a CSV (command, machine, date) and a Markdown vie
 Every variant sets one micro-batch per step and no clipping (optimizer.step_in_backward needs both), so
 the only differences are the ones named.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,24 +31,46 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_run import machine_name, run_dir_for, upsert_row  # noqa: E402
 
 from memtrain.monitor.metrics import METRICS_FILE, read_metrics  # noqa: E402  (bench_run put the project on the path)
-from memtrain.train.distributed import without_rank_variables  # noqa: E402
+from memtrain.train.runtime.distributed import without_rank_variables  # noqa: E402
 
-TOLERANCE = 0.02   # a variant converges alike when its final validation loss is within 2 % of the reference's
-COLUMNS = ["label", "variant", "eval_loss", "vs_reference", "within_2pct", "steps", "seconds", "status",
-           "machine", "date", "command"]
+TOLERANCE = 0.02  # a variant converges alike when its final validation loss is within 2 % of the reference's
+COLUMNS = [
+    "label",
+    "variant",
+    "eval_loss",
+    "vs_reference",
+    "within_2pct",
+    "steps",
+    "seconds",
+    "status",
+    "machine",
+    "date",
+    "command",
+]
 REFERENCE = "fp32 master + fp32 AdamW"
 # name -> overrides; the reference keeps the recipe's compute dtype with fp32 master weights and states
 VARIANTS = {
     REFERENCE: ["precision.master=fp32", "offload.optimizer=none"],
-    "bf16 master + bf16 states (DeepSpeed CPU Adam)": ["precision.compute=bf16", "precision.master=bf16",
-                                                       "offload.optimizer=cpu"],
-    "bf16 weights, AdamW in backward (bf16 states)": ["precision.compute=bf16", "precision.master=bf16",
-                                                      "offload.optimizer=none", "offload.zero_stage=0",
-                                                      "optimizer.step_in_backward=true"],
-    "bf16 weights, paged 8-bit AdamW in backward": ["precision.compute=bf16", "precision.master=bf16",
-                                                    "offload.optimizer=none", "offload.zero_stage=0",
-                                                    "optimizer.step_in_backward=true",
-                                                    "optimizer.name=paged_adamw_8bit"],
+    "bf16 master + bf16 states (DeepSpeed CPU Adam)": [
+        "precision.compute=bf16",
+        "precision.master=bf16",
+        "offload.optimizer=cpu",
+    ],
+    "bf16 weights, AdamW in backward (bf16 states)": [
+        "precision.compute=bf16",
+        "precision.master=bf16",
+        "offload.optimizer=none",
+        "offload.zero_stage=0",
+        "optimizer.step_in_backward=true",
+    ],
+    "bf16 weights, paged 8-bit AdamW in backward": [
+        "precision.compute=bf16",
+        "precision.master=bf16",
+        "offload.optimizer=none",
+        "offload.zero_stage=0",
+        "optimizer.step_in_backward=true",
+        "optimizer.name=paged_adamw_8bit",
+    ],
 }
 COMMON = ["optimizer.grad_clip=0", "offload.params=none", "batch.policy=fixed"]
 
@@ -61,8 +84,14 @@ def run_variant(label: str, name: str, recipe: str, settings: list[str], runs: P
     runs.mkdir(parents=True, exist_ok=True)
     try:
         with (runs / f"{run_dir.name}.log").open("w") as log:
-            done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                  env=without_rank_variables(os.environ))
+            done = subprocess.run(
+                command,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+                env=without_rank_variables(os.environ),
+            )
         status = "ok" if done.returncode == 0 else f"rc {done.returncode}"
     except subprocess.TimeoutExpired:
         status = "timeout"
@@ -71,9 +100,17 @@ def run_variant(label: str, name: str, recipe: str, settings: list[str], runs: P
     evals = [r["loss"] for r in records if r["kind"] == "eval"]
     loss = evals[-1] if evals else None
     steps = sum(1 for r in records if r["kind"] == "train")
-    return {"label": label, "variant": name, "eval_loss": f"{loss:.4f}" if loss is not None else "", "steps": steps,
-            "seconds": f"{time.time() - started:.0f}", "status": status, "machine": machine_name(),
-            "date": dt.date.today().isoformat(), "command": shown}
+    return {
+        "label": label,
+        "variant": name,
+        "eval_loss": f"{loss:.4f}" if loss is not None else "",
+        "steps": steps,
+        "seconds": f"{time.time() - started:.0f}",
+        "status": status,
+        "machine": machine_name(),
+        "date": dt.date.today().isoformat(),
+        "command": shown,
+    }
 
 
 def main() -> int:
@@ -84,7 +121,9 @@ def main() -> int:
     parser.add_argument("--set", nargs="*", default=[], help="overrides every variant shares")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-convergence"))
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
-    parser.add_argument("--only", default="", help="comma-separated substrings of variant names (reference always runs)")
+    parser.add_argument(
+        "--only", default="", help="comma-separated substrings of variant names (reference always runs)"
+    )
     args = parser.parse_args()
     wanted = [n for n in VARIANTS if n == REFERENCE or not args.only or any(s in n for s in args.only.split(","))]
     rows = [run_variant(args.label, name, args.recipe, args.set, args.runs, args.timeout) for name in wanted]
@@ -94,8 +133,13 @@ def main() -> int:
             ratio = float(row["eval_loss"]) / float(reference) - 1
             row.update(vs_reference=f"{ratio:+.2%}", within_2pct="yes" if abs(ratio) <= TOLERANCE else "no")
         print(json.dumps(row), flush=True)
-        upsert_row(args.out, row, COLUMNS, "Convergence of the precision and optimizer choices (final validation loss)",
-                   keys=("label", "variant"))
+        upsert_row(
+            args.out,
+            row,
+            COLUMNS,
+            "Convergence of the precision and optimizer choices (final validation loss)",
+            keys=("label", "variant"),
+        )
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

@@ -1,8 +1,9 @@
 """Write docs/RECIPES.md, the recipe reference, from the schema so that it never drifts from the code.
 
-    python scripts/gen_recipe_docs.py           # rewrite docs/RECIPES.md
-    python scripts/gen_recipe_docs.py --check   # exit 1 if the committed file is out of date
+python scripts/gen_recipe_docs.py           # rewrite docs/RECIPES.md
+python scripts/gen_recipe_docs.py --check   # exit 1 if the committed file is out of date
 """
+
 from __future__ import annotations
 
 import argparse
@@ -147,10 +148,14 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description="Write docs/RECIPES.md, the recipe reference, from the schema "
-                                     "(memtrain/recipe/schema.py).")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if the committed docs/RECIPES.md differs from what would be written")
+    parser = argparse.ArgumentParser(
+        description="Write docs/RECIPES.md, the recipe reference, from the schema (memtrain/recipe/schema.py)."
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if the committed docs/RECIPES.md differs from what would be written",
+    )
     args = parser.parse_args(argv)
     text = render()
     if args.check:

@@ -487,7 +487,7 @@ sweep)
     --steps 4 --out "$OUT/checkpoint_sweep.csv"
   ;;
 speed)
-  python3 -c "import torch; from memtrain.train.allocator import exact_pinned_supported as e; print('torch', torch.__version__, 'exact pinned sizes:', e())"
+  python3 -c "import torch; from memtrain.train.runtime.allocator import exact_pinned_supported as e; print('torch', torch.__version__, 'exact pinned sizes:', e())"
   step vs-hf 560 python3 scripts/bench_vs_hf.py --out "$OUT/vs_hf.csv" --steps 12 --warmup 3 --timeout 240 \
     --case "7b-lora-mb4x1024=recipes/llama2-7b-lora-24gb.yaml" \
     --case "1.1b-full-opt-offload-mb4x1024=recipes/tinyllama-1.1b-full-offload-24gb.yaml"
@@ -571,10 +571,10 @@ equal3b)  # the offload goal asks for equal or lower peak memory than HF's measu
 torch211)  # torch < 2.13 left a failed checkpointed region's hooks installed (the 7B LoRA every-2 CheckpointError)
   tests="tests/train/test_oom.py tests/train/test_run.py" only="checkpointed_layer or saved_tensor_hooks or layer_point"
   step "tests-with-fix" 90 env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -p no:cacheprovider $tests -k "$only"
-  sed -i 's/^    abandon_failed_frames(error)$/    pass/' memtrain/train/step.py
+  sed -i 's/^    abandon_failed_frames(error)$/    pass/' memtrain/train/step/micro_batches.py
   step "tests-without-fix (expected to fail)" 90 env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -p no:cacheprovider $tests -k "$only"
-  sed -i 's/^    pass$/    abandon_failed_frames(error)/' memtrain/train/step.py
-  grep -c "^    abandon_failed_frames(error)$" memtrain/train/step.py
+  sed -i 's/^    pass$/    abandon_failed_frames(error)/' memtrain/train/step/micro_batches.py
+  grep -c "^    abandon_failed_frames(error)$" memtrain/train/step/micro_batches.py
   step plan-7b-every2 200 python3 scripts/plan_accuracy.py --out "$OUT/plan_accuracy.csv" --timeout 180 --only 7b-lora-every2-mb8-s512
   nvme="recipes/llama2-7b-nvme-24gb.yaml model.preset=tinyllama-1.1b batch.micro_batch=2 data.seq_len=1024 hardware.gpu=rtx3090
         hardware.cap_memory=true train.steps=3 schedule.warmup_steps=1 $quiet train.log_every=1"

@@ -22,6 +22,7 @@ the CPU too (for its test, tests/scripts/test_hf_baseline.py).
 cross-entropy, RMSNorm, SwiGLU and RoPE to the model instance, through the PEFT wrapper, when training starts):
 the strongest baseline a user would pick without writing code. Needs liger-kernel and a CUDA GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,8 @@ from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, Trainin
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from memtrain.configs import gpu_profile  # noqa: E402
-from memtrain.data.loader import collate, sample_order  # noqa: E402
-from memtrain.data.rows import SampleRows  # noqa: E402
+from memtrain.data.rows.loader import collate, sample_order  # noqa: E402
+from memtrain.data.rows.row_set import SampleRows  # noqa: E402
 from memtrain.ds_config.compiler import ds_config  # noqa: E402
 from memtrain.errors import UserError  # noqa: E402
 from memtrain.model.build import add_lora  # noqa: E402
@@ -51,7 +52,7 @@ from memtrain.plan.planner import resolve_micro_batch  # noqa: E402
 from memtrain.plan.zero import grad_accum_steps  # noqa: E402
 from memtrain.recipe.load import load_recipe  # noqa: E402
 from memtrain.recipe.schema import Recipe  # noqa: E402
-from memtrain.train.distributed import free_port  # noqa: E402
+from memtrain.train.runtime.distributed import free_port  # noqa: E402
 from memtrain.train.setup import build_data  # noqa: E402
 
 
@@ -108,7 +109,7 @@ def per_second(counts: list[int], marks: list[float], warmup: int) -> float | No
     """Tokens per second over the steps after the warm-up: counts[i] of step i+1, done at marks[i]."""
     if len(marks) - warmup < 2:
         return None
-    return sum(counts[warmup + 1:len(marks)]) / (marks[-1] - marks[warmup])
+    return sum(counts[warmup + 1 : len(marks)]) / (marks[-1] - marks[warmup])
 
 
 def hf_deepspeed_config(compiled: dict) -> dict:
@@ -131,7 +132,9 @@ def main() -> int:
     loaded = load_recipe(args.recipe, args.overrides)
     recipe = loaded.recipe
     if "RANK" not in os.environ:  # one process, no launcher: what DeepSpeed needs to start alone
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     on_cuda = torch.cuda.is_available()
     if on_cuda:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -153,16 +156,31 @@ def main() -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[recipe.precision.compute]
     with tempfile.TemporaryDirectory() as scratch:
         training = TrainingArguments(
-            output_dir=scratch, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
-            max_steps=args.steps, learning_rate=recipe.optimizer.lr, weight_decay=recipe.optimizer.weight_decay,
-            adam_beta1=recipe.optimizer.betas[0], adam_beta2=recipe.optimizer.betas[1], adam_epsilon=recipe.optimizer.eps,
-            max_grad_norm=recipe.optimizer.grad_clip, warmup_steps=recipe.schedule.warmup_steps,
+            output_dir=scratch,
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=accum,
+            max_steps=args.steps,
+            learning_rate=recipe.optimizer.lr,
+            weight_decay=recipe.optimizer.weight_decay,
+            adam_beta1=recipe.optimizer.betas[0],
+            adam_beta2=recipe.optimizer.betas[1],
+            adam_epsilon=recipe.optimizer.eps,
+            max_grad_norm=recipe.optimizer.grad_clip,
+            warmup_steps=recipe.schedule.warmup_steps,
             lr_scheduler_type=recipe.schedule.decay if recipe.schedule.decay != "constant" else "constant_with_warmup",
-            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, logging_steps=10**9, save_strategy="no",
-            report_to=[], deepspeed=config, seed=recipe.train.seed, dataloader_num_workers=0,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            logging_steps=10**9,
+            save_strategy="no",
+            report_to=[],
+            deepspeed=config,
+            seed=recipe.train.seed,
+            dataloader_num_workers=0,
             gradient_checkpointing=recipe.checkpointing.strategy != "none",
-            gradient_checkpointing_kwargs={"use_reentrant": False}, remove_unused_columns=False,
-            use_cpu=not on_cuda, use_liger_kernel=args.baseline == "hf-liger",
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+            remove_unused_columns=False,
+            use_cpu=not on_cuda,
+            use_liger_kernel=args.baseline == "hf-liger",
         )
         torch.manual_seed(recipe.train.seed)
         # Under ZeRO-3 TrainingArguments made the HfDeepSpeedConfig above, so from_config partitions.
@@ -191,8 +209,13 @@ def main() -> int:
             def _get_train_sampler(self, train_dataset=None):
                 return order
 
-        trainer = InRunOrder(model=model, args=training, train_dataset=RowIndices(len(rows)), callbacks=[Clock()],
-                             data_collator=MemtrainBatches(rows, recipe.data.groups_by_length, attn))
+        trainer = InRunOrder(
+            model=model,
+            args=training,
+            train_dataset=RowIndices(len(rows)),
+            callbacks=[Clock()],
+            data_collator=MemtrainBatches(rows, recipe.data.groups_by_length, attn),
+        )
         trainer.train()
     positions = [recipe.batch.global_batch * recipe.data.seq_len] * len(marks)  # as bench_vs_hf counts memtrain's
     result = {

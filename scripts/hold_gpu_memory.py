@@ -8,6 +8,7 @@ real 24 GB card. It prints one line when it holds the memory and keeps it until 
 
     python scripts/hold_gpu_memory.py --leave-gib 23.99 &
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,7 @@ import sys
 import torch
 
 GiB = 1024**3
-CONSUMER_CARD_GIB = 24564 / 1024   # what an RTX 3090 / 4090 reports as its total (24564 MiB)
+CONSUMER_CARD_GIB = 24564 / 1024  # what an RTX 3090 / 4090 reports as its total (24564 MiB)
 
 
 def main() -> int:
@@ -32,8 +33,10 @@ def main() -> int:
     held = torch.empty(hold, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
     left, _ = torch.cuda.mem_get_info()
-    print(f"holding {held.numel() / GiB:.2f} GiB of {total / GiB:.2f}; {left / GiB:.2f} GiB left for other processes",
-          flush=True)
+    print(
+        f"holding {held.numel() / GiB:.2f} GiB of {total / GiB:.2f}; {left / GiB:.2f} GiB left for other processes",
+        flush=True,
+    )
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
     return 0
 

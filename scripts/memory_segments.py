@@ -9,6 +9,7 @@ which stream, and how big its blocks are, so the planner's terms can be checked 
     python scripts/memory_segments.py recipes/llama2-7b-nvme-24gb.yaml model.preset=tinyllama-1.1b \\
         train.steps=3 --out /tmp/segments.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,12 +61,18 @@ def summarise(snapshot: dict, train_from: int = 0) -> dict:
                 total_peak, stream_live_at_total_peak = total_live, dict(live)
     streams = sorted(set(segment_bytes) | set(peak))
     return {
-        "streams": [{"stream": s, "segment_gib_at_end": segment_bytes[s] / GiB,
-                     "peak_mapped_gib_in_trace": peak_mapped[s] / GiB,
-                     "peak_allocated_gib_in_trace": peak[s] / GiB,
-                     "peak_allocated_gib_in_training": train_peak[s] / GiB,
-                     "allocated_gib_at_overall_peak": stream_live_at_total_peak.get(s, 0) / GiB,
-                     "largest_allocations_mib": [round(b / 2**20, 1) for b in largest[s]]} for s in streams],
+        "streams": [
+            {
+                "stream": s,
+                "segment_gib_at_end": segment_bytes[s] / GiB,
+                "peak_mapped_gib_in_trace": peak_mapped[s] / GiB,
+                "peak_allocated_gib_in_trace": peak[s] / GiB,
+                "peak_allocated_gib_in_training": train_peak[s] / GiB,
+                "allocated_gib_at_overall_peak": stream_live_at_total_peak.get(s, 0) / GiB,
+                "largest_allocations_mib": [round(b / 2**20, 1) for b in largest[s]],
+            }
+            for s in streams
+        ],
         "overall_peak_allocated_gib_in_trace": total_peak / GiB,
         "training_starts_at_event": train_from,
         "live_at_training_peak": live_at_training_peak(snapshot, train_from),
@@ -95,7 +102,7 @@ def live_at_training_peak(snapshot: dict, train_from: int = 0, top: int = 20) ->
     if peak_index is None:
         return {}
     live: dict[int, dict] = {}
-    for index, event in enumerate(trace[:peak_index + 1]):
+    for index, event in enumerate(trace[: peak_index + 1]):
         if event["action"] == "alloc":
             live[event.get("addr", index)] = event
         elif event["action"] == "free_completed":
@@ -105,8 +112,11 @@ def live_at_training_peak(snapshot: dict, train_from: int = 0, top: int = 20) ->
         sites[_site(event)][0] += event["size"]
         sites[_site(event)][1] += 1
     ranked = sorted(sites.items(), key=lambda item: -item[1][0])[:top]
-    return {"event": peak_index, "allocated_gib": peak_bytes / GiB,
-            "sites": [{"site": site, "mib": round(size / 2**20, 1), "blocks": count} for site, (size, count) in ranked]}
+    return {
+        "event": peak_index,
+        "allocated_gib": peak_bytes / GiB,
+        "sites": [{"site": site, "mib": round(size / 2**20, 1), "blocks": count} for site, (size, count) in ranked],
+    }
 
 
 def main() -> int:
@@ -123,20 +133,24 @@ def main() -> int:
         return 2
     import memtrain.train.setup as setup
     from memtrain.commands.run import run_command
-    from memtrain.train.run import RunOptions
+    from memtrain.train.resolve import RunOptions
 
     # record from before the model is built (the run itself starts recording only for its training
     # steps); where it would start, note how many events came before, so initialisation can be told apart
     torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, context="alloc", stacks="python")
     train_from = []
-    setup.start_memory_history = lambda device: train_from.append(len(torch.cuda.memory._snapshot()["device_traces"][0]))
+    setup.start_memory_history = lambda device: train_from.append(
+        len(torch.cuda.memory._snapshot()["device_traces"][0])
+    )
     code = run_command(args.recipe, args.overrides, RunOptions(resume=False, save=False))
     stats = torch.cuda.memory_stats()
-    summary = {"exit_code": code,
-               "peak_reserved_gib": stats["reserved_bytes.all.peak"] / GiB,
-               "peak_allocated_gib": stats["allocated_bytes.all.peak"] / GiB,
-               "alloc_retries": stats["num_alloc_retries"],
-               **summarise(torch.cuda.memory._snapshot(), train_from[0] if train_from else 0)}
+    summary = {
+        "exit_code": code,
+        "peak_reserved_gib": stats["reserved_bytes.all.peak"] / GiB,
+        "peak_allocated_gib": stats["allocated_bytes.all.peak"] / GiB,
+        "alloc_retries": stats["num_alloc_retries"],
+        **summarise(torch.cuda.memory._snapshot(), train_from[0] if train_from else 0),
+    }
     args.out.write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
     return code

@@ -9,6 +9,7 @@ Each engine's micro-batch is timed in --rounds rounds of --repeats calls, the en
 
     python scripts/micro_batch_overhead.py --stages 0,1,2 --checkpointing none,every_layer
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,22 +29,38 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_run import machine_name, upsert_row  # noqa: E402
 
 from memtrain.model.build import add_lora  # noqa: E402
-from memtrain.model.checkpointing import apply_checkpointing  # noqa: E402
+from memtrain.model.recompute import apply_checkpointing  # noqa: E402
 from memtrain.model.wrapper import TrainableLM  # noqa: E402
 from memtrain.recipe.schema import Checkpointing, Lora, Model, Precision  # noqa: E402
 
-COLUMNS = ["checkpointing", "engine", "ms_per_micro_batch", "extra_ms_over_plain", "rounds_ms", "machine", "date",
-           "command"]
+COLUMNS = [
+    "checkpointing",
+    "engine",
+    "ms_per_micro_batch",
+    "extra_ms_over_plain",
+    "rounds_ms",
+    "machine",
+    "date",
+    "command",
+]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def model(strategy: str) -> TrainableLM:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=32, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=512, max_position_embeddings=64)
-    lora = add_lora(LlamaForCausalLM(config), Model(preset="tiny", lora=Lora(r=16, alpha=32, dropout=0.05,
-                                                                            target_modules=TARGETS)))
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=512,
+        max_position_embeddings=64,
+    )
+    lora = add_lora(
+        LlamaForCausalLM(config), Model(preset="tiny", lora=Lora(r=16, alpha=32, dropout=0.05, target_modules=TARGETS))
+    )
     apply_checkpointing(lora, Checkpointing(strategy=strategy))
     lm = TrainableLM(lora, Precision(compute="fp32", loss_chunk_tokens=1024))
     lm.train()
@@ -68,13 +85,15 @@ def main() -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    from memtrain.train.distributed import setup_process
+    from memtrain.train.runtime.distributed import setup_process
 
     setup_process("rtx3090", cap_memory=False)  # the process group as a run sets it up (gloo on the CPU)
     torch.set_num_threads(1)
     ids = torch.randint(0, 512, (1, 16))
-    command = (f"python scripts/micro_batch_overhead.py --stages {args.stages} --checkpointing {args.checkpointing} "
-               f"--repeats {args.repeats} --rounds {args.rounds}")
+    command = (
+        f"python scripts/micro_batch_overhead.py --stages {args.stages} --checkpointing {args.checkpointing} "
+        f"--repeats {args.repeats} --rounds {args.rounds}"
+    )
     for strategy in args.checkpointing.split(","):
         calls = {}
         lm = model(strategy)
@@ -82,19 +101,27 @@ def main() -> int:
         def plain(lm=lm):
             loss_sum, tokens = lm(input_ids=ids, labels=ids)
             (loss_sum / tokens).backward()
+
         calls["plain PEFT"] = plain
         for stage in (int(s) for s in args.stages.split(",")):
             lm = model(strategy)  # a module of its own for each engine
             optimizer = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=1e-4)
-            engine, *_ = deepspeed.initialize(model=lm, optimizer=optimizer, config={
-                "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 10 ** 6,
-                "zero_allow_untested_optimizer": True,
-                "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}})
+            engine, *_ = deepspeed.initialize(
+                model=lm,
+                optimizer=optimizer,
+                config={
+                    "train_micro_batch_size_per_gpu": 1,
+                    "gradient_accumulation_steps": 10**6,
+                    "zero_allow_untested_optimizer": True,
+                    "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
+                },
+            )
 
             def micro_step(engine=engine):
                 engine.set_gradient_accumulation_boundary(False)
                 loss_sum, tokens = engine(input_ids=ids, labels=ids)
                 engine.backward(loss_sum / tokens, scale_wrt_gas=False)
+
             calls[f"ZeRO-{stage}"] = micro_step
         for call in calls.values():  # warm-up
             for _ in range(3):
@@ -107,13 +134,23 @@ def main() -> int:
         for name, times in rounds.items():
             median = statistics.median(times)
             print(f"{strategy:14s} {name:12s} {median:7.1f} ms  (+{median - plain_ms:.1f})", flush=True)
-            upsert_row(args.out, {"checkpointing": strategy, "engine": name, "ms_per_micro_batch": f"{median:.1f}",
-                                  "extra_ms_over_plain": f"{median - plain_ms:+.1f}",
-                                  "rounds_ms": " ".join(f"{t:.1f}" for t in times), "machine": machine_name(),
-                                  "date": dt.date.today().isoformat(), "command": command},
-                       COLUMNS, "Host time per micro-batch (forward + backward) of a 32-layer LoRA model with next to "
-                                "no compute: what PEFT, checkpointing and DeepSpeed's ZeRO stages cost",
-                       keys=("checkpointing", "engine", "machine"))
+            upsert_row(
+                args.out,
+                {
+                    "checkpointing": strategy,
+                    "engine": name,
+                    "ms_per_micro_batch": f"{median:.1f}",
+                    "extra_ms_over_plain": f"{median - plain_ms:+.1f}",
+                    "rounds_ms": " ".join(f"{t:.1f}" for t in times),
+                    "machine": machine_name(),
+                    "date": dt.date.today().isoformat(),
+                    "command": command,
+                },
+                COLUMNS,
+                "Host time per micro-batch (forward + backward) of a 32-layer LoRA model with next to "
+                "no compute: what PEFT, checkpointing and DeepSpeed's ZeRO stages cost",
+                keys=("checkpointing", "engine", "machine"),
+            )
     return 0
 
 

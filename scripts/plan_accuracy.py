@@ -12,6 +12,7 @@ Writes the CSV (recipe,predicted_reserved_gib,measured_reserved_gib,predicted_al
 measured_allocated_gib,predicted_host_gib,measured_host_gib,machine,date) and a Markdown view next
 to it (same name, .md), and prints the calibration constants the rows suggest for configs/gpus.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,11 +32,20 @@ sys.path.insert(0, str(ROOT))
 
 from memtrain.plan.planner import plan_recipe  # noqa: E402
 from memtrain.recipe.load import load_recipe  # noqa: E402
-from memtrain.train.distributed import without_rank_variables  # noqa: E402
+from memtrain.train.runtime.distributed import without_rank_variables  # noqa: E402
 
 GiB = 1024**3
-COLUMNS = ["recipe", "predicted_reserved_gib", "measured_reserved_gib", "predicted_allocated_gib",
-           "measured_allocated_gib", "predicted_host_gib", "measured_host_gib", "machine", "date"]
+COLUMNS = [
+    "recipe",
+    "predicted_reserved_gib",
+    "measured_reserved_gib",
+    "predicted_allocated_gib",
+    "measured_allocated_gib",
+    "predicted_host_gib",
+    "measured_host_gib",
+    "machine",
+    "date",
+]
 
 
 @dataclass(frozen=True)
@@ -54,30 +64,48 @@ def _batch(micro: int, seq: int) -> tuple[str, ...]:
 
 
 TINY, OPEN3B = "recipes/tinyllama-1.1b-full-offload-24gb.yaml", "recipes/openllama-3b-full-offload-24gb.yaml"
-LORA7B, FULL7B, NVME7B = ("recipes/llama2-7b-lora-24gb.yaml", "recipes/llama2-7b-full-offload-2x24gb.yaml",
-                          "recipes/llama2-7b-nvme-24gb.yaml")
+LORA7B, FULL7B, NVME7B = (
+    "recipes/llama2-7b-lora-24gb.yaml",
+    "recipes/llama2-7b-full-offload-2x24gb.yaml",
+    "recipes/llama2-7b-nvme-24gb.yaml",
+)
 QLORA7B, QLORA13B = "recipes/llama2-7b-qlora-16gb.yaml", "recipes/llama2-13b-qlora-24gb.yaml"
 CASES = [
     Case("1.1b-opt-cpu-every-mb4-s1024", TINY, _batch(4, 1024)),
     Case("1.1b-no-offload-every-mb4-s1024", TINY, ("offload.optimizer=none",) + _batch(4, 1024)),
     Case("1.1b-opt-cpu-none-mb2-s512", TINY, ("checkpointing.strategy=none",) + _batch(2, 512)),
-    Case("1.1b-opt-cpu-every2-mb8-s1024", TINY, ("checkpointing.strategy=every_n_layers",
-                                                 "checkpointing.every_n_layers=2") + _batch(8, 1024)),
+    Case(
+        "1.1b-opt-cpu-every2-mb8-s1024",
+        TINY,
+        ("checkpointing.strategy=every_n_layers", "checkpointing.every_n_layers=2") + _batch(8, 1024),
+    ),
     Case("1.1b-opt-cpu-every-mb1-s2048", TINY, _batch(1, 2048)),  # TinyLlama has 2048 positions
-    Case("1.1b-lora-none-mb8-s512", TINY, PEFT_DROPOUT + ("model.lora.r=16", "offload.optimizer=none",
-                                           "checkpointing.strategy=none") + _batch(8, 512)),
+    Case(
+        "1.1b-lora-none-mb8-s512",
+        TINY,
+        PEFT_DROPOUT + ("model.lora.r=16", "offload.optimizer=none", "checkpointing.strategy=none") + _batch(8, 512),
+    ),
     Case("1.1b-opt-cpu-unchunked-mb4-s1024", TINY, ("precision.chunked_loss=false",) + _batch(4, 1024)),
     Case("3b-zero2-opt-cpu-every-mb4-s1024", OPEN3B, ("offload.params=none",) + _batch(4, 1024)),
     Case("3b-zero3-cpu-every-mb4-s1024", OPEN3B, _batch(4, 1024)),
-    Case("3b-lora-every-mb4-s2048", OPEN3B, PEFT_DROPOUT + ("model.lora.r=16", "offload.optimizer=none", "offload.params=none")
-         + _batch(4, 2048)),
+    Case(
+        "3b-lora-every-mb4-s2048",
+        OPEN3B,
+        PEFT_DROPOUT + ("model.lora.r=16", "offload.optimizer=none", "offload.params=none") + _batch(4, 2048),
+    ),
     Case("7b-lora-every-mb4-s1024", LORA7B, PEFT_DROPOUT + _batch(4, 1024)),
-    Case("7b-lora-every2-mb8-s512", LORA7B, PEFT_DROPOUT + ("checkpointing.strategy=every_n_layers",
-                                             "checkpointing.every_n_layers=2") + _batch(8, 512)),
+    Case(
+        "7b-lora-every2-mb8-s512",
+        LORA7B,
+        PEFT_DROPOUT + ("checkpointing.strategy=every_n_layers", "checkpointing.every_n_layers=2") + _batch(8, 512),
+    ),
     Case("7b-lora-every-mb1-s4096", LORA7B, PEFT_DROPOUT + _batch(1, 4096)),
     Case("7b-zero3-cpu-bf16master-mb2-s1024", FULL7B, ("hardware.gpus=1",) + _batch(2, 1024)),
-    Case("7b-zero2-opt-cpu-mb2-s1024", FULL7B, ("hardware.gpus=1", "offload.params=none", "offload.zero_stage=auto")
-         + _batch(2, 1024)),
+    Case(
+        "7b-zero2-opt-cpu-mb2-s1024",
+        FULL7B,
+        ("hardware.gpus=1", "offload.params=none", "offload.zero_stage=auto") + _batch(2, 1024),
+    ),
     # The GPU machine has 64 GB of disk: the 7B NVMe recipe with fp32 master weights needs 88 GiB there, and
     # bf16 master weights on NVMe stop DeepSpeed 0.19's optimizer swapper (memtrain refuses them), so the
     # NVMe tier is measured at 1.1B with the recipe's fp32 master weights.
@@ -122,14 +150,22 @@ STREAMS = [
 PEAKS = [
     Case("1.1b-nvme-mb8-s1024", NVME7B, ("model.preset=tinyllama-1.1b",) + _batch(8, 1024)),
     Case("3b-zero3-cpu-every-mb2-s2048", OPEN3B, _batch(2, 2048)),
-    Case("1.1b-zero3-cpu-every-mb8-s1024", NVME7B, ("model.preset=tinyllama-1.1b", "offload.optimizer=cpu",
-                                                    "offload.params=cpu") + _batch(8, 1024)),
+    Case(
+        "1.1b-zero3-cpu-every-mb8-s1024",
+        NVME7B,
+        ("model.preset=tinyllama-1.1b", "offload.optimizer=cpu", "offload.params=cpu") + _batch(8, 1024),
+    ),
 ]
 # Held out, session 9: the model families beside Llama (issue 22) and a packed chat recipe (issue 21), predicted
 # (--predict, committed) before they ran. LoRA on the 7B recipe's settings; Phi-3-mini as a full fine-tune with the
 # optimizer on the CPU (the 1.1B recipe's settings).
-CHAT = ('data.train=[{path: "builtin:chat", type: chat}]', "data.validation=null", "data.template=chatml",
-        "data.packing=true", "model.tokenizer=builtin:shakespeare-chat")
+CHAT = (
+    'data.train=[{path: "builtin:chat", type: chat}]',
+    "data.validation=null",
+    "data.template=chatml",
+    "data.packing=true",
+    "model.tokenizer=builtin:shakespeare-chat",
+)
 FAMILIES = [
     Case("qwen2.5-7b-lora-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("model.preset=qwen2.5-7b",) + _batch(4, 1024)),
     Case("mistral-7b-lora-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("model.preset=mistral-7b-v0.3",) + _batch(4, 1024)),
@@ -138,52 +174,87 @@ FAMILIES = [
     Case("7b-lora-chat-packed-every-mb2-s2048", LORA7B, PEFT_DROPOUT + CHAT + _batch(2, 2048)),
     # full fine-tunes of the 7B-class families: ZeRO-3 with optimizer and parameters on the CPU, bf16 master weights
     # and states, unpinned (a 7.6B model's pinned buffers would not leave the 125 GiB host room for the run)
-    Case("qwen2.5-7b-zero3-cpu-unpinned-mb2-s1024", FULL7B, ("hardware.gpus=1", "model.preset=qwen2.5-7b",
-                                                            "offload.pin_memory=false") + _batch(2, 1024)),
-    Case("mistral-7b-zero3-cpu-unpinned-mb2-s1024", FULL7B, ("hardware.gpus=1", "model.preset=mistral-7b-v0.3",
-                                                            "offload.pin_memory=false") + _batch(2, 1024)),
+    Case(
+        "qwen2.5-7b-zero3-cpu-unpinned-mb2-s1024",
+        FULL7B,
+        ("hardware.gpus=1", "model.preset=qwen2.5-7b", "offload.pin_memory=false") + _batch(2, 1024),
+    ),
+    Case(
+        "mistral-7b-zero3-cpu-unpinned-mb2-s1024",
+        FULL7B,
+        ("hardware.gpus=1", "model.preset=mistral-7b-v0.3", "offload.pin_memory=false") + _batch(2, 1024),
+    ),
     # held out after the reduce stream's copies were derived from DeepSpeed's steps (session 10): Qwen3-8B's
     # untied 622M-element embedding and head, where the fp64 norm's 250M-element chunk matters most
-    Case("qwen3-8b-zero3-cpu-unpinned-mb2-s1024", FULL7B, ("hardware.gpus=1", "model.preset=qwen3-8b",
-                                                          "offload.pin_memory=false") + _batch(2, 1024)),
+    Case(
+        "qwen3-8b-zero3-cpu-unpinned-mb2-s1024",
+        FULL7B,
+        ("hardware.gpus=1", "model.preset=qwen3-8b", "offload.pin_memory=false") + _batch(2, 1024),
+    ),
     # session 15: the Mistral run above again, unchanged (its +6.1 % is the one family row outside 5 %): the same
     # plan, so the two rows tell the run-to-run spread of ZeRO-3's reserved memory from an error of the model
-    Case("mistral-7b-zero3-cpu-unpinned-mb2-s1024-again", FULL7B, ("hardware.gpus=1", "model.preset=mistral-7b-v0.3",
-                                                                  "offload.pin_memory=false") + _batch(2, 1024)),
+    Case(
+        "mistral-7b-zero3-cpu-unpinned-mb2-s1024-again",
+        FULL7B,
+        ("hardware.gpus=1", "model.preset=mistral-7b-v0.3", "offload.pin_memory=false") + _batch(2, 1024),
+    ),
     # session 15, for the next GPU session: the Llama-7B row above (pinned, +2.5 %) unpinned and otherwise the same.
     # Every 7B ZeRO-3 row over the plan by 5-6 % ran unpinned (Mistral, the 64 GiB-host rows); the pinned rows' slack
     # was under the plan. The planner does not tell the two apart, so this predicts what the pinned run measured
     # (5.14 GiB) within 2.5 %; a run at ~4.9 GiB would say the host buffers' pinning is a term of the GPU's reserved bytes.
-    Case("7b-zero3-cpu-bf16master-unpinned-mb2-s1024", FULL7B, ("hardware.gpus=1", "offload.pin_memory=false")
-         + _batch(2, 1024)),
+    Case(
+        "7b-zero3-cpu-bf16master-unpinned-mb2-s1024",
+        FULL7B,
+        ("hardware.gpus=1", "offload.pin_memory=false") + _batch(2, 1024),
+    ),
     # held out, session 10: DoRA's magnitude vectors and its per-module weight-norm transient (issue 22, item 3)
     Case("7b-dora-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("model.lora.use_dora=true",) + _batch(4, 1024)),
     # held out, session 10: Liger's kernels (model.kernels, the default on CUDA where liger-kernel is installed),
     # priced from its source: fused linear cross-entropy in place of the chunked loss, eager-traced layers
     Case("7b-lora-liger-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("model.kernels=liger",) + _batch(4, 1024)),
-    Case("gemma2-9b-lora-liger-every-mb1-s1024", LORA7B,
-         PEFT_DROPOUT + ("model.preset=gemma2-9b", "model.kernels=liger") + _batch(1, 1024)),
+    Case(
+        "gemma2-9b-lora-liger-every-mb1-s1024",
+        LORA7B,
+        PEFT_DROPOUT + ("model.preset=gemma2-9b", "model.kernels=liger") + _batch(1, 1024),
+    ),
 ]
 # Held out, session 11 (issue 26): the 7B full fine-tune on a 64 GiB host through ZeRO-3's partial optimizer offload
 # (offload.ratio): whole sub-groups of master weights, moments and gradients on the GPU, the rest on the CPU, bf16,
 # pageable: parameters on the CPU with ratio 0.7, and on the GPU with ratio 0.9 (the recipe's settings since the run).
 HOST64 = "recipes/llama2-7b-full-64gb-host.yaml"
 PARTIAL = [
-    Case("7b-zero3-cpu-ratio0.7-unpinned-mb4-s1024", HOST64, ("offload.params=cpu", "offload.ratio=0.7") + _batch(4, 1024)),
-    Case("7b-zero3-opt-cpu-ratio0.9-unpinned-mb1-s1024", HOST64, ("offload.params=none", "offload.ratio=0.9")
-         + _batch(1, 1024)),
+    Case(
+        "7b-zero3-cpu-ratio0.7-unpinned-mb4-s1024",
+        HOST64,
+        ("offload.params=cpu", "offload.ratio=0.7") + _batch(4, 1024),
+    ),
+    Case(
+        "7b-zero3-opt-cpu-ratio0.9-unpinned-mb1-s1024",
+        HOST64,
+        ("offload.params=none", "offload.ratio=0.9") + _batch(1, 1024),
+    ),
 ]
 # Held out, session 12: the ratio-0.9 row above is the only ZeRO-3 run with parameters on the GPU, and its allocated
 # peak was 1.7 GiB under the plan where the ratio-0.7 row (parameters on the CPU, 16 sub-groups moved) was 0.4 GiB
 # under: the 3B recipe with parameters on the GPU, with and without sub-groups moved, tells which term it is.
 PARAMS_ON_GPU = [
-    Case("3b-zero3-opt-cpu-params-gpu-mb4-s1024", OPEN3B, ("offload.params=none", "offload.zero_stage=3") + _batch(4, 1024)),
-    Case("3b-zero3-opt-cpu-params-gpu-ratio0.9-mb4-s1024", OPEN3B, ("offload.params=none", "offload.zero_stage=3",
-                                                                    "offload.ratio=0.9") + _batch(4, 1024)),
+    Case(
+        "3b-zero3-opt-cpu-params-gpu-mb4-s1024",
+        OPEN3B,
+        ("offload.params=none", "offload.zero_stage=3") + _batch(4, 1024),
+    ),
+    Case(
+        "3b-zero3-opt-cpu-params-gpu-ratio0.9-mb4-s1024",
+        OPEN3B,
+        ("offload.params=none", "offload.zero_stage=3", "offload.ratio=0.9") + _batch(4, 1024),
+    ),
     # predicted after whole_on_one_gpu was fitted on the two rows above and PARTIAL's ratio-0.9 row: the 64 GiB-host
     # recipe at the micro-batch its plan now picks (4, was 1), at the recipe's global batch of 16
-    Case("7b-zero3-opt-cpu-ratio0.9-unpinned-mb4-s1024", HOST64, ("offload.params=none", "offload.ratio=0.9",
-                                                                  "batch.micro_batch=4", "data.seq_len=1024")),
+    Case(
+        "7b-zero3-opt-cpu-ratio0.9-unpinned-mb4-s1024",
+        HOST64,
+        ("offload.params=none", "offload.ratio=0.9", "batch.micro_batch=4", "data.seq_len=1024"),
+    ),
 ]
 # Session 13, issue 26, predicted before they ran: the 7B full fine-tune with paged 8-bit AdamW stepped in backward
 # (recipes/llama2-7b-full-32gb-host.yaml), one micro-batch per step, run beside scripts/hold_gpu_memory.py so that
@@ -192,10 +263,16 @@ PARAMS_ON_GPU = [
 # to Liger, so the rows say so and are re-planned with Liger's layer keeps (plan/activations.py).
 HOST32 = "recipes/llama2-7b-full-32gb-host.yaml"
 IN_BACKWARD = [
-    Case("7b-full-in-backward-paged8bit-mb8-s1024", HOST32, ("model.kernels=liger", "batch.micro_batch=8",
-                                                             "batch.global_batch=8")),
-    Case("7b-full-in-backward-paged8bit-mb16-s1024", HOST32, ("model.kernels=liger", "batch.micro_batch=16",
-                                                              "batch.global_batch=16")),
+    Case(
+        "7b-full-in-backward-paged8bit-mb8-s1024",
+        HOST32,
+        ("model.kernels=liger", "batch.micro_batch=8", "batch.global_batch=8"),
+    ),
+    Case(
+        "7b-full-in-backward-paged8bit-mb16-s1024",
+        HOST32,
+        ("model.kernels=liger", "batch.micro_batch=16", "batch.global_batch=16"),
+    ),
 ]
 # Session 14, issue 23, predicted before they ran (03f965c, cf43321): the 7B LoRA recipe as shipped with compiled decoder
 # layers (train.compile), with and without Liger's kernels, and the chat and QLoRA recipes compiled. The predictions
@@ -203,20 +280,42 @@ IN_BACKWARD = [
 # pricing, which COMPILED_RECOMPUTE_SHARE (plan/activations.py) was then fitted on. The peaks are those of the
 # side-by-side runs (bash scripts/gpu_session.sh speed14 / speed14b, benchmarks/vs_hf.csv).
 COMPILED = [
-    Case("7b-lora-compiled-liger-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("train.compile=true", "model.kernels=liger")
-         + _batch(4, 1024)),
-    Case("7b-lora-compiled-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("train.compile=true", "model.kernels=none")
-         + _batch(4, 1024)),
-    Case("7b-lora-compiled-ligerloss-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("train.compile=true",
-                                                                             "model.kernels=liger_loss") + _batch(4, 1024)),
-    Case("7b-lora-chat-packed-compiled-ligerloss-every-mb2-s2048", LORA7B,
-         PEFT_DROPOUT + CHAT + ("train.compile=true", "model.kernels=liger_loss") + _batch(2, 2048)),
-    Case("7b-qlora-nf4-compiled-ligerloss-every-mb8-s1024", QLORA7B, ("train.compile=true", "model.kernels=liger_loss")),
+    Case(
+        "7b-lora-compiled-liger-every-mb4-s1024",
+        LORA7B,
+        PEFT_DROPOUT + ("train.compile=true", "model.kernels=liger") + _batch(4, 1024),
+    ),
+    Case(
+        "7b-lora-compiled-every-mb4-s1024",
+        LORA7B,
+        PEFT_DROPOUT + ("train.compile=true", "model.kernels=none") + _batch(4, 1024),
+    ),
+    Case(
+        "7b-lora-compiled-ligerloss-every-mb4-s1024",
+        LORA7B,
+        PEFT_DROPOUT + ("train.compile=true", "model.kernels=liger_loss") + _batch(4, 1024),
+    ),
+    Case(
+        "7b-lora-chat-packed-compiled-ligerloss-every-mb2-s2048",
+        LORA7B,
+        PEFT_DROPOUT + CHAT + ("train.compile=true", "model.kernels=liger_loss") + _batch(2, 2048),
+    ),
+    Case(
+        "7b-qlora-nf4-compiled-ligerloss-every-mb8-s1024", QLORA7B, ("train.compile=true", "model.kernels=liger_loss")
+    ),
     # not predicted before they ran (speed14c measured them for speed, benchmarks/runs.csv) and not used in the fit
-    Case("mistral-7b-lora-compiled-ligerloss-every-mb4-s1024", LORA7B,
-         PEFT_DROPOUT + ("model.preset=mistral-7b-v0.3", "train.compile=true", "model.kernels=liger_loss") + _batch(4, 1024)),
-    Case("qwen2.5-7b-lora-compiled-ligerloss-every-mb4-s1024", LORA7B,
-         PEFT_DROPOUT + ("model.preset=qwen2.5-7b", "train.compile=true", "model.kernels=liger_loss") + _batch(4, 1024)),
+    Case(
+        "mistral-7b-lora-compiled-ligerloss-every-mb4-s1024",
+        LORA7B,
+        PEFT_DROPOUT
+        + ("model.preset=mistral-7b-v0.3", "train.compile=true", "model.kernels=liger_loss")
+        + _batch(4, 1024),
+    ),
+    Case(
+        "qwen2.5-7b-lora-compiled-ligerloss-every-mb4-s1024",
+        LORA7B,
+        PEFT_DROPOUT + ("model.preset=qwen2.5-7b", "train.compile=true", "model.kernels=liger_loss") + _batch(4, 1024),
+    ),
 ]
 # Session 19, issue 23, predicted before they ran: the 3B offload recipe as shipped now that batch.micro_batch is
 # 'auto' (16 on a 24 GB card, every layer recomputed); the 1.1B recipe's 'auto' size is 1.1b-opt-cpu-every-mb16-s1024.
@@ -233,8 +332,14 @@ def measure(case: Case, overrides: list[str], run_dir: Path, timeout_s: int) -> 
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
         with log.open("w") as stream:
-            done = subprocess.run(command, cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                  env=without_rank_variables(os.environ))
+            done = subprocess.run(
+                command,
+                cwd=ROOT,
+                stdout=stream,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+                env=without_rank_variables(os.environ),
+            )
     except subprocess.TimeoutExpired:
         return "timeout"
     text = log.read_text(errors="replace")
@@ -259,37 +364,55 @@ def _gpu_name() -> str:
 
 def cuda_context_bytes() -> int | None:
     """Device memory in use by a process that has only initialised CUDA (not counted by the allocator)."""
-    probe = ("import torch; torch.zeros(1, device='cuda'); free, total = torch.cuda.mem_get_info(); "
-             "print(total - free - torch.cuda.memory_reserved())")
+    probe = (
+        "import torch; torch.zeros(1, device='cuda'); free, total = torch.cuda.mem_get_info(); "
+        "print(total - free - torch.cuda.memory_reserved())"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     return int(done.stdout.strip()) if done.returncode == 0 else None
 
 
 def markdown(rows: list[dict], expandable: bool = True) -> str:
-    allocator = ("with expandable CUDA segments (`hardware.expandable_segments: true`, memtrain's default)" if expandable
-                 else "with PyTorch's default caching allocator (`hardware.expandable_segments: false`)")
-    lines = [f"# `memtrain plan` accuracy, {'expandable segments' if expandable else 'caching allocator'}", "",
-             f"Runs {allocator}. Predicted vs measured peak memory per GPU (GiB) and host RSS; "
-             "error = predicted / measured − 1.", "",
-             "| recipe | reserved pred | reserved meas | error | allocated pred | allocated meas | host pred | host meas |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    allocator = (
+        "with expandable CUDA segments (`hardware.expandable_segments: true`, memtrain's default)"
+        if expandable
+        else "with PyTorch's default caching allocator (`hardware.expandable_segments: false`)"
+    )
+    lines = [
+        f"# `memtrain plan` accuracy, {'expandable segments' if expandable else 'caching allocator'}",
+        "",
+        f"Runs {allocator}. Predicted vs measured peak memory per GPU (GiB) and host RSS; "
+        "error = predicted / measured − 1.",
+        "",
+        "| recipe | reserved pred | reserved meas | error | allocated pred | allocated meas | host pred | host meas |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in rows:
         measured = row["measured_reserved_gib"]
-        error = f"{float(row['predicted_reserved_gib']) / float(measured) - 1:+.1%}" \
-            if _is_number(measured) and float(measured) > 0 else "—"
-        lines.append(f"| {row['recipe']} | {row['predicted_reserved_gib']} | {measured} | {error} | "
-                     f"{row['predicted_allocated_gib']} | {row['measured_allocated_gib']} | "
-                     f"{row['predicted_host_gib']} | {row['measured_host_gib']} |")
+        error = (
+            f"{float(row['predicted_reserved_gib']) / float(measured) - 1:+.1%}"
+            if _is_number(measured) and float(measured) > 0
+            else "—"
+        )
+        lines.append(
+            f"| {row['recipe']} | {row['predicted_reserved_gib']} | {measured} | {error} | "
+            f"{row['predicted_allocated_gib']} | {row['measured_allocated_gib']} | "
+            f"{row['predicted_host_gib']} | {row['measured_host_gib']} |"
+        )
     if rows:
         dates = sorted({row["date"] for row in rows})
-        lines += ["", f"Machine: {rows[0]['machine']}, {' to '.join(dict.fromkeys([dates[0], dates[-1]]))}.", "",
-                  f"Measured with `python scripts/plan_accuracy.py --parallel 5 --calibrate --allocator "
-                  f"{'expandable' if expandable else 'caching'}` (`bash scripts/gpu_session.sh "
-                  "accuracy`: runs side by side, each under its own 24 GiB cap, 3 steps each). A measured `OOM at mb N` "
-                  "is a run that ran out of memory at the case's micro-batch and went on smaller. The predicted columns "
-                  "are the current planner's (`--replan --pinned power_of_two`: the GPU machine's PyTorch 2.11 rounds "
-                  "pinned blocks to a power of two). docs/PLAN.md says which constants were fitted on these rows, and which "
-                  "ran later and alone (the NVMe rows, `bash scripts/gpu_session.sh streams`)."]
+        lines += [
+            "",
+            f"Machine: {rows[0]['machine']}, {' to '.join(dict.fromkeys([dates[0], dates[-1]]))}.",
+            "",
+            f"Measured with `python scripts/plan_accuracy.py --parallel 5 --calibrate --allocator "
+            f"{'expandable' if expandable else 'caching'}` (`bash scripts/gpu_session.sh "
+            "accuracy`: runs side by side, each under its own 24 GiB cap, 3 steps each). A measured `OOM at mb N` "
+            "is a run that ran out of memory at the case's micro-batch and went on smaller. The predicted columns "
+            "are the current planner's (`--replan --pinned power_of_two`: the GPU machine's PyTorch 2.11 rounds "
+            "pinned blocks to a power of two). docs/PLAN.md says which constants were fitted on these rows, and which "
+            "ran later and alone (the NVMe rows, `bash scripts/gpu_session.sh streams`).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -326,10 +449,20 @@ def case_overrides(case: Case, gpu: str, runs: Path, nvme_path: Path, expandable
     mode, 3 short steps, its own dirs, the eager kernels every row before session 10 was measured with and the
     eager layers every row before session 14 was (a case may ask for model.kernels=liger or train.compile=true: its
     own override comes later and wins)."""
-    overrides = ["model.kernels=none", "train.compile=false", *case.overrides, f"hardware.gpu={gpu}", "hardware.cap_memory=true",
-                 f"hardware.expandable_segments={str(expandable).lower()}", "train.steps=3",
-                 "schedule.warmup_steps=1", "train.eval_every=1000", "train.save_every=1000", "train.log_every=1",
-                 f"train.output_dir={runs / case.name}"]
+    overrides = [
+        "model.kernels=none",
+        "train.compile=false",
+        *case.overrides,
+        f"hardware.gpu={gpu}",
+        "hardware.cap_memory=true",
+        f"hardware.expandable_segments={str(expandable).lower()}",
+        "train.steps=3",
+        "schedule.warmup_steps=1",
+        "train.eval_every=1000",
+        "train.save_every=1000",
+        "train.log_every=1",
+        f"train.output_dir={runs / case.name}",
+    ]
     if _on_nvme(case):
         overrides.append(f"hardware.nvme_path={nvme_path / case.name}")
     return overrides
@@ -342,9 +475,11 @@ def table_path(expandable: bool) -> Path:
 
 def predicted_columns(plan) -> dict:
     """The table's predicted columns, as written by a run and by --replan."""
-    return {"predicted_reserved_gib": f"{plan.peak_reserved_bytes / GiB:.2f}",
-            "predicted_allocated_gib": f"{plan.peak_allocated_bytes / GiB:.2f}",
-            "predicted_host_gib": f"{plan.host_bytes / GiB:.1f}"}
+    return {
+        "predicted_reserved_gib": f"{plan.peak_reserved_bytes / GiB:.2f}",
+        "predicted_allocated_gib": f"{plan.peak_allocated_bytes / GiB:.2f}",
+        "predicted_host_gib": f"{plan.host_bytes / GiB:.1f}",
+    }
 
 
 def row_for(case: Case, plan, measured: dict | str, machine: str, date: str) -> dict:
@@ -352,9 +487,11 @@ def row_for(case: Case, plan, measured: dict | str, machine: str, date: str) -> 
     if isinstance(measured, str):
         row.update(measured_reserved_gib=measured, measured_allocated_gib=measured, measured_host_gib=measured)
     else:
-        row.update(measured_reserved_gib=f"{measured['gpu_peak_reserved_bytes'] / GiB:.2f}",
-                   measured_allocated_gib=f"{measured['gpu_peak_allocated_bytes'] / GiB:.2f}",
-                   measured_host_gib=f"{measured['host_peak_rss_bytes'] / GiB:.1f}")
+        row.update(
+            measured_reserved_gib=f"{measured['gpu_peak_reserved_bytes'] / GiB:.2f}",
+            measured_allocated_gib=f"{measured['gpu_peak_allocated_bytes'] / GiB:.2f}",
+            measured_host_gib=f"{measured['host_peak_rss_bytes'] / GiB:.1f}",
+        )
     return row
 
 
@@ -400,28 +537,48 @@ def run_cases(jobs: list[tuple[Case, list[str], object]], args, on_done) -> None
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=None,
-                        help="default: benchmarks/plan_accuracy.csv, or plan_accuracy_caching.csv with --allocator caching")
-    parser.add_argument("--allocator", choices=["expandable", "caching"], default="expandable",
-                        help="PyTorch's CUDA allocator mode for the runs (hardware.expandable_segments true / false)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: benchmarks/plan_accuracy.csv, or plan_accuracy_caching.csv with --allocator caching",
+    )
+    parser.add_argument(
+        "--allocator",
+        choices=["expandable", "caching"],
+        default="expandable",
+        help="PyTorch's CUDA allocator mode for the runs (hardware.expandable_segments true / false)",
+    )
     parser.add_argument("--gpu", default="rtx3090", help="target card the runs are capped to (profile or size)")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-plan-accuracy"))
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/memtrain-nvme"))
-    parser.add_argument("--only", default="", help="run only cases whose name contains one of these comma-separated strings")
+    parser.add_argument(
+        "--only", default="", help="run only cases whose name contains one of these comma-separated strings"
+    )
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (each has its own GPU memory cap)")
     parser.add_argument("--host-budget-gib", type=float, default=100.0, help="host RAM the parallel runs may take")
     parser.add_argument("--markdown", type=Path, default=None, help="Markdown view (default: --out with .md)")
     parser.add_argument("--plan-only", action="store_true", help="print the predictions without running (no GPU)")
-    parser.add_argument("--predict", action="store_true",
-                        help="write the cases' predicted columns into --out before they run (measured: 'not run yet'), "
-                             "to be committed first")
-    parser.add_argument("--replan", action="store_true",
-                        help="recompute the predicted columns of --out with the current planner, keeping the measurements")
+    parser.add_argument(
+        "--predict",
+        action="store_true",
+        help="write the cases' predicted columns into --out before they run (measured: 'not run yet'), "
+        "to be committed first",
+    )
+    parser.add_argument(
+        "--replan",
+        action="store_true",
+        help="recompute the predicted columns of --out with the current planner, keeping the measurements",
+    )
     parser.add_argument("--calibrate", action="store_true", help="also measure the CUDA context; print constants")
-    parser.add_argument("--pinned", choices=["auto", "exact", "power_of_two"], default="auto",
-                        help="how the measured runs' PyTorch sized pinned buffers (auto: this PyTorch; "
-                             "--replan on another machine must say what the GPU machine's did)")
+    parser.add_argument(
+        "--pinned",
+        choices=["auto", "exact", "power_of_two"],
+        default="auto",
+        help="how the measured runs' PyTorch sized pinned buffers (auto: this PyTorch; "
+        "--replan on another machine must say what the GPU machine's did)",
+    )
     args = parser.parse_args()
     exact_pinned = {"auto": None, "exact": True, "power_of_two": False}[args.pinned]
     expandable = args.allocator == "expandable"
@@ -434,11 +591,14 @@ def main() -> int:
     jobs = []
     for case in [c for c in CASES if any(part in c.name for part in wanted)]:
         overrides = case_overrides(case, args.gpu, args.runs, args.nvme_path, expandable)
-        plan = plan_recipe(load_recipe(ROOT / case.recipe, overrides, check=False).recipe, args.gpu,
-                           exact_pinned=exact_pinned)
+        plan = plan_recipe(
+            load_recipe(ROOT / case.recipe, overrides, check=False).recipe, args.gpu, exact_pinned=exact_pinned
+        )
         if args.plan_only:
-            print(f"{case.name:40s} plan {plan.peak_reserved_bytes / GiB:7.2f} GiB reserved "
-                  f"({plan.peak_phase}, {'fits' if plan.fits else 'misses'}), host {plan.host_bytes / GiB:.1f} GiB")
+            print(
+                f"{case.name:40s} plan {plan.peak_reserved_bytes / GiB:7.2f} GiB reserved "
+                f"({plan.peak_phase}, {'fits' if plan.fits else 'misses'}), host {plan.host_bytes / GiB:.1f} GiB"
+            )
             continue
         jobs.append((case, overrides, plan))
     if args.plan_only:
@@ -446,8 +606,9 @@ def main() -> int:
     if args.replan:
         return replan(args.out, view, {case.name: plan for case, _, plan in jobs}, expandable)
     if args.predict:
-        write_tables(args.out, view, [row_for(case, plan, "not run yet", machine, date) for case, _, plan in jobs],
-                     expandable)
+        write_tables(
+            args.out, view, [row_for(case, plan, "not run yet", machine, date) for case, _, plan in jobs], expandable
+        )
         print(f"wrote the predictions of {len(jobs)} cases into {args.out}")
         return 0
 
@@ -458,9 +619,12 @@ def main() -> int:
         if isinstance(measured, dict) and measured["gpu_peak_allocated_bytes"]:
             slack.append(measured["gpu_peak_reserved_bytes"] / measured["gpu_peak_allocated_bytes"] - 1)
         verdict = "fits" if plan.fits else "misses"
-        print(f"{case.name:40s} plan {row['predicted_reserved_gib']:>7} GiB ({verdict})  "
-              f"measured {row['measured_reserved_gib']:>7}  host plan {row['predicted_host_gib']:>6} "
-              f"measured {row['measured_host_gib']:>6}", flush=True)
+        print(
+            f"{case.name:40s} plan {row['predicted_reserved_gib']:>7} GiB ({verdict})  "
+            f"measured {row['measured_reserved_gib']:>7}  host plan {row['predicted_host_gib']:>6} "
+            f"measured {row['measured_host_gib']:>6}",
+            flush=True,
+        )
         rows.append(row)
         write_tables(args.out, view, rows, expandable)  # after every case: a cut-short session keeps what it measured
 

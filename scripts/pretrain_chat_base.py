@@ -13,6 +13,7 @@ the chat tokenizer beside them, and its special-token ids in config.json / gener
 token (the base knows no chat format). A preset's configs carry Llama's default ids (bos 1, eos 2), which in
 this tokenizer are <|pad|> and "!": store() replaces them (memtrain.model.merge.set_inference_config).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,12 +25,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from memtrain.commands.run import run_command
-from memtrain.data.synthetic import CHAT_DIR, make_records, shakespeare_words
-from memtrain.data.tokenizer import load_tokenizer
+from memtrain.data.read.synthetic import CHAT_DIR, make_records, shakespeare_words
+from memtrain.data.tokens.tokenizer import load_tokenizer
 from memtrain.files import atomic_path, write_atomically
 from memtrain.model.merge import set_inference_config
 from memtrain.recipe.schema import Model
-from memtrain.train.run import RunOptions
+from memtrain.train.resolve import RunOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "scripts" / "pretrain-chat-base.yaml"
@@ -42,7 +43,7 @@ SOURCE = """# shakespeare-mini: the chat quickstart's base model
 A Llama of the `mini` shape (configs/models/mini.yaml: 4 layers, hidden 128, 1.9 M parameters, a 4160-row
 vocabulary) pre-trained by `scripts/pretrain_chat_base.py` with `scripts/pretrain-chat-base.yaml`: {steps} steps
 of 16 x 128 tokens, tokenizer `builtin:shakespeare-chat`, on the bundled plays (public domain) and on {tasks}
-synthetic task conversations written as plain text, one message a line (memtrain/data/synthetic.py, seed
+synthetic task conversations written as plain text, one message a line (memtrain/data/read/synthetic.py, seed
 {seed}; none asks a question of builtin:chat/validation). Validation loss on Twelfth Night at the end: {loss:.3f}
 (perplexity {ppl:.1f}). Weights in bf16. It has never seen a ChatML marker (their embedding rows are as
 initialised): `recipes/quickstart-chat.yaml` fine-tunes it to answer in the chat format.
@@ -55,10 +56,16 @@ def write_task_texts(path: Path = TASKS, count: int = TASK_RECORDS, seed: int = 
     how many were written."""
     held_out = set()
     for line in (CHAT_DIR / "validation.jsonl").read_text().splitlines():
-        held_out.update(m["content"] for m in json.loads(line)["messages"]
-                        if m["role"] == "user" and not m["content"].startswith("And plus"))
-    records = [r for r in make_records(count, seed, shakespeare_words())
-               if not any(m["content"] in held_out for m in r["messages"])]
+        held_out.update(
+            m["content"]
+            for m in json.loads(line)["messages"]
+            if m["role"] == "user" and not m["content"].startswith("And plus")
+        )
+    records = [
+        r
+        for r in make_records(count, seed, shakespeare_words())
+        if not any(m["content"] in held_out for m in r["messages"])
+    ]
     texts = ["\n".join(m["content"] for m in r["messages"] if m["role"] != "system") for r in records]
     write_atomically(path, "".join(json.dumps({"text": text}) + "\n" for text in texts))
     return len(texts)
@@ -78,8 +85,11 @@ def store(run_dir: Path, out: Path, tasks: int) -> None:
     with atomic_path(out, directory=True) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "SOURCE.md").write_text(SOURCE.format(steps=steps, loss=evals[-1]["loss"], ppl=math.exp(evals[-1]["loss"]),
-                                                     tasks=tasks, seed=TASK_SEED))
+        (tmp / "SOURCE.md").write_text(
+            SOURCE.format(
+                steps=steps, loss=evals[-1]["loss"], ppl=math.exp(evals[-1]["loss"]), tasks=tasks, seed=TASK_SEED
+            )
+        )
         tmp.chmod(0o755)  # a shipped asset: readable by everyone (the temporary directory and files are private)
         for file in tmp.iterdir():
             file.chmod(0o644)

@@ -6,6 +6,7 @@ one run on an otherwise idle machine; the run's host memory is the peak minus th
 
     python scripts/sample_host_memory.py OUT.json &   # ... run ...; kill %1
 """
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Shared test setup: DeepSpeed on its CPU accelerator, and helpers to write and run tiny recipes."""
+
 from __future__ import annotations
 
 import json
@@ -35,19 +36,23 @@ def pytest_terminal_summary(terminalreporter):
     """Under a budget (CI), the machine the run had, at the end of the output where CI's excerpt shows it."""
     if _LOOP_AT_START_S is None:
         return
-    from memtrain.train.distributed import cgroup_cpu_quota, usable_cpus  # noqa: PLC0415 — only under a budget, at the end
+    from memtrain.train.runtime.distributed import cgroup_cpu_quota, usable_cpus  # noqa: PLC0415 — only under a budget, at the end
 
     terminalreporter.write_line(
         f"machine: os.cpu_count {os.cpu_count()}, usable {usable_cpus()} (cgroup quota {cgroup_cpu_quota()}), "
         f"load {' '.join(Path('/proc/loadavg').read_text().split()[:3])}, python loop {_LOOP_AT_START_S:.2f} s at the "
-        f"start and {_loop_s():.2f} s at the end, {time.monotonic() - _STARTED:.0f} s in pytest")
+        f"start and {_loop_s():.2f} s at the end, {time.monotonic() - _STARTED:.0f} s in pytest"
+    )
 
 
 def pytest_runtest_teardown(item, nextitem):
     spent = time.monotonic() - _STARTED
     if _BUDGET_S and nextitem is not None and spent > _BUDGET_S:
-        item.session.shouldstop = (f"the test budget MEMTRAIN_TEST_BUDGET_S={_BUDGET_S:.0f} s is spent "
-                                   f"({spent:.0f} s); the tests after {item.nodeid} did not run")
+        item.session.shouldstop = (
+            f"the test budget MEMTRAIN_TEST_BUDGET_S={_BUDGET_S:.0f} s is spent "
+            f"({spent:.0f} s); the tests after {item.nodeid} did not run"
+        )
+
 
 # A recipe small enough to train in seconds on two CPU cores, on the bundled Shakespeare.
 TINY_RECIPE = {
@@ -76,8 +81,10 @@ def write_recipe(tmp_path):
 
     def write(name: str = "tiny", extra: dict | None = None) -> Path:
         recipe = deep_update(TINY_RECIPE, extra or {})
-        recipe = deep_update(recipe, {"train": {"output_dir": str(tmp_path / "runs" / name)},
-                                      "data": {"cache_dir": str(tmp_path / "cache")}})
+        recipe = deep_update(
+            recipe,
+            {"train": {"output_dir": str(tmp_path / "runs" / name)}, "data": {"cache_dir": str(tmp_path / "cache")}},
+        )
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(recipe, sort_keys=False))
         return path
@@ -88,7 +95,7 @@ def write_recipe(tmp_path):
 @pytest.fixture(scope="session")
 def process_group():
     """This process as a one-rank DeepSpeed group on its device (gloo on the CPU), as a run sets it up."""
-    from memtrain.train.distributed import setup_process
+    from memtrain.train.runtime.distributed import setup_process
 
     place, _ = setup_process("rtx3090", cap_memory=False)
     return place
@@ -139,4 +146,5 @@ def lora_layer_saved_bytes(model, micro_batch: int, seq_len: int) -> int:
     cos_sin = tuple(t.to(torch.bfloat16) for t in rotary(x, positions))
     return saved_for_backward_bytes(
         lambda: layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin),
-        skip=[*layer.parameters(), *cos_sin])
+        skip=[*layer.parameters(), *cos_sin],
+    )

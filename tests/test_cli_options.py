@@ -1,4 +1,5 @@
 """Command-line options the CLI refuses itself, with exit 2 and no traceback."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """memtrain.files: an output path that cannot be created is a UserError naming what is in the way, not a traceback."""
+
 from __future__ import annotations
 
 import errno
@@ -28,8 +29,15 @@ def test_a_file_where_a_directory_is_needed_is_named(tmp_path):
     assert (tmp_path / "chat.yaml").read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["chat.yaml"]
 
 
-@pytest.mark.parametrize("code, says", [(errno.EACCES, "no permission"), (errno.EROFS, "read-only filesystem"),
-                                        (errno.ENOSPC, "no space left"), (errno.ENOENT, "No such file")])
+@pytest.mark.parametrize(
+    "code, says",
+    [
+        (errno.EACCES, "no permission"),
+        (errno.EROFS, "read-only filesystem"),
+        (errno.ENOSPC, "no space left"),
+        (errno.ENOENT, "No such file"),
+    ],
+)
 def test_a_temporary_that_cannot_be_made_says_why_and_leaves_no_folders(tmp_path, monkeypatch, code, says):
     def refuse(*args, **kwargs):
         raise (PermissionError if code == errno.EACCES else OSError)(code, os.strerror(code))
@@ -101,10 +109,19 @@ def test_replacing_a_directory_never_leaves_it_half_deleted(tmp_path, monkeypatc
 
 
 def test_the_leftovers_of_a_killed_atomic_write_are_found_and_nothing_else(tmp_path):
-    for name in (".final.0123456789ab.tmp", ".final.ba9876543210.old", "final", ".final.keep", ".finalx.0123456789ab.tmp",
-                 ".merged.0123456789ab.tmp"):
+    for name in (
+        ".final.0123456789ab.tmp",
+        ".final.ba9876543210.old",
+        "final",
+        ".final.keep",
+        ".finalx.0123456789ab.tmp",
+        ".merged.0123456789ab.tmp",
+    ):
         (tmp_path / name).mkdir()
     (tmp_path / ".final.k2_9xq0z.tmp").write_text("a mkstemp temporary")
     assert [p.name for p in files.leftovers(tmp_path / "final")] == [
-        ".final.0123456789ab.tmp", ".final.ba9876543210.old", ".final.k2_9xq0z.tmp"]
+        ".final.0123456789ab.tmp",
+        ".final.ba9876543210.old",
+        ".final.k2_9xq0z.tmp",
+    ]
     assert files.leftovers(tmp_path / "missing" / "final") == []

@@ -1,5 +1,6 @@
 """The `memtrain` entry point: --version, and a Ctrl-C while Python imports the command line (seconds) or while a
 command works."""
+
 from __future__ import annotations
 
 import subprocess
@@ -16,11 +17,14 @@ def interrupt_once_torch_loads():
 
 threading.Thread(target=interrupt_once_torch_loads, daemon=True).start()
 """
-INTERRUPT_DURING_IMPORT = INTERRUPT_ONCE_TORCH_LOADS + """
+INTERRUPT_DURING_IMPORT = (
+    INTERRUPT_ONCE_TORCH_LOADS
+    + """
 sys.argv = ["memtrain", "--help"]
 from memtrain.__main__ import main
 main()
 """
+)
 
 
 def test_ctrl_c_while_the_command_line_imports_ends_with_one_line_and_130():

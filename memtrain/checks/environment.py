@@ -5,6 +5,7 @@ files (model and tokenizer directories, data files, the NVMe directory), the mod
 parameter count, and the installed packages. What they need from the machine arrives as data (an
 `Environment`), so a test can ask "what if bitsandbytes were missing" without uninstalling it.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memtrain.configs import model_preset, model_preset_names
-from memtrain.data.corpus import BUILTIN_PREFIX, builtin_corpus_names, resolve_format
-from memtrain.data.records import record_format, resolve_dataset_path
-from memtrain.data.templates import needs_template, shipped_template_names
-from memtrain.data.tokenizer import builtin_tokenizer_names, has_chat_template, tokenizer_directory
+from memtrain.data.read.corpus import BUILTIN_PREFIX, builtin_corpus_names, resolve_format
+from memtrain.data.read.records import record_format, resolve_dataset_path
+from memtrain.data.render.templates import needs_template, shipped_template_names
+from memtrain.data.tokens.tokenizer import builtin_tokenizer_names, has_chat_template, tokenizer_directory
 from memtrain.dtypes import DTYPE_BYTES
 from memtrain.errors import DataError, Problem, UserError
 from memtrain.model.config import model_architecture
@@ -31,7 +32,7 @@ from memtrain.units import gib
 class Environment:
     """What the checks need to know about this machine."""
 
-    bitsandbytes: bool = True   # whether bitsandbytes can be imported (model.quantize, 8-bit / paged optimizers)
+    bitsandbytes: bool = True  # whether bitsandbytes can be imported (model.quantize, 8-bit / paged optimizers)
 
 
 def current_environment() -> Environment:
@@ -43,8 +44,12 @@ CHECKS = Registry()
 reads = CHECKS.reads
 
 
-def check_environment(loaded: LoadedRecipe, env: Environment,
-                      skip_sections: set[str] | frozenset[str] = frozenset(), weights_fit: bool = True) -> list[Problem]:
+def check_environment(
+    loaded: LoadedRecipe,
+    env: Environment,
+    skip_sections: set[str] | frozenset[str] = frozenset(),
+    weights_fit: bool = True,
+) -> list[Problem]:
     """Every problem of the recipe against files, models and packages (empty when none).
 
     weights_fit: False leaves out "the weights alone exceed the card", for `memtrain plan`, whose job
@@ -76,24 +81,46 @@ def _check_model_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
     if model.path and not model.preset:
         path = Path(model.path)
         if not path.is_dir():
-            problems.append(src.problem(("model", "path"), f"model directory '{path}' does not exist",
-                                        "give a local Hugging Face model directory, or use model.preset; "
-                                        f"{relative_paths_start(loaded, ('model', 'path'))}"))
+            problems.append(
+                src.problem(
+                    ("model", "path"),
+                    f"model directory '{path}' does not exist",
+                    "give a local Hugging Face model directory, or use model.preset; "
+                    f"{relative_paths_start(loaded, ('model', 'path'))}",
+                )
+            )
         elif not (path / "config.json").is_file():
-            problems.append(src.problem(("model", "path"), f"'{path}' has no config.json",
-                                        "point model.path at a directory saved with save_pretrained"))
+            problems.append(
+                src.problem(
+                    ("model", "path"),
+                    f"'{path}' has no config.json",
+                    "point model.path at a directory saved with save_pretrained",
+                )
+            )
     tokenizer = model.tokenizer
     if tokenizer and tokenizer.startswith(BUILTIN_PREFIX):
-        if tokenizer[len(BUILTIN_PREFIX):] not in builtin_tokenizer_names():
-            problems.append(src.problem(("model", "tokenizer"), f"no builtin tokenizer '{tokenizer}'",
-                                        "builtin tokenizers: " + ", ".join(BUILTIN_PREFIX + name for name in
-                                                                           builtin_tokenizer_names())))
+        if tokenizer[len(BUILTIN_PREFIX) :] not in builtin_tokenizer_names():
+            problems.append(
+                src.problem(
+                    ("model", "tokenizer"),
+                    f"no builtin tokenizer '{tokenizer}'",
+                    "builtin tokenizers: " + ", ".join(BUILTIN_PREFIX + name for name in builtin_tokenizer_names()),
+                )
+            )
     elif tokenizer and not Path(tokenizer).is_dir():
-        problems.append(src.problem(("model", "tokenizer"), f"tokenizer directory '{tokenizer}' does not exist",
-                                    "give a local directory, or 'builtin:shakespeare'; "
-                                    f"{relative_paths_start(loaded, ('model', 'tokenizer'))}"))
-    has_config = (model.preset in model_preset_names() if model.preset
-                  else bool(model.path) and (Path(model.path) / "config.json").is_file())
+        problems.append(
+            src.problem(
+                ("model", "tokenizer"),
+                f"tokenizer directory '{tokenizer}' does not exist",
+                "give a local directory, or 'builtin:shakespeare'; "
+                f"{relative_paths_start(loaded, ('model', 'tokenizer'))}",
+            )
+        )
+    has_config = (
+        model.preset in model_preset_names()
+        if model.preset
+        else bool(model.path) and (Path(model.path) / "config.json").is_file()
+    )
     if not problems and has_config:
         try:  # an encoder, an encoder-decoder or a vision model: refused now, as plan and run refuse it
             model_architecture(model)
@@ -107,9 +134,14 @@ def _check_template_name(loaded: LoadedRecipe, env: Environment) -> list[Problem
     template = loaded.recipe.data.template
     if template is None or template in shipped_template_names():
         return []
-    return [loaded.sources.problem(("data", "template"), f"there is no chat template '{template}'",
-                                   "use one of " + ", ".join(shipped_template_names()) + ", or leave data.template "
-                                   "out to use the tokenizer's own chat_template")]
+    return [
+        loaded.sources.problem(
+            ("data", "template"),
+            f"there is no chat template '{template}'",
+            "use one of " + ", ".join(shipped_template_names()) + ", or leave data.template "
+            "out to use the tokenizer's own chat_template",
+        )
+    ]
 
 
 @reads("data", "model")
@@ -125,11 +157,16 @@ def _check_chat_template(loaded: LoadedRecipe, env: Environment) -> list[Problem
         return []  # an unknown builtin: _check_model_files says so
     if has_chat_template(directory) is not False:
         return []  # it has one, or its files are missing or unreadable (said where the tokenizer is checked)
-    return [loaded.sources.problem(("data", "template"),
-                                   f"the tokenizer ({key}: {directory}) has no chat_template, and completion, "
-                                   "instruction and chat data need one",
-                                   "set data.template to one of " + ", ".join(shipped_template_names())
-                                   + " (builtin:shakespeare-chat is a tokenizer with a chatml chat_template)")]
+    return [
+        loaded.sources.problem(
+            ("data", "template"),
+            f"the tokenizer ({key}: {directory}) has no chat_template, and completion, "
+            "instruction and chat data need one",
+            "set data.template to one of "
+            + ", ".join(shipped_template_names())
+            + " (builtin:shakespeare-chat is a tokenizer with a chatml chat_template)",
+        )
+    ]
 
 
 @reads("data")
@@ -146,17 +183,31 @@ def _check_data_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
                 problems += [problem] if problem else []
             continue
         if value.startswith(BUILTIN_PREFIX):
-            name = value[len(BUILTIN_PREFIX):]
+            name = value[len(BUILTIN_PREFIX) :]
             if name not in builtin_corpus_names():
-                problems.append(src.problem(("data", key), f"no builtin corpus '{name}'",
-                                            f"builtin corpora: {', '.join(builtin_corpus_names())}"))
+                problems.append(
+                    src.problem(
+                        ("data", key),
+                        f"no builtin corpus '{name}'",
+                        f"builtin corpora: {', '.join(builtin_corpus_names())}",
+                    )
+                )
         elif Path(value).is_dir():
-            problems.append(src.problem(("data", key), f"data file '{value}' is a directory, not a file",
-                                        "name a .txt or .jsonl file; a datasets directory goes in a list: "
-                                        "[{path: DIR, type: text}]"))
+            problems.append(
+                src.problem(
+                    ("data", key),
+                    f"data file '{value}' is a directory, not a file",
+                    "name a .txt or .jsonl file; a datasets directory goes in a list: [{path: DIR, type: text}]",
+                )
+            )
         elif not Path(value).is_file():
-            problems.append(src.problem(("data", key), f"data file '{value}' does not exist",
-                                        f"check the path; {relative_paths_start(loaded, ('data', key))}"))
+            problems.append(
+                src.problem(
+                    ("data", key),
+                    f"data file '{value}' does not exist",
+                    f"check the path; {relative_paths_start(loaded, ('data', key))}",
+                )
+            )
         else:
             try:  # the reader's own rule: a file of records (.json, .parquet, ...) is not read as text
                 resolve_format(value, data.format)
@@ -172,15 +223,19 @@ def _dataset_path_problem(loaded: LoadedRecipe, key: tuple[str, ...], path: str,
         exists = resolve_dataset_path(path).exists()
         if exists:
             if record_format(path) == "text" and kind != "text":
-                return loaded.sources.problem(key, f"'{path}' is plain text, which holds no {kind} records",
-                                              "give a .jsonl, .json or .parquet file or a datasets directory, or "
-                                              "set the dataset's type: text")
+                return loaded.sources.problem(
+                    key,
+                    f"'{path}' is plain text, which holds no {kind} records",
+                    "give a .jsonl, .json or .parquet file or a datasets directory, or set the dataset's type: text",
+                )
             return None
     except UserError as error:  # an unknown builtin or an unknown format: the reader's own message says which
         return loaded.sources.problem(key, error.problems[0].message, error.problems[0].hint)
-    return loaded.sources.problem(key, f"dataset '{path}' does not exist",
-                                  "give a .jsonl, .json, .parquet or .txt file or a datasets directory; "
-                                  f"{relative_paths_start(loaded, key)}")
+    return loaded.sources.problem(
+        key,
+        f"dataset '{path}' does not exist",
+        f"give a .jsonl, .json, .parquet or .txt file or a datasets directory; {relative_paths_start(loaded, key)}",
+    )
 
 
 def relative_paths_start(loaded: LoadedRecipe, key: tuple[str, ...]) -> str:
@@ -201,9 +256,13 @@ def _check_seq_len(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
     max_positions = config.get("max_position_embeddings")
     seq_len = loaded.recipe.data.seq_len
     if isinstance(max_positions, int) and seq_len > max_positions:
-        return [loaded.sources.problem(("data", "seq_len"),
-                                       f"{seq_len} tokens is beyond the model's {max_positions} positions",
-                                       f"set data.seq_len to at most {max_positions}")]
+        return [
+            loaded.sources.problem(
+                ("data", "seq_len"),
+                f"{seq_len} tokens is beyond the model's {max_positions} positions",
+                f"set data.seq_len to at most {max_positions}",
+            )
+        ]
     return []
 
 
@@ -215,8 +274,13 @@ def _check_nvme_writable(loaded: LoadedRecipe, env: Environment) -> list[Problem
     nvme = Path(r.hardware.nvme_path)
     probe = nvme if nvme.exists() else next((p for p in nvme.parents if p.exists()), None)
     if probe is None or not probe.is_dir() or not os.access(probe, os.W_OK):
-        return [src.problem(("hardware", "nvme_path"), f"'{nvme}' is not a writable directory",
-                            "choose a directory you can write to on a local disk")]
+        return [
+            src.problem(
+                ("hardware", "nvme_path"),
+                f"'{nvme}' is not a writable directory",
+                "choose a directory you can write to on a local disk",
+            )
+        ]
     return []
 
 
@@ -238,14 +302,16 @@ def check_weights_fit(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
     weights_per_gpu_bytes = weights_bytes / r.hardware.world_size if r.offload.stage == 3 else weights_bytes
     if weights_per_gpu_bytes <= profile.memory_bytes:
         return []
-    return [loaded.sources.problem(
-        ("hardware", "gpu"),
-        f"the model's weights alone ({gib(weights_per_gpu_bytes):.1f} GiB per GPU in {stored_as}) "
-        f"exceed the {profile.name} ({gib(profile.memory_bytes):.0f} GiB)",
-        "offload parameters (offload.params=cpu), LoRA on quantised weights (model.quantize.type=nf4), "
-        "or a larger card; "
-        "`memtrain plan --fit` finds a fit",
-    )]
+    return [
+        loaded.sources.problem(
+            ("hardware", "gpu"),
+            f"the model's weights alone ({gib(weights_per_gpu_bytes):.1f} GiB per GPU in {stored_as}) "
+            f"exceed the {profile.name} ({gib(profile.memory_bytes):.0f} GiB)",
+            "offload parameters (offload.params=cpu), LoRA on quantised weights (model.quantize.type=nf4), "
+            "or a larger card; "
+            "`memtrain plan --fit` finds a fit",
+        )
+    ]
 
 
 @reads("model", "optimizer")
@@ -255,9 +321,19 @@ def _check_bitsandbytes(loaded: LoadedRecipe, env: Environment) -> list[Problem]
         return []
     problems = []
     if r.model.quant_type is not None:
-        problems.append(src.problem(("model", "quantize"), "model.quantize needs bitsandbytes, which is not installed",
-                                    "pip install 'memtrain[qlora]'"))
+        problems.append(
+            src.problem(
+                ("model", "quantize"),
+                "model.quantize needs bitsandbytes, which is not installed",
+                "pip install 'memtrain[qlora]'",
+            )
+        )
     if r.optimizer.name != "adamw":
-        problems.append(src.problem(("optimizer", "name"), f"{r.optimizer.name} needs bitsandbytes, which is not "
-                                    "installed", "pip install 'memtrain[qlora]', or optimizer.name=adamw"))
+        problems.append(
+            src.problem(
+                ("optimizer", "name"),
+                f"{r.optimizer.name} needs bitsandbytes, which is not installed",
+                "pip install 'memtrain[qlora]', or optimizer.name=adamw",
+            )
+        )
     return problems

@@ -1,4 +1,5 @@
 """A recipe read and checked in full: its own fields and rules, then the files, models and packages it names."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,21 +12,27 @@ from memtrain.recipe.rules import check_rules
 from memtrain.recipe.sources import LoadedRecipe
 
 
-def load_checked(path: str | Path, overrides: list[str] | None = None, env: Environment | None = None,
-                 weights_fit: bool = True) -> LoadedRecipe:
+def load_checked(
+    path: str | Path, overrides: list[str] | None = None, env: Environment | None = None, weights_fit: bool = True
+) -> LoadedRecipe:
     """load_recipe with the second validation phase: every problem of both phases is raised together,
     in reading order, as one RecipeError."""
     env = env or current_environment()
-    return load_recipe(path, overrides, more_checks=lambda loaded, bad: check_environment(
-        loaded, env, skip_sections=bad, weights_fit=weights_fit))
+    return load_recipe(
+        path,
+        overrides,
+        more_checks=lambda loaded, bad: check_environment(loaded, env, skip_sections=bad, weights_fit=weights_fit),
+    )
 
 
-def load_checked_text(text: str, file: str = "<recipe>", overrides: list[str] | None = None,
-                      env: Environment | None = None) -> LoadedRecipe:
+def load_checked_text(
+    text: str, file: str = "<recipe>", overrides: list[str] | None = None, env: Environment | None = None
+) -> LoadedRecipe:
     """load_checked for recipe text held in memory (tests, tools)."""
     env = env or current_environment()
-    return load_recipe_text(text, file, overrides, more_checks=lambda loaded, bad: check_environment(
-        loaded, env, skip_sections=bad))
+    return load_recipe_text(
+        text, file, overrides, more_checks=lambda loaded, bad: check_environment(loaded, env, skip_sections=bad)
+    )
 
 
 def recipe_checks(env: Environment) -> Callable[[LoadedRecipe], list[Problem]]:

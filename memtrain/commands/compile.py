@@ -1,4 +1,5 @@
 """`memtrain compile`: the DeepSpeed config a recipe runs with, on stdout or into a file."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,8 @@ from rich.console import Console
 from memtrain.checks.load import load_checked
 from memtrain.ds_config.compiler import ds_config
 from memtrain.files import write_atomically
-from memtrain.train.allocator import exact_pinned_supported
-from memtrain.train.run import resolve_micro_batch_of
+from memtrain.train.resolve import resolve_micro_batch_of
+from memtrain.train.runtime.allocator import exact_pinned_supported
 
 
 def compile_command(recipe: Path, overrides: list[str], output: Path | None, console: Console) -> int:

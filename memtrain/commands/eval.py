@@ -1,5 +1,6 @@
 """`memtrain eval RUN_DIR`: a finished run's held-out loss and the exact match of its greedy answers, for people
-(a table and a few samples) or machines (--json). The numbers come from memtrain.train.eval_run."""
+(a table and a few samples) or machines (--json). The numbers come from memtrain.train.score_run."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,8 @@ from rich.table import Table
 
 from memtrain.errors import Problem, UserError
 from memtrain.monitor.perplexity import perplexity_text
-from memtrain.train.eval_run import RunEvaluation, evaluate_run
-from memtrain.train.progress import bars
+from memtrain.train.progress_bar import bars
+from memtrain.train.score_run import RunEvaluation, evaluate_run
 
 
 def eval_command(run_dir: Path, as_json: bool, samples: int, limit: int | None, console: Console) -> int:
@@ -19,11 +20,18 @@ def eval_command(run_dir: Path, as_json: bool, samples: int, limit: int | None, 
     if samples < 0:
         raise UserError(Problem(f"--samples must be 0 or more, got {samples}", hint="e.g. --samples 5"))
     if limit is not None and limit < 1:
-        raise UserError(Problem(f"--limit must be 1 or more, got {limit}",
-                                hint="leave it out to answer every held-out conversation"))
+        raise UserError(
+            Problem(
+                f"--limit must be 1 or more, got {limit}", hint="leave it out to answer every held-out conversation"
+            )
+        )
     with bars() as show:  # minutes on a CPU for a few thousand held-out questions: say how far it got
-        result = evaluate_run(Path(run_dir), limit=limit, keep_samples=samples,
-                              on_answers=lambda done, total: show("answering held-out questions", done, total))
+        result = evaluate_run(
+            Path(run_dir),
+            limit=limit,
+            keep_samples=samples,
+            on_answers=lambda done, total: show("answering held-out questions", done, total),
+        )
     if as_json:
         console.out(json.dumps(result.as_json(), indent=2), highlight=False)
     else:
@@ -35,12 +43,19 @@ def _print(result: RunEvaluation, console: Console) -> None:
     table = Table(title=f"Evaluation — {result.run_dir}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
-    table.add_row("validation loss", f"{result.loss:.4f} (perplexity {perplexity_text(result.loss)}; over "
-                  f"{result.validation_target_tokens} target tokens in {result.validation_rows} rows)")
+    table.add_row(
+        "validation loss",
+        f"{result.loss:.4f} (perplexity {perplexity_text(result.loss)}; over "
+        f"{result.validation_target_tokens} target tokens in {result.validation_rows} rows)",
+    )
     g = result.generation
     if g is not None:
-        table.add_row("exact match", f"{g.exact_match:.3f} ({g.correct}/{g.total} held-out answers"
-                      + (f", {g.skipped} skipped" if g.skipped else "") + ")")
+        table.add_row(
+            "exact match",
+            f"{g.exact_match:.3f} ({g.correct}/{g.total} held-out answers"
+            + (f", {g.skipped} skipped" if g.skipped else "")
+            + ")",
+        )
         for task, score in g.by_task.items():
             table.add_row(f"  {task}", f"{score:.3f}")
     console.print(table)

@@ -1,4 +1,5 @@
 """`memtrain plan`: print the memory plan of a recipe, advise when it does not fit, write a fitted recipe."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +13,8 @@ from rich.table import Table
 
 from memtrain.checks.environment import Environment, current_environment
 from memtrain.checks.load import load_checked, recipe_checks
-from memtrain.data.loader import sample_order, token_slots
-from memtrain.data.rows import DataStats
+from memtrain.data.rows.loader import sample_order, token_slots
+from memtrain.data.rows.row_set import DataStats
 from memtrain.errors import Problem, RecipeError
 from memtrain.files import write_atomically
 from memtrain.model.compiled import resolve_compile
@@ -22,8 +23,8 @@ from memtrain.plan.planner import TERMS, Plan, plan_recipe, resolve_micro_batch
 from memtrain.recipe.load import apply_overrides, input_paths, is_relative_path
 from memtrain.recipe.schema import gpu_spec
 from memtrain.recipe.sources import COMMAND_LINE, LoadedRecipe, Sources
-from memtrain.train.allocator import exact_pinned_supported
-from memtrain.train.progress import tokenising_progress
+from memtrain.train.progress_bar import tokenising_progress
+from memtrain.train.runtime.allocator import exact_pinned_supported
 from memtrain.train.setup import build_data
 from memtrain.units import gib
 
@@ -31,9 +32,15 @@ from memtrain.units import gib
 PRICED_STEPS = 1000
 
 LABELS = {
-    "params": "model_params", "gradients": "gradients", "optimizer_states": "optimizer_states",
-    "activations": "activation_memory", "logits_loss": "logits + loss", "deepspeed_buffers": "DeepSpeed buffers",
-    "reduce_stream": "ZeRO-3 reduce stream", "cuda_context": "CUDA context", "allocator_slack": "allocator slack",
+    "params": "model_params",
+    "gradients": "gradients",
+    "optimizer_states": "optimizer_states",
+    "activations": "activation_memory",
+    "logits_loss": "logits + loss",
+    "deepspeed_buffers": "DeepSpeed buffers",
+    "reduce_stream": "ZeRO-3 reduce stream",
+    "cuda_context": "CUDA context",
+    "allocator_slack": "allocator slack",
 }
 
 
@@ -52,16 +59,19 @@ class Planner:
 
     def plan(self, loaded: LoadedRecipe, micro_batch: int | None = None) -> Plan:
         with loaded.sources.located():
-            return plan_recipe(loaded.recipe, self.gpu, micro_batch=micro_batch, exact_pinned=self.exact_pinned,
-                               name=loaded.name)
+            return plan_recipe(
+                loaded.recipe, self.gpu, micro_batch=micro_batch, exact_pinned=self.exact_pinned, name=loaded.name
+            )
 
 
 def verdict(plan: Plan) -> str:
     """'fits with X GiB to spare' or 'misses by X GiB' (GPU), plus the host when it is the problem."""
     if plan.tight:
         high = plan.peak_reserved_high_bytes + plan.terms["cuda_context"]
-        text = (f"fits with {gib(plan.headroom_bytes):.2f} GiB to spare, but tight: at the largest allocator "
-                f"slack measured for such runs it needs {gib(high):.2f} GiB")
+        text = (
+            f"fits with {gib(plan.headroom_bytes):.2f} GiB to spare, but tight: at the largest allocator "
+            f"slack measured for such runs it needs {gib(high):.2f} GiB"
+        )
     elif plan.headroom_bytes >= 0:
         text = f"fits with {gib(plan.headroom_bytes):.2f} GiB to spare"
     else:
@@ -76,11 +86,12 @@ def plan_table(plan: Plan, auto_micro_batch: bool = False) -> Table:
     auto_micro_batch: the recipe's batch.micro_batch is 'auto' (the title says the size is the planner's)."""
     machines = f"{plan.nodes} nodes × " if plan.nodes > 1 else ""
     chosen = " (auto)" if auto_micro_batch else ""
-    table = Table(title=f"{plan.recipe_name} on {machines}{plan.gpus} × {plan.gpu_name} — ZeRO-{plan.zero_stage}, "
-                        f"micro-batch {plan.micro_batch}{chosen} × {plan.seq_len} tokens, checkpointing "
-                        f"{plan.checkpointing}"
-                        + (", compiled layers" if plan.compiled_layers else ""),
-                  title_justify="left")
+    table = Table(
+        title=f"{plan.recipe_name} on {machines}{plan.gpus} × {plan.gpu_name} — ZeRO-{plan.zero_stage}, "
+        f"micro-batch {plan.micro_batch}{chosen} × {plan.seq_len} tokens, checkpointing "
+        f"{plan.checkpointing}" + (", compiled layers" if plan.compiled_layers else ""),
+        title_justify="left",
+    )
     table.add_column("per GPU", style="bold")
     table.add_column("GiB", justify="right")
     for term in TERMS:
@@ -141,9 +152,14 @@ def _advice_table(advice: list[Advice]) -> Table:
     table.add_column("slowdown", justify="right")
     table.add_column("why", ratio=2)
     for item in advice:
-        table.add_row("\n".join(item.overrides), f"{gib(item.peak_reserved_bytes):.2f}",
-                      f"{gib(item.plan.headroom_bytes):.2f}", "[yellow]yes[/]" if item.tight else "no",
-                      f"+{item.speed_cost:.0%}", item.reason)
+        table.add_row(
+            "\n".join(item.overrides),
+            f"{gib(item.peak_reserved_bytes):.2f}",
+            f"{gib(item.plan.headroom_bytes):.2f}",
+            "[yellow]yes[/]" if item.tight else "no",
+            f"+{item.speed_cost:.0%}",
+            item.reason,
+        )
     return table
 
 
@@ -208,10 +224,15 @@ def data_per_step(recipe, train_set, micro_batch: int) -> dict:
         tokens = int(train_set.lengths[priced].sum())
         slots_per_step, padding_share = round(slots / steps), 1 - tokens / slots
         tokens_per_step, targets_per_step = tokens / steps, train_set.targets(priced) / steps
-    return {"rows_per_step": rows, "token_slots_per_step": slots_per_step,
-            "tokens_per_step": round(tokens_per_step), "target_tokens_per_step": round(targets_per_step),
-            "padding_share": padding_share, "length_bucketing": recipe.data.groups_by_length,
-            "train": {**dataclasses.asdict(stats)}}
+    return {
+        "rows_per_step": rows,
+        "token_slots_per_step": slots_per_step,
+        "tokens_per_step": round(tokens_per_step),
+        "target_tokens_per_step": round(targets_per_step),
+        "padding_share": padding_share,
+        "length_bucketing": recipe.data.groups_by_length,
+        "train": {**dataclasses.asdict(stats)},
+    }
 
 
 def _data_table(summary: dict) -> Table:
@@ -223,9 +244,13 @@ def _data_table(summary: dict) -> Table:
     table.add_column("padding", justify="right")
     train = summary["train"]
     bucketed = " (length-bucketed)" if summary["length_bucketing"] else ""
-    table.add_row(f"{summary['rows_per_step']} × {train['seq_len']}", f"{summary['token_slots_per_step']:,}{bucketed}",
-                  f"{summary['tokens_per_step']:,}", f"{summary['target_tokens_per_step']:,}",
-                  f"{summary['padding_share']:.1%}")
+    table.add_row(
+        f"{summary['rows_per_step']} × {train['seq_len']}",
+        f"{summary['token_slots_per_step']:,}{bucketed}",
+        f"{summary['tokens_per_step']:,}",
+        f"{summary['target_tokens_per_step']:,}",
+        f"{summary['padding_share']:.1%}",
+    )
     return table
 
 
@@ -238,13 +263,26 @@ def check_gpu_option(gpu: str) -> None:
         raise RecipeError(Problem(message, key="--gpu", file=COMMAND_LINE, hint=hint)) from None
 
 
-def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool, output: Path | None,
-                 as_json: bool, console, with_data: bool = False) -> int:
+def plan_command(
+    recipe: Path,
+    overrides: list[str],
+    gpu: str | None,
+    fit: bool,
+    output: Path | None,
+    as_json: bool,
+    console,
+    with_data: bool = False,
+) -> int:
     """Print the plan (rich table or --json); 0 when it fits or --fit wrote a fitting recipe, else 1.
     --fit -o writes a recipe that fits either way: with the cheapest change, or as it is (overrides applied)."""
     if output is not None and not fit:
-        raise RecipeError(Problem("-o/--output writes the fitted recipe, so it needs --fit", file=COMMAND_LINE,
-                                  hint="add --fit, or drop -o"))
+        raise RecipeError(
+            Problem(
+                "-o/--output writes the fitted recipe, so it needs --fit",
+                file=COMMAND_LINE,
+                hint="add --fit, or drop -o",
+            )
+        )
     if gpu is not None:
         check_gpu_option(gpu)
     env = current_environment()
@@ -281,15 +319,20 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
             data = build_data(loaded.recipe)
         per_step, data_warnings = data_per_step(loaded.recipe, data.train_set, plan.micro_batch), data.warnings
     if as_json:
-        console.print_json(json.dumps({"plan": plan.to_json(), "verdict": verdict(plan),
-                                       **({"data": per_step, "data_warnings": list(data_warnings)}
-                                          if with_data else {}),
-                                       "advice": [a.to_json() for a in advice],
-                                       "fitted_recipe": str(written) if written else None,
-                                       "larger_micro_batch": faster.micro_batch if faster else None,
-                                       "fewer_recomputed_layers": recompute_less.recomputed_layers
-                                       if recompute_less else None,
-                                       "compile_layers": offer_compile}))
+        console.print_json(
+            json.dumps(
+                {
+                    "plan": plan.to_json(),
+                    "verdict": verdict(plan),
+                    **({"data": per_step, "data_warnings": list(data_warnings)} if with_data else {}),
+                    "advice": [a.to_json() for a in advice],
+                    "fitted_recipe": str(written) if written else None,
+                    "larger_micro_batch": faster.micro_batch if faster else None,
+                    "fewer_recomputed_layers": recompute_less.recomputed_layers if recompute_less else None,
+                    "compile_layers": offer_compile,
+                }
+            )
+        )
         return code
     console.print(plan_table(plan, auto_micro_batch=loaded.recipe.batch.micro_batch == "auto"))
     if per_step is not None:
@@ -297,31 +340,44 @@ def plan_command(recipe: Path, overrides: list[str], gpu: str | None, fit: bool,
     for warning in data_warnings:
         console.print(f"[yellow]![/] {warning}", highlight=False, soft_wrap=True)
     if faster is not None:
-        console.print(f"faster: batch.micro_batch={faster.micro_batch} also fits ({gib(faster.peak_reserved_bytes):.2f} "
-                      f"GiB reserved; the global batch stays {loaded.recipe.batch.global_batch}, with fewer "
-                      "micro-batches per step) — or batch.micro_batch=auto")
+        console.print(
+            f"faster: batch.micro_batch={faster.micro_batch} also fits ({gib(faster.peak_reserved_bytes):.2f} "
+            f"GiB reserved; the global batch stays {loaded.recipe.batch.global_batch}, with fewer "
+            "micro-batches per step) — or batch.micro_batch=auto"
+        )
     if recompute_less is not None:
-        console.print(f"faster: checkpointing.strategy=auto recomputes {recompute_less.recomputed_layers} decoder layers "
-                      f"instead of {plan.recomputed_layers} ({gib(recompute_less.peak_reserved_bytes):.2f} GiB reserved "
-                      "at this micro-batch)")
+        console.print(
+            f"faster: checkpointing.strategy=auto recomputes {recompute_less.recomputed_layers} decoder layers "
+            f"instead of {plan.recomputed_layers} ({gib(recompute_less.peak_reserved_bytes):.2f} GiB reserved "
+            "at this micro-batch)"
+        )
     if offer_compile:
-        console.print("faster: train.compile=true fuses each decoder layer's element-wise work (measured speed-ups in "
-                      "docs/BENCHMARKS.md; the first step waits for the compiler)")
+        console.print(
+            "faster: train.compile=true fuses each decoder layer's element-wise work (measured speed-ups in "
+            "docs/BENCHMARKS.md; the first step waits for the compiler)"
+        )
     if advice:
         console.print(_advice_table(advice))
         if written is not None and advice[0].tight:
-            console.print(f"[yellow]![/] {'replaced' if replaced else 'wrote'} {written} ({verdict(advice[0].plan)}); "
-                          "no change found fits with that margin, so the run may run out of memory: a shorter "
-                          "data.seq_len, or a card with more memory (plan it with --gpu), leaves room", soft_wrap=True)
+            console.print(
+                f"[yellow]![/] {'replaced' if replaced else 'wrote'} {written} ({verdict(advice[0].plan)}); "
+                "no change found fits with that margin, so the run may run out of memory: a shorter "
+                "data.seq_len, or a card with more memory (plan it with --gpu), leaves room",
+                soft_wrap=True,
+            )
         elif written is not None:
             console.print(f"[green]✓[/] {'replaced' if replaced else 'wrote'} {written} ({verdict(advice[0].plan)})")
         elif fit and output is None:
             console.print("[yellow]--fit needs -o FILE to write the fitted recipe[/]")
         else:
             card = ["--gpu", gpu] if gpu is not None else []  # the advice was planned for that card
-            console.print(f"apply: {shlex.join(['memtrain', 'plan', str(recipe), *card, *overrides, *advice[0].overrides])}")
+            console.print(
+                f"apply: {shlex.join(['memtrain', 'plan', str(recipe), *card, *overrides, *advice[0].overrides])}"
+            )
     elif written is not None:
         console.print(f"[green]✓[/] fits as it is; {'replaced' if replaced else 'wrote'} {written} (no change)")
     elif not plan.fits:
-        console.print("[red]no combination of checkpointing, precision, micro-batch, offload and LoRA fits this card[/]")
+        console.print(
+            "[red]no combination of checkpointing, precision, micro-batch, offload and LoRA fits this card[/]"
+        )
     return code

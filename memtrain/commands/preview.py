@@ -5,6 +5,7 @@ answers and their end-of-turn token, and nothing else? The data is built as `mem
 token cache, template, truncation, packing and row order), so what is shown is what the run trains on.
 Targets are bold green (between ⟦ ⟧ where the output has no colour: a file or a pipe); ↵ marks a newline.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,10 +17,10 @@ from rich.console import Console
 from rich.text import Text
 
 from memtrain.checks.load import load_checked
-from memtrain.data.preview import RowView, row_view
+from memtrain.data.rows.row_text import RowView, row_view
 from memtrain.errors import Problem, UserError
 from memtrain.recipe.schema import Data
-from memtrain.train.progress import tokenising_progress
+from memtrain.train.progress_bar import tokenising_progress
 from memtrain.train.setup import build_data
 
 SPLITS = ("train", "validation")
@@ -27,8 +28,9 @@ TARGET_STYLE = "bold green"
 CONTEXT_STYLE = "dim"
 
 
-def preview_command(recipe: Path, overrides: list[str], rows: int, start: int, split: str, as_json: bool,
-                    console: Console) -> int:
+def preview_command(
+    recipe: Path, overrides: list[str], rows: int, start: int, split: str, as_json: bool, console: Console
+) -> int:
     if split not in SPLITS:
         raise UserError(Problem(f"must be train or validation, not {split!r}", key="--split"))
     loaded = load_checked(recipe, overrides)
@@ -39,21 +41,33 @@ def preview_command(recipe: Path, overrides: list[str], rows: int, start: int, s
         Console(stderr=True).print(f"[yellow]![/] {warning}", highlight=False, soft_wrap=True)
     dataset = data.train_set if split == "train" else data.val_set
     if start >= len(dataset):
-        raise UserError(Problem(f"--start {start} is past the last row of the {split} data ({len(dataset)} rows)",
-                                hint=f"give --start below {len(dataset)}"))
+        raise UserError(
+            Problem(
+                f"--start {start} is past the last row of the {split} data ({len(dataset)} rows)",
+                hint=f"give --start below {len(dataset)}",
+            )
+        )
     names = _source_names(data_section, split)
     views = [row_view(dataset, index, data.tokenizer, names) for index in range(start, min(start + rows, len(dataset)))]
     if as_json:
-        summary = {"recipe": loaded.name, "split": split, "rows_total": len(dataset),
-                   "data": dataclasses.asdict(dataset.stats), "rows": [view.as_json() for view in views]}
+        summary = {
+            "recipe": loaded.name,
+            "split": split,
+            "rows_total": len(dataset),
+            "data": dataclasses.asdict(dataset.stats),
+            "rows": [view.as_json() for view in views],
+        }
         sys.stdout.write(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
         return 0
     console.print(f"{split} data of {loaded.name}: {dataset.stats.describe()}", highlight=False, soft_wrap=True)
     marks = console.color_system is None
     legend = "⟦targets⟧" if marks else f"[{TARGET_STYLE}]targets[/]"
     packed = "; the samples of one row attend only to themselves" if any(len(v.samples) > 1 for v in views) else ""
-    console.print(f"{legend}: what the loss trains the model to write; the rest is context it only reads; "
-                  f"↵ a newline{packed}", highlight=False, soft_wrap=True)
+    console.print(
+        f"{legend}: what the loss trains the model to write; the rest is context it only reads; ↵ a newline{packed}",
+        highlight=False,
+        soft_wrap=True,
+    )
     for view in views:
         _print_row(view, len(dataset), marks, console)
     return 0
@@ -70,14 +84,19 @@ def _source_names(data: Data, split: str) -> list[str] | None:
 def _print_row(view: RowView, rows_total: int, marks: bool, console: Console) -> None:
     share = view.target_tokens / view.tokens if view.tokens else 0.0
     console.print()
-    console.rule(f"row {view.index} of {rows_total}: {len(view.samples)} sample{'s' if len(view.samples) != 1 else ''}, "
-                 f"{view.tokens} tokens ({view.target_tokens} targets, {share:.0%}), {view.padding_tokens} padding",
-                 align="left")
+    console.rule(
+        f"row {view.index} of {rows_total}: {len(view.samples)} sample{'s' if len(view.samples) != 1 else ''}, "
+        f"{view.tokens} tokens ({view.target_tokens} targets, {share:.0%}), {view.padding_tokens} padding",
+        align="left",
+    )
     for number, sample in enumerate(view.samples, start=1):
         if len(view.samples) > 1 or sample.source:
             where = f" from {sample.source}" if sample.source else ""
-            console.print(f"[bold]sample {number}[/]{where}: {sample.tokens} tokens, {sample.target_tokens} targets",
-                          highlight=False, soft_wrap=True)
+            console.print(
+                f"[bold]sample {number}[/]{where}: {sample.tokens} tokens, {sample.target_tokens} targets",
+                highlight=False,
+                soft_wrap=True,
+            )
         text = Text()
         for span in sample.spans:
             shown = span.text.replace("\n", "↵\n")

@@ -1,5 +1,6 @@
 """`memtrain report RUN_DIR`: the plots beside the run's metrics and a summary for people (a table) or
 machines (--json). The numbers come from memtrain.monitor.report."""
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,9 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
     table = Table(title=f"{title} — {summary['run_dir']}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
-    table.add_row("status", summary["status"] + (f" (started {summary['starts']} times)" if summary["starts"] > 1 else ""))
+    table.add_row(
+        "status", summary["status"] + (f" (started {summary['starts']} times)" if summary["starts"] > 1 else "")
+    )
     table.add_row("device", str(summary["device"] or "?"))
     table.add_row("steps", f"{summary['steps']:,}")
     # the loop counts the positions the loss is computed on: with chat data and its prompts masked, a fraction of
@@ -40,26 +43,39 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
     table.add_row("target tokens (the loss's)", f"{summary['tokens']:,}" if summary["tokens"] is not None else "-")
     table.add_row("wall time", _duration(summary["wall_time_s"]))
     table.add_row("command to first step", _startup(summary))
-    table.add_row("speed (median)", f"{summary['median_tokens_per_s']:,.0f} target tokens/s"
-                  if summary["median_tokens_per_s"] else "-")
+    table.add_row(
+        "speed (median)",
+        f"{summary['median_tokens_per_s']:,.0f} target tokens/s" if summary["median_tokens_per_s"] else "-",
+    )
     table.add_row("final train loss", _number(summary["final_loss"], "{:.4f}", f" (step {summary['final_loss_step']})"))
-    table.add_row("best validation perplexity",
-                  _number(summary["best_eval_perplexity"], "{:.3f}", f" (step {summary['best_eval_step']})"))
+    table.add_row(
+        "best validation perplexity",
+        _number(summary["best_eval_perplexity"], "{:.3f}", f" (step {summary['best_eval_step']})"),
+    )
     table.add_row("held-out exact match", _exact_match(summary))
     table.add_row("peak GPU reserved", _peak_vs_plan(summary))
     table.add_row("peak host RSS", _gib(summary["peak_host_rss_bytes"]))
-    table.add_row("micro-batch", f"{summary['final_micro_batch']} ({summary['batch_changes']} changes)"
-                  if summary["final_micro_batch"] is not None else "-")
+    table.add_row(
+        "micro-batch",
+        f"{summary['final_micro_batch']} ({summary['batch_changes']} changes)"
+        if summary["final_micro_batch"] is not None
+        else "-",
+    )
     if summary["skipped_steps"] is not None:
         table.add_row("fp16 skipped steps", f"{summary['skipped_steps']} (loss scale {summary['final_loss_scale']})")
     table.add_row("out-of-memory events", f"[red]{summary['oom_count']}[/]" if summary["oom_count"] else "0")
     console.print(table)
     for oom in summary["ooms"]:
         where = f"snapshot {oom['snapshot']} (open it at {MEMORY_VIEWER_URL})" if oom["snapshot"] else "no snapshot"
-        console.print(f"[red]OOM[/] at step {oom['step']} with micro-batch {oom['micro_batch']}: {where}",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"[red]OOM[/] at step {oom['step']} with micro-batch {oom['micro_batch']}: {where}",
+            highlight=False,
+            soft_wrap=True,
+        )
     if summary["unreadable_lines"]:
-        console.print(f"[yellow]skipped {summary['unreadable_lines']} unreadable line(s) (a killed run's last write)[/]")
+        console.print(
+            f"[yellow]skipped {summary['unreadable_lines']} unreadable line(s) (a killed run's last write)[/]"
+        )
     if summary.get("plots"):
         console.print("plots: " + ", ".join(summary["plots"]), highlight=False, soft_wrap=True)
 

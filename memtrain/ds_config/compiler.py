@@ -13,14 +13,15 @@ What it decides:
 - Bucket sizes from the model's hidden size (the rule HF's "auto" uses: hidden² for reduce
   buckets, 0.9·hidden² for ZeRO-3 prefetch, 10·hidden for the persistence threshold).
 - The LR schedule is not in the config: memtrain hands DeepSpeed its own LambdaLR
-  (`memtrain.train.schedule`), whose state DeepSpeed checkpoints with the optimizer.
+  (`memtrain.train.optim.schedule`), whose state DeepSpeed checkpoints with the optimizer.
 - Precision: DeepSpeed's bf16 / fp16 blocks (dynamic loss scaling for fp16); none with
   `optimizer.step_in_backward`, whose bf16 weights are their own master copy. Per-module fp32
   islands are applied to the model by `memtrain.model.precision`, not here.
 - Activation checkpointing is applied to the model with non-reentrant torch.utils.checkpoint by
-  `memtrain.model.checkpointing`; DeepSpeed's own `activation_checkpointing` block only configures
+  `memtrain.model.recompute`; DeepSpeed's own `activation_checkpointing` block only configures
   its separate checkpointing API, which memtrain does not call, so it is not emitted.
 """
+
 from __future__ import annotations
 
 from memtrain.model.config import model_config
@@ -42,12 +43,17 @@ def _precision(recipe: Recipe) -> dict:
     p = recipe.precision
     config: dict = {}
     if recipe.optimizer.step_in_backward:
-        # the bf16 weights are updated in place by the hooks (train/in_backward.py): DeepSpeed's bf16 block would
+        # the bf16 weights are updated in place by the hooks (train/optim/in_backward.py): DeepSpeed's bf16 block would
         # wrap the optimizer in one that keeps fp32 master weights, the memory this mode exists to save
         return config
     if p.mode == "autocast":  # fp32 weights; DeepSpeed autocasts nn.Linear to bf16 and reduces their grads in bf16
-        return {"torch_autocast": {"enabled": True, "dtype": "bfloat16",
-                                   "lower_precision_safe_modules": ["torch.nn.Linear"]}}
+        return {
+            "torch_autocast": {
+                "enabled": True,
+                "dtype": "bfloat16",
+                "lower_precision_safe_modules": ["torch.nn.Linear"],
+            }
+        }
     if p.compute == "bf16":
         bf16 = {"enabled": True}
         if p.master == "bf16":
@@ -101,8 +107,9 @@ def _zero(recipe: Recipe, hidden_size: int, largest_param_numel: int) -> dict:
     if stage in (1, 2):
         zero.update(allgather_bucket_size=bucket, reduce_scatter=True)
     if o.optimizer != "none":
-        zero["offload_optimizer"] = _offload_block(o.optimizer, recipe, params=False,
-                                                   largest_param_numel=largest_param_numel)
+        zero["offload_optimizer"] = _offload_block(
+            o.optimizer, recipe, params=False, largest_param_numel=largest_param_numel
+        )
     if stage == 3:
         zero.update(
             stage3_prefetch_bucket_size=prefetch,
@@ -113,8 +120,9 @@ def _zero(recipe: Recipe, hidden_size: int, largest_param_numel: int) -> dict:
             sub_group_size=sub_group_elements(o.optimizer, o.ratio),
         )
         if o.params != "none":
-            zero["offload_param"] = _offload_block(o.params, recipe, params=True,
-                                                   largest_param_numel=largest_param_numel)
+            zero["offload_param"] = _offload_block(
+                o.params, recipe, params=True, largest_param_numel=largest_param_numel
+            )
         if o.params == "nvme":
             # A parameter kept for reuse holds one of the `buffer_count` swap buffers until then. With the
             # default distance (1e9 elements) a checkpointed model keeps its last layers from forward to
@@ -135,8 +143,9 @@ def _aio(recipe: Recipe) -> dict:
     }
 
 
-def ds_config_for_shapes(recipe: Recipe, hidden_size: int, micro_batch: int,
-                         largest_param_numel: int = 100_000_000) -> dict:
+def ds_config_for_shapes(
+    recipe: Recipe, hidden_size: int, micro_batch: int, largest_param_numel: int = 100_000_000
+) -> dict:
     """The DeepSpeed config for a recipe, given the model's shapes.
 
     hidden_size: the model's hidden size (bucket sizes derive from it).

@@ -9,6 +9,7 @@ meaningless. Everything else an architecture needs is read from the config too, 
 formulas: the attention kernel it can run with, its layer count, tied embeddings, vocabulary, and
 the soft-cap Gemma-2 applies to its output logits.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -26,14 +27,14 @@ class Architecture:
     """The facts memtrain reads from a causal LM's config (one owner for each)."""
 
     model_type: str
-    causal_lm_class: str           # the transformers class AutoModelForCausalLM builds, e.g. "Gemma2ForCausalLM"
-    num_layers: int                # decoder layers
+    causal_lm_class: str  # the transformers class AutoModelForCausalLM builds, e.g. "Gemma2ForCausalLM"
+    num_layers: int  # decoder layers
     vocab_size: int
-    tied_embeddings: bool          # the output head shares the input embedding's weight
-    attn_implementation: str       # the kernel memtrain builds the model with (may differ from the recipe's)
-    logit_softcap: float | None    # output logits become tanh(logits / cap) * cap before the loss (Gemma-2)
+    tied_embeddings: bool  # the output head shares the input embedding's weight
+    attn_implementation: str  # the kernel memtrain builds the model with (may differ from the recipe's)
+    logit_softcap: float | None  # output logits become tanh(logits / cap) * cap before the loss (Gemma-2)
     sliding_window_tokens: int | None  # attention window of the windowed layers, None when all are global
-    notes: tuple[str, ...] = ()    # choices memtrain made for the user; the caller says each once
+    notes: tuple[str, ...] = ()  # choices memtrain made for the user; the caller says each once
 
 
 def architecture(config: PretrainedConfig, attn_implementation: str = "sdpa", key: str = "model.path") -> Architecture:
@@ -77,34 +78,52 @@ def causal_lm_class_name(config: PretrainedConfig, key: str = "model.path") -> s
     if _is_multimodal(config):
         text = config.get_text_config()
         text_type = getattr(text, "model_type", None)
-        instead = (f"fine-tune its language model alone: a directory whose config.json has model_type "
-                   f"'{text_type}' (save the text model's weights with save_pretrained)"
-                   if text_type and text_type != model_type and text_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-                   else f"use a text-only causal LM ({DECODER_EXAMPLES})")
-        raise UserError(Problem(
-            f"'{model_type}' is a multimodal model (it has a vision or audio encoder); memtrain trains "
-            "text-only causal language models, and its data carries no images or audio",
-            key=key, hint=instead))
+        instead = (
+            f"fine-tune its language model alone: a directory whose config.json has model_type "
+            f"'{text_type}' (save the text model's weights with save_pretrained)"
+            if text_type and text_type != model_type and text_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            else f"use a text-only causal LM ({DECODER_EXAMPLES})"
+        )
+        raise UserError(
+            Problem(
+                f"'{model_type}' is a multimodal model (it has a vision or audio encoder); memtrain trains "
+                "text-only causal language models, and its data carries no images or audio",
+                key=key,
+                hint=instead,
+            )
+        )
     if getattr(config, "is_encoder_decoder", False):
-        raise UserError(Problem(
-            f"'{model_type}' is an encoder-decoder (sequence-to-sequence) model; memtrain trains decoder-only "
-            "causal language models, whose loss is next-token prediction over one sequence",
-            key=key, hint=f"use a decoder-only model ({DECODER_EXAMPLES}), or transformers' Seq2SeqTrainer for {model_type}"))
+        raise UserError(
+            Problem(
+                f"'{model_type}' is an encoder-decoder (sequence-to-sequence) model; memtrain trains decoder-only "
+                "causal language models, whose loss is next-token prediction over one sequence",
+                key=key,
+                hint=f"use a decoder-only model ({DECODER_EXAMPLES}), or transformers' Seq2SeqTrainer for {model_type}",
+            )
+        )
     causal = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     if model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
         # BERT-like models do have a *ForCausalLM class, but only as the decoder half of an
         # encoder-decoder: their pretrained weights attend both ways and were never trained to predict
         # the next token, so "fine-tuning" them here would start from an untrained language model.
-        raise UserError(Problem(
-            f"'{model_type}' is an encoder-only (masked language) model: it attends to the whole sequence "
-            "and has no next-token head to fine-tune",
-            key=key, hint=f"use a decoder-only causal LM ({DECODER_EXAMPLES}); for classification or masked-LM "
-            f"training of {model_type} use transformers' Trainer"))
+        raise UserError(
+            Problem(
+                f"'{model_type}' is an encoder-only (masked language) model: it attends to the whole sequence "
+                "and has no next-token head to fine-tune",
+                key=key,
+                hint=f"use a decoder-only causal LM ({DECODER_EXAMPLES}); for classification or masked-LM "
+                f"training of {model_type} use transformers' Trainer",
+            )
+        )
     if causal is None:
         what = "a vision model" if _is_vision(model_type) else "not a causal language model"
-        raise UserError(Problem(
-            f"'{model_type}' is {what}: transformers has no AutoModelForCausalLM class for it",
-            key=key, hint=f"use a decoder-only causal LM ({DECODER_EXAMPLES})"))
+        raise UserError(
+            Problem(
+                f"'{model_type}' is {what}: transformers has no AutoModelForCausalLM class for it",
+                key=key,
+                hint=f"use a decoder-only causal LM ({DECODER_EXAMPLES})",
+            )
+        )
     return causal
 
 
@@ -116,8 +135,12 @@ def _is_multimodal(config: PretrainedConfig) -> bool:
 def _is_vision(model_type: str) -> bool:
     from transformers.models.auto import modeling_auto as auto
 
-    vision = ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "MODEL_FOR_IMAGE_MAPPING_NAMES",
-              "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES", "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES")
+    vision = (
+        "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+        "MODEL_FOR_IMAGE_MAPPING_NAMES",
+        "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES",
+        "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES",
+    )
     return any(model_type in getattr(auto, name, {}) for name in vision)
 
 
@@ -137,18 +160,30 @@ def _attention(config: PretrainedConfig, class_name: str, requested: str) -> tup
     supports_flash = bool(getattr(cls, "_supports_flash_attn", getattr(cls, "_supports_flash_attn_2", False)))
     softcap = getattr(config.get_text_config(), "attn_logit_softcapping", None)
     if requested == "flash_attention_2" and not supports_flash:
-        raise UserError(Problem(
-            f"{class_name} has no FlashAttention-2 implementation in the installed transformers "
-            f"({transformers.__version__})", key="model.attn_implementation",
-            hint="set model.attn_implementation: sdpa (or eager)"))
+        raise UserError(
+            Problem(
+                f"{class_name} has no FlashAttention-2 implementation in the installed transformers "
+                f"({transformers.__version__})",
+                key="model.attn_implementation",
+                hint="set model.attn_implementation: sdpa (or eager)",
+            )
+        )
     if requested != "sdpa" or (supports_sdpa and not softcap):
         return requested, ()
-    why = (f"its attention scores are soft-capped (attn_logit_softcapping={softcap:g}), which sdpa ignores"
-           if softcap else f"{class_name} does not support sdpa in transformers {transformers.__version__}")
-    flash = (" model.attn_implementation: flash_attention_2 keeps the cap without them (CUDA, flash-attn installed)."
-             if supports_flash else "")
-    return "eager", (f"{config.model_type}: attention runs in eager mode because {why}; eager keeps the "
-                     f"batch × heads × seq² attention scores, which `memtrain plan` counts.{flash}",)
+    why = (
+        f"its attention scores are soft-capped (attn_logit_softcapping={softcap:g}), which sdpa ignores"
+        if softcap
+        else f"{class_name} does not support sdpa in transformers {transformers.__version__}"
+    )
+    flash = (
+        " model.attn_implementation: flash_attention_2 keeps the cap without them (CUDA, flash-attn installed)."
+        if supports_flash
+        else ""
+    )
+    return "eager", (
+        f"{config.model_type}: attention runs in eager mode because {why}; eager keeps the "
+        f"batch × heads × seq² attention scores, which `memtrain plan` counts.{flash}",
+    )
 
 
 def check_attention_kernel(attn_implementation: str, on_gpu: bool, flash_installed: bool | None = None) -> None:
@@ -161,15 +196,22 @@ def check_attention_kernel(attn_implementation: str, on_gpu: bool, flash_install
     if flash_installed is None:
         flash_installed = importlib.util.find_spec("flash_attn") is not None
     if not on_gpu:
-        raise UserError(Problem("FlashAttention-2 runs on CUDA GPUs, and this machine has none",
-                                key="model.attn_implementation",
-                                hint="set model.attn_implementation: sdpa to run here (plan and compile accept "
-                                     "flash_attention_2 on any machine)"))
+        raise UserError(
+            Problem(
+                "FlashAttention-2 runs on CUDA GPUs, and this machine has none",
+                key="model.attn_implementation",
+                hint="set model.attn_implementation: sdpa to run here (plan and compile accept "
+                "flash_attention_2 on any machine)",
+            )
+        )
     if not flash_installed:
-        raise UserError(Problem("model.attn_implementation: flash_attention_2 needs the flash-attn package, which is "
-                                "not installed", key="model.attn_implementation",
-                                hint="pip install flash-attn --no-build-isolation, or set "
-                                     "model.attn_implementation: sdpa"))
+        raise UserError(
+            Problem(
+                "model.attn_implementation: flash_attention_2 needs the flash-attn package, which is not installed",
+                key="model.attn_implementation",
+                hint="pip install flash-attn --no-build-isolation, or set model.attn_implementation: sdpa",
+            )
+        )
 
 
 def _sliding_window(text: PretrainedConfig) -> int | None:

@@ -5,6 +5,7 @@ DeepSpeed's `zero.Init` under ZeRO-3 (transformers enters it when an `HfDeepSpee
 so a 7B preset starts in seconds instead of minutes of CPU initialisation. With `model.quantize`
 the linear layers are quantised as they are created (`memtrain.model.quantize`).
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -22,8 +23,14 @@ from memtrain.model.quantize import bnb_config, keep_training_layout, quantized_
 from memtrain.recipe.schema import ALL_LINEAR, Lora, Model
 
 
-def build_model(model: Model, compute: str, device: torch.device, ds_config: dict | None = None,
-                seed: int = 0, vocab_size: int | None = None) -> PreTrainedModel:
+def build_model(
+    model: Model,
+    compute: str,
+    device: torch.device,
+    ds_config: dict | None = None,
+    seed: int = 0,
+    vocab_size: int | None = None,
+) -> PreTrainedModel:
     """The causal LM in the compute dtype, with LoRA adapters when the recipe asks for them.
 
     ds_config: the compiled DeepSpeed config; with ZeRO-3 the weights are partitioned as they are built.
@@ -52,12 +59,22 @@ def build_model(model: Model, compute: str, device: torch.device, ds_config: dic
     else:
         try:
             lm = AutoModelForCausalLM.from_pretrained(
-                model.path, config=config, dtype=dtype, local_files_only=True,
-                low_cpu_mem_usage=True, device_map=None if zero3 else {"": device}, **quantization,
+                model.path,
+                config=config,
+                dtype=dtype,
+                local_files_only=True,
+                low_cpu_mem_usage=True,
+                device_map=None if zero3 else {"": device},
+                **quantization,
             )
         except (OSError, ValueError) as error:
-            raise UserError(Problem(f"cannot load the model from '{model.path}': {error}", key="model.path",
-                                    hint="give a directory written by save_pretrained (config.json + weights)")) from None
+            raise UserError(
+                Problem(
+                    f"cannot load the model from '{model.path}': {error}",
+                    key="model.path",
+                    hint="give a directory written by save_pretrained (config.json + weights)",
+                )
+            ) from None
     lm.config.use_cache = False
     if vocab_size is not None and vocab_size > lm.get_input_embeddings().num_embeddings:
         lm.resize_token_embeddings(vocab_size)
@@ -81,10 +98,16 @@ def lora_config(lora: Lora):
     """
     from peft import LoraConfig
 
-    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                      target_modules=lora_targets(lora), task_type="CAUSAL_LM",
-                      use_dora=lora.use_dora, use_rslora=lora.use_rslora,
-                      modules_to_save=list(lora.modules_to_save) or None)
+    return LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora_targets(lora),
+        task_type="CAUSAL_LM",
+        use_dora=lora.use_dora,
+        use_rslora=lora.use_rslora,
+        modules_to_save=list(lora.modules_to_save) or None,
+    )
 
 
 def add_lora(lm: PreTrainedModel, model: Model) -> torch.nn.Module:
@@ -95,18 +118,32 @@ def add_lora(lm: PreTrainedModel, model: Model) -> torch.nn.Module:
     present = {name.rsplit(".", 1)[-1] for name, _ in lm.named_modules()}
     missing = [t for t in lora.target_modules if t not in present] if lora.target_modules != ALL_LINEAR else []
     if missing:
-        raise UserError(Problem(
-            f"LoRA target modules {missing} are not in this model", key="model.lora.target_modules",
-            hint=f"modules it has include: {', '.join(sorted(n for n in present if n.endswith('proj'))) or 'see model.named_modules()'}",
-        ))
+        raise UserError(
+            Problem(
+                f"LoRA target modules {missing} are not in this model",
+                key="model.lora.target_modules",
+                hint=f"modules it has include: {', '.join(sorted(n for n in present if n.endswith('proj'))) or 'see model.named_modules()'}",
+            )
+        )
     unsaved = [m for m in lora.modules_to_save if m not in present]
     if unsaved:
         layers_name, _ = decoder_layers(lm)
-        outside = sorted({name.rsplit(".", 1)[-1] for name, module in lm.named_modules()
-                          if name and not name.startswith(layers_name) and next(module.parameters(recurse=False), None) is not None})
-        raise UserError(Problem(
-            f"modules_to_save {unsaved} are not in this model", key="model.lora.modules_to_save",
-            hint=f"modules outside the decoder layers are: {', '.join(outside)}"))
+        outside = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, module in lm.named_modules()
+                if name
+                and not name.startswith(layers_name)
+                and next(module.parameters(recurse=False), None) is not None
+            }
+        )
+        raise UserError(
+            Problem(
+                f"modules_to_save {unsaved} are not in this model",
+                key="model.lora.modules_to_save",
+                hint=f"modules outside the decoder layers are: {', '.join(outside)}",
+            )
+        )
     # Not PEFT's prepare_model_for_kbit_training: its fp32 upcast of the unquantised weights would be
     # undone by DeepSpeed's bf16 engine (fp32_modules is the recipe's way to keep modules in fp32), and
     # checkpointing is memtrain's own; what it does that matters here is the input-grad hook below.

@@ -14,6 +14,7 @@ layers are built without Liger's layer kernels (the same run with them: 8,021 to
 trace their Triton launches and splits the layer around them), so `model.kernels: auto` then keeps only
 Liger's fused loss (memtrain.model.kernels.resolve_kernels).
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -35,9 +36,13 @@ def resolve_compile(recipe: Recipe, cuda: bool) -> bool:
     if recipe.train.compile != "auto":
         return recipe.train.compile
     lora = recipe.model.lora
-    return (cuda and lora is not None and not lora.lean_dropout
-            and model_architecture(recipe.model).model_type in MEASURED_FAMILIES
-            and compile_unsupported(recipe) is None)
+    return (
+        cuda
+        and lora is not None
+        and not lora.lean_dropout
+        and model_architecture(recipe.model).model_type in MEASURED_FAMILIES
+        and compile_unsupported(recipe) is None
+    )
 
 
 def compile_layers(model: nn.Module) -> int:

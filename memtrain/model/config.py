@@ -1,4 +1,5 @@
 """The model's Hugging Face config, from a shape preset or a local directory, without weights."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,7 +18,9 @@ def model_architecture(model: Model) -> Architecture:
 
     Its `notes` say what memtrain chose for the user (e.g. eager attention for Gemma-2): print them once.
     """
-    return architecture(_hf_config(model), model.attn_implementation, key="model.preset" if model.preset else "model.path")
+    return architecture(
+        _hf_config(model), model.attn_implementation, key="model.preset" if model.preset else "model.path"
+    )
 
 
 def model_config(model: Model) -> PretrainedConfig:
@@ -37,9 +40,14 @@ def _hf_config(model: Model) -> PretrainedConfig:
         return AutoConfig.from_pretrained(Path(model.path), local_files_only=True)
     except (OSError, ValueError) as error:  # no config.json, or a model_type this transformers does not know
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise UserError(Problem(f"cannot read the model config in '{model.path}': {first_line}", key="model.path",
-                                hint="give a directory written by save_pretrained (config.json + weights); a "
-                                "model_type unknown here may need a newer transformers")) from None
+        raise UserError(
+            Problem(
+                f"cannot read the model config in '{model.path}': {first_line}",
+                key="model.path",
+                hint="give a directory written by save_pretrained (config.json + weights); a "
+                "model_type unknown here may need a newer transformers",
+            )
+        ) from None
 
 
 def meta_model(model: Model, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:

@@ -3,7 +3,7 @@
 liger-kernel is optional (`pip install 'memtrain[liger]'`): the CPU has no Triton kernels, so CI and CPU
 runs never import it. `auto` uses Liger where it is importable, CUDA is present and the model's family has
 a patch; `liger` requires all three (UserError otherwise); `none` never uses it. A run resolves `auto` once
-(memtrain.train.run), so the plan, the DeepSpeed engine and run.json all see `liger` or `none`.
+(memtrain.train.resolve), so the plan, the DeepSpeed engine and run.json all see `liger` or `none`.
 
 What is patched: RMSNorm, the gated MLP (SwiGLU; GEGLU for Gemma-2) and the rotary embedding, as
 transformers' module-level classes and functions, before the model is built (so ZeRO-3's zero.Init and
@@ -11,6 +11,7 @@ PEFT see the Liger modules). Liger's own causal-LM forward is not patched in: me
 itself (memtrain.model.wrapper). Where `uses_fused_loss` says so, that loss is Liger's fused linear
 cross-entropy instead of memtrain's chunked one (memtrain.model.loss.fused_causal_lm_loss).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from memtrain.errors import Problem, UserError
-from memtrain.model.checkpointing import name_matches
 from memtrain.model.config import model_architecture
+from memtrain.model.recompute import name_matches
 from memtrain.recipe.schema import Model, Precision
 
 # model_type -> (Liger's apply function, its keyword for the gated MLP). Each of these families names its
@@ -41,8 +42,8 @@ HEAD_NAME = "lm_head"
 class KernelSupport:
     """What this machine offers the kernels (handed in, so a test can ask "what if CUDA were here")."""
 
-    liger: bool   # liger_kernel can be imported
-    cuda: bool    # a CUDA device is present
+    liger: bool  # liger_kernel can be imported
+    cuda: bool  # a CUDA device is present
 
     @classmethod
     def current(cls) -> "KernelSupport":
@@ -70,16 +71,29 @@ def resolve_kernels(model: Model, support: KernelSupport, compiled: bool = False
         return ("liger_loss" if compiled else "liger") if usable else "none"
     problems = []
     if family is None:
-        problems.append(Problem(
-            f"Liger has no kernels for the model type '{model_architecture(model).model_type}'", key="model.kernels",
-            hint=f"it patches {', '.join(LIGER_FAMILIES)}; set model.kernels: auto or none"))
+        problems.append(
+            Problem(
+                f"Liger has no kernels for the model type '{model_architecture(model).model_type}'",
+                key="model.kernels",
+                hint=f"it patches {', '.join(LIGER_FAMILIES)}; set model.kernels: auto or none",
+            )
+        )
     if not support.liger:
-        problems.append(Problem(f"{model.kernels} needs liger-kernel, which is not installed",
-                                key="model.kernels",
-                                hint="pip install 'memtrain[liger]', or set model.kernels: auto (uses it where installed)"))
+        problems.append(
+            Problem(
+                f"{model.kernels} needs liger-kernel, which is not installed",
+                key="model.kernels",
+                hint="pip install 'memtrain[liger]', or set model.kernels: auto (uses it where installed)",
+            )
+        )
     if not support.cuda:
-        problems.append(Problem(f"{model.kernels} needs a CUDA GPU (Liger's kernels are Triton kernels)",
-                                key="model.kernels", hint="set model.kernels: auto or none on this machine"))
+        problems.append(
+            Problem(
+                f"{model.kernels} needs a CUDA GPU (Liger's kernels are Triton kernels)",
+                key="model.kernels",
+                hint="set model.kernels: auto or none on this machine",
+            )
+        )
     if problems:
         raise UserError(problems)
     return model.kernels

@@ -9,6 +9,7 @@ and which names exactly the decoder layer class). "The longest ModuleList" is on
 mixture-of-experts model under transformers 4.x the experts of one layer sit in a ModuleList (60 in
 Qwen2-MoE) that outnumbers its 24 layers.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -34,12 +35,14 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     blocks = [(name, m) for name, m in lists if type(m[0]).__name__ in block_classes]
     candidates = blocks or lists
     if not candidates:
-        raise UserError(Problem(
-            f"cannot find the decoder layers of {type(base).__name__}: it has no list of layer modules",
-            key="model",
-            hint="memtrain trains transformer causal LMs whose layers sit in an nn.ModuleList "
-                 "(model.layers, transformer.h); use checkpointing.strategy 'none' or 'rules' naming its blocks",
-        ))
+        raise UserError(
+            Problem(
+                f"cannot find the decoder layers of {type(base).__name__}: it has no list of layer modules",
+                key="model",
+                hint="memtrain trains transformer causal LMs whose layers sit in an nn.ModuleList "
+                "(model.layers, transformer.h); use checkpointing.strategy 'none' or 'rules' naming its blocks",
+            )
+        )
     return max(candidates, key=lambda item: len(item[1]))
 
 

@@ -6,6 +6,7 @@ of x (lora_A's weight gradient needs it) and dropout's mask. Here `lora_A` compu
 backward regenerates the mask from a seed. The seed comes from the CPU default generator, which
 `torch.utils.checkpoint` restores before a recompute, so a recomputed layer draws the same masks.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 _GENERATORS: dict[str, torch.Generator] = {}
 
 
-def dropout_mask(shape: torch.Size, p: float, seed: int, device: torch.device,
-                 dtype: torch.dtype = torch.bool) -> torch.Tensor:
+def dropout_mask(
+    shape: torch.Size, p: float, seed: int, device: torch.device, dtype: torch.dtype = torch.bool
+) -> torch.Tensor:
     """The keep-mask (1 with probability 1 - p) that `seed` gives on `device`: the same on every call.
 
     One generator per device, re-seeded per call: creating a CUDA generator is a host cost paid twice

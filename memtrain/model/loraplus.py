@@ -8,6 +8,7 @@ torch's AdamW, DeepSpeed's CPU Adam, bitsandbytes' 8-bit AdamW — not as PEFT's
 `create_loraplus_optimizer`, which builds the optimizer itself. A learning-rate schedule scales
 each group's rate by the same factor, so the ratio holds through warmup and decay.
 """
+
 from __future__ import annotations
 
 from torch import nn

@@ -13,10 +13,11 @@ With Liger's kernels (`model.kernels`, memtrain.model.kernels.uses_fused_loss) t
 Liger's fused linear cross-entropy: it takes the hidden states and the head's *weight*, computes the
 logits a chunk at a time, and writes the gradients of the hidden states (and of a trainable head) during
 forward, so backward only scales them. Same contract: reduction "sum" over the targets that are not -100
-(the loop divides by the global batch's target count, memtrain.train.step), the soft-cap applied inside
+(the loop divides by the global batch's target count, memtrain.train.step.micro_batches), the soft-cap applied inside
 the kernel before the softmax, which is always computed in fp32. The head's gradient is summed over the
 chunks in the weight's dtype, as autograd sums the chunked loss's chunks.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -34,8 +35,9 @@ def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(logits / cap) * cap
 
 
-def _token_loss_sum(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, fp32_loss: bool,
-                    softcap: float | None = None) -> torch.Tensor:
+def _token_loss_sum(
+    lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, fp32_loss: bool, softcap: float | None = None
+) -> torch.Tensor:
     logits = lm_head(hidden)
     if fp32_loss:
         logits = logits.float()
@@ -49,9 +51,15 @@ def shift_for_next_token(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[to
     return hidden[:, :-1, :].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1)
 
 
-def causal_lm_loss(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *,
-                   fp32_loss: bool = True, chunk_tokens: int | None = None,
-                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_lm_loss(
+    lm_head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    fp32_loss: bool = True,
+    chunk_tokens: int | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 sum of next-token cross-entropies, count of target tokens); labels equal to -100 are ignored.
 
     hidden: (batch, seq, hidden) final hidden states; labels: (batch, seq) token ids.
@@ -66,15 +74,17 @@ def causal_lm_loss(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
         part = slice(start, start + chunk_tokens)
         if torch.is_grad_enabled():
-            total = total + checkpoint(_token_loss_sum, lm_head, flat_hidden[part], targets[part], fp32_loss,
-                                       softcap, use_reentrant=False)
+            total = total + checkpoint(
+                _token_loss_sum, lm_head, flat_hidden[part], targets[part], fp32_loss, softcap, use_reentrant=False
+            )
         else:
             total = total + _token_loss_sum(lm_head, flat_hidden[part], targets[part], fp32_loss, softcap)
     return total, n_tokens
 
 
-def fused_causal_lm_loss(head_weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, *,
-                         softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_causal_lm_loss(
+    head_weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, *, softcap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """causal_lm_loss through Liger's fused linear cross-entropy (CUDA only; liger-kernel must be installed).
 
     head_weight: the output head's weight (vocabulary, hidden), in the hidden states' dtype.

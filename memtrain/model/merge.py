@@ -18,6 +18,7 @@ stops at the tokenizer's eos and at the chat template's end-of-turn token (<|im_
 `generate()` ends an answer where training taught it to, as TRL / Axolotl exports do. A run's final/
 carries those stop ids in its generation_config.json (an adapter's too), and the merge keeps them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -33,9 +34,15 @@ from memtrain.model.quantize import bnb_config, require_bitsandbytes
 from memtrain.recipe.schema import Quantize
 
 
-def merge_adapter(adapter_dir: Path, base: Path | PreTrainedModel, out_dir: Path,
-                  dtype: torch.dtype = torch.bfloat16, *, quantize: Quantize | None = None,
-                  tokenizer_dir: Path | None = None) -> Path:
+def merge_adapter(
+    adapter_dir: Path,
+    base: Path | PreTrainedModel,
+    out_dir: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    quantize: Quantize | None = None,
+    tokenizer_dir: Path | None = None,
+) -> Path:
     """Merge the PEFT adapter in `adapter_dir` into `base` and save the result to `out_dir`; returns out_dir.
 
     base: the base model's directory (loaded in `dtype` on the CPU), or a loaded model — which the merge
@@ -47,8 +54,12 @@ def merge_adapter(adapter_dir: Path, base: Path | PreTrainedModel, out_dir: Path
     """
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     if not (adapter_dir / "adapter_config.json").is_file():
-        raise UserError(Problem(f"'{adapter_dir}' holds no PEFT adapter (adapter_config.json)",
-                                hint="give the directory a LoRA run exported (RUN_DIR/final)"))
+        raise UserError(
+            Problem(
+                f"'{adapter_dir}' holds no PEFT adapter (adapter_config.json)",
+                hint="give the directory a LoRA run exported (RUN_DIR/final)",
+            )
+        )
     with directory_atomically(out_dir) as tmp:  # a taken or unwritable out_dir is said before the base loads
         tokenizer = _tokenizer(tokenizer_dir, adapter_dir, base)
         model = base if isinstance(base, PreTrainedModel) else load_base(Path(base), dtype, quantize)
@@ -66,8 +77,9 @@ def _weight_bytes(model: PreTrainedModel) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def set_inference_config(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
-                         stop_ids: Iterable[int] = ()) -> GenerationConfig:
+def set_inference_config(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, stop_ids: Iterable[int] = ()
+) -> GenerationConfig:
     """Make `model` (a Hugging Face model, or a PEFT model around one) ready to be saved for inference; returns
     its generation config, which save_pretrained writes as generation_config.json (a PEFT adapter's does not:
     the caller saves it beside the adapter).
@@ -79,8 +91,11 @@ def set_inference_config(model: torch.nn.Module, tokenizer: PreTrainedTokenizerB
     """
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = lm.config
-    generation = lm.generation_config if getattr(lm, "generation_config", None) is not None \
+    generation = (
+        lm.generation_config
+        if getattr(lm, "generation_config", None) is not None
         else GenerationConfig.from_model_config(config)
+    )
     kept = _end_tokens(tokenizer)
     eos = tokenizer.eos_token_id
     for target, first in ((config, []), (generation, list(stop_ids))):
@@ -123,8 +138,13 @@ def load_base(base_dir: Path, dtype: torch.dtype, quantize: Quantize | None = No
     """The base model on the CPU in `dtype`; with a quantised run's `quantize`, the weights it trained
     against: quantised as training loaded them, then dequantised to `dtype`."""
     if not (base_dir / "config.json").is_file():
-        raise UserError(Problem(f"the base model directory '{base_dir}' has no config.json", key="model.path",
-                                hint="the merge needs the base weights the adapter was trained on"))
+        raise UserError(
+            Problem(
+                f"the base model directory '{base_dir}' has no config.json",
+                key="model.path",
+                hint="the merge needs the base weights the adapter was trained on",
+            )
+        )
     quantized = quantize is not None and quantize.type != "none"
     extra = {}
     if quantized:
@@ -145,16 +165,24 @@ def _merged(model: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel:
         with peft_quietly():
             peft_model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
     except (ValueError, RuntimeError, KeyError) as error:  # adapter of another architecture or shape
-        raise UserError(Problem(
-            f"the adapter in '{adapter_dir}' does not fit this base model: {str(error).splitlines()[0]}",
-            hint=hint)) from None
+        raise UserError(
+            Problem(
+                f"the adapter in '{adapter_dir}' does not fit this base model: {str(error).splitlines()[0]}", hint=hint
+            )
+        ) from None
     # PEFT loads an adapter whose modules only partly exist in the base and merely warns about the rest:
     # a merge would then silently drop trained weights, so every saved tensor must have found its place.
-    dropped = sorted(set(load_peft_weights(str(adapter_dir), device="cpu")) - set(get_peft_model_state_dict(peft_model)))
+    dropped = sorted(
+        set(load_peft_weights(str(adapter_dir), device="cpu")) - set(get_peft_model_state_dict(peft_model))
+    )
     if dropped:
-        raise UserError(Problem(
-            f"{len(dropped)} adapter tensors in '{adapter_dir}' have no module in this base model "
-            f"(e.g. {dropped[0]}): it is not the model the adapter was trained on", hint=hint))
+        raise UserError(
+            Problem(
+                f"{len(dropped)} adapter tensors in '{adapter_dir}' have no module in this base model "
+                f"(e.g. {dropped[0]}): it is not the model the adapter was trained on",
+                hint=hint,
+            )
+        )
     # safe_merge checks each merged weight for NaN/inf before it replaces the original
     return peft_model.merge_and_unload(safe_merge=True)
 
@@ -164,9 +192,15 @@ def _tokenizer(tokenizer_dir: Path | None, adapter_dir: Path, base: Path | PreTr
     if tokenizer_dir is None and not isinstance(base, PreTrainedModel):
         candidates.append(Path(base))
     for directory in candidates:
-        if any((Path(directory) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        if any(
+            (Path(directory) / name).is_file()
+            for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        ):
             return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    raise UserError(Problem(f"no tokenizer in {', '.join(str(c) for c in candidates)}",
-                            hint="a merged model is saved with its tokenizer and chat template; give the "
-                                 "directory that has tokenizer.json / tokenizer_config.json"))
-
+    raise UserError(
+        Problem(
+            f"no tokenizer in {', '.join(str(c) for c in candidates)}",
+            hint="a merged model is saved with its tokenizer and chat template; give the "
+            "directory that has tokenizer.json / tokenizer_config.json",
+        )
+    )

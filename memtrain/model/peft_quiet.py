@@ -4,6 +4,7 @@ PEFT reads `model.is_gradient_checkpointing`, which transformers 5 deprecates wi
 every LoRA run, `plan` of a LoRA recipe, `eval` and `export --merge` printed a warning about two libraries' versions
 that a user cannot act on (audit 21). It is silenced around PEFT's calls, and nothing else is.
 """
+
 from __future__ import annotations
 
 import warnings

@@ -9,6 +9,7 @@ Note: a DeepSpeed engine with bf16/fp16 enabled casts every parameter to that dt
 `deepspeed.initialize`. The islands still compute in fp32 then (their weights are upcast inside the
 forward, and gradients flow back to the low-precision copies and DeepSpeed's fp32 masters).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,8 @@ from torch import nn
 
 from memtrain.dtypes import DTYPES
 from memtrain.errors import Problem, RecipeError
-from memtrain.model.checkpointing import name_matches
 from memtrain.model.layers import hf_model
+from memtrain.model.recompute import name_matches
 from memtrain.recipe.schema import Precision
 
 
@@ -49,9 +50,16 @@ def fp32_island_names(model: nn.Module, globs: list[str]) -> list[str]:
             islands.append(name)
     unused = [g for g in globs if g not in used]
     if unused:
-        raise RecipeError([Problem(f"fp32_modules pattern '{g}' matches no module",
-                                   key="precision.fp32_modules",
-                                   hint=f"module names look like {', '.join(names[:6])}") for g in unused])
+        raise RecipeError(
+            [
+                Problem(
+                    f"fp32_modules pattern '{g}' matches no module",
+                    key="precision.fp32_modules",
+                    hint=f"module names look like {', '.join(names[:6])}",
+                )
+                for g in unused
+            ]
+        )
     return islands
 
 
@@ -80,8 +88,11 @@ def _upcast_own_parameters(module: nn.Module) -> None:
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        low = {n: p for n, p in module._parameters.items()
-               if p is not None and p.is_floating_point() and p.dtype != torch.float32}
+        low = {
+            n: p
+            for n, p in module._parameters.items()
+            if p is not None and p.is_floating_point() and p.dtype != torch.float32
+        }
         if not low:
             return original(*args, **kwargs)
         try:

@@ -11,6 +11,7 @@ training device, each nn.Linear initialised in the compute dtype and replaced at
 bitsandbytes layer: the full-precision model never exists (a 13B preset peaks at its 4-bit size
 plus one bf16 matrix, not the 26 GB of its bf16 weights).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,13 @@ def require_bitsandbytes() -> None:
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as error:
-        raise UserError(Problem(f"quantised weights and 8-bit / paged optimizers need bitsandbytes ({error})",
-                                key="model.quantize",
-                                hint="pip install 'memtrain[qlora]' (bitsandbytes)")) from None
+        raise UserError(
+            Problem(
+                f"quantised weights and 8-bit / paged optimizers need bitsandbytes ({error})",
+                key="model.quantize",
+                hint="pip install 'memtrain[qlora]' (bitsandbytes)",
+            )
+        ) from None
 
 
 def quantized_linear_names(lm: nn.Module) -> list[str]:
@@ -37,8 +42,9 @@ def quantized_linear_names(lm: nn.Module) -> list[str]:
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     keep = get_keys_to_not_convert(lm)
-    return [name for name, module in lm.named_modules()
-            if type(module) is nn.Linear and should_convert_module(name, keep)]
+    return [
+        name for name, module in lm.named_modules() if type(module) is nn.Linear and should_convert_module(name, keep)
+    ]
 
 
 def bnb_config(quantize: Quantize, compute_dtype: torch.dtype):
@@ -47,31 +53,46 @@ def bnb_config(quantize: Quantize, compute_dtype: torch.dtype):
 
     if quantize.type == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantize.type,
-                              bnb_4bit_use_double_quant=quantize.double_quant,
-                              bnb_4bit_compute_dtype=compute_dtype)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quantize.type,
+        bnb_4bit_use_double_quant=quantize.double_quant,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
 
 
-def quantized_linear(linear: nn.Linear, quantize: Quantize, compute_dtype: torch.dtype,
-                     device: torch.device) -> nn.Module:
+def quantized_linear(
+    linear: nn.Linear, quantize: Quantize, compute_dtype: torch.dtype, device: torch.device
+) -> nn.Module:
     """A frozen bitsandbytes layer holding `linear`'s weights quantised on `device`."""
     import bitsandbytes as bnb
 
     with torch.device("meta"):  # the layer's own weight is replaced below; allocate nothing for it
         if quantize.type == "int8":
-            layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, linear.bias is not None,
-                                        has_fp16_weights=False)
+            layer = bnb.nn.Linear8bitLt(
+                linear.in_features, linear.out_features, linear.bias is not None, has_fp16_weights=False
+            )
         else:
-            layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, linear.bias is not None,
-                                      compute_dtype=compute_dtype, compress_statistics=quantize.double_quant,
-                                      quant_type=quantize.type)
+            layer = bnb.nn.Linear4bit(
+                linear.in_features,
+                linear.out_features,
+                linear.bias is not None,
+                compute_dtype=compute_dtype,
+                compress_statistics=quantize.double_quant,
+                quant_type=quantize.type,
+            )
     weight = linear.weight.data
     if quantize.type == "int8":
         # Int8Params quantises when it moves from the CPU to the device
         layer.weight = bnb.nn.Int8Params(weight.cpu(), requires_grad=False, has_fp16_weights=False).to(device)
     else:
-        layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=quantize.double_quant,
-                                         quant_type=quantize.type, module=layer).to(device)
+        layer.weight = bnb.nn.Params4bit(
+            weight,
+            requires_grad=False,
+            compress_statistics=quantize.double_quant,
+            quant_type=quantize.type,
+            module=layer,
+        ).to(device)
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.data.to(device), requires_grad=False)
     return layer
@@ -90,8 +111,9 @@ def keep_training_layout(lm: nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def quantized_preset(config: PretrainedConfig, quantize: Quantize, dtype: torch.dtype,
-                     device: torch.device) -> PreTrainedModel:
+def quantized_preset(
+    config: PretrainedConfig, quantize: Quantize, dtype: torch.dtype, device: torch.device
+) -> PreTrainedModel:
     """A preset with random weights, its linear layers quantised as they are materialised on `device`.
 
     Initialised with the model's own `_init_weights` (the preset's usual distributions), in the
@@ -107,8 +129,15 @@ def quantized_preset(config: PretrainedConfig, quantize: Quantize, dtype: torch.
     return lm
 
 
-def _materialise(module: nn.Module, prefix: str, init, targets: set[str], quantize: Quantize,
-                 dtype: torch.dtype, device: torch.device) -> None:
+def _materialise(
+    module: nn.Module,
+    prefix: str,
+    init,
+    targets: set[str],
+    quantize: Quantize,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
     """Children first, then the module itself (transformers' initialisation order)."""
     for name, child in list(module.named_children()):
         full_name = f"{prefix}.{name}" if prefix else name

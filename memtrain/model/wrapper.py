@@ -1,4 +1,5 @@
 """The module handed to DeepSpeed: a causal LM that returns (loss sum, target token count)."""
+
 from __future__ import annotations
 
 import torch
@@ -12,23 +13,30 @@ from memtrain.model.loss import causal_lm_loss, fused_causal_lm_loss
 from memtrain.recipe.schema import Precision
 
 # How each attention kernel keeps the samples of a packed row apart, given position_ids that restart at 0 for
-# every sample (data/rows.py). "mask": with no attention_mask and no cache, transformers' create_causal_mask reads
+# every sample (data/rows/row_set.py). "mask": with no attention_mask and no cache, transformers' create_causal_mask reads
 # the restarts as sample boundaries and builds a block-diagonal causal mask (masking_utils.
 # find_packed_sequence_indices, transformers 5.x). "flatten": flash attention reads the restarts only for a batch
 # of one (modeling_flash_attention_utils._is_packed_sequence), so the rows go in end to end as one sequence and
 # its variable-length kernel keeps every sample to itself.
-PACKED_ATTENTION = {"sdpa": "mask", "eager": "mask", "flex_attention": "mask",
-                    "flash_attention_2": "flatten", "flash_attention_3": "flatten"}
+PACKED_ATTENTION = {
+    "sdpa": "mask",
+    "eager": "mask",
+    "flex_attention": "mask",
+    "flash_attention_2": "flatten",
+    "flash_attention_3": "flatten",
+}
 
 
 def check_packed_attention(attn_implementation: str) -> None:
     """Raise UserError when the attention kernel would let packed samples attend to each other."""
     if attn_implementation not in PACKED_ATTENTION:
-        raise UserError(Problem(
-            f"attention {attn_implementation!r} cannot keep packed samples apart",
-            key="model.attn_implementation",
-            hint="use " + ", ".join(PACKED_ATTENTION) + ", or set data.packing: false",
-        ))
+        raise UserError(
+            Problem(
+                f"attention {attn_implementation!r} cannot keep packed samples apart",
+                key="model.attn_implementation",
+                hint="use " + ", ".join(PACKED_ATTENTION) + ", or set data.packing: false",
+            )
+        )
 
 
 class TrainableLM(nn.Module):
@@ -50,8 +58,13 @@ class TrainableLM(nn.Module):
         self.chunk_tokens = precision.loss_chunk_tokens if precision.chunked_loss else None
         self.logit_softcap = logit_softcap(hf_model(model).config)  # Gemma-2 caps its logits; None for most models
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         base = hf_model(self.model)
         body = base.get_decoder()
         if position_ids is not None and attention_mask is None:
@@ -59,13 +72,19 @@ class TrainableLM(nn.Module):
             check_packed_attention(attn)
             if needs_one_sequence(attn, input_ids.shape[0]):
                 input_ids, labels, position_ids = one_sequence(input_ids, labels, position_ids)
-        hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      use_cache=False).last_hidden_state
+        hidden = body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         if self.fused_loss:
             return fused_causal_lm_loss(base.get_output_embeddings().weight, hidden, labels, softcap=self.logit_softcap)
-        return causal_lm_loss(base.get_output_embeddings(), hidden, labels,
-                              fp32_loss=self.fp32_loss, chunk_tokens=self.chunk_tokens,
-                              softcap=self.logit_softcap)
+        return causal_lm_loss(
+            base.get_output_embeddings(),
+            hidden,
+            labels,
+            fp32_loss=self.fp32_loss,
+            chunk_tokens=self.chunk_tokens,
+            softcap=self.logit_softcap,
+        )
 
 
 def needs_one_sequence(attn_implementation: str, batch_size: int) -> bool:
@@ -73,8 +92,9 @@ def needs_one_sequence(attn_implementation: str, batch_size: int) -> bool:
     return PACKED_ATTENTION.get(attn_implementation) == "flatten" and batch_size > 1
 
 
-def one_sequence(input_ids: torch.Tensor, labels: torch.Tensor,
-                 position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def one_sequence(
+    input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows laid end to end as a batch of one. Each row's first label becomes -100: laid end to end, the previous
     row's last token would otherwise predict it, a pair that does not exist row by row."""
     labels = labels.clone()

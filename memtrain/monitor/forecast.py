@@ -4,6 +4,7 @@ A run whose peak creeps up (fragmentation, a growing cache, longer samples) is c
 allocator fails. The window only holds peaks measured at one micro-batch size: a size change makes
 the old peaks meaningless for the new size, so `observe` starts a fresh window when it sees one.
 """
+
 from __future__ import annotations
 
 from collections import deque

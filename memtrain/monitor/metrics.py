@@ -6,6 +6,7 @@ tensors and converts all that are buffered in one transfer per flush (stack + to
 no host-device sync per step. Every line is complete on its own and handed to the OS at once, so a run
 killed at any moment leaves a file that `read_metrics` can still read.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ import torch
 from memtrain.monitor.tensorboard import TensorBoardWriter, open_tensorboard
 
 METRICS_FILE = "metrics.jsonl"
-GENERATION_KIND = "generation"  # the record of a generation evaluation (train/generate_eval.py): exact match
+GENERATION_KIND = "generation"  # the record of a generation evaluation (train/eval/generation.py): exact match
 
 
 class MetricsLog:

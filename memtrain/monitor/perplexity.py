@@ -6,6 +6,7 @@ guessing uniformly among a 256k-token vocabulary scores 2.6e5), and exp overflow
 the cap (and for a loss that is not finite) `perplexity` gives None, which JSON records write as null (the
 loss stays in the record), and `perplexity_text` says so: "> 5.2e21", never a capped number that looks measured.
 """
+
 from __future__ import annotations
 
 import math

@@ -4,6 +4,7 @@ Drawn with matplotlib's Agg canvas on Figure objects (no pyplot state, no displa
 with a run that has only some of the fields: CPU runs record no GPU memory, a young run has no eval yet.
 A resumed run repeats the steps after its checkpoint; the newest record of each step wins.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -66,7 +67,9 @@ def plot_loss(figure: Figure, records: list[dict]) -> None:
         handles += axes.plot(steps, losses, color=TRAIN_COLOR, linewidth=1.2, alpha=0.85, label="train loss")
     eval_steps, eval_losses = series(records, "eval", "loss")
     if eval_steps:
-        handles += axes.plot(eval_steps, eval_losses, color=EVAL_COLOR, marker="o", linewidth=1.5, label="validation loss")
+        handles += axes.plot(
+            eval_steps, eval_losses, color=EVAL_COLOR, marker="o", linewidth=1.5, label="validation loss"
+        )
     if handles:
         # Perplexity is exp(loss): a second scale on the same axis reads every loss point as a perplexity.
         twin = axes.twinx()
@@ -116,23 +119,47 @@ def plot_memory(figure: Figure, records: list[dict]) -> None:
     plan_bytes = _last_positive(records, "plan_peak_reserved_bytes", kind="run")
     if plan_bytes and cap_bytes and plan_bytes > 1.5 * cap_bytes:
         # a plan far above the cap (a recipe that cannot fit as written) would squash every curve
-        axes.plot([], [], color=PLAN_COLOR, linestyle="--", label=f"planned peak {plan_bytes / GiB:.1f} GiB (off scale)")
+        axes.plot(
+            [], [], color=PLAN_COLOR, linestyle="--", label=f"planned peak {plan_bytes / GiB:.1f} GiB (off scale)"
+        )
         plan_bytes = None
     elif plan_bytes:
-        axes.axhline(plan_bytes / GiB, color=PLAN_COLOR, linestyle="--", linewidth=1.5,
-                     label=f"planned peak {plan_bytes / GiB:.1f} GiB")
+        axes.axhline(
+            plan_bytes / GiB,
+            color=PLAN_COLOR,
+            linestyle="--",
+            linewidth=1.5,
+            label=f"planned peak {plan_bytes / GiB:.1f} GiB",
+        )
     forecast_steps, forecasts = series(records, "forecast", "predicted_peak_bytes")
     if forecast_steps:
-        axes.plot(forecast_steps, [v / GiB for v in forecasts], color=PLAN_COLOR, marker="x", linestyle="none",
-                  label="forecast peak")
+        axes.plot(
+            forecast_steps,
+            [v / GiB for v in forecasts],
+            color=PLAN_COLOR,
+            marker="x",
+            linestyle="none",
+            label="forecast peak",
+        )
     ooms = [record for record in records if record.get("kind") == "oom"]
     by_step: dict[int, list[str]] = {}
     for oom in ooms:
         by_step.setdefault(oom["step"], []).append(str(oom.get("micro_batch", "?")))
     for number, (step, sizes) in enumerate(by_step.items()):
-        axes.axvline(step, color=OOM_COLOR, linestyle="-.", linewidth=1.2, label="out of memory" if number == 0 else None)
-        axes.annotate(f"OOM at micro-batch {', '.join(sizes)}", xy=(step, 1), xycoords=("data", "axes fraction"),
-                      xytext=(3, -12), textcoords="offset points", color=OOM_COLOR, fontsize=8, rotation=90, va="top")
+        axes.axvline(
+            step, color=OOM_COLOR, linestyle="-.", linewidth=1.2, label="out of memory" if number == 0 else None
+        )
+        axes.annotate(
+            f"OOM at micro-batch {', '.join(sizes)}",
+            xy=(step, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -12),
+            textcoords="offset points",
+            color=OOM_COLOR,
+            fontsize=8,
+            rotation=90,
+            va="top",
+        )
     if not drawn and not ooms:
         _no_data(axes, "no GPU memory recorded (CPU run?) — see host.png")
     if drawn or cap_bytes or plan_bytes or ooms:
@@ -171,8 +198,17 @@ def plot_batch(figure: Figure, records: list[dict]) -> None:
     for step, labels in labels_by_step.items():
         top.axvline(step, color="gray", linestyle=":", linewidth=1)
         # Vertical text beside its line: changes a few steps apart do not run into each other.
-        top.annotate("; ".join(labels), xy=(step, 0.97), xycoords=("data", "axes fraction"), xytext=(2, 0),
-                     textcoords="offset points", fontsize=7, color="dimgray", rotation=90, va="top")
+        top.annotate(
+            "; ".join(labels),
+            xy=(step, 0.97),
+            xycoords=("data", "axes fraction"),
+            xytext=(2, 0),
+            textcoords="offset points",
+            fontsize=7,
+            color="dimgray",
+            rotation=90,
+            va="top",
+        )
     for oom in (record for record in records if record.get("kind") == "oom"):
         top.axvline(oom["step"], color=OOM_COLOR, linestyle="-.", linewidth=1.2)
 
@@ -215,4 +251,3 @@ def _last_positive(records: list[dict], field: str, kind: str | None = None) -> 
         if isinstance(value, (int, float)) and value > 0:
             return value
     return None
-

@@ -6,6 +6,7 @@ The loop wraps its work in `phase("forward")`, `phase("backward")`, `phase("opti
 NVTX range on CUDA, for Nsight Systems), so the overlap of compute and copies shows in the trace.
 Outside a profile, and always with N == 0, `phase` returns one shared do-nothing context.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -122,5 +123,8 @@ class StepProfiler:
         parts = [f"{self.steps} profiled step(s) after {WARMUP_STEPS} warm-up; times are totals over them.\n"]
         if self.device.type == "cuda":
             parts += ["By device time (self):", events.table(sort_by="self_cuda_time_total", row_limit=SUMMARY_ROWS)]
-        parts += ["By host time (total, includes children):", events.table(sort_by="cpu_time_total", row_limit=SUMMARY_ROWS)]
+        parts += [
+            "By host time (total, includes children):",
+            events.table(sort_by="cpu_time_total", row_limit=SUMMARY_ROWS),
+        ]
         write_atomically(self.trace_path.with_name(SUMMARY_FILE), "\n".join(parts))

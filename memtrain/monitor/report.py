@@ -2,6 +2,7 @@
 
 Works on a finished run, one still going, and one that was killed (a torn last line is skipped).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -55,7 +56,8 @@ def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int 
         "run_dir": str(run_dir),
         "name": _last_value(starts, "recipe") or _last_value(starts, "name"),
         "device": _last_value(starts, "device"),
-        "status": last_run.get("status", "running or killed") if last_run and last_run.get("event") == "end"
+        "status": last_run.get("status", "running or killed")
+        if last_run and last_run.get("event") == "end"
         else "running or killed",
         "starts": len(starts),
         "steps": max(train_steps) if train_steps else 0,
@@ -73,7 +75,9 @@ def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int 
         "final_exact_match_step": match_steps[-1] if matches else None,
         "exact_match_answers": answered,
         "peak_gpu_reserved_bytes": peak_reserved,
-        "peak_gpu_allocated_bytes": _max_positive(records, "train", ("gpu_peak_allocated_bytes", "gpu_allocated_bytes")),
+        "peak_gpu_allocated_bytes": _max_positive(
+            records, "train", ("gpu_peak_allocated_bytes", "gpu_allocated_bytes")
+        ),
         "plan_peak_reserved_bytes": plan_peak,
         "peak_reserved_over_plan": peak_reserved / plan_peak if peak_reserved and plan_peak else None,
         "gpu_cap_bytes": _last_value([r for r in records if r["kind"] in ("run", "train")], "gpu_cap_bytes") or None,
@@ -85,8 +89,11 @@ def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int 
         "ooms": [{"step": r["step"], "micro_batch": r.get("micro_batch"), "snapshot": r.get("snapshot")} for r in ooms],
         "skipped_steps": skipped[-1] if skipped else None,
         "final_loss_scale": loss_scales[-1] if loss_scales else None,
-        "checkpoints": [str(r["path"]) for r in records  # those still there (train.keep_last removes old ones)
-                        if r["kind"] == "checkpoint" and r.get("path") and Path(r["path"]).exists()],
+        "checkpoints": [
+            str(r["path"])
+            for r in records  # those still there (train.keep_last removes old ones)
+            if r["kind"] == "checkpoint" and r.get("path") and Path(r["path"]).exists()
+        ],
         "unreadable_lines": unreadable_lines,
         "first_step_s": startup.get("first_step_s") if startup else None,
         "startup_phases_s": dict(startup.get("phases_s", {})) if startup else {},
@@ -98,23 +105,34 @@ def _run_dir_of(path: Path) -> Path:
     if path.is_file() and path.name == METRICS_FILE:
         return path.parent
     if not path.exists():
-        raise UserError(Problem(f"run directory {path} does not exist",
-                                hint="pass the directory `memtrain run` wrote (the recipe's train.output_dir)"))
+        raise UserError(
+            Problem(
+                f"run directory {path} does not exist",
+                hint="pass the directory `memtrain run` wrote (the recipe's train.output_dir)",
+            )
+        )
     if not path.is_dir():
-        raise UserError(Problem(f"{path} is not a run directory",
-                                hint=f"pass the directory that holds {METRICS_FILE}"))
+        raise UserError(Problem(f"{path} is not a run directory", hint=f"pass the directory that holds {METRICS_FILE}"))
     return path
 
 
 def _load(run_dir: Path) -> tuple[list[dict], int]:
     metrics_path = run_dir / METRICS_FILE
     if not metrics_path.is_file():
-        raise UserError(Problem(f"no {METRICS_FILE} in {run_dir}",
-                                hint="pass a run directory of `memtrain run`; a run writes it from its start"))
+        raise UserError(
+            Problem(
+                f"no {METRICS_FILE} in {run_dir}",
+                hint="pass a run directory of `memtrain run`; a run writes it from its start",
+            )
+        )
     records, unreadable_lines = read_metrics_counted(metrics_path)
     if not records:
-        raise UserError(Problem(f"{metrics_path} has no complete records yet ({unreadable_lines} unreadable lines)",
-                                hint="wait until the run has logged its first steps, then report again"))
+        raise UserError(
+            Problem(
+                f"{metrics_path} has no complete records yet ({unreadable_lines} unreadable lines)",
+                hint="wait until the run has logged its first steps, then report again",
+            )
+        )
     return records, unreadable_lines
 
 
@@ -143,7 +161,10 @@ def _last_value(records: list[dict], field: str) -> Any:
 
 def _max_positive(records: list[dict], kind: str, fields: tuple[str, ...]) -> int | None:
     values = [
-        record[field] for record in records if record["kind"] == kind for field in fields
+        record[field]
+        for record in records
+        if record["kind"] == kind
+        for field in fields
         if isinstance(record.get(field), (int, float)) and record[field] > 0
     ]
     return max(values) if values else None

@@ -2,6 +2,7 @@
 
 Apart from plots.py so that reading a run needs no matplotlib (a second to import): only drawing does.
 """
+
 from __future__ import annotations
 
 

@@ -6,6 +6,7 @@ interpreter's start and the imports. Each `mark(name)` gives the time since the 
 phase; the phases therefore sum to the first step's time exactly. The loop writes them as one `startup`
 record of metrics.jsonl after the first step (scripts/bench_startup.py reads it).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,12 +17,25 @@ import time
 
 import psutil
 
-
 # The phases in the order a run passes them; the record holds those that ran, and scripts/bench_startup.py keeps a
 # column for each. With several processes the launcher's phases come first ("launch" to "plan", handed to the
 # workers in CLOCK_ENV), then "workers" (torchrun and each worker's interpreter and imports), then the worker's own.
-PHASES = ("launch", "load_recipe", "checks", "data", "plan", "workers", "process", "model", "cpu_adam_op",
-          "deepspeed_init", "loaders", "loop_start", "eval_generate", "first_step")
+PHASES = (
+    "launch",
+    "load_recipe",
+    "checks",
+    "data",
+    "plan",
+    "workers",
+    "process",
+    "model",
+    "cpu_adam_op",
+    "deepspeed_init",
+    "loaders",
+    "loop_start",
+    "eval_generate",
+    "first_step",
+)
 CLOCK_ENV = "MEMTRAIN_STARTUP_CLOCK"  # the launcher's clock, for its workers (StartupClock.to_env / from_env)
 
 
@@ -66,8 +80,10 @@ class StartupClock:
 
     def record(self) -> dict:
         """The `startup` record's fields: first_step_s and phases_s (rounded to milliseconds)."""
-        return {"first_step_s": round(self.elapsed_s, 3),
-                "phases_s": {name: round(seconds, 3) for name, seconds in self.phases_s.items()}}
+        return {
+            "first_step_s": round(self.elapsed_s, 3),
+            "phases_s": {name: round(seconds, 3) for name, seconds in self.phases_s.items()},
+        }
 
 
 # Measured on the GPU machine, whose image sets PYTHONDONTWRITEBYTECODE=1 and ships no bytecode: `import
@@ -98,6 +114,8 @@ def bytecode_note(names: tuple[str, ...] = HEAVY_PACKAGES) -> str | None:
     if not missing:
         return None
     why = "PYTHONDONTWRITEBYTECODE is set" if sys.flags.dont_write_bytecode else "their folders are not writable"
-    return (f"Python keeps no bytecode for {', '.join(missing)} here ({why}), so every start compiles them again "
-            "(measured: 27 s instead of 6-7 s for memtrain's imports); unset PYTHONDONTWRITEBYTECODE, or set "
-            "PYTHONPYCACHEPREFIX to a writable folder")
+    return (
+        f"Python keeps no bytecode for {', '.join(missing)} here ({why}), so every start compiles them again "
+        "(measured: 27 s instead of 6-7 s for memtrain's imports); unset PYTHONDONTWRITEBYTECODE, or set "
+        "PYTHONPYCACHEPREFIX to a writable folder"
+    )

@@ -3,6 +3,7 @@
 torch.utils.tensorboard needs the `tensorboard` package; without it there is no writer and the run
 goes on with metrics.jsonl alone.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -7,6 +7,7 @@ seq_len² term). `torch.autograd.graph.saved_tensors_hooks` records every tensor
 backward, deduplicated by storage, with the module that saved it, so any checkpoint strategy is
 priced by leaving out what a checkpointed block would recompute and keeping its input instead.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -47,6 +48,7 @@ class LayerTrace:
 
         A recomputed or offloaded block keeps only its input (on the GPU, or on the host when offloaded).
         """
+
         def inside(module: str, blocks: tuple[str, ...]) -> bool:
             return any(module == b or module.startswith(b + ".") for b in blocks)
 
@@ -169,7 +171,9 @@ def _trace_layer(model_json: str, compute: str, micro_batch: int, seq_len: int) 
                 if storage._cdata not in params and storage._cdata not in shared:
                     # CUDA's dropout keeps a bool mask; the CPU kernel traced here keeps it in the input dtype.
                     # (Lean LoRA dropout keeps no mask: it regenerates it from a seed, also under this fake mode.)
-                    nbytes = tensor.numel() if isinstance(modules.get(stack[-1]), torch.nn.Dropout) else storage.nbytes()
+                    nbytes = (
+                        tensor.numel() if isinstance(modules.get(stack[-1]), torch.nn.Dropout) else storage.nbytes()
+                    )
                     saved.append((SavedTensor(storage._cdata, nbytes, stack[-1]), weakref.ref(tensor)))
                 return tensor
 
@@ -186,12 +190,21 @@ def _trace_layer(model_json: str, compute: str, micro_batch: int, seq_len: int) 
     finally:
         for handle in handles:
             handle.remove()
-    return LayerTrace(saved=kept, inputs=inputs,
-                      layer_input_bytes=micro_batch * seq_len * hidden * dtype.itemsize, shared_bytes=shared_bytes)
+    return LayerTrace(
+        saved=kept,
+        inputs=inputs,
+        layer_input_bytes=micro_batch * seq_len * hidden * dtype.itemsize,
+        shared_bytes=shared_bytes,
+    )
 
 
-def _as_liger_keeps(saved: tuple[SavedTensor, ...], modules: dict[str, torch.nn.Module], inputs: dict[str, tuple[int, int]],
-                    outputs: dict[str, int], rows: int) -> tuple[SavedTensor, ...]:
+def _as_liger_keeps(
+    saved: tuple[SavedTensor, ...],
+    modules: dict[str, torch.nn.Module],
+    inputs: dict[str, tuple[int, int]],
+    outputs: dict[str, int],
+    rows: int,
+) -> tuple[SavedTensor, ...]:
     """What a layer keeps for backward with Liger's modules (model.kernels: liger) instead of the eager ones traced.
 
     Liger's kernels cannot run under the fake CPU tensors of the trace, so the eager trace is edited by what their
@@ -200,8 +213,11 @@ def _as_liger_keeps(saved: tuple[SavedTensor, ...], modules: dict[str, torch.nn.
     the gate and up projections, not the activation's output. (Measured on the GPU: a 7B layer kept ~90 KiB less
     per token than the eager trace, 182 KiB; these two account for 53.5 KiB of it.)"""
     norms = [name for name, module in modules.items() if name and type(module).__name__.endswith("RMSNorm")]
-    activations = {outputs[name] for name, module in modules.items()
-                   if name in outputs and type(module).__module__.startswith("transformers.activations")}
+    activations = {
+        outputs[name]
+        for name, module in modules.items()
+        if name in outputs and type(module).__module__.startswith("transformers.activations")
+    }
 
     def inside_norm(module: str) -> bool:
         return any(module == n or module.startswith(n + ".") for n in norms)
@@ -218,9 +234,9 @@ def _as_liger_keeps(saved: tuple[SavedTensor, ...], modules: dict[str, torch.nn.
 class ActivationEstimate:
     """Activation bytes of the whole decoder stack on one GPU."""
 
-    saved_bytes: int            # kept from forward for backward at the end of forward
-    backward_extra_bytes: int   # recomputed block + gradient transients at the start of backward
-    host_bytes: int             # activations offloaded to host memory by checkpoint rules
+    saved_bytes: int  # kept from forward for backward at the end of forward
+    backward_extra_bytes: int  # recomputed block + gradient transients at the start of backward
+    host_bytes: int  # activations offloaded to host memory by checkpoint rules
 
     @property
     def peak_bytes(self) -> int:
@@ -231,7 +247,9 @@ class ActivationEstimate:
 SELECTIVE_BLOCKS = ("self_attn", "mlp")
 
 
-def _rule_blocks(rules: dict[str, str], layer_prefix: str, index: int, trace: LayerTrace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _rule_blocks(
+    rules: dict[str, str], layer_prefix: str, index: int, trace: LayerTrace
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(recompute, offload) submodules of layer `index` named by checkpoint rules (globs on full module names)."""
     recompute: list[str] = []
     offload: list[str] = []
@@ -242,9 +260,11 @@ def _rule_blocks(rules: dict[str, str], layer_prefix: str, index: int, trace: La
             if fnmatch.fnmatchcase(full, pattern) and action != "save":
                 (recompute if action == "recompute" else offload).append(block)
                 break
+
     # An outer block that is recomputed covers its inner blocks.
     def outermost(blocks: list[str]) -> tuple[str, ...]:
         return tuple(b for b in blocks if not any(o != b and (o == "" or b.startswith(o + ".")) for o in blocks))
+
     return outermost(recompute), outermost(offload)
 
 
@@ -256,8 +276,16 @@ def _rule_blocks(rules: dict[str, str], layer_prefix: str, index: int, trace: La
 COMPILED_RECOMPUTE_SHARE = 0.5
 
 
-def estimate_activations(model: Model, checkpointing: Checkpointing, compute: str, micro_batch: int, seq_len: int,
-                         num_layers: int, layer_prefix: str = "model.layers", compiled: bool = False) -> ActivationEstimate:
+def estimate_activations(
+    model: Model,
+    checkpointing: Checkpointing,
+    compute: str,
+    micro_batch: int,
+    seq_len: int,
+    num_layers: int,
+    layer_prefix: str = "model.layers",
+    compiled: bool = False,
+) -> ActivationEstimate:
     """Activation bytes of `num_layers` decoder layers under a checkpoint strategy, from one traced layer.
 
     Full checkpointing keeps one input per checkpointed layer; during backward one layer is recomputed
@@ -304,5 +332,6 @@ def estimate_activations(model: Model, checkpointing: Checkpointing, compute: st
             host += host_bytes
     if compiled:
         recomputed += int(COMPILED_RECOMPUTE_SHARE * recomputed)
-    return ActivationEstimate(saved_bytes=saved + trace.shared_bytes,
-                              backward_extra_bytes=recomputed + gradient_transient, host_bytes=host)
+    return ActivationEstimate(
+        saved_bytes=saved + trace.shared_bytes, backward_extra_bytes=recomputed + gradient_transient, host_bytes=host
+    )

@@ -14,6 +14,7 @@ returned as `key.path=value` overrides. A change whose plan is *tight* (it fits 
 not at the largest one measured) ranks after every change that fits with that margin: see `advise`. The speed
 costs are rough fractions of step time, documented in docs/PLAN.md.
 """
+
 from __future__ import annotations
 
 import copy
@@ -55,10 +56,16 @@ class Advice:
         return self.plan.tight
 
     def to_json(self) -> dict:
-        return {"overrides": self.overrides, "speed_cost": self.speed_cost, "reason": self.reason,
-                "tight": self.tight, "peak_reserved_bytes": self.plan.peak_reserved_bytes,
-                "headroom_bytes": self.plan.headroom_bytes, "host_bytes": self.plan.host_bytes,
-                "nvme_bytes": self.plan.nvme_bytes}
+        return {
+            "overrides": self.overrides,
+            "speed_cost": self.speed_cost,
+            "reason": self.reason,
+            "tight": self.tight,
+            "peak_reserved_bytes": self.plan.peak_reserved_bytes,
+            "headroom_bytes": self.plan.headroom_bytes,
+            "host_bytes": self.plan.host_bytes,
+            "nvme_bytes": self.plan.nvme_bytes,
+        }
 
 
 KEEP = Option((), 0.0, "")
@@ -69,10 +76,20 @@ def _checkpointing_options(r: Recipe) -> list[Option]:
         return [KEEP]
     options = [KEEP]
     if r.checkpointing.strategy == "none":
-        options.append(Option(("checkpointing.strategy=every_n_layers", "checkpointing.every_n_layers=2"), 0.17,
-                              "recompute every second decoder layer in backward"))
-    options.append(Option(("checkpointing.strategy=every_layer",), 0.33,
-                          "recompute every decoder layer in backward (one extra forward)"))
+        options.append(
+            Option(
+                ("checkpointing.strategy=every_n_layers", "checkpointing.every_n_layers=2"),
+                0.17,
+                "recompute every second decoder layer in backward",
+            )
+        )
+    options.append(
+        Option(
+            ("checkpointing.strategy=every_layer",),
+            0.33,
+            "recompute every decoder layer in backward (one extra forward)",
+        )
+    )
     return options
 
 
@@ -81,19 +98,32 @@ def _lora_dropout_options(r: Recipe) -> list[Option]:
     if lora is None or lora.dropout == 0 or lora.lean_dropout or r.train.compile is True:
         return [KEEP]  # slower compiled (docs/BENCHMARKS.md: its autograd function is not fused); under auto it
         # turns compilation off, a trade of speed for memory that advice offers only where the recipe does not fit
-    return [KEEP, Option(("model.lora.lean_dropout=true",), 0.1,
-                         "regenerate LoRA dropout masks in backward instead of keeping the dropped inputs")]
+    return [
+        KEEP,
+        Option(
+            ("model.lora.lean_dropout=true",),
+            0.1,
+            "regenerate LoRA dropout masks in backward instead of keeping the dropped inputs",
+        ),
+    ]
 
 
 def _precision_options(r: Recipe) -> list[Option]:
     options = [KEEP]
     p = r.precision
     if not p.chunked_loss:
-        options.append(Option(("precision.chunked_loss=true",), 0.02, "compute the loss in chunks: no full fp32 logits"))
+        options.append(
+            Option(("precision.chunked_loss=true",), 0.02, "compute the loss in chunks: no full fp32 logits")
+        )
     if p.compute == "bf16" and p.master == "fp32":
         chunk = () if p.chunked_loss else ("precision.chunked_loss=true",)
-        options.append(Option(chunk + ("precision.master=bf16",), 0.03,
-                              "bf16 master weights and optimizer states (halves them; less precise updates)"))
+        options.append(
+            Option(
+                chunk + ("precision.master=bf16",),
+                0.03,
+                "bf16 master weights and optimizer states (halves them; less precise updates)",
+            )
+        )
     return options
 
 
@@ -103,9 +133,14 @@ def _micro_batch_options(r: Recipe, current: int) -> list[Option]:
     options = [KEEP]
     for size in reversed([m for m in micro_batch_candidates(r) if m < current]):
         halvings = (current // size).bit_length() - 1
-        options.append(Option((f"batch.micro_batch={size}",), 0.0,
-                              f"micro-batch {size} with more gradient accumulation (same global batch)",
-                              halvings=max(halvings, 1)))
+        options.append(
+            Option(
+                (f"batch.micro_batch={size}",),
+                0.0,
+                f"micro-batch {size} with more gradient accumulation (same global batch)",
+                halvings=max(halvings, 1),
+            )
+        )
     return options
 
 
@@ -122,11 +157,21 @@ def _offload_options(r: Recipe) -> list[Option]:
     if o.optimizer == "none":
         options.append(Option(("offload.optimizer=cpu",), 0.25, "optimizer states on the CPU (ZeRO-Offload)"))
     if o.params == "none":
-        options.append(Option(("offload.optimizer=cpu", "offload.params=cpu", "offload.zero_stage=3"), 0.6,
-                              "optimizer states and parameters on the CPU (ZeRO-3 offload)"))
+        options.append(
+            Option(
+                ("offload.optimizer=cpu", "offload.params=cpu", "offload.zero_stage=3"),
+                0.6,
+                "optimizer states and parameters on the CPU (ZeRO-3 offload)",
+            )
+        )
     if r.hardware.nvme_path and o.params != "nvme":
-        options.append(Option(("offload.optimizer=nvme", "offload.params=nvme", "offload.zero_stage=3"), 1.5,
-                              "optimizer states and parameters on NVMe (ZeRO-Infinity)"))
+        options.append(
+            Option(
+                ("offload.optimizer=nvme", "offload.params=nvme", "offload.zero_stage=3"),
+                1.5,
+                "optimizer states and parameters on NVMe (ZeRO-Infinity)",
+            )
+        )
     return options + _in_backward_options(r)
 
 
@@ -136,16 +181,35 @@ def _in_backward_options(r: Recipe) -> list[Option]:
     ZeRO-3 offload recipe at a quarter of its host memory (docs/BENCHMARKS.md); it changes the math (8-bit
     states, no clipping, every micro-batch a step: within 2 % of fp32 AdamW's validation loss in
     benchmarks/convergence.csv), so it carries a cost, as LoRA does."""
-    if (r.model.lora is not None or r.model.quant_type or r.hardware.world_size > 1 or r.precision.compute != "bf16"
-            or r.precision.mode != "cast" or r.optimizer.step_in_backward):
+    if (
+        r.model.lora is not None
+        or r.model.quant_type
+        or r.hardware.world_size > 1
+        or r.precision.compute != "bf16"
+        or r.precision.mode != "cast"
+        or r.optimizer.step_in_backward
+    ):
         return []
     b = r.batch.global_batch
-    return [Option(("optimizer.step_in_backward=true", "optimizer.name=paged_adamw_8bit", "optimizer.grad_clip=0",
-                    "offload.optimizer=none", "offload.params=none", "offload.zero_stage=0", "precision.master=bf16",
-                    f"batch.micro_batch={b}", "batch.policy=fixed"), 0.3,
-                   f"each weight updated in backward by paged 8-bit AdamW, its gradient freed (one micro-batch of "
-                   f"{b} per step, no clipping); measured faster than ZeRO offload: its cost stands for the changed "
-                   "optimizer math (benchmarks/convergence.csv)")]
+    return [
+        Option(
+            (
+                "optimizer.step_in_backward=true",
+                "optimizer.name=paged_adamw_8bit",
+                "optimizer.grad_clip=0",
+                "offload.optimizer=none",
+                "offload.params=none",
+                "offload.zero_stage=0",
+                "precision.master=bf16",
+                f"batch.micro_batch={b}",
+                "batch.policy=fixed",
+            ),
+            0.3,
+            f"each weight updated in backward by paged 8-bit AdamW, its gradient freed (one micro-batch of "
+            f"{b} per step, no clipping); measured faster than ZeRO offload: its cost stands for the changed "
+            "optimizer math (benchmarks/convergence.csv)",
+        )
+    ]
 
 
 def _host_options(r: Recipe) -> list[Option]:
@@ -159,16 +223,30 @@ def _host_options(r: Recipe) -> list[Option]:
     if o.pin_memory:
         # measured: the 7B ZeRO-3 full fine-tune ran 4,713 tokens/s pinned and 2,477 unpinned, one invocation each at
         # micro-batch 16 (benchmarks/vs_hf.csv): 1.90x the time
-        options.append(Option(("offload.pin_memory=false",), 0.9,
-                              "pageable host buffers instead of page-locked ones (no power-of-two rounding; "
-                              "slower copies)"))
+        options.append(
+            Option(
+                ("offload.pin_memory=false",),
+                0.9,
+                "pageable host buffers instead of page-locked ones (no power-of-two rounding; slower copies)",
+            )
+        )
     if o.params == "cpu":
-        options.append(Option(("offload.params=none",), 0.0,
-                              "parameters on the GPU, partitioned (only the optimizer stays on the host)"))
+        options.append(
+            Option(
+                ("offload.params=none",),
+                0.0,
+                "parameters on the GPU, partitioned (only the optimizer stays on the host)",
+            )
+        )
     if r.hardware.nvme_path and o.optimizer == "cpu":
         # DeepSpeed's optimizer swapper takes fp32 master weights only (recipe/rules.py)
-        options.append(Option(("offload.optimizer=nvme", "offload.zero_stage=3", "precision.master=fp32"), 1.0,
-                              "optimizer states on NVMe, fp32 (the host keeps gradients and swap buffers)"))
+        options.append(
+            Option(
+                ("offload.optimizer=nvme", "offload.zero_stage=3", "precision.master=fp32"),
+                1.0,
+                "optimizer states on NVMe, fp32 (the host keeps gradients and swap buffers)",
+            )
+        )
     return options
 
 
@@ -180,8 +258,14 @@ def _live_parameters_options(r: Recipe) -> list[Option]:
     # bf16 and cost the 3B recipe at micro-batch 8 about 4 % (docs/BENCHMARKS.md, two invocations)
     if r.offload.max_live_parameters <= LEAN_LIVE_PARAMETERS:
         return [KEEP]
-    return [KEEP, Option((f"offload.max_live_parameters={LEAN_LIVE_PARAMETERS}",), 0.04,
-                         "ZeRO-3 keeps fewer gathered parameters between uses (3e8)")]
+    return [
+        KEEP,
+        Option(
+            (f"offload.max_live_parameters={LEAN_LIVE_PARAMETERS}",),
+            0.04,
+            "ZeRO-3 keeps fewer gathered parameters between uses (3e8)",
+        ),
+    ]
 
 
 def _lora_options(r: Recipe) -> list[Option]:
@@ -197,9 +281,14 @@ def _quantize_options(r: Recipe) -> list[Option]:
     # Quantised weights are frozen, so they come with LoRA: a full fine-tune pays LoRA's cost as well.
     lora = () if r.model.lora is not None else ("model.lora.r=16",)
     cost = 0.3 if r.model.lora is not None else 1.3
-    return [KEEP, Option(lora + ("model.quantize.type=nf4",), cost,
-                         "4-bit nf4 base weights (QLoRA): ~0.52 instead of 2 bytes per weight, "
-                         "dequantised in every matmul")]
+    return [
+        KEEP,
+        Option(
+            lora + ("model.quantize.type=nf4",),
+            cost,
+            "4-bit nf4 base weights (QLoRA): ~0.52 instead of 2 bytes per weight, dequantised in every matmul",
+        ),
+    ]
 
 
 def _merge(r: Recipe, options: tuple[Option, ...]) -> tuple[list[str], float, str]:
@@ -237,8 +326,13 @@ def _problem_keys(loaded: LoadedRecipe, checks: Checks) -> set[tuple[str, str]]:
     return {(p.key, p.message) for p in checks(loaded)}
 
 
-def advise(loaded: LoadedRecipe, gpu: str | None = None, limit: int = 3, exact_pinned: bool = True,
-           checks: Checks = check_rules) -> list[Advice]:
+def advise(
+    loaded: LoadedRecipe,
+    gpu: str | None = None,
+    limit: int = 3,
+    exact_pinned: bool = True,
+    checks: Checks = check_rules,
+) -> list[Advice]:
     """Changes that make the recipe fit, cheapest first ([] when it already fits or nothing does).
 
     Changes whose plan is tight come after every change that fits with the margin of the largest allocator
@@ -259,8 +353,16 @@ def advise(loaded: LoadedRecipe, gpu: str | None = None, limit: int = 3, exact_p
     if current.fits:
         return []
     micro_options = [KEEP] if r.batch.micro_batch == "auto" else _micro_batch_options(r, current.micro_batch)
-    levers = [_checkpointing_options(r), _lora_dropout_options(r), _precision_options(r), micro_options,
-              _offload_options(r), _live_parameters_options(r), _lora_options(r), _quantize_options(r)]
+    levers = [
+        _checkpointing_options(r),
+        _lora_dropout_options(r),
+        _precision_options(r),
+        micro_options,
+        _offload_options(r),
+        _live_parameters_options(r),
+        _lora_options(r),
+        _quantize_options(r),
+    ]
     if not current.host_fits:
         levers.append(_host_options(r))
     candidates = []

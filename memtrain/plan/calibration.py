@@ -6,6 +6,7 @@ alive while overlapping communication, and the host process's baseline. A size s
 instead of a profile gets the defaults below. The accuracy harness (scripts/plan_accuracy.py)
 measures them on a real card; the keys are documented in docs/PLAN.md.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,19 +27,35 @@ class Calibration:
     # peak reserved = peak allocated × (1 + ratio), by what churns through the allocator
     # (memtrain.plan.planner.allocation_pattern); fitted on the H200 matrix of 2026-12-02
     allocator_slack_ratios: tuple[tuple[str, float], ...] = (
-        ("full", 0.28), ("frozen", 0.05), ("quantized", 0.15), ("zero3", 0.5))
+        ("full", 0.28),
+        ("frozen", 0.05),
+        ("quantized", 0.15),
+        ("zero3", 0.5),
+    )
     # the largest slack seen per pattern on the H200 (full: 1.1B at micro-batch 16, 0.58): the plan's
     # "tight" warning and `micro_batch: auto` use it, so a fit at the expected slack is not taken for sure
     allocator_slack_ratios_high: tuple[tuple[str, float], ...] = (
-        ("full", 0.58), ("frozen", 0.06), ("quantized", 0.16), ("zero3", 0.55))
+        ("full", 0.58),
+        ("frozen", 0.06),
+        ("quantized", 0.16),
+        ("zero3", 0.55),
+    )
     # the same with expandable segments (hardware.expandable_segments, the default), fitted on the H200
     # matrix of 2026-12-02 (benchmarks/plan_accuracy.csv): freed memory is reused whatever the sizes
     # (full 0.005-0.06, LoRA 0.02-0.03, QLoRA 0.083-0.109).
     # (ZeRO-3: its compute stream only, see below)
     expandable_slack_ratios: tuple[tuple[str, float], ...] = (
-        ("full", 0.03), ("frozen", 0.02), ("quantized", 0.09), ("zero3", 0.06))
+        ("full", 0.03),
+        ("frozen", 0.02),
+        ("quantized", 0.09),
+        ("zero3", 0.06),
+    )
     expandable_slack_ratios_high: tuple[tuple[str, float], ...] = (
-        ("full", 0.08), ("frozen", 0.04), ("quantized", 0.11), ("zero3", 0.10))
+        ("full", 0.08),
+        ("frozen", 0.04),
+        ("quantized", 0.11),
+        ("zero3", 0.10),
+    )
     expandable_init_slack_ratio: float = 0.06  # 1.1B 6.65 / 6.15 GiB, 3B 19.95 / 19.15 GiB
     # ...except across CUDA streams: ZeRO-3 gathers parameters and reduces large gradients on streams of
     # its own, whose segments keep their own high-water marks; their few large blocks leave little unused
@@ -49,9 +66,9 @@ class Calibration:
     expandable_side_stream_slack_ratio: float = 0.03
     expandable_side_stream_slack_ratio_high: float = 0.05
     expandable_zero3_min_slack_loss_tensors: float = 1.2
-    zero_bucket_factor: float = 4.5           # live reduce buckets with overlap_comm (1 without)
+    zero_bucket_factor: float = 4.5  # live reduce buckets with overlap_comm (1 without)
     host_baseline_bytes: int = int(2.2 * GiB)  # torch + DeepSpeed + tokenizer + loader, before model states
-    init_slack_ratio: float = 0.07             # reserved over allocated while deepspeed.initialize builds flat buffers
+    init_slack_ratio: float = 0.07  # reserved over allocated while deepspeed.initialize builds flat buffers
     # deepspeed.initialize under ZeRO-1/2 holds this many extra compute-dtype copies of the trainable
     # parameters beside the module (its flat buffer and the copy it is built from). The H200 anchors
     # (1.1B: 6.90 GiB, 3B: 20.1 GiB peak reserved, ZeRO-2 optimizer offload) both give 2.
@@ -87,8 +104,14 @@ def calibration(gpu: str) -> Calibration:
         try:
             return convert(raw[key]) if key in raw else default
         except (TypeError, ValueError):
-            raise UserError(Problem(f"{raw[key]!r} is not a number", key=key, file=str(path),
-                                    hint="a number (a ratio) or a size such as 0.6GiB; docs/PLAN.md lists the keys")) from None
+            raise UserError(
+                Problem(
+                    f"{raw[key]!r} is not a number",
+                    key=key,
+                    file=str(path),
+                    hint="a number (a ratio) or a size such as 0.6GiB; docs/PLAN.md lists the keys",
+                )
+            ) from None
 
     def ratios(key: str, default):
         return value(key, default, lambda raw_value: _slack_ratios(raw_value, default))
@@ -102,12 +125,15 @@ def calibration(gpu: str) -> Calibration:
         expandable_slack_ratios=ratios("expandable_slack_ratio", defaults.expandable_slack_ratios),
         expandable_slack_ratios_high=ratios("expandable_slack_ratio_high", defaults.expandable_slack_ratios_high),
         expandable_init_slack_ratio=value("expandable_init_slack_ratio", defaults.expandable_init_slack_ratio),
-        expandable_side_stream_slack_ratio=value("expandable_side_stream_slack_ratio",
-                                                 defaults.expandable_side_stream_slack_ratio),
-        expandable_side_stream_slack_ratio_high=value("expandable_side_stream_slack_ratio_high",
-                                                      defaults.expandable_side_stream_slack_ratio_high),
-        expandable_zero3_min_slack_loss_tensors=value("expandable_zero3_min_slack_loss_tensors",
-                                                      defaults.expandable_zero3_min_slack_loss_tensors),
+        expandable_side_stream_slack_ratio=value(
+            "expandable_side_stream_slack_ratio", defaults.expandable_side_stream_slack_ratio
+        ),
+        expandable_side_stream_slack_ratio_high=value(
+            "expandable_side_stream_slack_ratio_high", defaults.expandable_side_stream_slack_ratio_high
+        ),
+        expandable_zero3_min_slack_loss_tensors=value(
+            "expandable_zero3_min_slack_loss_tensors", defaults.expandable_zero3_min_slack_loss_tensors
+        ),
         zero_bucket_factor=value("zero_bucket_factor", defaults.zero_bucket_factor),
         host_baseline_bytes=value("host_baseline", defaults.host_baseline_bytes, parse_bytes),
         zero_init_flat_copies=value("zero_init_flat_copies", defaults.zero_init_flat_copies),

@@ -34,6 +34,7 @@ ZeRO-3, optimizer on NVMe:
                    sub-group in the compute dtype (the updated weights on their way to disk) and
                    buffer_count buffers of the largest tensor
 """
+
 from __future__ import annotations
 
 from memtrain.dtypes import DTYPE_BYTES
@@ -42,9 +43,20 @@ from memtrain.plan.params import ParamCounts
 from memtrain.plan.pinned import pinned_bytes
 
 
-def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str, master: str,
-                       optimizer_tier: str, params_tier: str, pin_memory: bool, exact_pinned: bool,
-                       accumulates: bool, world_size: int | None = None, ratio: float = 1.0) -> dict[str, int]:
+def offload_host_bytes(
+    counts: ParamCounts,
+    stage: int,
+    gpus: int,
+    storage: str,
+    master: str,
+    optimizer_tier: str,
+    params_tier: str,
+    pin_memory: bool,
+    exact_pinned: bool,
+    accumulates: bool,
+    world_size: int | None = None,
+    ratio: float = 1.0,
+) -> dict[str, int]:
     """Host bytes of the offloaded model states by buffer, summed over the `gpus` ranks of the machine.
 
     world_size: the ranks ZeRO partitions over, on every node (default `gpus`: one node). Each of this
@@ -55,13 +67,20 @@ def offload_host_bytes(counts: ParamCounts, stage: int, gpus: int, storage: str,
     accumulates: whether a step runs more than one micro-batch on a rank.
     ratio: ZeRO-3's partial offload (`offload.ratio`): the first sub-groups stay on the GPU.
     """
+
     def pin(size: int) -> int:
         return pinned_bytes(size, exact_pinned) if pin_memory else size
 
     world = world_size or gpus
     weight_bytes, state_bytes = DTYPE_BYTES[storage], master_bytes(storage, master)
-    out = {"params": 0, "master_weights": 0, "gradients": 0, "optimizer_states": 0, "staging_buffers": 0,
-           "pinning_copy": 0}
+    out = {
+        "params": 0,
+        "master_weights": 0,
+        "gradients": 0,
+        "optimizer_states": 0,
+        "staging_buffers": 0,
+        "pinning_copy": 0,
+    }
     if optimizer_tier == "cpu":
         n = counts.trainable // world if stage >= 1 else counts.trainable
         out["optimizer_states"] = gpus * 2 * n * state_bytes

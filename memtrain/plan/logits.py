@@ -14,6 +14,7 @@ Liger's fused linear cross-entropy (`estimate_fused_logits`, model.kernels) is p
 forward, so what it keeps for backward is the hidden states' gradient (and a trainable head's), and its
 logits exist one chunk of about tokens × hidden / vocabulary rows at a time, in the compute dtype.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,13 +28,12 @@ from memtrain.dtypes import DTYPES
 from memtrain.model.loss import soft_cap
 
 
-
 @dataclass(frozen=True)
 class LogitsEstimate:
-    tokens: int            # rows of logits alive at once (one chunk, or micro_batch × seq_len)
-    saved_bytes: int       # kept by the loss for backward (log-softmax output)
-    forward_bytes: int     # live at the end of the loss forward: logits + upcast + saved
-    backward_bytes: int    # live at the start of its backward: saved + two gradients
+    tokens: int  # rows of logits alive at once (one chunk, or micro_batch × seq_len)
+    saved_bytes: int  # kept by the loss for backward (log-softmax output)
+    forward_bytes: int  # live at the end of the loss forward: logits + upcast + saved
+    backward_bytes: int  # live at the start of its backward: saved + two gradients
     loss_tensor_bytes: int = 0  # one tokens × vocabulary tensor in the loss dtype (a gradient of the chunk)
 
     @property
@@ -42,8 +42,9 @@ class LogitsEstimate:
 
 
 @lru_cache(maxsize=256)
-def _saved_loss_bytes(hidden_size: int, vocab_size: int, compute: str, tokens: int, fp32_loss: bool,
-                      softcap: bool = False) -> int:
+def _saved_loss_bytes(
+    hidden_size: int, vocab_size: int, compute: str, tokens: int, fp32_loss: bool, softcap: bool = False
+) -> int:
     dtype = DTYPES[compute]
     saved: dict[int, int] = {}
     with FakeTensorMode():
@@ -68,8 +69,17 @@ def _saved_loss_bytes(hidden_size: int, vocab_size: int, compute: str, tokens: i
     return sum(saved.values())
 
 
-def estimate_logits(hidden_size: int, vocab_size: int, compute: str, micro_batch: int, seq_len: int,
-                    chunked: bool, chunk_tokens: int, fp32_loss: bool, softcap: bool = False) -> LogitsEstimate:
+def estimate_logits(
+    hidden_size: int,
+    vocab_size: int,
+    compute: str,
+    micro_batch: int,
+    seq_len: int,
+    chunked: bool,
+    chunk_tokens: int,
+    fp32_loss: bool,
+    softcap: bool = False,
+) -> LogitsEstimate:
     """Bytes of the logits and loss at their peak, for the full sequence or one checkpointed chunk
     (softcap: the model soft-caps its output logits before the loss, as Gemma-2 does)."""
     tokens = micro_batch * seq_len
@@ -83,8 +93,13 @@ def estimate_logits(hidden_size: int, vocab_size: int, compute: str, micro_batch
     capped = elements * loss_bytes if softcap else 0
     forward = saved + elements * compute_bytes + upcast + capped
     backward = saved + 2 * elements * loss_bytes
-    return LogitsEstimate(tokens=tokens, saved_bytes=saved, forward_bytes=forward, backward_bytes=backward,
-                          loss_tensor_bytes=elements * loss_bytes)
+    return LogitsEstimate(
+        tokens=tokens,
+        saved_bytes=saved,
+        forward_bytes=forward,
+        backward_bytes=backward,
+        loss_tensor_bytes=elements * loss_bytes,
+    )
 
 
 def fused_chunk_tokens(tokens: int, hidden_size: int, vocab_size: int) -> int:
@@ -95,8 +110,9 @@ def fused_chunk_tokens(tokens: int, hidden_size: int, vocab_size: int) -> int:
     return min(1 << (rows - 1).bit_length(), tokens)
 
 
-def estimate_fused_logits(hidden_size: int, vocab_size: int, compute: str, micro_batch: int, seq_len: int,
-                          head_trainable: bool) -> LogitsEstimate:
+def estimate_fused_logits(
+    hidden_size: int, vocab_size: int, compute: str, micro_batch: int, seq_len: int, head_trainable: bool
+) -> LogitsEstimate:
     """Bytes of Liger's fused linear cross-entropy at its peak (conservative until measured on the GPU).
 
     Kept for backward: the hidden states' gradient (tokens × hidden) and, for a trainable head, its weight's
@@ -114,7 +130,18 @@ def estimate_fused_logits(hidden_size: int, vocab_size: int, compute: str, micro
     head_gradient = vocab_size * hidden_size * compute_bytes if head_trainable else 0
     saved = tokens * hidden_size * compute_bytes + head_gradient
     fp32_product = head_gradient if head_trainable and compute == "fp32" else 0
-    forward = saved + chunk * vocab_size * compute_bytes + chunk * hidden_size * compute_bytes + tokens * 4 \
-        + tokens * hidden_size * compute_bytes + fp32_product
-    return LogitsEstimate(tokens=chunk, saved_bytes=saved, forward_bytes=forward, backward_bytes=saved,
-                          loss_tensor_bytes=chunk * vocab_size * compute_bytes)
+    forward = (
+        saved
+        + chunk * vocab_size * compute_bytes
+        + chunk * hidden_size * compute_bytes
+        + tokens * 4
+        + tokens * hidden_size * compute_bytes
+        + fp32_product
+    )
+    return LogitsEstimate(
+        tokens=chunk,
+        saved_bytes=saved,
+        forward_bytes=forward,
+        backward_bytes=saved,
+        loss_tensor_bytes=chunk * vocab_size * compute_bytes,
+    )

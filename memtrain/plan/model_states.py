@@ -3,6 +3,7 @@
 Pure arithmetic on parameter counts, the ZeRO stage and the offload tiers. Per GPU means per rank;
 host and NVMe are totals over the ranks of one machine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from memtrain.dtypes import DTYPE_BYTES
 from memtrain.plan.params import ParamCounts
 
-SUB_GROUP_ELEMENTS = 1_000_000_000   # the compiled config's sub_group_size (memtrain.ds_config.compiler)
+SUB_GROUP_ELEMENTS = 1_000_000_000  # the compiled config's sub_group_size (memtrain.ds_config.compiler)
 # With optimizer states on NVMe every swap buffer holds a whole sub-group in the master dtype: at 1e9
 # elements five of them pinned 19 GiB of host memory for a 1.1B model (measured on the H200, 34.9 GiB
 # in all), which is what the NVMe tier exists to avoid.
@@ -68,11 +69,17 @@ class StateBytes:
     def total(self, gpus: int) -> int:
         """All bytes of model states of the run, over every GPU, the host and NVMe."""
         gpu = self.gpu_params + self.gpu_gradients + self.gpu_optimizer_states
-        return gpu * gpus + self.host_params + self.host_gradients + self.host_optimizer_states \
-            + self.nvme_params + self.nvme_optimizer_states
+        return (
+            gpu * gpus
+            + self.host_params
+            + self.host_gradients
+            + self.host_optimizer_states
+            + self.nvme_params
+            + self.nvme_optimizer_states
+        )
 
 
-EIGHT_BIT_BLOCK = 256   # bitsandbytes' 8-bit optimizers: one fp32 scale per 256 values of each moment
+EIGHT_BIT_BLOCK = 256  # bitsandbytes' 8-bit optimizers: one fp32 scale per 256 values of each moment
 
 
 def master_bytes(storage: str, master: str) -> int:
@@ -94,10 +101,21 @@ def optimizer_bytes_per_param(compute: str, master: str, eight_bit: bool = False
     return master_copy + 2 * moment
 
 
-def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str, master: str,
-                       optimizer_tier: str, params_tier: str, ratio: float = 1.0,
-                       buffer_count: int = 5, eight_bit: bool = False, local_ranks: int | None = None,
-                       in_backward: bool = False, paged: bool = False) -> StateBytes:
+def place_model_states(
+    counts: ParamCounts,
+    stage: int,
+    gpus: int,
+    compute: str,
+    master: str,
+    optimizer_tier: str,
+    params_tier: str,
+    ratio: float = 1.0,
+    buffer_count: int = 5,
+    eight_bit: bool = False,
+    local_ranks: int | None = None,
+    in_backward: bool = False,
+    paged: bool = False,
+) -> StateBytes:
     """Bytes of parameters, gradients and optimizer states on each tier.
 
     gpus: the ranks ZeRO partitions over (every node's); local_ranks: those on this machine (default
@@ -163,14 +181,21 @@ def place_model_states(counts: ParamCounts, stage: int, gpus: int, compute: str,
     # them at a time), the parameters' one tensor each.
     swap = 0
     if optimizer_tier == "nvme" or nvme_params:
-        sub_group = largest_sub_group([k // gpus for k in counts.trainable_numels],
-                                      sub_group_elements(optimizer_tier, ratio))
+        sub_group = largest_sub_group(
+            [k // gpus for k in counts.trainable_numels], sub_group_elements(optimizer_tier, ratio)
+        )
         if optimizer_tier == "nvme":
             swap += max(4, buffer_count) * sub_group * grad_host_bytes * local
         if nvme_params:
             swap += (sub_group + buffer_count * counts.largest_tensor) * compute_bytes * local
     return StateBytes(
-        gpu_params=gpu_params, gpu_gradients=gpu_gradients, gpu_optimizer_states=gpu_optimizer,
-        host_params=host_params, host_gradients=host_gradients, host_optimizer_states=host_optimizer,
-        host_swap_buffers=swap, nvme_params=nvme_params, nvme_optimizer_states=nvme_optimizer,
+        gpu_params=gpu_params,
+        gpu_gradients=gpu_gradients,
+        gpu_optimizer_states=gpu_optimizer,
+        host_params=host_params,
+        host_gradients=host_gradients,
+        host_optimizer_states=host_optimizer,
+        host_swap_buffers=swap,
+        nvme_params=nvme_params,
+        nvme_optimizer_states=nvme_optimizer,
     )

@@ -1,4 +1,5 @@
 """Parameter counts of a recipe's model, by trainability, from the model built on the meta device."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,18 +18,18 @@ from memtrain.recipe.schema import ALL_LINEAR, Model
 class ParamCounts:
     """Element counts (not bytes) of the model's parameters."""
 
-    total: int            # every parameter, LoRA adapters included
-    trainable: int        # what gets gradients and optimizer states (all weights, or the LoRA adapters)
-    largest_layer: int    # one decoder layer (ZeRO-3 gathers a layer at a time)
-    largest_tensor: int   # the biggest single tensor (embedding / lm_head: ZeRO-3 gathers it whole)
+    total: int  # every parameter, LoRA adapters included
+    trainable: int  # what gets gradients and optimizer states (all weights, or the LoRA adapters)
+    largest_layer: int  # one decoder layer (ZeRO-3 gathers a layer at a time)
+    largest_tensor: int  # the biggest single tensor (embedding / lm_head: ZeRO-3 gathers it whole)
     num_layers: int
     hidden_size: int
     vocab_size: int
-    layers_name: str = "model.layers"   # dotted name of the decoder layer list (checkpoint rules match on it)
-    quantized: int = 0           # elements stored quantised (model.quantize), part of `total`
-    quantized_bytes: int = 0     # their bytes, quantisation constants included
-    trainable_numels: tuple[int, ...] = ()   # elements of each trainable tensor (per-tensor host buffers)
-    tensor_numels: tuple[int, ...] = ()      # elements of every parameter tensor of the base model
+    layers_name: str = "model.layers"  # dotted name of the decoder layer list (checkpoint rules match on it)
+    quantized: int = 0  # elements stored quantised (model.quantize), part of `total`
+    quantized_bytes: int = 0  # their bytes, quantisation constants included
+    trainable_numels: tuple[int, ...] = ()  # elements of each trainable tensor (per-tensor host buffers)
+    tensor_numels: tuple[int, ...] = ()  # elements of every parameter tensor of the base model
 
     @property
     def frozen(self) -> int:
@@ -119,6 +120,7 @@ def _quantized(module: torch.nn.Module, model: Model) -> tuple[int, int]:
     for name in quantized_linear_names(module):
         weight = modules[name].weight
         elements += weight.numel()
-        size_bytes += quantized_weight_bytes(weight.numel(), weight.shape[0], model.quant_type,
-                                             model.quantize.double_quant)
+        size_bytes += quantized_weight_bytes(
+            weight.numel(), weight.shape[0], model.quant_type, model.quantize.double_quant
+        )
     return elements, size_bytes

@@ -5,13 +5,14 @@ blocks can be reused. DeepSpeed's offload pins a few huge flat buffers once (fp3
 their gradients, a bf16 staging copy), so the rounding buys no reuse and costs up to half of them:
 a 4.4 GB buffer takes 8 GiB of page-locked RAM. Newer PyTorch has a threshold for the rounding
 (`pinned_max_round_threshold_mb`: 2.13 has it, the GPU machine's 2.11 does not); a run sets it
-(memtrain.train.allocator) so that only small pinned blocks (the data loader's batches) are rounded.
+(memtrain.train.runtime.allocator) so that only small pinned blocks (the data loader's batches) are rounded.
 """
+
 from __future__ import annotations
 
 from memtrain.units import MiB
 
-ROUND_THRESHOLD_BYTES = 1 * MiB   # pinned blocks up to this size are still rounded (cheap, reused)
+ROUND_THRESHOLD_BYTES = 1 * MiB  # pinned blocks up to this size are still rounded (cheap, reused)
 
 
 def pinned_bytes(size_bytes: int, exact: bool) -> int:

@@ -9,11 +9,13 @@ The peak is the largest of four phases, not a sum of maxima:
                  backward (ZeRO-3 per stream: the loss backward with the head's gradient copies);
   optimizer_step model states + the step's transient (fp32 gradients, or buckets copied back).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
 from memtrain.configs import allocator_budget_bytes
+from memtrain.dtypes import DTYPE_BYTES
 from memtrain.errors import Problem, RecipeError
 from memtrain.model.compiled import resolve_compile
 from memtrain.model.config import model_architecture
@@ -22,15 +24,23 @@ from memtrain.plan.activations import estimate_activations
 from memtrain.plan.calibration import Calibration, calibration
 from memtrain.plan.host import offload_host_bytes
 from memtrain.plan.logits import estimate_fused_logits, estimate_logits
-from memtrain.dtypes import DTYPE_BYTES
 from memtrain.plan.model_states import master_bytes, place_model_states
 from memtrain.plan.params import ParamCounts, count_parameters
 from memtrain.plan.quantized import with_quantized_params
 from memtrain.plan.zero import bucket_elements, grad_accum_steps
 from memtrain.recipe.schema import Checkpointing, Recipe
 
-TERMS = ("params", "gradients", "optimizer_states", "activations", "logits_loss", "deepspeed_buffers",
-         "reduce_stream", "cuda_context", "allocator_slack")
+TERMS = (
+    "params",
+    "gradients",
+    "optimizer_states",
+    "activations",
+    "logits_loss",
+    "deepspeed_buffers",
+    "reduce_stream",
+    "cuda_context",
+    "allocator_slack",
+)
 PHASES = ("init", "forward_end", "backward_start", "optimizer_step")
 
 
@@ -46,8 +56,8 @@ class Plan:
     seq_len: int
     params_total: int
     params_trainable: int
-    terms: dict[str, int]            # per GPU, steady state (see TERMS)
-    phases: dict[str, int]           # allocated bytes per GPU at each phase (see PHASES)
+    terms: dict[str, int]  # per GPU, steady state (see TERMS)
+    phases: dict[str, int]  # allocated bytes per GPU at each phase (see PHASES)
     peak_phase: str
     peak_allocated_bytes: int
     peak_reserved_bytes: int
@@ -58,12 +68,12 @@ class Plan:
     nvme_bytes: int
     nvme_breakdown: dict[str, int] = field(default_factory=dict)
     saved_for_backward: dict[str, int] = field(default_factory=dict)  # layers / head / loss, at the end of forward
-    pinned_exact: bool = True        # pinned host buffers priced at their size (False: rounded to a power of two)
+    pinned_exact: bool = True  # pinned host buffers priced at their size (False: rounded to a power of two)
     peak_reserved_high_bytes: int = 0  # the peak at the largest allocator slack measured for this kind of run
-    nodes: int = 1                   # machines with `gpus` ranks each; host and NVMe bytes are each node's
+    nodes: int = 1  # machines with `gpus` ranks each; host and NVMe bytes are each node's
     checkpointing: str = "every_layer"  # the strategy planned ('auto' shows as the first_n_layers it resolved to)
-    recomputed_layers: int = 0        # whole decoder layers recomputed in backward
-    compiled_layers: bool = False     # the decoder layers are compiled on a GPU (train.compile, auto resolved)
+    recomputed_layers: int = 0  # whole decoder layers recomputed in backward
+    compiled_layers: bool = False  # the decoder layers are compiled on a GPU (train.compile, auto resolved)
 
     @property
     def gpu_required_bytes(self) -> int:
@@ -79,8 +89,10 @@ class Plan:
     @property
     def tight(self) -> bool:
         """Fits at the expected allocator slack, but not at the largest one measured for such runs."""
-        return self.headroom_bytes >= 0 and \
-            self.peak_reserved_high_bytes + self.terms["cuda_context"] > self.gpu_capacity_bytes
+        return (
+            self.headroom_bytes >= 0
+            and self.peak_reserved_high_bytes + self.terms["cuda_context"] > self.gpu_capacity_bytes
+        )
 
     @property
     def host_fits(self) -> bool:
@@ -102,8 +114,13 @@ class Plan:
     def to_json(self) -> dict:
         """A JSON-ready dict: every field plus the verdict."""
         data = asdict(self)
-        data.update(fits=self.fits, tight=self.tight, host_fits=self.host_fits, headroom_bytes=self.headroom_bytes,
-                    gpu_required_bytes=self.gpu_required_bytes)
+        data.update(
+            fits=self.fits,
+            tight=self.tight,
+            host_fits=self.host_fits,
+            headroom_bytes=self.headroom_bytes,
+            gpu_required_bytes=self.gpu_required_bytes,
+        )
         return data
 
 
@@ -139,7 +156,7 @@ def _head_bytes(counts: ParamCounts, compute_bytes: int, tokens: int) -> int:
 # 545M-element embedding with bf16 master weights is where the chunk and the missing cast matter (priced at
 # 10 bytes per element it was over-predicted by 25.7 %: docs/BENCHMARKS.md).
 NORM_CHUNK_ELEMENTS = 250_000_000
-NORM_BYTES = 8   # fp64 on CUDA (deepspeed.runtime.zero.utils.get_norm_dtype)
+NORM_BYTES = 8  # fp64 on CUDA (deepspeed.runtime.zero.utils.get_norm_dtype)
 
 
 def large_gradient_bytes(recipe: Recipe, counts: ParamCounts, reduce_elements: int) -> int:
@@ -158,8 +175,8 @@ def large_gradient_bytes(recipe: Recipe, counts: ParamCounts, reduce_elements: i
 class ZeroBuffers:
     """DeepSpeed's GPU buffers, by the CUDA stream that holds them."""
 
-    reduce_bytes: int = 0          # reduce buckets, several alive with overlap_comm (compute stream)
-    gathered_bytes: int = 0        # ZeRO-3: gathered parameters still resident (its all-gather stream)
+    reduce_bytes: int = 0  # reduce buckets, several alive with overlap_comm (compute stream)
+    gathered_bytes: int = 0  # ZeRO-3: gathered parameters still resident (its all-gather stream)
     large_gradient_bytes: int = 0  # ZeRO-3, optimizer offloaded: see large_gradient_bytes (its reduce stream)
 
     @property
@@ -209,18 +226,26 @@ def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) 
         # so up to that many plus the layer being gathered stay on the GPU (measured on the H200:
         # 7B and 3B ZeRO-3 held 1.9 and 1.5 GiB more than one layer + one prefetch bucket).
         live = max(min(recipe.offload.max_live_parameters + counts.largest_layer, counts.total), counts.largest_tensor)
-    return ZeroBuffers(reduce_bytes=reduce_bytes, gathered_bytes=live * compute_bytes,
-                       large_gradient_bytes=large_gradient_bytes(recipe, counts, reduce))
+    return ZeroBuffers(
+        reduce_bytes=reduce_bytes,
+        gathered_bytes=live * compute_bytes,
+        large_gradient_bytes=large_gradient_bytes(recipe, counts, reduce),
+    )
 
 
-def plan_recipe(recipe: Recipe, gpu: str | None = None, micro_batch: int | None = None,
-                exact_pinned: bool = True, name: str = "recipe") -> Plan:
+def plan_recipe(
+    recipe: Recipe,
+    gpu: str | None = None,
+    micro_batch: int | None = None,
+    exact_pinned: bool = True,
+    name: str = "recipe",
+) -> Plan:
     """Predict the memory of a recipe on `gpu` (default: hardware.gpu) at `micro_batch`
     (default: the recipe's, with 'auto' resolved to the largest that fits). Pure: reads the recipe,
     memtrain's shipped profiles and the model's shapes (on the meta device), changes nothing.
 
     exact_pinned: whether pinned host buffers take their real size, as PyTorch >= 2.13 allocates them
-    under the rounding threshold a run sets (memtrain.train.allocator); False prices PyTorch's
+    under the rounding threshold a run sets (memtrain.train.runtime.allocator); False prices PyTorch's
     power-of-two rounding, as older versions do. The run and `memtrain plan` pass what this PyTorch does.
     name: the recipe's name, for the plan's title.
     Raises RecipeError naming the key (not the file: the caller's Sources.locate adds file:line).
@@ -229,11 +254,19 @@ def plan_recipe(recipe: Recipe, gpu: str | None = None, micro_batch: int | None 
     try:
         cal = calibration(gpu)
     except ValueError:
-        raise RecipeError(Problem(f"'{gpu}' is neither a GPU profile nor a size", key="hardware.gpu",
-                                  hint="give a profile in configs/gpus or a size such as '24GiB'")) from None
+        raise RecipeError(
+            Problem(
+                f"'{gpu}' is neither a GPU profile nor a size",
+                key="hardware.gpu",
+                hint="give a profile in configs/gpus or a size such as '24GiB'",
+            )
+        ) from None
     if micro_batch is None:
-        micro_batch = recipe.batch.micro_batch if recipe.batch.micro_batch != "auto" else \
-            resolve_micro_batch(recipe, gpu, exact_pinned)
+        micro_batch = (
+            recipe.batch.micro_batch
+            if recipe.batch.micro_batch != "auto"
+            else resolve_micro_batch(recipe, gpu, exact_pinned)
+        )
     counts = _counts(recipe)
     if recipe.checkpointing.strategy != "auto":
         return _plan(name, recipe, counts, cal, micro_batch, exact_pinned)
@@ -245,14 +278,16 @@ def _with_first_n_layers(recipe: Recipe, layers: int) -> Recipe:
     return recipe.model_copy(update={"checkpointing": checkpointing})
 
 
-def _fewest_recomputed_layers(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration,
-                              micro_batch: int, exact_pinned: bool) -> Plan:
+def _fewest_recomputed_layers(
+    name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micro_batch: int, exact_pinned: bool
+) -> Plan:
     """The plan of checkpointing 'auto': recompute the fewest decoder layers, from the first, whose plan
     fits without being tight. Memory falls as layers are added up to all but the last, so the search
     is a bisection there. The last layer is recomputed as soon as backward starts; that saves memory
     only when the loss's backward, which comes first, is larger than the layer (a large vocabulary,
     unchunked loss), so every layer is the answer only when it plans lower than all but the last,
     which does not fit comfortably."""
+
     def plan_at(layers: int) -> Plan:
         return _plan(name, _with_first_n_layers(recipe, layers), counts, cal, micro_batch, exact_pinned)
 
@@ -272,8 +307,9 @@ def _fewest_recomputed_layers(name: str, recipe: Recipe, counts: ParamCounts, ca
     return best
 
 
-def resolve_checkpointing(recipe: Recipe, micro_batch: int, gpu: str | None = None,
-                          exact_pinned: bool = True) -> Recipe:
+def resolve_checkpointing(
+    recipe: Recipe, micro_batch: int, gpu: str | None = None, exact_pinned: bool = True
+) -> Recipe:
     """The recipe with checkpointing 'auto' made concrete (first_n_layers) at this micro-batch."""
     if recipe.checkpointing.strategy != "auto":
         return recipe
@@ -285,35 +321,73 @@ def _counts(recipe: Recipe) -> ParamCounts:
     try:
         return count_parameters(recipe.model)
     except (OSError, ValueError, KeyError) as error:
-        raise RecipeError(Problem(f"cannot build the model from the recipe: {error}", key="model",
-                                  hint="check model.preset or model.path")) from None
+        raise RecipeError(
+            Problem(
+                f"cannot build the model from the recipe: {error}", key="model", hint="check model.preset or model.path"
+            )
+        ) from None
 
 
-def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micro_batch: int,
-          exact_pinned: bool) -> Plan:
+def _plan(
+    name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micro_batch: int, exact_pinned: bool
+) -> Plan:
     p, o, hw = recipe.precision, recipe.offload, recipe.hardware
     seq_len = recipe.data.seq_len
     compute_bytes = DTYPE_BYTES[p.compute]
     stage = o.stage
     # ZeRO partitions over every rank of every node; host and NVMe hold this node's `hw.gpus` ranks
-    states = place_model_states(counts, stage, hw.world_size, p.storage, p.master, o.optimizer, o.params, o.ratio,
-                                o.buffer_count, eight_bit=recipe.optimizer.eight_bit, local_ranks=hw.gpus,
-                                in_backward=recipe.optimizer.step_in_backward, paged=recipe.optimizer.paged)
+    states = place_model_states(
+        counts,
+        stage,
+        hw.world_size,
+        p.storage,
+        p.master,
+        o.optimizer,
+        o.params,
+        o.ratio,
+        o.buffer_count,
+        eight_bit=recipe.optimizer.eight_bit,
+        local_ranks=hw.gpus,
+        in_backward=recipe.optimizer.step_in_backward,
+        paged=recipe.optimizer.paged,
+    )
     states = with_quantized_params(states, counts, DTYPE_BYTES[p.storage])
     # with model.kernels resolved to liger the trace is edited by what Liger's RMSNorm and SwiGLU keep (activations.py)
     # compiled layers as the run would build them on a CUDA GPU (train.compile auto resolved for the plan's card)
     compiled = resolve_compile(recipe, cuda=True)
-    acts = estimate_activations(recipe.model, recipe.checkpointing, p.compute, micro_batch, seq_len, counts.num_layers,
-                                counts.layers_name, compiled=compiled)
+    acts = estimate_activations(
+        recipe.model,
+        recipe.checkpointing,
+        p.compute,
+        micro_batch,
+        seq_len,
+        counts.num_layers,
+        counts.layers_name,
+        compiled=compiled,
+    )
     tokens = micro_batch * seq_len
     head = _head_bytes(counts, compute_bytes, tokens) + packed_attention_mask_bytes(recipe, micro_batch)
     if uses_fused_loss(recipe.model, p, stage):  # Liger's fused linear cross-entropy (model.kernels resolved to liger)
-        logits = estimate_fused_logits(counts.hidden_size, counts.vocab_size, p.compute, micro_batch, seq_len,
-                                       head_trainable=recipe.model.lora is None)
+        logits = estimate_fused_logits(
+            counts.hidden_size,
+            counts.vocab_size,
+            p.compute,
+            micro_batch,
+            seq_len,
+            head_trainable=recipe.model.lora is None,
+        )
     else:
-        logits = estimate_logits(counts.hidden_size, counts.vocab_size, p.compute, micro_batch, seq_len,
-                                 p.chunked_loss, p.loss_chunk_tokens, p.fp32_loss,
-                                 softcap=model_architecture(recipe.model).logit_softcap is not None)
+        logits = estimate_logits(
+            counts.hidden_size,
+            counts.vocab_size,
+            p.compute,
+            micro_batch,
+            seq_len,
+            p.chunked_loss,
+            p.loss_chunk_tokens,
+            p.fp32_loss,
+            softcap=model_architecture(recipe.model).logit_softcap is not None,
+        )
     buffers = _buffers(recipe, counts, stage, cal)
     model_states = states.gpu_params + states.gpu_gradients + states.gpu_optimizer_states
 
@@ -334,8 +408,10 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
         # in a recomputed layer's backward, beside that layer's gradients. What was live at the training peak
         # (benchmarks/segments/peaks-*.json, 1.1B at micro-batch 2 and 4): the saved layer inputs, the head's
         # gradient twice (DeepSpeed's linear backward and partition_grads) and the reduce stream's copies.
-        backward_extra = max(logits.backward_bytes + 2 * counts.largest_tensor * compute_bytes,
-                             acts.backward_extra_bytes + counts.largest_layer * compute_bytes)
+        backward_extra = max(
+            logits.backward_bytes + 2 * counts.largest_tensor * compute_bytes,
+            acts.backward_extra_bytes + counts.largest_layer * compute_bytes,
+        )
     elif stage == 3:
         # caching allocator: the measured peaks match the sum (the max would be 4-7 % under on the H200);
         # parameters gathered for the first layers of backward are alive during the loss's backward there
@@ -353,8 +429,12 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
     else:
         step_transient = buffers.resident_bytes
     optimizer_step = model_states + step_transient
-    phases = {"init": init, "forward_end": forward_end, "backward_start": backward_start,
-              "optimizer_step": optimizer_step}
+    phases = {
+        "init": init,
+        "forward_end": forward_end,
+        "backward_start": backward_start,
+        "optimizer_step": optimizer_step,
+    }
     pattern = allocation_pattern(recipe, stage)
     expandable = hw.expandable_segments
     init_slack = cal.init_slack(expandable)
@@ -365,14 +445,25 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
     # The compute stream's own slack is at least about one loss-sized tensor: the loss allocates and frees
     # tokens × vocabulary fp32 tensors between the layers' blocks.
     min_slack = int(cal.expandable_zero3_min_slack_loss_tensors * logits.loss_tensor_bytes)
-    side = SideStreams(buffers.gathered_bytes, buffers.side_stream_bytes, min_slack) \
-        if stage == 3 and expandable and not whole_on_one_gpu(recipe) else SideStreams()
-    reserved = _reserved(phases, init_slack, cal.slack_ratio(pattern, expandable), side,
-                         cal.expandable_side_stream_slack_ratio)
+    side = (
+        SideStreams(buffers.gathered_bytes, buffers.side_stream_bytes, min_slack)
+        if stage == 3 and expandable and not whole_on_one_gpu(recipe)
+        else SideStreams()
+    )
+    reserved = _reserved(
+        phases, init_slack, cal.slack_ratio(pattern, expandable), side, cal.expandable_side_stream_slack_ratio
+    )
     peak_phase = max(PHASES, key=lambda name: reserved[name])
     peak_allocated, peak_reserved = phases[peak_phase], reserved[peak_phase]
-    peak_reserved_high = max(_reserved(phases, init_slack, cal.slack_ratio_high(pattern, expandable), side,
-                                       cal.expandable_side_stream_slack_ratio_high).values())
+    peak_reserved_high = max(
+        _reserved(
+            phases,
+            init_slack,
+            cal.slack_ratio_high(pattern, expandable),
+            side,
+            cal.expandable_side_stream_slack_ratio_high,
+        ).values()
+    )
     reduce_stream = buffers.large_gradient_bytes if side.peak_bytes else 0
     terms = {
         "params": states.gpu_params,
@@ -389,8 +480,20 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
     accumulates = grad_accum_steps(recipe.batch.global_batch, micro_batch, hw.world_size) > 1
     host_breakdown = {
         "baseline": cal.host_baseline_bytes * hw.gpus,
-        **offload_host_bytes(counts, stage, hw.gpus, p.storage, p.master, o.optimizer, o.params,
-                             o.pin_memory, exact_pinned, accumulates, world_size=hw.world_size, ratio=o.ratio),
+        **offload_host_bytes(
+            counts,
+            stage,
+            hw.gpus,
+            p.storage,
+            p.master,
+            o.optimizer,
+            o.params,
+            o.pin_memory,
+            exact_pinned,
+            accumulates,
+            world_size=hw.world_size,
+            ratio=o.ratio,
+        ),
         "swap_buffers": states.host_swap_buffers,
         # bitsandbytes' paged states (CUDA unified memory): priced where they go when the card is full
         "paged_optimizer_states": states.host_optimizer_states if o.optimizer == "none" else 0,
@@ -400,17 +503,31 @@ def _plan(name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micr
     }
     nvme_breakdown = {"params": states.nvme_params, "optimizer_states": states.nvme_optimizer_states}
     return Plan(
-        recipe_name=name, gpu_name=cal.name, gpus=hw.gpus, nodes=hw.nodes, zero_stage=stage, micro_batch=micro_batch,
-        seq_len=seq_len, params_total=counts.total, params_trainable=counts.trainable, terms=terms,
-        phases=phases, peak_phase=peak_phase, peak_allocated_bytes=peak_allocated,
-        peak_reserved_bytes=peak_reserved, gpu_capacity_bytes=cal.capacity_bytes,
-        host_bytes=sum(host_breakdown.values()), host_breakdown=host_breakdown,
-        host_capacity_bytes=recipe.hardware.host_memory, nvme_bytes=sum(nvme_breakdown.values()),
+        recipe_name=name,
+        gpu_name=cal.name,
+        gpus=hw.gpus,
+        nodes=hw.nodes,
+        zero_stage=stage,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        params_total=counts.total,
+        params_trainable=counts.trainable,
+        terms=terms,
+        phases=phases,
+        peak_phase=peak_phase,
+        peak_allocated_bytes=peak_allocated,
+        peak_reserved_bytes=peak_reserved,
+        gpu_capacity_bytes=cal.capacity_bytes,
+        host_bytes=sum(host_breakdown.values()),
+        host_breakdown=host_breakdown,
+        host_capacity_bytes=recipe.hardware.host_memory,
+        nvme_bytes=sum(nvme_breakdown.values()),
         nvme_breakdown=nvme_breakdown,
         saved_for_backward={"layers": acts.saved_bytes, "head": head, "loss": logits.saved_bytes},
-        pinned_exact=exact_pinned, peak_reserved_high_bytes=peak_reserved_high,
-        checkpointing=describe_checkpointing(recipe.checkpointing), recomputed_layers=recomputed_layers(recipe.checkpointing,
-                                                                                          counts.num_layers),
+        pinned_exact=exact_pinned,
+        peak_reserved_high_bytes=peak_reserved_high,
+        checkpointing=describe_checkpointing(recipe.checkpointing),
+        recomputed_layers=recomputed_layers(recipe.checkpointing, counts.num_layers),
         compiled_layers=compiled,
     )
 
@@ -440,22 +557,27 @@ class SideStreams:
     """ZeRO-3's bytes on CUDA streams beside the compute stream (with expandable segments)."""
 
     resident_bytes: int = 0  # what every training phase's allocated bytes hold there (gathered parameters)
-    peak_bytes: int = 0      # their segments' high-water mark (gathered parameters + the large gradient's copies)
+    peak_bytes: int = 0  # their segments' high-water mark (gathered parameters + the large gradient's copies)
     min_compute_slack_bytes: int = 0  # the compute stream's unused reserved bytes beside them, at least
 
 
-def _reserved(phases: dict[str, int], init_ratio: float, ratio: float, side: SideStreams = SideStreams(),
-              side_ratio: float = 0.0) -> dict[str, int]:
+def _reserved(
+    phases: dict[str, int], init_ratio: float, ratio: float, side: SideStreams = SideStreams(), side_ratio: float = 0.0
+) -> dict[str, int]:
     """Reserved bytes of each phase: the compute stream's allocated bytes plus the allocator's slack at that
     phase (a share of them, at least side.min_compute_slack_bytes), plus the side streams' high-water mark
     with its own, smaller slack."""
+
     def compute_stream(allocated: int) -> int:
         compute = allocated - side.resident_bytes
         return compute + max(int(compute * ratio), side.min_compute_slack_bytes)
 
-    return {name: int(allocated * (1 + init_ratio)) if name == "init" else
-            compute_stream(allocated) + int(side.peak_bytes * (1 + side_ratio))
-            for name, allocated in phases.items()}
+    return {
+        name: int(allocated * (1 + init_ratio))
+        if name == "init"
+        else compute_stream(allocated) + int(side.peak_bytes * (1 + side_ratio))
+        for name, allocated in phases.items()
+    }
 
 
 def allocation_pattern(recipe: Recipe, stage: int) -> str:
@@ -495,4 +617,3 @@ def resolve_micro_batch(recipe: Recipe, gpu: str | None = None, exact_pinned: bo
             break
         best = candidate
     return best
-

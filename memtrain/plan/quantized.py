@@ -10,13 +10,14 @@ int8 (LLM.int8): one int8 per weight and one fp32 scale per output row.
 
 Pure arithmetic, checked against the real tensors of a quantised model in tests/model/test_qlora.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 
-BLOCK_4BIT = 64          # bitsandbytes' default 4-bit blocksize (Params4bit / BitsAndBytesConfig)
-BLOCK_NESTED = 256       # blocksize of the second level under double quantisation
+BLOCK_4BIT = 64  # bitsandbytes' default 4-bit blocksize (Params4bit / BitsAndBytesConfig)
+BLOCK_NESTED = 256  # blocksize of the second level under double quantisation
 FP32_BYTES = 4
 CODE_4BIT_BYTES = 16 * FP32_BYTES
 CODE_NESTED_BYTES = 256 * FP32_BYTES

@@ -3,6 +3,7 @@
 The bucket rule is the one HF's "auto" uses: hidden² elements for reduce / all-gather buckets and
 0.9·hidden² for ZeRO-3's prefetch bucket, unless the recipe names a size.
 """
+
 from __future__ import annotations
 
 import math

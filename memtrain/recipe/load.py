@@ -5,6 +5,7 @@ keys, bad overrides, field errors (types, ranges, unknown keys) and the cross-fi
 sections that did validate. Only a file that cannot be parsed at all stops the reading early.
 Nothing here prints.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,13 +30,18 @@ def _yaml_syntax_problem(err: yaml.YAMLError, file: str) -> Problem:
     line = mark.line + 1 if mark else None
     what = getattr(err, "problem", None) or str(err).splitlines()[0]
     if "'\\t'" in what or "\t" in what:
-        return Problem("YAML syntax error: a tab character", file=file, line=line,
-                       hint="YAML indents with spaces; replace the tabs with spaces")
+        return Problem(
+            "YAML syntax error: a tab character",
+            file=file,
+            line=line,
+            hint="YAML indents with spaces; replace the tabs with spaces",
+        )
     context = getattr(err, "context", None)
     if context:
         what = f"{what} ({context})"
-    return Problem(f"YAML syntax error: {what}", file=file, line=line,
-                   hint="fix the indentation, colons or quoting at that line")
+    return Problem(
+        f"YAML syntax error: {what}", file=file, line=line, hint="fix the indentation, colons or quoting at that line"
+    )
 
 
 # A recipe names a value once or twice more with an alias (`lr: &lr 3e-4` ... `*lr`); more than this is not a
@@ -58,8 +64,10 @@ class _BoundedLoader(yaml.SafeLoader):
             event = self.peek_event()
             self.aliases_seen += 1
             if event.anchor in self.open_anchors:
-                raise _AliasProblem("an alias refers to the value that contains it (*{} inside &{})".format(
-                    event.anchor, event.anchor), event.start_mark)
+                raise _AliasProblem(
+                    "an alias refers to the value that contains it (*{} inside &{})".format(event.anchor, event.anchor),
+                    event.start_mark,
+                )
             if self.aliases_seen > MAX_ALIASES:
                 raise _AliasProblem(f"more than {MAX_ALIASES} YAML aliases", event.start_mark)
             return super().compose_node(parent, index)
@@ -84,8 +92,13 @@ def _expanded_size(node, sizes: dict[int, int]) -> int:
     if id(node) in sizes:
         return sizes[id(node)]
     sizes[id(node)] = 1  # a cycle would count as 1; cycles are refused while composing
-    children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
-        node.value if isinstance(node, yaml.SequenceNode) else []
+    children = (
+        [n for pair in node.value for n in pair]
+        if isinstance(node, yaml.MappingNode)
+        else node.value
+        if isinstance(node, yaml.SequenceNode)
+        else []
+    )
     size = 1 + sum(_expanded_size(child, sizes) for child in children)
     sizes[id(node)] = size
     return size
@@ -98,24 +111,42 @@ def _parse_yaml(text: str, file: str) -> tuple[dict, Sources, list[Problem]]:
         try:
             node = loader.get_single_node()
             if node is not None and _expanded_size(node, {}) > MAX_EXPANDED_NODES:
-                raise _AliasProblem(f"the YAML's aliases expand to more than {MAX_EXPANDED_NODES:,} values",
-                                    node.start_mark)
+                raise _AliasProblem(
+                    f"the YAML's aliases expand to more than {MAX_EXPANDED_NODES:,} values", node.start_mark
+                )
             data = loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
     except _AliasProblem as err:
-        raise RecipeError(Problem(f"{err.message}: not a recipe", file=file, line=err.line,
-                                  hint="write the values out, or use a few aliases for repeated values")) from None
+        raise RecipeError(
+            Problem(
+                f"{err.message}: not a recipe",
+                file=file,
+                line=err.line,
+                hint="write the values out, or use a few aliases for repeated values",
+            )
+        ) from None
     except yaml.YAMLError as err:
         raise RecipeError(_yaml_syntax_problem(err, file)) from None
     except RecursionError:
-        raise RecipeError(Problem("the YAML is nested too deeply to be a recipe", file=file,
-                                  hint="a recipe has at most three levels of sections")) from None
+        raise RecipeError(
+            Problem(
+                "the YAML is nested too deeply to be a recipe",
+                file=file,
+                hint="a recipe has at most three levels of sections",
+            )
+        ) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise RecipeError(Problem("a recipe must be a mapping of sections (model:, data:, ...)", file=file, line=1,
-                                  hint="start each section at the beginning of a line, e.g. 'model:'"))
+        raise RecipeError(
+            Problem(
+                "a recipe must be a mapping of sections (model:, data:, ...)",
+                file=file,
+                line=1,
+                hint="start each section at the beginning of a line, e.g. 'model:'",
+            )
+        )
     sources = Sources(recipe_file=file)
     problems: list[Problem] = []
     _record_positions(node, (), file, sources, problems)
@@ -129,8 +160,15 @@ def _record_positions(node, path: KeyPath, file: str, sources: Sources, problems
             key = str(key_node.value)
             line = key_node.start_mark.line + 1
             if key in seen:
-                problems.append(Problem(f"key '{key}' appears twice in this section", key=".".join(path + (key,)),
-                                        file=file, line=line, hint="keep one of them (the last one wins in YAML)"))
+                problems.append(
+                    Problem(
+                        f"key '{key}' appears twice in this section",
+                        key=".".join(path + (key,)),
+                        file=file,
+                        line=line,
+                        hint="keep one of them (the last one wins in YAML)",
+                    )
+                )
             seen.add(key)
             sources.origin[path + (key,)] = (file, line)
             _record_positions(value_node, path + (key,), file, sources, problems)
@@ -182,19 +220,28 @@ def _read_with_extends(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, 
     if parent is None:
         return data, sources, problems
     if not isinstance(parent, str) or not parent:
-        problems.append(sources.problem(("extends",), "must be the path of another recipe file",
-                                        "for example extends: base.yaml"))
+        problems.append(
+            sources.problem(("extends",), "must be the path of another recipe file", "for example extends: base.yaml")
+        )
         return data, sources, problems
     base_path = Path(parent) if Path(parent).is_absolute() else path.parent / parent
     if not base_path.is_file():
-        problems.append(sources.problem(("extends",), f"extended recipe '{base_path}' does not exist",
-                                        "paths in extends are relative to the recipe that names them"))
+        problems.append(
+            sources.problem(
+                ("extends",),
+                f"extended recipe '{base_path}' does not exist",
+                "paths in extends are relative to the recipe that names them",
+            )
+        )
         return data, sources, problems
     chain = chain + (path.resolve(),)
     if base_path.resolve() in chain:
         cycle = " -> ".join(p.name for p in chain + (base_path.resolve(),))
-        problems.append(sources.problem(("extends",), f"recipes extend each other in a cycle: {cycle}",
-                                        "remove 'extends' from one of them"))
+        problems.append(
+            sources.problem(
+                ("extends",), f"recipes extend each other in a cycle: {cycle}", "remove 'extends' from one of them"
+            )
+        )
         return data, sources, problems
     base_data, base_sources, base_problems = _read_with_extends(base_path, chain)
     return _deep_merge(base_data, data), _merge_sources(base_sources, sources, data), base_problems + problems
@@ -228,8 +275,13 @@ def input_paths(data: dict) -> Iterator[tuple[dict, str, KeyPath]]:
 
 def is_relative_path(value) -> bool:
     """A path spec that depends on the directory it is read from (not builtin:, absolute or ~)."""
-    return (isinstance(value, str) and bool(value) and not value.startswith(BUILTIN_PREFIX)
-            and not value.startswith("~") and not os.path.isabs(value))
+    return (
+        isinstance(value, str)
+        and bool(value)
+        and not value.startswith(BUILTIN_PREFIX)
+        and not value.startswith("~")
+        and not os.path.isabs(value)
+    )
 
 
 def resolve_input_paths(data: dict, sources: Sources) -> None:
@@ -271,8 +323,13 @@ def apply_overrides(data: dict, overrides: list[str], sources: Sources) -> tuple
         key = key.strip()
         parts = key.split(".")
         if not sep or not key or not all(parts):
-            problems.append(Problem(f"override '{item}' is not of the form key.path=value", file=COMMAND_LINE,
-                                    hint="for example batch.micro_batch=2"))
+            problems.append(
+                Problem(
+                    f"override '{item}' is not of the form key.path=value",
+                    file=COMMAND_LINE,
+                    hint="for example batch.micro_batch=2",
+                )
+            )
             continue
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
@@ -292,13 +349,20 @@ def _set(data: dict, key: str, value: object, sources: Sources) -> Problem | Non
         prefix = ".".join(parts[:depth])
         if isinstance(node, list):  # a list's item by its index: data.train.0.path=...
             if not (part.isdigit() and int(part) < len(node)):
-                return Problem(f"cannot set '{key}': '{prefix}' is a list of {len(node)}, and '{part}' is not one of "
-                               "its indexes", key=key, file=COMMAND_LINE,
-                               hint=f"use an index from 0 to {len(node) - 1}" if node else f"set {prefix}=[...] instead")
+                return Problem(
+                    f"cannot set '{key}': '{prefix}' is a list of {len(node)}, and '{part}' is not one of its indexes",
+                    key=key,
+                    file=COMMAND_LINE,
+                    hint=f"use an index from 0 to {len(node) - 1}" if node else f"set {prefix}=[...] instead",
+                )
             part = int(part)
         elif not isinstance(node, dict):
-            return Problem(f"cannot set '{key}': '{prefix}' is a value, not a section", key=key, file=COMMAND_LINE,
-                           hint=f"set {prefix}=... instead")
+            return Problem(
+                f"cannot set '{key}': '{prefix}' is a value, not a section",
+                key=key,
+                file=COMMAND_LINE,
+                hint=f"set {prefix}=... instead",
+            )
         if depth == len(parts) - 1:
             node[part] = value
             sources.forget_below(tuple(parts))
@@ -370,8 +434,14 @@ def validate(data: dict, sources: Sources) -> Recipe:
 MoreChecks = Callable[[LoadedRecipe, set[str]], list[Problem]]
 
 
-def _finish(data: dict, sources: Sources, problems: list[Problem], path: Path | None, check: bool,
-            more_checks: MoreChecks | None) -> LoadedRecipe:
+def _finish(
+    data: dict,
+    sources: Sources,
+    problems: list[Problem],
+    path: Path | None,
+    check: bool,
+    more_checks: MoreChecks | None,
+) -> LoadedRecipe:
     recipe, field_problems, bad_sections = validate_sections(data, sources)
     problems = problems + field_problems
     loaded = LoadedRecipe(recipe=recipe, sources=sources, path=path)
@@ -390,8 +460,9 @@ def _reading_order(problem: Problem, recipe_file: str) -> tuple:
     return rank, problem.file, problem.line is None, problem.line or 0
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None, check: bool = True,
-                more_checks: MoreChecks | None = None) -> LoadedRecipe:
+def load_recipe(
+    path: str | Path, overrides: list[str] | None = None, check: bool = True, more_checks: MoreChecks | None = None
+) -> LoadedRecipe:
     """Read, merge (`extends:`), override, validate and cross-check a recipe file (`check`: the rules
     between its fields; `more_checks`: what a layer above adds, see memtrain.checks.load_checked).
 
@@ -408,13 +479,21 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, check: boo
     return _finish(data, sources, problems + override_problems, path, check, more_checks)
 
 
-def load_recipe_text(text: str, file: str = "<recipe>", overrides: list[str] | None = None,
-                     check: bool = True, more_checks: MoreChecks | None = None) -> LoadedRecipe:
+def load_recipe_text(
+    text: str,
+    file: str = "<recipe>",
+    overrides: list[str] | None = None,
+    check: bool = True,
+    more_checks: MoreChecks | None = None,
+) -> LoadedRecipe:
     """Validate recipe text held in memory (tests, tools); like load_recipe without `extends:`."""
     data, sources, problems = _parse_yaml(text, file)
     if "extends" in data:
-        problems.append(sources.problem(("extends",), "extends needs a recipe file, not text",
-                                        "save the recipe to a file and use load_recipe"))
+        problems.append(
+            sources.problem(
+                ("extends",), "extends needs a recipe file, not text", "save the recipe to a file and use load_recipe"
+            )
+        )
         del data["extends"]
     data, override_problems = apply_overrides(data, list(overrides or []), sources)
     return _finish(data, sources, problems + override_problems, None, check, more_checks)

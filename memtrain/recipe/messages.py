@@ -3,6 +3,7 @@
 "Input should be greater than or equal to 1" becomes "must be at least 1, got 0"; unknown keys get a
 did-you-mean from the keys the section knows; a union such as `int | 'auto'` reads as one sentence.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -137,8 +138,9 @@ _PHRASES = {
     "bool_type": lambda c: "must be true or false",
     "bool_parsing": lambda c: "must be true or false",
     "string_type": lambda c: "must be text",
-    "literal_error": lambda c: f"must be {'one of ' if ',' in c['expected'] or ' or ' in c['expected'] else ''}"
-                               f"{c['expected']}",
+    "literal_error": lambda c: (
+        f"must be {'one of ' if ',' in c['expected'] or ' or ' in c['expected'] else ''}{c['expected']}"
+    ),
     "model_type": lambda c: "must be a section of keys",
     "model_attributes_type": lambda c: "must be a section of keys",
     "dict_type": lambda c: "must be a mapping of keys to values",
@@ -170,8 +172,15 @@ def _as_tuple_length(error: dict, path: KeyPath) -> tuple[dict, KeyPath]:
     elif kind not in ("too_long", "too_short", "tuple_type", "list_type") or not _fixed_tuple(_annotation_at(path)):
         return error, path
     members = [_bare(a) for a in _fixed_tuple(_annotation_at(path))]
-    items = "numbers" if all(m in (int, float) for m in members) and float in members else \
-        "whole numbers" if all(m is int for m in members) else "texts" if all(m is str for m in members) else "values"
+    items = (
+        "numbers"
+        if all(m in (int, float) for m in members) and float in members
+        else "whole numbers"
+        if all(m is int for m in members)
+        else "texts"
+        if all(m is str for m in members)
+        else "values"
+    )
     return {"type": "tuple_length", "ctx": {"length": len(members), "items": items}, "input": error.get("input")}, path
 
 
@@ -188,20 +197,39 @@ def _shown(value: Any) -> str:
 # What users of HF TrainingArguments, Axolotl and LLaMA-Factory write, and memtrain's key for it (audit 21:
 # optimizer.learning_rate was answered with the list of the section's keys).
 FAMILIAR_KEYS = {
-    "learning_rate": "optimizer.lr", "max_grad_norm": "optimizer.grad_clip",
-    "lr_scheduler_type": "schedule.decay", "lr_scheduler": "schedule.decay", "warmup_steps": "schedule.warmup_steps",
-    "max_steps": "train.steps", "num_train_epochs": "train.epochs", "num_epochs": "train.epochs",
-    "save_steps": "train.save_every", "eval_steps": "train.eval_every", "logging_steps": "train.log_every",
-    "seed": "train.seed", "output_dir": "train.output_dir",
-    "per_device_train_batch_size": "batch.micro_batch", "micro_batch_size": "batch.micro_batch",
+    "learning_rate": "optimizer.lr",
+    "max_grad_norm": "optimizer.grad_clip",
+    "lr_scheduler_type": "schedule.decay",
+    "lr_scheduler": "schedule.decay",
+    "warmup_steps": "schedule.warmup_steps",
+    "max_steps": "train.steps",
+    "num_train_epochs": "train.epochs",
+    "num_epochs": "train.epochs",
+    "save_steps": "train.save_every",
+    "eval_steps": "train.eval_every",
+    "logging_steps": "train.log_every",
+    "seed": "train.seed",
+    "output_dir": "train.output_dir",
+    "per_device_train_batch_size": "batch.micro_batch",
+    "micro_batch_size": "batch.micro_batch",
     "gradient_accumulation_steps": "batch.global_batch (global batch = micro-batch × accumulation × GPUs)",
-    "max_seq_length": "data.seq_len", "sequence_len": "data.seq_len", "cutoff_len": "data.seq_len",
-    "max_length": "data.seq_len", "datasets": "data.train", "dataset": "data.train",
-    "base_model": "model.path", "model_name_or_path": "model.path",
-    "lora_r": "model.lora.r", "lora_rank": "model.lora.r", "lora_alpha": "model.lora.alpha",
-    "lora_dropout": "model.lora.dropout", "lora_target_modules": "model.lora.target_modules",
+    "max_seq_length": "data.seq_len",
+    "sequence_len": "data.seq_len",
+    "cutoff_len": "data.seq_len",
+    "max_length": "data.seq_len",
+    "datasets": "data.train",
+    "dataset": "data.train",
+    "base_model": "model.path",
+    "model_name_or_path": "model.path",
+    "lora_r": "model.lora.r",
+    "lora_rank": "model.lora.r",
+    "lora_alpha": "model.lora.alpha",
+    "lora_dropout": "model.lora.dropout",
+    "lora_target_modules": "model.lora.target_modules",
     "lora_target": "model.lora.target_modules",
-    "gradient_checkpointing": "checkpointing.strategy", "bf16": "precision.compute", "fp16": "precision.compute",
+    "gradient_checkpointing": "checkpointing.strategy",
+    "bf16": "precision.compute",
+    "fp16": "precision.compute",
 }
 
 
@@ -230,7 +258,7 @@ def _explain(error: dict, path: KeyPath, written: KeyPath) -> tuple[str, str, bo
     message = error["msg"]
     if message.startswith("Value error, "):
         # our validators write "what is wrong — what to do"
-        what, _, hint = message[len("Value error, "):].partition(" — ")
+        what, _, hint = message[len("Value error, ") :].partition(" — ")
         return what, hint, False
     return message[:1].lower() + message[1:], "", True
 
@@ -246,7 +274,7 @@ def problems_from_validation(err: ValidationError, sources) -> list[Problem]:
         phrases = list(dict.fromkeys(phrase for phrase, _, _, _ in explained))
         if all(p.startswith("must be ") for p in phrases):
             # union fields: "must be a whole number or 'auto'" rather than two sentences
-            message = "must be " + " or ".join(p[len("must be "):] for p in phrases)
+            message = "must be " + " or ".join(p[len("must be ") :] for p in phrases)
         else:
             message = "; or ".join(phrases)
         show = [value for _, _, shown, value in explained if shown]
@@ -265,7 +293,7 @@ def _as_written(path: KeyPath, sources) -> KeyPath:
             continue
         above = path[:index]
         if any(len(key) == index + 1 and key[:index] == above and not key[index].isdigit() for key in sources.origin):
-            return path[:index] + path[index + 1:]
+            return path[:index] + path[index + 1 :]
     return path
 
 

@@ -5,6 +5,7 @@ or an installed package run a layer up (`memtrain.checks`), with what they need 
 these read only the recipe (and memtrain's own shipped presets and GPU profiles). Each rule declares
 the sections it reads, so that when one section failed validation the rules of the others still run.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 from memtrain.configs import gpu_profile, model_preset_names
 from memtrain.errors import Problem
-from memtrain.recipe.checkpoint_rules import rule_problems
+from memtrain.recipe.recompute_rules import rule_problems
 from memtrain.recipe.sources import LoadedRecipe
 
 
@@ -25,14 +26,16 @@ class Registry:
 
     def reads(self, *sections: str):
         """Register a check with the recipe sections it reads."""
+
         def register(check):
             self.checks.append((check, frozenset(sections)))
             return check
 
         return register
 
-    def run(self, loaded: LoadedRecipe, *args, skip_sections: set[str] | frozenset[str] = frozenset(),
-            leave_out: tuple = ()) -> list[Problem]:
+    def run(
+        self, loaded: LoadedRecipe, *args, skip_sections: set[str] | frozenset[str] = frozenset(), leave_out: tuple = ()
+    ) -> list[Problem]:
         problems: list[Problem] = []
         for check, sections in self.checks:
             if not sections & set(skip_sections) and check not in leave_out:
@@ -63,10 +66,20 @@ def _check_model_choice(loaded: LoadedRecipe) -> list[Problem]:
     model, src = loaded.recipe.model, loaded.sources
     if bool(model.preset) == bool(model.path):
         if model.preset:
-            return [src.problem(("model",), "give exactly one of model.preset or model.path, not both",
-                                "remove model.path to use the preset, or model.preset to train the local model")]
-        return [src.problem(("model",), "say what to train: model.preset or model.path",
-                            f"presets: {', '.join(model_preset_names())}; or a local Hugging Face directory")]
+            return [
+                src.problem(
+                    ("model",),
+                    "give exactly one of model.preset or model.path, not both",
+                    "remove model.path to use the preset, or model.preset to train the local model",
+                )
+            ]
+        return [
+            src.problem(
+                ("model",),
+                "say what to train: model.preset or model.path",
+                f"presets: {', '.join(model_preset_names())}; or a local Hugging Face directory",
+            )
+        ]
     if model.preset and model.preset not in model_preset_names():
         close = difflib.get_close_matches(model.preset, model_preset_names(), n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"presets: {', '.join(model_preset_names())}"
@@ -83,8 +96,13 @@ def _check_nvme_path(loaded: LoadedRecipe) -> list[Problem]:
     if not r.hardware.nvme_path:
         # point at the line that asks for NVMe when the recipe has no nvme_path line to point at
         at = ("hardware", "nvme_path") if ("hardware", "nvme_path") in src.origin else tier
-        return [src.problem(at, f"{'.'.join(tier)}=nvme needs hardware.nvme_path",
-                            f"set hardware.nvme_path to a directory on a fast local disk, or change {'.'.join(tier)}")]
+        return [
+            src.problem(
+                at,
+                f"{'.'.join(tier)}=nvme needs hardware.nvme_path",
+                f"set hardware.nvme_path to a directory on a fast local disk, or change {'.'.join(tier)}",
+            )
+        ]
     return []
 
 
@@ -92,8 +110,13 @@ def _check_nvme_path(loaded: LoadedRecipe) -> list[Problem]:
 def _check_bf16_support(loaded: LoadedRecipe) -> list[Problem]:
     profile = gpu_profile_of(loaded)
     if profile is not None and loaded.recipe.precision.compute == "bf16" and not profile.bf16:
-        return [loaded.sources.problem(("precision", "compute"), f"{profile.name} has no bf16 support",
-                                       "use precision.compute=fp16 with precision.loss_scale")]
+        return [
+            loaded.sources.problem(
+                ("precision", "compute"),
+                f"{profile.name} has no bf16 support",
+                "use precision.compute=fp16 with precision.loss_scale",
+            )
+        ]
     return []
 
 
@@ -102,33 +125,60 @@ def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
     o, src = loaded.recipe.offload, loaded.sources
     problems = []
     if o.params != "none" and o.zero_stage not in ("auto", 3):
-        problems.append(src.problem(("offload", "zero_stage"),
-                                    f"offload.params={o.params} needs ZeRO stage 3, not {o.zero_stage}",
-                                    "set offload.zero_stage=3 (or auto)"))
+        problems.append(
+            src.problem(
+                ("offload", "zero_stage"),
+                f"offload.params={o.params} needs ZeRO stage 3, not {o.zero_stage}",
+                "set offload.zero_stage=3 (or auto)",
+            )
+        )
     if o.optimizer == "nvme" and o.zero_stage not in ("auto", 3):
         if o.params == "none":  # with parameters offloaded the rule above already asks for stage 3
             problems.append(_nvme_optimizer_below_zero3(loaded, o.zero_stage))
     elif o.optimizer != "none" and o.zero_stage == 0:
-        problems.append(src.problem(("offload", "zero_stage"),
-                                    f"offload.optimizer={o.optimizer} needs ZeRO stage 1, 2 or 3, not 0",
-                                    "set offload.zero_stage=auto"))
+        problems.append(
+            src.problem(
+                ("offload", "zero_stage"),
+                f"offload.optimizer={o.optimizer} needs ZeRO stage 1, 2 or 3, not 0",
+                "set offload.zero_stage=auto",
+            )
+        )
     if o.optimizer == "nvme" and loaded.recipe.precision.master == "bf16":
         # DeepSpeed 0.19's optimizer swapper sizes its pinned buffers in the master dtype but swaps fp32 tensors
         # through them: the first optimizer step stops on an assertion
-        problems.append(src.problem(("precision", "master"), "bf16 master weights cannot go to NVMe: DeepSpeed's "
-                                    "optimizer swapper stops at the first step with them",
-                                    "set precision.master=fp32, or offload.optimizer=cpu"))
+        problems.append(
+            src.problem(
+                ("precision", "master"),
+                "bf16 master weights cannot go to NVMe: DeepSpeed's "
+                "optimizer swapper stops at the first step with them",
+                "set precision.master=fp32, or offload.optimizer=cpu",
+            )
+        )
     if o.params == "nvme" and o.optimizer == "none":
-        problems.append(src.problem(("offload", "optimizer"), "parameters on NVMe need the optimizer offloaded too",
-                                    "set offload.optimizer=cpu or nvme"))
+        problems.append(
+            src.problem(
+                ("offload", "optimizer"),
+                "parameters on NVMe need the optimizer offloaded too",
+                "set offload.optimizer=cpu or nvme",
+            )
+        )
     if o.ratio < 1.0:
         if o.optimizer != "cpu":
-            problems.append(src.problem(("offload", "ratio"),
-                                        f"a partial offload ratio works only with offload.optimizer=cpu, not {o.optimizer}",
-                                        "remove offload.ratio or set offload.optimizer=cpu"))
+            problems.append(
+                src.problem(
+                    ("offload", "ratio"),
+                    f"a partial offload ratio works only with offload.optimizer=cpu, not {o.optimizer}",
+                    "remove offload.ratio or set offload.optimizer=cpu",
+                )
+            )
         elif loaded.recipe.offload.stage != 3:
-            problems.append(src.problem(("offload", "ratio"), "DeepSpeed's partial optimizer offload needs ZeRO stage 3",
-                                        "set offload.zero_stage=3 or remove offload.ratio"))
+            problems.append(
+                src.problem(
+                    ("offload", "ratio"),
+                    "DeepSpeed's partial optimizer offload needs ZeRO stage 3",
+                    "set offload.zero_stage=3 or remove offload.ratio",
+                )
+            )
     return problems
 
 
@@ -139,10 +189,12 @@ def _nvme_optimizer_below_zero3(loaded: LoadedRecipe, stage: int) -> Problem:
     message = f"offload.optimizer=nvme needs ZeRO stage 3, not {stage}: only ZeRO-3 swaps optimizer states to NVMe"
     if not stage:
         return loaded.sources.problem(("offload", "zero_stage"), message, "set offload.zero_stage=3 (or auto)")
-    return loaded.sources.problem(("offload", "zero_stage"),
-                                  f"{message}; DeepSpeed's ZeRO-{stage} optimizer keeps them in host memory and writes "
-                                  "nothing to hardware.nvme_path",
-                                  f"set offload.zero_stage=3 (or auto), or offload.optimizer=cpu to stay at ZeRO-{stage}")
+    return loaded.sources.problem(
+        ("offload", "zero_stage"),
+        f"{message}; DeepSpeed's ZeRO-{stage} optimizer keeps them in host memory and writes "
+        "nothing to hardware.nvme_path",
+        f"set offload.zero_stage=3 (or auto), or offload.optimizer=cpu to stay at ZeRO-{stage}",
+    )
 
 
 @reads("offload", "precision")
@@ -156,17 +208,32 @@ def _check_cpu_adam(loaded: LoadedRecipe) -> list[Problem]:
     if o.cpu_adam != "torch":
         return []
     if o.optimizer != "cpu":
-        return [src.problem(("offload", "cpu_adam"), f"offload.cpu_adam=torch chooses how an optimizer offloaded to the "
-                            f"CPU steps, and offload.optimizer is {o.optimizer}",
-                            "set offload.optimizer=cpu, or remove offload.cpu_adam")]
+        return [
+            src.problem(
+                ("offload", "cpu_adam"),
+                f"offload.cpu_adam=torch chooses how an optimizer offloaded to the "
+                f"CPU steps, and offload.optimizer is {o.optimizer}",
+                "set offload.optimizer=cpu, or remove offload.cpu_adam",
+            )
+        ]
     problems = []
     if r.precision.master == "bf16":
-        problems.append(src.problem(("offload", "cpu_adam"), "DeepSpeed keeps bf16 master weights on the host only "
-                                    "with its own CPU Adam (it stops in deepspeed.initialize otherwise)",
-                                    "set offload.cpu_adam=deepspeed, or precision.master=fp32"))
+        problems.append(
+            src.problem(
+                ("offload", "cpu_adam"),
+                "DeepSpeed keeps bf16 master weights on the host only "
+                "with its own CPU Adam (it stops in deepspeed.initialize otherwise)",
+                "set offload.cpu_adam=deepspeed, or precision.master=fp32",
+            )
+        )
     if o.ratio < 1.0:
-        problems.append(src.problem(("offload", "cpu_adam"), "DeepSpeed's partial offload (offload.ratio below 1) steps "
-                                    "only with its own CPU Adam", "set offload.cpu_adam=deepspeed, or remove offload.ratio"))
+        problems.append(
+            src.problem(
+                ("offload", "cpu_adam"),
+                "DeepSpeed's partial offload (offload.ratio below 1) steps only with its own CPU Adam",
+                "set offload.cpu_adam=deepspeed, or remove offload.ratio",
+            )
+        )
     return problems
 
 
@@ -177,10 +244,15 @@ def _check_zenflow(loaded: LoadedRecipe) -> list[Problem]:
     # tests/train/test_deepspeed_engine.py shows it and fails once DeepSpeed lays the weights out right)
     if not loaded.recipe.offload.zenflow:
         return []
-    return [loaded.sources.problem(("offload", "zenflow"), "DeepSpeed's ZenFlow replaces every weight matrix with its "
-                                   "own transpose, reshaped, inside deepspeed.initialize: the run would fine-tune "
-                                   "scrambled weights", "remove offload.zenflow (plain ZeRO-Offload is the same "
-                                   "recipe without it)")]
+    return [
+        loaded.sources.problem(
+            ("offload", "zenflow"),
+            "DeepSpeed's ZenFlow replaces every weight matrix with its "
+            "own transpose, reshaped, inside deepspeed.initialize: the run would fine-tune "
+            "scrambled weights",
+            "remove offload.zenflow (plain ZeRO-Offload is the same recipe without it)",
+        )
+    ]
 
 
 @reads("precision")
@@ -188,17 +260,37 @@ def _check_precision(loaded: LoadedRecipe) -> list[Problem]:
     p, src = loaded.recipe.precision, loaded.sources
     problems = []
     if p.loss_scale is not None and p.compute != "fp16":
-        problems.append(src.problem(("precision", "loss_scale"), f"loss scaling is for fp16, but compute is {p.compute}",
-                                    "remove precision.loss_scale, or set precision.compute=fp16"))
+        problems.append(
+            src.problem(
+                ("precision", "loss_scale"),
+                f"loss scaling is for fp16, but compute is {p.compute}",
+                "remove precision.loss_scale, or set precision.compute=fp16",
+            )
+        )
     if p.mode == "autocast" and p.compute != "bf16":
-        problems.append(src.problem(("precision", "mode"), f"autocast runs matmuls in bf16, but compute is {p.compute}",
-                                    "set precision.compute=bf16, or precision.mode=cast"))
+        problems.append(
+            src.problem(
+                ("precision", "mode"),
+                f"autocast runs matmuls in bf16, but compute is {p.compute}",
+                "set precision.compute=bf16, or precision.mode=cast",
+            )
+        )
     if p.mode == "autocast" and p.master == "bf16":
-        problems.append(src.problem(("precision", "master"), "autocast keeps fp32 weights; bf16 master weights "
-                                    "do not apply", "set precision.master=fp32"))
+        problems.append(
+            src.problem(
+                ("precision", "master"),
+                "autocast keeps fp32 weights; bf16 master weights do not apply",
+                "set precision.master=fp32",
+            )
+        )
     if p.master == "bf16" and p.compute != "bf16":
-        problems.append(src.problem(("precision", "master"), f"bf16 master weights need compute bf16, not {p.compute}",
-                                    "set precision.master=fp32"))
+        problems.append(
+            src.problem(
+                ("precision", "master"),
+                f"bf16 master weights need compute bf16, not {p.compute}",
+                "set precision.master=fp32",
+            )
+        )
     return problems
 
 
@@ -206,23 +298,36 @@ def _check_precision(loaded: LoadedRecipe) -> list[Problem]:
 def _check_batch_split(loaded: LoadedRecipe) -> list[Problem]:
     b, hw, src = loaded.recipe.batch, loaded.recipe.hardware, loaded.sources
     world = hw.world_size  # every process of every node takes an equal share of the global batch
-    ranks = f"nodes × gpus × micro_batch = {hw.nodes} × {hw.gpus}" if hw.nodes > 1 else f"gpus × micro_batch = {hw.gpus}"
+    ranks = (
+        f"nodes × gpus × micro_batch = {hw.nodes} × {hw.gpus}" if hw.nodes > 1 else f"gpus × micro_batch = {hw.gpus}"
+    )
     processes = f"{world} processes ({hw.nodes} nodes × {hw.gpus} GPUs)" if hw.nodes > 1 else f"{world} GPUs"
     # one problem per recipe: the first of these that holds explains the others
     # the largest micro-batch that splits the global batch evenly, if any (a hint must not lead to the next error)
     splits = next((m for m in range(b.global_batch // world, 0, -1) if b.global_batch % (m * world) == 0), None)
-    if isinstance(b.micro_batch, int) and (b.micro_batch * world > b.global_batch
-                                           or b.global_batch % (b.micro_batch * world)):
+    if isinstance(b.micro_batch, int) and (
+        b.micro_batch * world > b.global_batch or b.global_batch % (b.micro_batch * world)
+    ):
         exceeds = b.micro_batch * world > b.global_batch
-        said = (f"{ranks} × {b.micro_batch} exceeds the global batch {b.global_batch}" if exceeds
-                else f"global batch {b.global_batch} is not divisible by {ranks} × {b.micro_batch}")
+        said = (
+            f"{ranks} × {b.micro_batch} exceeds the global batch {b.global_batch}"
+            if exceeds
+            else f"global batch {b.global_batch} is not divisible by {ranks} × {b.micro_batch}"
+        )
         hints = ([f"batch.micro_batch={splits}"] if splits else []) + [
-            f"a global batch that is a multiple of {b.micro_batch * world}"]
-        return [src.problem(("batch", "micro_batch" if exceeds else "global_batch"), said,
-                            "use " + ", or ".join(hints))]
+            f"a global batch that is a multiple of {b.micro_batch * world}"
+        ]
+        return [
+            src.problem(("batch", "micro_batch" if exceeds else "global_batch"), said, "use " + ", or ".join(hints))
+        ]
     if b.global_batch % world:
-        return [src.problem(("batch", "global_batch"), f"global batch {b.global_batch} cannot be split over {processes}",
-                            f"use a multiple of {world}")]
+        return [
+            src.problem(
+                ("batch", "global_batch"),
+                f"global batch {b.global_batch} cannot be split over {processes}",
+                f"use a multiple of {world}",
+            )
+        ]
     return []
 
 
@@ -231,13 +336,21 @@ def _check_adaptive(loaded: LoadedRecipe) -> list[Problem]:
     a, src = loaded.recipe.batch.adaptive, loaded.sources
     problems = []
     if a.min_micro_batch > a.max_micro_batch:
-        problems.append(src.problem(("batch", "adaptive", "min_micro_batch"),
-                                    f"min_micro_batch {a.min_micro_batch} exceeds max_micro_batch {a.max_micro_batch}",
-                                    "lower min_micro_batch or raise max_micro_batch"))
+        problems.append(
+            src.problem(
+                ("batch", "adaptive", "min_micro_batch"),
+                f"min_micro_batch {a.min_micro_batch} exceeds max_micro_batch {a.max_micro_batch}",
+                "lower min_micro_batch or raise max_micro_batch",
+            )
+        )
     if a.grow_below >= a.shrink_above:
-        problems.append(src.problem(("batch", "adaptive", "grow_below"),
-                                    f"grow_below {a.grow_below} must be below shrink_above {a.shrink_above}",
-                                    "the defaults are 0.70 and 0.90"))
+        problems.append(
+            src.problem(
+                ("batch", "adaptive", "grow_below"),
+                f"grow_below {a.grow_below} must be below shrink_above {a.shrink_above}",
+                "the defaults are 0.70 and 0.90",
+            )
+        )
     return problems
 
 
@@ -248,15 +361,23 @@ def _check_length(loaded: LoadedRecipe) -> list[Problem]:
         # a key written with no value (train.steps= on the command line, `steps:` in a file) is where to look
         emptied = next((("train", k) for k in ("steps", "epochs") if ("train", k) in src.origin), None)
         if emptied is not None:
-            example, other = ("train.steps=1000", "train.epochs") if emptied[1] == "steps" else \
-                ("train.epochs=3", "train.steps")
-            return [src.problem(emptied, "has no value, so nothing says how long to train",
-                                f"give it one, for example {example}, or set {other} instead")]
-        return [src.problem(("train",), "say how long to train: train.steps or train.epochs",
-                            "for example train.steps=1000")]
+            example, other = (
+                ("train.steps=1000", "train.epochs") if emptied[1] == "steps" else ("train.epochs=3", "train.steps")
+            )
+            return [
+                src.problem(
+                    emptied,
+                    "has no value, so nothing says how long to train",
+                    f"give it one, for example {example}, or set {other} instead",
+                )
+            ]
+        return [
+            src.problem(
+                ("train",), "say how long to train: train.steps or train.epochs", "for example train.steps=1000"
+            )
+        ]
     if t.steps is not None and t.epochs is not None:
-        return [src.problem(("train", "epochs"), "give train.steps or train.epochs, not both",
-                            "remove one of them")]
+        return [src.problem(("train", "epochs"), "give train.steps or train.epochs, not both", "remove one of them")]
     return []
 
 
@@ -264,9 +385,13 @@ def _check_length(loaded: LoadedRecipe) -> list[Problem]:
 def _check_warmup(loaded: LoadedRecipe) -> list[Problem]:
     r, src = loaded.recipe, loaded.sources
     if r.train.steps is not None and r.schedule.warmup_steps > r.train.steps:
-        return [src.problem(("schedule", "warmup_steps"),
-                            f"warmup of {r.schedule.warmup_steps} steps is longer than the whole run ({r.train.steps})",
-                            f"use at most {r.train.steps} warmup steps")]
+        return [
+            src.problem(
+                ("schedule", "warmup_steps"),
+                f"warmup of {r.schedule.warmup_steps} steps is longer than the whole run ({r.train.steps})",
+                f"use at most {r.train.steps} warmup steps",
+            )
+        ]
     return []
 
 
@@ -275,18 +400,24 @@ def compile_unsupported(r) -> tuple[str, str] | None:
     if r.offload.stage == 3:
         # optimizer states on NVMe need ZeRO-3 too (_nvme_optimizer_below_zero3): ZeRO-2 keeps them on the CPU
         below = "offload.params=none, offload.optimizer=cpu" if r.offload.optimizer == "nvme" else "offload.params=none"
-        return ("train.compile works with ZeRO stage 0-2; ZeRO-3 gathers each layer's weights in hooks that "
-                "torch.compile would have to trace through",
-                f"set train.compile=false, or {below} and offload.zero_stage=2")
+        return (
+            "train.compile works with ZeRO stage 0-2; ZeRO-3 gathers each layer's weights in hooks that "
+            "torch.compile would have to trace through",
+            f"set train.compile=false, or {below} and offload.zero_stage=2",
+        )
     if r.model.quantize is not None:
-        return ("train.compile cannot compile layers with bitsandbytes' quantised weights: the QLoRA recipe stopped in "
-                "torch.compile's partitioner ('Node ... was invalid, but is output'; PyTorch 2.11, bitsandbytes 0.50, "
-                "docs/BENCHMARKS.md)",
-                "remove train.compile (auto leaves a quantised base eager), or set train.compile=false")
+        return (
+            "train.compile cannot compile layers with bitsandbytes' quantised weights: the QLoRA recipe stopped in "
+            "torch.compile's partitioner ('Node ... was invalid, but is output'; PyTorch 2.11, bitsandbytes 0.50, "
+            "docs/BENCHMARKS.md)",
+            "remove train.compile (auto leaves a quantised base eager), or set train.compile=false",
+        )
     if "offload" in r.checkpointing.rules.values():
-        return ("train.compile cannot be combined with activation offload rules (their saved-tensor hooks do "
-                "not run inside compiled layers)",
-                "set train.compile=false, or use recompute instead of offload in checkpointing.rules")
+        return (
+            "train.compile cannot be combined with activation offload rules (their saved-tensor hooks do "
+            "not run inside compiled layers)",
+            "set train.compile=false, or use recompute instead of offload in checkpointing.rules",
+        )
     return None
 
 
@@ -301,15 +432,30 @@ def _check_checkpointing(loaded: LoadedRecipe) -> list[Problem]:
     c, src = loaded.recipe.checkpointing, loaded.sources
     problems = []
     if c.strategy == "rules" and not c.rules:
-        problems.append(src.problem(("checkpointing", "rules"), "strategy 'rules' needs at least one rule",
-                                    "for example {'model.layers.*.mlp': recompute}"))
+        problems.append(
+            src.problem(
+                ("checkpointing", "rules"),
+                "strategy 'rules' needs at least one rule",
+                "for example {'model.layers.*.mlp': recompute}",
+            )
+        )
     if c.rules and c.strategy != "rules":
-        problems.append(src.problem(("checkpointing", "strategy"), f"rules are given but strategy is '{c.strategy}'",
-                                    "set checkpointing.strategy=rules, or remove the rules"))
+        problems.append(
+            src.problem(
+                ("checkpointing", "strategy"),
+                f"rules are given but strategy is '{c.strategy}'",
+                "set checkpointing.strategy=rules, or remove the rules",
+            )
+        )
     if c.strategy == "rules":
         for pattern, message in rule_problems(c.rules):
-            problems.append(src.problem(("checkpointing", "rules", pattern), message,
-                                        "cut at whole blocks: *.self_attn, *.mlp or a whole layer"))
+            problems.append(
+                src.problem(
+                    ("checkpointing", "rules", pattern),
+                    message,
+                    "cut at whole blocks: *.self_attn, *.mlp or a whole layer",
+                )
+            )
     return problems
 
 
@@ -321,9 +467,13 @@ def _check_quantize(loaded: LoadedRecipe) -> list[Problem]:
         return []
     problems = []
     if r.model.lora is None:
-        problems.append(src.problem(("model", "quantize"), f"{kind} base weights are frozen, so nothing would train "
-                                    "without LoRA adapters",
-                                    "add model.lora (for example model.lora.r=16), or remove model.quantize"))
+        problems.append(
+            src.problem(
+                ("model", "quantize"),
+                f"{kind} base weights are frozen, so nothing would train without LoRA adapters",
+                "add model.lora (for example model.lora.r=16), or remove model.quantize",
+            )
+        )
     if r.offload.stage == 3:
         o = r.offload
         # the line that makes it ZeRO-3: parameters offloaded, optimizer states on NVMe (auto), or zero_stage itself
@@ -335,16 +485,25 @@ def _check_quantize(loaded: LoadedRecipe) -> list[Problem]:
             at = ("offload", "zero_stage")
         # ZeRO-2 keeps optimizer states offloaded to NVMe on the CPU (_nvme_optimizer_below_zero3)
         below_zero3 = "offload.params=none, offload.optimizer=cpu" if o.optimizer == "nvme" else "offload.params=none"
-        problems.append(src.problem(
-            at, f"{kind} weights cannot go through ZeRO-3, which partitions and offloads parameters as flat "
-            "floating-point tensors: bitsandbytes packs them into integers whose quantisation constants live "
-            "beside the tensor, where ZeRO-3 neither partitions nor gathers them",
-            f"set {below_zero3} and offload.zero_stage=auto (ZeRO-2); quantised weights are a quarter "
-            "of their bf16 size, which is what makes them fit"))
+        problems.append(
+            src.problem(
+                at,
+                f"{kind} weights cannot go through ZeRO-3, which partitions and offloads parameters as flat "
+                "floating-point tensors: bitsandbytes packs them into integers whose quantisation constants live "
+                "beside the tensor, where ZeRO-3 neither partitions nor gathers them",
+                f"set {below_zero3} and offload.zero_stage=auto (ZeRO-2); quantised weights are a quarter "
+                "of their bf16 size, which is what makes them fit",
+            )
+        )
     if r.precision.mode == "autocast":
-        problems.append(src.problem(("precision", "mode"), "autocast stores weights in fp32, but quantised layers "
-                                    "already compute in precision.compute from their packed weights",
-                                    "set precision.mode=cast with model.quantize"))
+        problems.append(
+            src.problem(
+                ("precision", "mode"),
+                "autocast stores weights in fp32, but quantised layers "
+                "already compute in precision.compute from their packed weights",
+                "set precision.mode=cast with model.quantize",
+            )
+        )
     return problems
 
 
@@ -356,17 +515,21 @@ def _check_client_optimizer(loaded: LoadedRecipe) -> list[Problem]:
         return []
     problems = []
     if r.offload.optimizer != "none":
-        problems.append(src.problem(
-            ("optimizer", "name"), f"{name} is bitsandbytes' optimizer, which steps on the device that holds the "
-            f"parameters; with offload.optimizer={r.offload.optimizer} DeepSpeed steps its own CPU Adam on the host "
-            "and refuses any other optimizer",
-            f"set offload.optimizer=none to use {name}, or optimizer.name=adamw to offload"))
+        problems.append(
+            src.problem(
+                ("optimizer", "name"),
+                f"{name} is bitsandbytes' optimizer, which steps on the device that holds the "
+                f"parameters; with offload.optimizer={r.offload.optimizer} DeepSpeed steps its own CPU Adam on the host "
+                "and refuses any other optimizer",
+                f"set offload.optimizer=none to use {name}, or optimizer.name=adamw to offload",
+            )
+        )
     return problems
 
 
 @reads("optimizer", "offload", "precision", "batch", "hardware")
 def _check_step_in_backward(loaded: LoadedRecipe) -> list[Problem]:
-    """Each parameter is updated the moment its gradient exists (train/in_backward.py): nothing may need the
+    """Each parameter is updated the moment its gradient exists (train/optim/in_backward.py): nothing may need the
     whole step's gradients afterwards, and the weights must be their own (bf16) master copy."""
     r, src = loaded.recipe, loaded.sources
     if not r.optimizer.step_in_backward:
@@ -375,29 +538,53 @@ def _check_step_in_backward(loaded: LoadedRecipe) -> list[Problem]:
     problems = []
     b = r.batch
     if b.micro_batch not in (b.global_batch, "auto") or b.policy != "fixed":  # auto: the global batch (planner.py)
-        problems.append(src.problem(("batch", "micro_batch"), why + "every micro-batch is an optimizer step: there "
-                                    f"is no gradient to accumulate (micro_batch {b.micro_batch}, global_batch "
-                                    f"{b.global_batch}, policy {b.policy})",
-                                    f"set batch.micro_batch={b.global_batch} (= batch.global_batch) and "
-                                    "batch.policy=fixed, or turn step_in_backward off"))
+        problems.append(
+            src.problem(
+                ("batch", "micro_batch"),
+                why + "every micro-batch is an optimizer step: there "
+                f"is no gradient to accumulate (micro_batch {b.micro_batch}, global_batch "
+                f"{b.global_batch}, policy {b.policy})",
+                f"set batch.micro_batch={b.global_batch} (= batch.global_batch) and "
+                "batch.policy=fixed, or turn step_in_backward off",
+            )
+        )
     if r.optimizer.grad_clip > 0:
-        problems.append(src.problem(("optimizer", "grad_clip"), why + "the global gradient norm is known only after "
-                                    "the first parameters were updated: it cannot clip them",
-                                    "set optimizer.grad_clip=0"))
+        problems.append(
+            src.problem(
+                ("optimizer", "grad_clip"),
+                why + "the global gradient norm is known only after "
+                "the first parameters were updated: it cannot clip them",
+                "set optimizer.grad_clip=0",
+            )
+        )
     if r.hardware.world_size > 1:
-        problems.append(src.problem(("hardware", "gpus"), why + "the gradients are never reduced over processes",
-                                    "run on one GPU, or turn step_in_backward off and use ZeRO"))
+        problems.append(
+            src.problem(
+                ("hardware", "gpus"),
+                why + "the gradients are never reduced over processes",
+                "run on one GPU, or turn step_in_backward off and use ZeRO",
+            )
+        )
     o = r.offload
     if o.zero_stage != 0 or o.optimizer != "none" or o.params != "none":
-        problems.append(src.problem(("offload", "zero_stage"), why + "the optimizer steps beside the weights on the "
-                                    "GPU, outside DeepSpeed's ZeRO partitioning and offload",
-                                    "set offload.zero_stage=0, offload.optimizer=none and offload.params=none "
-                                    "(paged_adamw_8bit pages its states to the host instead)"))
+        problems.append(
+            src.problem(
+                ("offload", "zero_stage"),
+                why + "the optimizer steps beside the weights on the "
+                "GPU, outside DeepSpeed's ZeRO partitioning and offload",
+                "set offload.zero_stage=0, offload.optimizer=none and offload.params=none "
+                "(paged_adamw_8bit pages its states to the host instead)",
+            )
+        )
     p = r.precision
     if p.mode != "cast" or (p.master != "bf16" and p.compute != "fp32"):  # fp32 weights are their own master too
-        problems.append(src.problem(("precision", "master"), why + "there is no separate master copy: the weights "
-                                    "are updated in place in precision.compute",
-                                    "set precision.master=bf16 and precision.mode=cast"))
+        problems.append(
+            src.problem(
+                ("precision", "master"),
+                why + "there is no separate master copy: the weights are updated in place in precision.compute",
+                "set precision.master=bf16 and precision.mode=cast",
+            )
+        )
     return problems
 
 
@@ -408,12 +595,21 @@ def _check_eval_generate(loaded: LoadedRecipe) -> list[Problem]:
         return []
     held_out = r.data.validation if r.data.validation is not None else r.data.train
     if isinstance(held_out, str) or all(spec.type == "text" for spec in held_out):
-        return [src.problem(("train", "eval_generate"), "generation is scored against the answers of completion, "
-                            "instruction or chat data, and this recipe's held-out data is text only",
-                            "set train.eval_generate=0 (the validation loss still measures text), or add "
-                            "conversations to data.validation")]
+        return [
+            src.problem(
+                ("train", "eval_generate"),
+                "generation is scored against the answers of completion, "
+                "instruction or chat data, and this recipe's held-out data is text only",
+                "set train.eval_generate=0 (the validation loss still measures text), or add "
+                "conversations to data.validation",
+            )
+        ]
     if r.offload.stage == 3:
-        return [src.problem(("train", "eval_generate"), "ZeRO-3 partitions the weights over the ranks, so rank 0 "
-                            "cannot generate alone during the run",
-                            "set train.eval_generate=0 and score the finished run with `memtrain eval RUN_DIR`")]
+        return [
+            src.problem(
+                ("train", "eval_generate"),
+                "ZeRO-3 partitions the weights over the ranks, so rank 0 cannot generate alone during the run",
+                "set train.eval_generate=0 and score the finished run with `memtrain eval RUN_DIR`",
+            )
+        ]
     return []

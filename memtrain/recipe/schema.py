@@ -3,14 +3,27 @@
 Field-level rules (types, ranges, allowed values) live here; rules that relate several sections
 live in `checks.py` so that all of them are reported together.
 """
+
 from __future__ import annotations
 
 import difflib
 from typing import Annotated, Literal, Union
 
 from annotated_types import Len
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PlainSerializer,
-                      Tag, ValidationInfo, WithJsonSchema, field_validator, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PlainSerializer,
+    Tag,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from memtrain.configs import gpu_profile_names
 from memtrain.units import looks_like_size, parse_bytes
@@ -31,16 +44,22 @@ ByteSize = Annotated[
     BeforeValidator(_byte_size),
     PlainSerializer(lambda v: v, return_type=int),
     # recipes write sizes as text ("64GiB"), so editors must accept both forms
-    WithJsonSchema({
-        "anyOf": [{"type": "integer", "minimum": 0},
-                  {"type": "string", "pattern": r"^\s*[0-9]*\.?[0-9]+([eE][0-9]+)?\s*([kKmMgGtT][iI]?[bB]|[bB])?\s*$"}],
-        "examples": ["24GiB", "64GB"],
-    }),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 0},
+                {"type": "string", "pattern": r"^\s*[0-9]*\.?[0-9]+([eE][0-9]+)?\s*([kKmMgGtT][iI]?[bB]|[bB])?\s*$"},
+            ],
+            "examples": ["24GiB", "64GB"],
+        }
+    ),
 ]
+
 
 def _takes_number_only(annotation: object) -> bool:
     """Whether a field takes a number (int or float: plain, constrained, optional, or beside words such as
     'auto') and nothing that a bool could mean."""
+
     def unwrap(a: object) -> object:
         return a.__origin__ if getattr(a, "__metadata__", None) is not None else a  # Annotated[int, ...] -> int
 
@@ -50,7 +69,9 @@ def _takes_number_only(annotation: object) -> bool:
     if type(annotation).__name__ != "UnionType" and getattr(annotation, "__origin__", None) is not Union:
         return False
     args = [unwrap(a) for a in annotation.__args__ if a is not type(None)]
-    words = [a for a in args if getattr(a, "__origin__", None) is Literal and all(isinstance(v, str) for v in a.__args__)]
+    words = [
+        a for a in args if getattr(a, "__origin__", None) is Literal and all(isinstance(v, str) for v in a.__args__)
+    ]
     numbers = [a for a in args if a in (int, float)]
     return bool(numbers) and len(numbers) + len(words) == len(args)
 
@@ -67,12 +88,16 @@ class Section(BaseModel):
     @classmethod
     def _no_booleans_for_numbers(cls, value: object, info: ValidationInfo) -> object:
         # pydantic's lax mode reads `true` as 1 for an int or float field (train.steps=true became 1 step)
-        if isinstance(value, bool) and info.field_name and _takes_number_only(cls.model_fields[info.field_name].annotation):
+        if (
+            isinstance(value, bool)
+            and info.field_name
+            and _takes_number_only(cls.model_fields[info.field_name].annotation)
+        ):
             raise ValueError("must be a number, not true/false")
         return value
 
 
-ALL_LINEAR = "all-linear"   # LoRA on every linear layer but the output head (PEFT's name for it)
+ALL_LINEAR = "all-linear"  # LoRA on every linear layer but the output head (PEFT's name for it)
 
 
 class Lora(Section):
@@ -80,10 +105,12 @@ class Lora(Section):
     alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
     lean_dropout: bool = Field(
-        False, description="Keep the adapter input and a seed instead of the dropped input and its mask; the mask "
+        False,
+        description="Keep the adapter input and a seed instead of the dropped input and its mask; the mask "
         "is regenerated in backward. Same dropout, fewer activation bytes (Llama-2-7B: 68 KB per token per layer, "
         "so `checkpointing.strategy: auto` recomputes fewer layers), at the cost of two mask generations per adapter "
-        "and step; false (default): PEFT's own dropout.")
+        "and step; false (default): PEFT's own dropout.",
+    )
     target_modules: Annotated[list[str], Field(min_length=1)] | Literal["all-linear"] = Field(
         "all-linear",
         description="Module names (or suffixes) that receive adapters, or `all-linear` (default): every linear "
@@ -91,22 +118,31 @@ class Lora(Section):
         "gate/up/down_proj; Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj), as PEFT's `all-linear`.",
     )
     use_dora: bool = Field(
-        False, description="DoRA (weight-decomposed LoRA): each adapted weight is split into a trained magnitude "
+        False,
+        description="DoRA (weight-decomposed LoRA): each adapted weight is split into a trained magnitude "
         "per output feature and a direction that the LoRA product updates; closer to full fine-tuning at low rank. "
         "Costs one trainable vector per adapted module and, every forward, the adapted weight's norm (a weight-sized "
-        "transient per module) — slower than plain LoRA.")
+        "transient per module) — slower than plain LoRA.",
+    )
     use_rslora: bool = Field(
-        False, description="Rank-stabilised LoRA: scale the adapters by alpha / sqrt(r) instead of alpha / r, so "
-        "large ranks keep learning; costs nothing.")
+        False,
+        description="Rank-stabilised LoRA: scale the adapters by alpha / sqrt(r) instead of alpha / r, so "
+        "large ranks keep learning; costs nothing.",
+    )
     loraplus_lr_ratio: float | None = Field(
-        None, gt=0, le=1000, description="LoRA+: the B matrices (the adapters' up-projections) learn at "
+        None,
+        gt=0,
+        le=1000,
+        description="LoRA+: the B matrices (the adapters' up-projections) learn at "
         "optimizer.lr × this ratio, the A matrices at optimizer.lr (its paper suggests 16); costs nothing. "
-        "None: one learning rate for all adapters.")
+        "None: one learning rate for all adapters.",
+    )
     modules_to_save: list[str] = Field(
         default_factory=list,
         description="Modules trained in full beside the adapters and saved with them, e.g. ['embed_tokens', "
         "'lm_head'] when tokens are added to the vocabulary. Each keeps a trainable copy of its weights, with "
-        "their gradients and optimizer states.")
+        "their gradients and optimizer states.",
+    )
 
 
 class Quantize(Section):
@@ -120,8 +156,10 @@ class Quantize(Section):
         "layers dequantise to precision.compute for their matmuls.",
     )
     double_quant: bool = Field(
-        True, description="4-bit only: quantise the per-block scales too (8-bit in blocks of 256), "
-        "0.52 instead of 0.56 bytes per weight.")
+        True,
+        description="4-bit only: quantise the per-block scales too (8-bit in blocks of 256), "
+        "0.52 instead of 0.56 bytes per weight.",
+    )
 
 
 class Model(Section):
@@ -136,21 +174,26 @@ class Model(Section):
         "Defaults to the model directory, or the builtin tokenizer for presets.",
     )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="Attention kernel; sdpa has no seq_len^2 activation term. Where an architecture "
-        "cannot run sdpa correctly (Gemma-2's soft-capped attention) memtrain uses eager and says so."
+        "sdpa",
+        description="Attention kernel; sdpa has no seq_len^2 activation term. Where an architecture "
+        "cannot run sdpa correctly (Gemma-2's soft-capped attention) memtrain uses eager and says so.",
     )
     kernels: Literal["auto", "liger", "liger_loss", "none"] = Field(
-        "auto", description="Liger's Triton kernels (pip install 'memtrain[liger]'): RMSNorm, SwiGLU (GEGLU for "
+        "auto",
+        description="Liger's Triton kernels (pip install 'memtrain[liger]'): RMSNorm, SwiGLU (GEGLU for "
         "Gemma-2) and RoPE patched into the model, and Liger's fused linear cross-entropy as the loss (never the "
         "full logits; not under ZeRO-3, precision.mode autocast, an fp32 lm_head or LoRA modules_to_save, where the "
         "chunked loss stays). liger_loss: the fused loss only, the layers as transformers writes them (what auto "
         "picks for compiled layers: torch.compile fuses them, and cannot trace through Liger's layer kernels). "
         "auto: where liger-kernel is installed, a CUDA GPU is present and the model is Llama, Mistral, Qwen2, "
-        "Qwen3, Gemma-2 or Phi-3; liger / liger_loss: always (an error where it cannot run); none: never.")
+        "Qwen3, Gemma-2 or Phi-3; liger / liger_loss: always (an error where it cannot run); none: never.",
+    )
     lora: Lora | None = Field(None, description="Train LoRA adapters instead of all weights.")
     quantize: Quantize | None = Field(
-        None, description="Store the frozen base weights quantised (QLoRA; needs lora and bitsandbytes: "
-        "pip install memtrain[qlora]).")
+        None,
+        description="Store the frozen base weights quantised (QLoRA; needs lora and bitsandbytes: "
+        "pip install memtrain[qlora]).",
+    )
 
     @property
     def quant_type(self) -> str | None:
@@ -172,10 +215,18 @@ def _one_dataset_as_list(value: object) -> object:
 
 
 # The keys of a DatasetSpec that only some types of dataset read, with those types.
-TYPE_KEYS = {"field": ("text",), "prompt_field": ("completion",), "completion_field": ("completion",),
-             "instruction_field": ("instruction",), "input_field": ("instruction",), "output_field": ("instruction",),
-             "system_field": ("instruction", "chat"), "messages_field": ("chat",), "chat_format": ("chat",),
-             "roles": ("chat",)}
+TYPE_KEYS = {
+    "field": ("text",),
+    "prompt_field": ("completion",),
+    "completion_field": ("completion",),
+    "instruction_field": ("instruction",),
+    "input_field": ("instruction",),
+    "output_field": ("instruction",),
+    "system_field": ("instruction", "chat"),
+    "messages_field": ("chat",),
+    "chat_format": ("chat",),
+    "roles": ("chat",),
+}
 
 
 class DatasetSpec(Section):
@@ -183,39 +234,70 @@ class DatasetSpec(Section):
     holds, which fields to read, and its share of an epoch. A key that only another type reads (the type each
     description starts with) is refused."""
 
-    path: str = Field(..., min_length=1, description="A .jsonl, .json (a list of records), .parquet or .txt file (.jsonl and .json also gzipped: .gz), a "
-                      "directory written by Hugging Face datasets' save_to_disk, or 'builtin:chat' "
-                      "('builtin:chat/validation') for the bundled synthetic chat data.")
+    path: str = Field(
+        ...,
+        min_length=1,
+        description="A .jsonl, .json (a list of records), .parquet or .txt file (.jsonl and .json also gzipped: .gz), a "
+        "directory written by Hugging Face datasets' save_to_disk, or 'builtin:chat' "
+        "('builtin:chat/validation') for the bundled synthetic chat data.",
+    )
     type: Literal["text", "completion", "instruction", "chat"] = Field(
-        ..., description="text: documents trained on whole (cut into seq_len pieces); completion: a prompt and its "
+        ...,
+        description="text: documents trained on whole (cut into seq_len pieces); completion: a prompt and its "
         "completion; instruction: alpaca-style instruction / input / output; chat: a list of messages (OpenAI "
-        "role/content or sharegpt from/value).")
-    weight: float = Field(1.0, gt=0, description="Share of an epoch: the dataset contributes round(weight x its "
-                          "samples) samples per epoch, below 1 a seeded subset, above 1 whole repeats plus a seeded "
-                          "subset; the same samples every epoch and on resume.")
-    split: str | None = Field(None, description="Split of a datasets directory holding several (a DatasetDict); "
-                              "default: its only split, or 'train'.")
-    field: str = Field("text", min_length=1, description="text: the field holding the document (JSONL, JSON, "
-                       "parquet, datasets).")
+        "role/content or sharegpt from/value).",
+    )
+    weight: float = Field(
+        1.0,
+        gt=0,
+        description="Share of an epoch: the dataset contributes round(weight x its "
+        "samples) samples per epoch, below 1 a seeded subset, above 1 whole repeats plus a seeded "
+        "subset; the same samples every epoch and on resume.",
+    )
+    split: str | None = Field(
+        None,
+        description="Split of a datasets directory holding several (a DatasetDict); "
+        "default: its only split, or 'train'.",
+    )
+    field: str = Field(
+        "text", min_length=1, description="text: the field holding the document (JSONL, JSON, parquet, datasets)."
+    )
     prompt_field: str = Field("prompt", min_length=1, description="completion: the field holding the prompt.")
-    completion_field: str = Field("completion", min_length=1, description="completion: the field holding the completion.")
-    instruction_field: str = Field("instruction", min_length=1, description="instruction: the field holding the "
-                                   "instruction.")
-    input_field: str = Field("input", min_length=1, description="instruction: the optional field holding the "
-                             "input; when present and not empty it follows the instruction after a blank line (data.template alpaca: in "
-                             "an '### Input:' block after Stanford Alpaca's preamble for a task with an input).")
+    completion_field: str = Field(
+        "completion", min_length=1, description="completion: the field holding the completion."
+    )
+    instruction_field: str = Field(
+        "instruction", min_length=1, description="instruction: the field holding the instruction."
+    )
+    input_field: str = Field(
+        "input",
+        min_length=1,
+        description="instruction: the optional field holding the "
+        "input; when present and not empty it follows the instruction after a blank line (data.template alpaca: in "
+        "an '### Input:' block after Stanford Alpaca's preamble for a task with an input).",
+    )
     output_field: str = Field("output", min_length=1, description="instruction: the field holding the response.")
-    system_field: str | None = Field(None, description="instruction and chat: a field holding a system prompt (none by default; a record without "
+    system_field: str | None = Field(
+        None,
+        description="instruction and chat: a field holding a system prompt (none by default; a record without "
         "text there has none; chat: used unless the messages start with a system message, as LLaMA-Factory's "
-        "sharegpt 'system' column).")
-    messages_field: str | None = Field(None, description="chat: the field holding the list of messages; default "
-                                       "'messages' (openai), 'conversations' (sharegpt), either with chat_format auto.")
+        "sharegpt 'system' column).",
+    )
+    messages_field: str | None = Field(
+        None,
+        description="chat: the field holding the list of messages; default "
+        "'messages' (openai), 'conversations' (sharegpt), either with chat_format auto.",
+    )
     chat_format: Literal["auto", "openai", "sharegpt"] = Field(
-        "auto", description="chat: openai (messages of role/content), sharegpt (conversations of from/value), or auto "
-        "(decided per record by the keys it has).")
+        "auto",
+        description="chat: openai (messages of role/content), sharegpt (conversations of from/value), or auto "
+        "(decided per record by the keys it has).",
+    )
     roles: dict[str, Role] = Field(
-        default_factory=dict, description="chat: extra role names mapped to system / user / assistant, on top of the "
-        "defaults (human, user -> user; gpt, assistant -> assistant; system -> system).")
+        default_factory=dict,
+        description="chat: extra role names mapped to system / user / assistant, on top of the "
+        "defaults (human, user -> user; gpt, assistant -> assistant; system -> system).",
+    )
 
     @field_validator(*TYPE_KEYS, mode="after")
     @classmethod
@@ -227,8 +309,10 @@ class DatasetSpec(Section):
         types = TYPE_KEYS[info.field_name]
         default = cls.model_fields[info.field_name].get_default(call_default_factory=True)
         if value is not None and value != default and kind is not None and kind not in types:
-            raise ValueError(f"is read only for {' and '.join(types)} datasets, and this dataset's type is {kind}, so "
-                             "it would do nothing — remove the key, or correct the dataset's type if it is wrong")
+            raise ValueError(
+                f"is read only for {' and '.join(types)} datasets, and this dataset's type is {kind}, so "
+                "it would do nothing — remove the key, or correct the dataset's type if it is wrong"
+            )
         return value
 
 
@@ -238,62 +322,96 @@ DatasetSource = Annotated[
     Annotated[str, Tag("path")]
     # the JSON schema names what a recipe may write (a list, or one dataset as a mapping), not the list it becomes,
     # so that editors accept what validate accepts
-    | Annotated[DatasetList, BeforeValidator(_one_dataset_as_list, json_schema_input_type=DatasetList | DatasetSpec),
-                Tag("datasets")],
+    | Annotated[
+        DatasetList,
+        BeforeValidator(_one_dataset_as_list, json_schema_input_type=DatasetList | DatasetSpec),
+        Tag("datasets"),
+    ],
     Discriminator(_dataset_source),
 ]
 
 
 class Data(Section):
     train: DatasetSource = Field(
-        ..., description="Training data: a path (a .txt or .jsonl text file, or 'builtin:shakespeare', whose "
+        ...,
+        description="Training data: a path (a .txt or .jsonl text file, or 'builtin:shakespeare', whose "
         "validation side is 'builtin:shakespeare/validation') trained on as "
         "text, or a list of datasets (path, type, weight and field names; see DatasetSpec) for instruction and chat "
-        "data; one dataset may be written as a mapping.")
+        "data; one dataset may be written as a mapping.",
+    )
     validation: DatasetSource | None = Field(
-        None, description="Validation data, a path or a list of datasets like `train`; when absent, a tail of the "
-        "training samples.")
-    validation_fraction: float = Field(0.05, gt=0, lt=1, description="Share of the training data held out when no validation is given: the last windows of text, the last samples of each dataset of a list (at least one; give data.validation to train on every sample).")
+        None,
+        description="Validation data, a path or a list of datasets like `train`; when absent, a tail of the "
+        "training samples.",
+    )
+    validation_fraction: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description="Share of the training data held out when no validation is given: the last windows of text, the last samples of each dataset of a list (at least one; give data.validation to train on every sample).",
+    )
     format: Literal["auto", "text", "jsonl"] = Field("auto", description="File format; 'auto' decides by extension.")
     field: str = Field("text", min_length=1, description="JSONL field holding the text.")
     seq_len: int = Field(1024, ge=8, le=1_048_576, description="Tokens per training sample.")
-    packing: bool = Field(True, description="Text: pack documents end to end into seq_len windows (else each "
-                          "document starts its own windows, its last one padded). Datasets: pack whole samples into seq_len rows, each attending only to itself "
-                          "(position ids restart per sample); else one sample per row, padded.")
+    packing: bool = Field(
+        True,
+        description="Text: pack documents end to end into seq_len windows (else each "
+        "document starts its own windows, its last one padded). Datasets: pack whole samples into seq_len rows, each attending only to itself "
+        "(position ids restart per sample); else one sample per row, padded.",
+    )
     group_by_length: bool | None = Field(
-        None, description="Length bucketing: each optimizer step takes rows of similar length (sorted within a "
+        None,
+        description="Length bucketing: each optimizer step takes rows of similar length (sorted within a "
         "seeded mega-batch of 50 steps, the step groups shuffled) and each micro-batch is cut to its longest row "
         "(rounded up to 8 tokens), so padding is not computed; every row is still seen once per epoch and a "
-        "resumed run sees the same batches. null: on when packing is off, off when it is on.")
-    cache_dir: str | None = Field(None, description="Token cache directory (default $MEMTRAIN_CACHE, else ~/.cache/memtrain/tokens). It keeps an entry "
-                           "per version of the data and tokenizer, about the size of the data, and is never pruned: delete it, or "
-                           "entries in it, to free the space; what a run needs is tokenised again.")
+        "resumed run sees the same batches. null: on when packing is off, off when it is on.",
+    )
+    cache_dir: str | None = Field(
+        None,
+        description="Token cache directory (default $MEMTRAIN_CACHE, else ~/.cache/memtrain/tokens). It keeps an entry "
+        "per version of the data and tokenizer, about the size of the data, and is never pruned: delete it, or "
+        "entries in it, to free the space; what a run needs is tokenised again.",
+    )
     template: str | None = Field(
-        None, description="Chat template for completion, instruction and chat datasets: a shipped one (chatml, "
+        None,
+        description="Chat template for completion, instruction and chat datasets: a shipped one (chatml, "
         "llama-3, alpaca) or null for the tokenizer's own chat_template. A conversation is tokenised as "
         "apply_chat_template(tokenize=True) tokenises it, so training sees the token ids inference prompts with; "
-        "an answer that starts with whitespace starts at a token boundary, as the generation prompt ends.")
-    train_on_inputs: bool = Field(False, description="Train on every token (prompts, system text and template markers "
-                                  "too); false: only on the responses.")
+        "an answer that starts with whitespace starts at a token boundary, as the generation prompt ends.",
+    )
+    train_on_inputs: bool = Field(
+        False,
+        description="Train on every token (prompts, system text and template markers "
+        "too); false: only on the responses.",
+    )
     train_on: Literal["all_turns", "last_turn"] = Field(
-        "all_turns", description="Which assistant turns of a conversation are targets (with train_on_inputs false).")
+        "all_turns", description="Which assistant turns of a conversation are targets (with train_on_inputs false)."
+    )
     truncation: Literal["truncate", "drop"] = Field(
-        "truncate", description="A sample longer than seq_len: truncate keeps its first seq_len tokens, drop leaves "
-        "it out; either way the count is reported, and a sample left with no target tokens is dropped.")
+        "truncate",
+        description="A sample longer than seq_len: truncate keeps its first seq_len tokens, drop leaves "
+        "it out; either way the count is reported, and a sample left with no target tokens is dropped.",
+    )
     skip_untrainable: bool = Field(
-        False, description="Leave out a completion, instruction or chat record with nothing to train on (no assistant "
+        False,
+        description="Leave out a completion, instruction or chat record with nothing to train on (no assistant "
         "message, or an empty or null answer, as scraped ShareGPT dumps have), counted and warned about with the first "
-        "one's line; an error if every record of a dataset is one. False: such a record is an error naming its line.")
+        "one's line; an error if every record of a dataset is one. False: such a record is an error naming its line.",
+    )
     add_special_tokens: bool = Field(
-        False, description="Add the template's markers (e.g. <|im_start|>, <|im_end|>) to the tokenizer when it lacks "
-        "them; the model's embeddings grow to match and are trained. False: a missing marker is an error.")
+        False,
+        description="Add the template's markers (e.g. <|im_start|>, <|im_end|>) to the tokenizer when it lacks "
+        "them; the model's embeddings grow to match and are trained. False: a missing marker is an error.",
+    )
 
     @model_validator(mode="after")
     def _train_and_validation_alike(self) -> Data:
         if self.validation is not None and isinstance(self.train, str) != isinstance(self.validation, str):
             # " — " separates the message from the hint (see recipe/messages.py)
-            raise ValueError("data.train and data.validation must both be paths (text) or both lists of datasets — "
-                             "a text file in a list is {path: FILE, type: text}")
+            raise ValueError(
+                "data.train and data.validation must both be paths (text) or both lists of datasets — "
+                "a text file in a list is {path: FILE, type: text}"
+            )
         return self
 
     @property
@@ -314,31 +432,50 @@ def gpu_spec(value: str) -> str:
         return value
     if looks_like_size(value):
         if _byte_size(value) <= 0:
-            raise ValueError(f"a card of '{value}' has no memory to plan against: the size must be positive — "
-                             "give the card's memory, such as '24GiB'")
+            raise ValueError(
+                f"a card of '{value}' has no memory to plan against: the size must be positive — "
+                "give the card's memory, such as '24GiB'"
+            )
         return value
     close = difflib.get_close_matches(value, gpu_profile_names(), n=1)
     hint = f"did you mean '{close[0]}'? " if close else ""
     # " — " separates the message from the hint (see recipe/messages.py)
-    raise ValueError(f"'{value}' is neither a GPU profile nor a size — "
-                     f"{hint}profiles: {', '.join(gpu_profile_names())}; or a size such as '24GiB'")
+    raise ValueError(
+        f"'{value}' is neither a GPU profile nor a size — "
+        f"{hint}profiles: {', '.join(gpu_profile_names())}; or a size such as '24GiB'"
+    )
 
 
 class Hardware(Section):
     gpus: int = Field(1, ge=1, le=64, description="GPUs (processes) to train on, on each node.")
-    nodes: int = Field(1, ge=1, le=256, description="Machines the run spans, `gpus` processes on each; one "
-                       "`memtrain run` per node (--node-rank), or one with --hostfile that starts them all, "
-                       "docs/MULTINODE.md.")
-    gpu: Annotated[str, AfterValidator(gpu_spec)] = Field("rtx3090", description="Target card: a profile in configs/gpus (rtx3090, rtx4090, ...) or a size such as '24GiB'.")
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Machines the run spans, `gpus` processes on each; one "
+        "`memtrain run` per node (--node-rank), or one with --hostfile that starts them all, "
+        "docs/MULTINODE.md.",
+    )
+    gpu: Annotated[str, AfterValidator(gpu_spec)] = Field(
+        "rtx3090",
+        description="Target card: a profile in configs/gpus (rtx3090, rtx4090, ...) or a size such as '24GiB'.",
+    )
     host_memory: ByteSize | None = Field(
-        None, description="Host RAM available to the run, e.g. '64GiB'. Unset: `memtrain run` checks the plan "
+        None,
+        description="Host RAM available to the run, e.g. '64GiB'. Unset: `memtrain run` checks the plan "
         "against the RAM of the machine it runs on, and `memtrain plan` checks no host capacity (it still "
-        "prints the host bytes).")
+        "prints the host bytes).",
+    )
     nvme_path: str | None = Field(None, description="Directory on a fast disk for the NVMe offload tiers.")
-    cap_memory: bool = Field(True, description="On a card larger than the target, cap this process to the target's memory.")
-    expandable_segments: bool = Field(True, description="PyTorch's expandable CUDA segments: memory one phase frees is "
-                                      "reused by the next whatever the sizes, so little is reserved beyond what is "
-                                      "allocated (PYTORCH_CUDA_ALLOC_CONF, when set, wins).")
+    cap_memory: bool = Field(
+        True, description="On a card larger than the target, cap this process to the target's memory."
+    )
+    expandable_segments: bool = Field(
+        True,
+        description="PyTorch's expandable CUDA segments: memory one phase frees is "
+        "reused by the next whatever the sizes, so little is reserved beyond what is "
+        "allocated (PYTORCH_CUDA_ALLOC_CONF, when set, wins).",
+    )
 
     @property
     def world_size(self) -> int:
@@ -357,8 +494,12 @@ class Checkpointing(Section):
         "selective: the article's default (embeddings saved, attention and MLP blocks recomputed); rules: use `rules`.",
     )
     every_n_layers: int = Field(1, ge=1, description="With every_n_layers: checkpoint one layer in N.")
-    first_n_layers: int = Field(0, ge=0, description="With first_n_layers: recompute this many decoder layers, "
-                                "from the first (all of them when it is more than the model has).")
+    first_n_layers: int = Field(
+        0,
+        ge=0,
+        description="With first_n_layers: recompute this many decoder layers, "
+        "from the first (all of them when it is more than the model has).",
+    )
     rules: dict[str, CheckpointAction] = Field(
         default_factory=dict,
         description="Module-name glob -> save | recompute | offload, e.g. {'model.layers.*.mlp': recompute}.",
@@ -380,14 +521,18 @@ class Precision(Section):
         "autocast: weights stored in fp32 and matmuls (nn.Linear) run in bf16 through DeepSpeed's torch_autocast, "
         "so fp32_modules keep fp32 weights too, at twice the weight memory.",
     )
-    master: Literal["fp32", "bf16"] = Field("fp32", description="Dtype of master weights and optimizer states (bf16 halves host memory).")
+    master: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Dtype of master weights and optimizer states (bf16 halves host memory)."
+    )
     loss_scale: LossScale | None = Field(None, description="fp16 dynamic loss scaling (only with compute: fp16).")
     fp32_modules: list[str] = Field(
         default_factory=list,
         description="Module-name globs kept in fp32, e.g. ['*norm*', 'lm_head'].",
     )
     fp32_loss: bool = Field(True, description="Compute softmax / cross-entropy of the logits in fp32.")
-    chunked_loss: bool = Field(True, description="Compute the loss over vocabulary-chunks of tokens so full fp32 logits never exist.")
+    chunked_loss: bool = Field(
+        True, description="Compute the loss over vocabulary-chunks of tokens so full fp32 logits never exist."
+    )
     loss_chunk_tokens: int = Field(1024, ge=16, description="Tokens per chunk of the chunked loss.")
 
     @property
@@ -406,28 +551,47 @@ class Aio(Section):
 
 class Offload(Section):
     zero_stage: Literal["auto", 0, 1, 2, 3] = Field(
-        "auto", description="ZeRO stage; auto: 3 when parameters are offloaded or the optimizer states go to NVMe "
-        "(only ZeRO-3 swaps them to disk), else 2.")
+        "auto",
+        description="ZeRO stage; auto: 3 when parameters are offloaded or the optimizer states go to NVMe "
+        "(only ZeRO-3 swaps them to disk), else 2.",
+    )
     optimizer: Tier = Field("none", description="Where optimizer states (fp32 master + Adam moments) live.")
     params: Tier = Field("none", description="Where parameters live between uses (needs ZeRO-3).")
-    ratio: float = Field(1.0, gt=0, le=1, description=(
-        "Share of optimizer states offloaded (ZeRO-3 partial offload): the first (1 - ratio) of the optimizer's "
-        "sub-groups (1e8 elements each) keep master weights, moments and gradients on the GPU and are updated there; "
-        "memtrain checkpoints their moments, which DeepSpeed's own checkpoint leaves out."))
+    ratio: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description=(
+            "Share of optimizer states offloaded (ZeRO-3 partial offload): the first (1 - ratio) of the optimizer's "
+            "sub-groups (1e8 elements each) keep master weights, moments and gradients on the GPU and are updated there; "
+            "memtrain checkpoints their moments, which DeepSpeed's own checkpoint leaves out."
+        ),
+    )
     pin_memory: bool = Field(True, description="Page-locked host buffers for faster transfers.")
-    cpu_adam: Literal["deepspeed", "torch"] = Field("deepspeed", description=(
-        "The AdamW that steps an optimizer offloaded to the CPU: deepspeed, DeepSpeed's CPU Adam (a C++ op built with "
-        "the machine's compiler on first use); torch, PyTorch's fused AdamW on the CPU (nothing to build; fp32 master "
-        "weights only, offload.optimizer=cpu)."))
+    cpu_adam: Literal["deepspeed", "torch"] = Field(
+        "deepspeed",
+        description=(
+            "The AdamW that steps an optimizer offloaded to the CPU: deepspeed, DeepSpeed's CPU Adam (a C++ op built with "
+            "the machine's compiler on first use); torch, PyTorch's fused AdamW on the CPU (nothing to build; fp32 master "
+            "weights only, offload.optimizer=cpu)."
+        ),
+    )
     overlap_comm: bool = Field(True, description="Overlap gradient reduction / transfers with backward.")
     buffer_count: int = Field(5, ge=1, description="Parameter buffers for NVMe/CPU parameter offload.")
     max_live_parameters: int = Field(1_000_000_000, ge=0, description="ZeRO-3: parameters resident on the GPU at once.")
-    prefetch_bucket_size: int | Literal["auto"] = Field("auto", description="ZeRO-3 prefetch size in elements; auto derives from hidden size.")
-    bucket_size: int | Literal["auto"] = Field("auto", description="Reduce / all-gather bucket size in elements; auto derives from hidden size.")
+    prefetch_bucket_size: int | Literal["auto"] = Field(
+        "auto", description="ZeRO-3 prefetch size in elements; auto derives from hidden size."
+    )
+    bucket_size: int | Literal["auto"] = Field(
+        "auto", description="Reduce / all-gather bucket size in elements; auto derives from hidden size."
+    )
     aio: Aio = Field(default_factory=Aio, description="Asynchronous I/O settings for the NVMe tiers (DeepSpeed `aio`).")
-    zenflow: bool = Field(False, description="DeepSpeed ZenFlow (top-k gradient columns updated on the GPU, the rest "
-                          "by the CPU optimizer, overlapped). Refused: DeepSpeed 0.19.8's ZenFlow scrambles the weight "
-                          "matrices inside deepspeed.initialize (docs/BENCHMARKS.md, levers).")
+    zenflow: bool = Field(
+        False,
+        description="DeepSpeed ZenFlow (top-k gradient columns updated on the GPU, the rest "
+        "by the CPU optimizer, overlapped). Refused: DeepSpeed 0.19.8's ZenFlow scrambles the weight "
+        "matrices inside deepspeed.initialize (docs/BENCHMARKS.md, levers).",
+    )
 
     @property
     def stage(self) -> int:
@@ -453,10 +617,14 @@ class Adaptive(Section):
 class Batch(Section):
     global_batch: int = Field(32, ge=1, description="Samples per optimizer step, over all GPUs.")
     micro_batch: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
-        "auto", description="Samples per forward pass per GPU, or 'auto': the planner's largest size that divides "
+        "auto",
+        description="Samples per forward pass per GPU, or 'auto': the planner's largest size that divides "
         "the per-GPU share of global_batch and fits the card with its measured margin (fewer micro-batches per step; "
-        "with an offloaded optimizer each one costs a gradient round trip through the host).")
-    policy: Literal["fixed", "adaptive"] = Field("fixed", description="adaptive: grow/shrink micro_batch with memory, global batch fixed.")
+        "with an offloaded optimizer each one costs a gradient round trip through the host).",
+    )
+    policy: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="adaptive: grow/shrink micro_batch with memory, global batch fixed."
+    )
     adaptive: Adaptive = Field(default_factory=Adaptive, description="Thresholds of the adaptive policy.")
 
 
@@ -466,21 +634,25 @@ class Optimizer(Section):
         description="adamw: torch's fused AdamW on the GPU, DeepSpeed's CPU Adam when offloaded; adamw_8bit: "
         "bitsandbytes' AdamW with 8-bit blockwise moments (2 instead of 8 bytes per trainable parameter); "
         "paged_*: bitsandbytes' AdamW whose states live in CUDA unified memory that pages to the host under "
-        "memory pressure. The bitsandbytes optimizers stay beside the model (no offload.optimizer).")
+        "memory pressure. The bitsandbytes optimizers stay beside the model (no offload.optimizer).",
+    )
     lr: float = Field(2e-4, gt=0, lt=1, description="Peak learning rate.")
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
-        (0.9, 0.95), description="Adam moment decay rates (beta1, beta2).")
+        (0.9, 0.95), description="Adam moment decay rates (beta1, beta2)."
+    )
     eps: float = Field(1e-8, gt=0, le=1, description="Adam denominator epsilon.")
     # each update multiplies the weights by (1 - lr × weight_decay): far above 1 they flip sign and blow up
     weight_decay: float = Field(0.0, ge=0, le=1, description="Decoupled weight decay (AdamW), usually 0-0.1.")
     grad_clip: float = Field(1.0, ge=0, description="Max gradient norm; 0 disables clipping.")
     step_in_backward: bool = Field(
-        False, description="Update each parameter as soon as backward has its gradient, and free the gradient "
+        False,
+        description="Update each parameter as soon as backward has its gradient, and free the gradient "
         "(torchtune's optimizer-in-backward): a full fine-tune never holds the model's gradients. Needs one "
         "micro-batch per step (batch.micro_batch = batch.global_batch, which 'auto' gives it), optimizer.grad_clip=0, one GPU, "
         "offload.zero_stage=0, batch.policy=fixed, precision.mode=cast and the weights as their own master copy "
         "(precision.master=bf16, or fp32 with compute fp32); with "
-        "paged_adamw_8bit the states page between the card and the host.")
+        "paged_adamw_8bit the states page between the card and the host.",
+    )
 
     @property
     def eight_bit(self) -> bool:
@@ -503,28 +675,43 @@ class Train(Section):
     steps: int | None = Field(None, ge=1, description="Optimizer steps; give exactly one of steps and epochs.")
     epochs: float | None = Field(None, gt=0, description="Passes over the training data, instead of steps.")
     eval_every: int = Field(100, ge=1, description="Evaluate every N optimizer steps (and at the end).")
-    eval_batches: int = Field(8, ge=1, description="Validation batches per evaluation, over all GPUs, each of batch.micro_batch "
-                              "samples, or of 4 when it is 'auto' (the set does not depend on the card or the GPU count).")
+    eval_batches: int = Field(
+        8,
+        ge=1,
+        description="Validation batches per evaluation, over all GPUs, each of batch.micro_batch "
+        "samples, or of 4 when it is 'auto' (the set does not depend on the card or the GPU count).",
+    )
     eval_generate: int = Field(
-        0, ge=0, description="Held-out conversations the model answers by greedy generation at step 0 and at the "
+        0,
+        ge=0,
+        description="Held-out conversations the model answers by greedy generation at step 0 and at the "
         "end of the run, scored by exact match with the last assistant message (a 'generation' record in "
-        "metrics.jsonl); needs completion, instruction or chat data, and not ZeRO-3. 0: off.")
+        "metrics.jsonl); needs completion, instruction or chat data, and not ZeRO-3. 0: off.",
+    )
     save_every: int = Field(500, ge=1, description="Checkpoint every N optimizer steps (and at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept.")
     log_every: int = Field(10, ge=1, description="Flush metrics every N optimizer steps (no per-step host sync).")
     seed: int = Field(1234, ge=0, description="Seed of model initialisation, data order and dropout.")
     max_bad_steps: int = Field(
-        3, ge=1, le=1000, description="Steps in a row whose loss or gradient norm is not finite (NaN/inf) before the "
-        "run stops; each such step's update is skipped, and no checkpoint is saved from that state.")
+        3,
+        ge=1,
+        le=1000,
+        description="Steps in a row whose loss or gradient norm is not finite (NaN/inf) before the "
+        "run stops; each such step's update is skipped, and no checkpoint is saved from that state.",
+    )
     compile: bool | Literal["auto"] = Field(
-        "auto", description="torch.compile each decoder layer: fuses the element-wise work around the matmuls "
+        "auto",
+        description="torch.compile each decoder layer: fuses the element-wise work around the matmuls "
         "(norms, rotary embedding, SwiGLU, LoRA scaling and dropout) into fewer kernels. The first step waits "
         "for the compiler (one layer is compiled, the others reuse it; its cache makes later runs start sooner). "
         "ZeRO stage 0-2, no activation offload rules, no quantised base. auto: on a CUDA GPU for LoRA of a "
         "family it was measured on (Llama, Mistral, Qwen2; memtrain.model.compiled), not with lean LoRA dropout; "
         "true: wherever allowed; false: never. A layer the compiler fails on runs eager (PyTorch's warning says "
-        "why). `memtrain plan` prices compiled layers where the run on a GPU would compile them.")
-    output_dir: str = Field("runs/{name}", description="Run directory; {name} is the run name (the recipe's name, else its file's stem).")
+        "why). `memtrain plan` prices compiled layers where the run on a GPU would compile them.",
+    )
+    output_dir: str = Field(
+        "runs/{name}", description="Run directory; {name} is the run name (the recipe's name, else its file's stem)."
+    )
 
 
 class Recipe(Section):
@@ -535,14 +722,24 @@ class Recipe(Section):
 
     name: str | None = Field(None, description="Run name (default: the recipe file's stem).")
     extends: str | None = Field(None, description="A recipe file this one extends (its keys are the defaults).")
-    model: Model = Field(..., description="What to fine-tune: a shape preset or a local model directory, and optional LoRA.")
+    model: Model = Field(
+        ..., description="What to fine-tune: a shape preset or a local model directory, and optional LoRA."
+    )
     data: Data = Field(..., description="Training and validation text, sequence length, packing.")
     hardware: Hardware = Field(default_factory=Hardware, description="GPUs, target card, host memory, NVMe directory.")
-    checkpointing: Checkpointing = Field(default_factory=Checkpointing, description="Which activations are kept and which recomputed.")
-    precision: Precision = Field(default_factory=Precision, description="Compute and master dtypes, fp16 loss scaling, modules kept in fp32.")
-    offload: Offload = Field(default_factory=Offload, description="ZeRO stage and where optimizer states and parameters live.")
+    checkpointing: Checkpointing = Field(
+        default_factory=Checkpointing, description="Which activations are kept and which recomputed."
+    )
+    precision: Precision = Field(
+        default_factory=Precision, description="Compute and master dtypes, fp16 loss scaling, modules kept in fp32."
+    )
+    offload: Offload = Field(
+        default_factory=Offload, description="ZeRO stage and where optimizer states and parameters live."
+    )
     batch: Batch = Field(default_factory=Batch, description="Global batch, micro-batch and the adaptive batch policy.")
     optimizer: Optimizer = Field(default_factory=Optimizer, description="AdamW settings and gradient clipping.")
     schedule: Schedule = Field(default_factory=Schedule, description="Learning-rate warmup and decay.")
-    train: Train = Field(default_factory=Train, description="Run length, evaluation, checkpoint and logging cadence, seed, output directory.")
-
+    train: Train = Field(
+        default_factory=Train,
+        description="Run length, evaluation, checkpoint and logging cadence, seed, output directory.",
+    )

@@ -1,5 +1,6 @@
 """Where each key of a recipe came from, and the recipe as loaded: what turns a problem at a key path
 into a message with file:line."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -36,8 +37,10 @@ class Sources:
     def locate(self, error: UserError) -> UserError:
         """The same error with each problem that names a key but no file placed at that key's file:line
         (layers below the recipe, such as the planner, know key paths, not files)."""
-        located = [self.problem(tuple(p.key.split(".")), p.message, p.hint) if p.key and not p.file else p
-                   for p in error.problems]
+        located = [
+            self.problem(tuple(p.key.split(".")), p.message, p.hint) if p.key and not p.file else p
+            for p in error.problems
+        ]
         return type(error)(located)
 
     @contextmanager

@@ -1,7 +1,9 @@
 """The training loop: for each optimizer step, this rank's share of the global batch in micro-batches
 sized by the batch policy; metrics kept on the device and flushed every `log_every` steps; periodic
-atomic checkpoints; a Hugging Face export at the end. Everything it drives is built by `setup.py`.
+atomic checkpoints; a Hugging Face export at the end. Everything it drives is built by `setup.py`;
+the start record, the first step's mark, evaluation and the run's end are the named helpers below it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,16 +19,16 @@ import torch
 from memtrain.errors import UserError
 from memtrain.monitor.perplexity import perplexity
 from memtrain.monitor.profiler import phase
-from memtrain.train.distributed import Place, all_reduce_sum, sum_by_node
-from memtrain.train.eval_batches import run_shrinking
-from memtrain.train.export import export_model
-from memtrain.train.guard import Guard
-from memtrain.train.progress import Progress
-from memtrain.train.result import RunResult
-from memtrain.train.restart_note import NOTE_FILE
-from memtrain.train.run import max_steps_left
+from memtrain.train.eval.validation_loss import evaluate
+from memtrain.train.progress_bar import Progress
+from memtrain.train.resolve import max_steps_left
+from memtrain.train.runtime.distributed import Place, sum_by_node
+from memtrain.train.runtime.result import RunResult
+from memtrain.train.runtime.signals import note_stop, received_stop
 from memtrain.train.setup import Training
-from memtrain.train.signals import note_stop, received_stop
+from memtrain.train.state.final_model import export_model
+from memtrain.train.state.restart_note import NOTE_FILE
+from memtrain.train.step.guard import Guard
 
 
 class Interrupted:
@@ -42,7 +44,9 @@ class Interrupted:
 
         def request(signum, frame):
             note_stop(signum)
-            if self.requested and signum == signal.SIGINT:  # a second Ctrl-C aborts at once (a repeated SIGTERM does not)
+            if (
+                self.requested and signum == signal.SIGINT
+            ):  # a second Ctrl-C aborts at once (a repeated SIGTERM does not)
                 signal.signal(signal.SIGINT, previous[signal.SIGINT])
                 raise KeyboardInterrupt
             self.signum = signum if not self.requested else self.signum
@@ -57,61 +61,17 @@ class Interrupted:
                 signal.signal(sig, handler)
 
 
-def evaluate(engine, loader, val_set, samples: int, micro_batch: int, device, world_size: int, rank: int,
-             before=None, on_oom=None) -> float:
-    """Mean token loss over the first `samples` validation samples, shared out over the ranks.
-
-    The sample set depends on neither the number of GPUs nor the current micro-batch, so runs on
-    different hardware report comparable numbers. An OOM halves the evaluation micro-batch (eval_batches.py).
-    """
-    engine.eval()
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    tokens = torch.zeros((), device=device, dtype=torch.float64)
-    mine = list(range(rank, min(len(val_set), samples), world_size))
-
-    def one(indices):
-        nonlocal loss_sum, tokens
-        batch = loader.get(indices)
-        token_loss_sum, n_targets = engine(**batch)
-        loss_sum += token_loss_sum.double()
-        tokens += n_targets.double() if torch.is_tensor(n_targets) else n_targets
-
-    with torch.no_grad():
-        run_shrinking(mine, micro_batch, one, device, before=before, on_oom=on_oom)
-    engine.train()
-    totals = all_reduce_sum(torch.stack([loss_sum, tokens]))
-    return float(totals[0] / totals[1].clamp(min=1))
-
-
 def train(t: Training, quiet: bool = False) -> RunResult:
     """Train a set-up run to its last step (or --max-steps, or an interruption); returns how it ended."""
-    r, run, place, state, session = t.recipe, t.run, t.place, t.state, t.session
-    world, rank, device = place.world_size, place.rank, place.device
-    global_batch, per_rank_batch = r.batch.global_batch, run.per_rank_batch
-    t.metrics.event("run", state.step, event="resume" if t.resumed_from else "start", recipe=run.name,
-                    gpu_cap_bytes=t.cap_bytes, device=str(device), world_size=world, total_steps=run.total_steps,
-                    micro_batch=session.policy.micro_batch, plan_peak_reserved_bytes=run.plan_peak_reserved_bytes,
-                    process_started=psutil.Process().create_time(),  # the origin of "time to first step"
-                    pinned_sizes="exact" if place.on_cuda and run.exact_pinned else "power_of_two",
-                    **_data_fields(t.data.train_set))
-    if t.restarted_after is not None:  # after the run's start record: what made this attempt start smaller
-        note = t.restarted_after
-        t.metrics.event("oom", note.oom_step, micro_batch=note.failed_micro_batch, in_backward=True, rank=note.rank,
-                        error=note.error, restarted_from=note.resume_step)
-        t.metrics.event("batch", state.step, old_micro_batch=note.failed_micro_batch,
-                        new_micro_batch=session.policy.micro_batch, reason="oom")
-        if place.is_main:
-            print(f"· starting at micro-batch {session.policy.micro_batch}: rank {note.rank} ran out of memory in the "
-                  f"backward of step {note.oom_step + 1} at micro-batch {note.failed_micro_batch} ({NOTE_FILE} in "
-                  "the run directory, until the next checkpoint)", file=sys.stderr, flush=True)
-    if t.startup is not None:
-        t.startup.mark("loop_start")  # the run's start record
-    stop_at = min(run.total_steps, session.max_steps_stop or run.total_steps)
+    r, run, place, state, stepper = t.recipe, t.run, t.place, t.state, t.stepper
+    rank, global_batch, per_rank_batch = place.rank, r.batch.global_batch, run.per_rank_batch
+    _announce_start(t)
+    stop_at = min(run.total_steps, stepper.max_steps_stop or run.total_steps)
     interrupted = Interrupted()
-    early = received_stop()  # asked during start-up, where the handler's exception can be lost (audit 18d)
+    early = received_stop()  # asked during start-up, where the handler's exception can be lost
     if early is not None:
         interrupted.requested, interrupted.signum = True, early
-    guard = Guard(r, t.metrics, world, device, run.run_dir, state.divergence)  # NaN/inf, divergence, agreeing to stop
+    guard = Guard(r, t.metrics, place.world_size, place.device, run.run_dir, state.divergence)  # NaN/inf, divergence
     status, eval_loss = "done", None
     progress = Progress(run.total_steps, enabled=place.is_main and not quiet)
     with interrupted.installed():
@@ -125,49 +85,56 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                 step_start = time.perf_counter()
                 samples = t.order.indices(state.step * global_batch, global_batch)
                 targets = t.data.train_set.targets(samples)  # of the whole global batch: every rank knows all samples
-                outcome = session.forward_backward(samples[rank * per_rank_batch:(rank + 1) * per_rank_batch], targets)
+                outcome = stepper.forward_backward(
+                    samples[rank * per_rank_batch : (rank + 1) * per_rank_batch], targets
+                )
                 if outcome is None:  # an OOM in ZeRO-1/2 backward: saved; the launcher resumes from there
-                    return RunResult(status="restart", step=state.step, run_dir=run.run_dir,
-                                     max_steps_left=max_steps_left(session.max_steps_stop, state.step))
+                    return RunResult(
+                        status="restart",
+                        step=state.step,
+                        run_dir=run.run_dir,
+                        max_steps_left=max_steps_left(stepper.max_steps_stop, state.step),
+                    )
                 loss_sum, micro_batches, ooms = outcome
                 skipped_before = t.engine.skipped_steps
                 with phase("optimizer_step"):
                     t.engine.step()
-                verdict = guard.after_step(state.step + 1, loss_sum, targets, t.engine, skipped_before,
-                                           interrupted.signum if interrupted.requested else None)
+                verdict = guard.after_step(
+                    state.step + 1,
+                    loss_sum,
+                    targets,
+                    t.engine,
+                    skipped_before,
+                    interrupted.signum if interrupted.requested else None,
+                )
                 t.hooks.sample_trace.commit(state.step, rank)
                 state.divergence = guard.state_dict()  # what any save from here on carries
                 state.step += 1
                 state.tokens += targets
-                session.adapt_batch()
-                if t.startup is not None:  # the first step of this attempt: where the start went, once
-                    if place.on_cuda:
-                        torch.cuda.synchronize()  # the step's kernels finished, as "first step" means
-                    t.startup.mark("first_step")
-                    t.metrics.event("startup", state.step, **t.startup.record())
-                    t.startup = None
+                stepper.adapt_batch()
+                _mark_first_step(t)
                 # loss: the global batch's mean (the guard's all-reduce summed the ranks' shares), as one process logs
-                t.metrics.record("train", state.step, loss=verdict.loss, lr=t.scheduler.get_last_lr()[0],
-                                 tokens=state.tokens, step_time_s=time.perf_counter() - step_start,
-                                 micro_batch=session.policy.micro_batch, grad_accum=micro_batches, ooms=ooms,
-                                 **_memory_fields(place, t.cap_bytes, r.hardware.nodes),
-                                 **_loss_scale_fields(t.engine, r))
+                t.metrics.record(
+                    "train",
+                    state.step,
+                    loss=verdict.loss,
+                    lr=t.scheduler.get_last_lr()[0],
+                    tokens=state.tokens,
+                    step_time_s=time.perf_counter() - step_start,
+                    micro_batch=stepper.policy.micro_batch,
+                    grad_accum=micro_batches,
+                    ooms=ooms,
+                    **_memory_fields(place, t.cap_bytes, r.hardware.nodes),
+                    **_loss_scale_fields(t.engine, r),
+                )
                 progress.update(state.step, t.metrics.last_flushed)
                 t.profiler.step()
                 last = state.step == stop_at
                 if state.step % r.train.eval_every == 0 or last:
-                    eval_loss = evaluate(t.engine, t.val_loader, t.data.val_set, run.eval_samples,
-                                         session.policy.micro_batch, device, world, rank,
-                                         before=lambda i, n: t.hooks.oom_eval.maybe_raise(state.step, i, n),
-                                         on_oom=lambda n: t.metrics.event("oom", state.step, micro_batch=n,
-                                                                          phase="eval"))
-                    t.metrics.event("eval", state.step, loss=eval_loss, perplexity=perplexity(eval_loss))
-                    progress.note_eval(state.step, eval_loss)
-                    if state.best_eval_loss is None or eval_loss < state.best_eval_loss:
-                        state.best_eval_loss = eval_loss
+                    eval_loss = _evaluate(t, progress)
                 due = state.step % r.train.save_every == 0 or last or verdict.stop
                 if t.options.save and verdict.may_save and due:
-                    session.checkpoint()
+                    stepper.checkpoint()
                 if verdict.stop:
                     status = "interrupted"
                     interrupted.signum = verdict.signum  # every rank the same, also one that got no signal
@@ -177,25 +144,125 @@ def train(t: Training, quiet: bool = False) -> RunResult:
         # evaluation and the export (part of saving) finish, and the run then ends "interrupted" with the
         # signal's exit code, as a launcher of several processes reports it whatever its workers do; running
         # again finds the model exported. A second Ctrl-C aborts at once, as during training.
-        if status == "done" and state.step < run.total_steps:
-            status = "stopped"
-        if status == "done" and t.generation is not None:  # and after it
-            progress.note(t.generation.record(t.model, t.metrics, state.step).describe(state.step))
-        exported = None
-        if status == "done" and t.options.save:
-            try:
-                exported = export_model(t.engine, t.model, t.data.tokenizer, run.run_dir / "final", rank,
-                                        r.offload.stage == 3, r.data)
-            except UserError:  # could not write (full, read-only): the run's end is on record for `report`
-                t.metrics.event("run", state.step, event="end", status="export_failed")
-                raise
-        if interrupted.requested and status in ("done", "stopped"):  # the signal came after the last step's verdict
-            status = "interrupted"
-        t.metrics.event("run", state.step, event="end", status=status,
-                        **({"exported": str(exported)} if exported is not None and status != "done" else {}))
-    return RunResult(status=status, step=state.step, run_dir=run.run_dir, final_eval_loss=eval_loss, exported=exported,
-                     signum=interrupted.signum, warning=guard.warning,
-                     saved=t.options.save)
+        status, exported = _finish(t, status, interrupted, progress)
+    return RunResult(
+        status=status,
+        step=state.step,
+        run_dir=run.run_dir,
+        final_eval_loss=eval_loss,
+        exported=exported,
+        signum=interrupted.signum,
+        warning=guard.warning,
+        saved=t.options.save,
+    )
+
+
+def _announce_start(t: Training) -> None:
+    """The run's start record, and after it what made this attempt start smaller (another process's OOM)."""
+    run, place, state, stepper = t.run, t.place, t.state, t.stepper
+    t.metrics.event(
+        "run",
+        state.step,
+        event="resume" if t.resumed_from else "start",
+        recipe=run.name,
+        gpu_cap_bytes=t.cap_bytes,
+        device=str(place.device),
+        world_size=place.world_size,
+        total_steps=run.total_steps,
+        micro_batch=stepper.policy.micro_batch,
+        plan_peak_reserved_bytes=run.plan_peak_reserved_bytes,
+        process_started=psutil.Process().create_time(),  # the origin of "time to first step"
+        pinned_sizes="exact" if place.on_cuda and run.exact_pinned else "power_of_two",
+        **_data_fields(t.data.train_set),
+    )
+    if t.startup is not None:
+        t.startup.mark("loop_start")  # the run's start record
+    note = t.restarted_after
+    if note is None:
+        return
+    t.metrics.event(
+        "oom",
+        note.oom_step,
+        micro_batch=note.failed_micro_batch,
+        in_backward=True,
+        rank=note.rank,
+        error=note.error,
+        restarted_from=note.resume_step,
+    )
+    t.metrics.event(
+        "batch",
+        state.step,
+        old_micro_batch=note.failed_micro_batch,
+        new_micro_batch=stepper.policy.micro_batch,
+        reason="oom",
+    )
+    if place.is_main:
+        print(
+            f"· starting at micro-batch {stepper.policy.micro_batch}: rank {note.rank} ran out of memory in the "
+            f"backward of step {note.oom_step + 1} at micro-batch {note.failed_micro_batch} ({NOTE_FILE} in "
+            "the run directory, until the next checkpoint)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _mark_first_step(t: Training) -> None:
+    """The first step of this attempt: where the start went, recorded once."""
+    if t.startup is None:
+        return
+    if t.place.on_cuda:
+        torch.cuda.synchronize()  # the step's kernels finished, as "first step" means
+    t.startup.mark("first_step")
+    t.metrics.event("startup", t.state.step, **t.startup.record())
+    t.startup = None
+
+
+def _evaluate(t: Training, progress: Progress) -> float:
+    """The validation loss over the run's fixed validation samples, recorded and shown."""
+    state = t.state
+    eval_loss = evaluate(
+        t.engine,
+        t.val_loader,
+        t.data.val_set,
+        samples=t.run.eval_samples,
+        micro_batch=t.stepper.policy.micro_batch,
+        place=t.place,
+        before=lambda i, n: t.hooks.oom_eval.maybe_raise(state.step, i, n),
+        on_oom=lambda n: t.metrics.event("oom", state.step, micro_batch=n, phase="eval"),
+    )
+    t.metrics.event("eval", state.step, loss=eval_loss, perplexity=perplexity(eval_loss))
+    progress.note_eval(state.step, eval_loss)
+    if state.best_eval_loss is None or eval_loss < state.best_eval_loss:
+        state.best_eval_loss = eval_loss
+    return eval_loss
+
+
+def _finish(t: Training, status: str, interrupted: Interrupted, progress: Progress):
+    """After the last step: the final generation score, the export, the end record. Returns (status, exported)."""
+    r, run, state = t.recipe, t.run, t.state
+    if status == "done" and state.step < run.total_steps:
+        status = "stopped"
+    if status == "done" and t.generation is not None:  # the score after training
+        progress.note(t.generation.record(t.model, t.metrics, state.step).describe(state.step))
+    exported = None
+    if status == "done" and t.options.save:
+        try:
+            exported = export_model(
+                t.engine, t.model, t.data.tokenizer, run.run_dir / "final", t.place.rank, r.offload.stage == 3, r.data
+            )
+        except UserError:  # could not write (full, read-only): the run's end is on record for `report`
+            t.metrics.event("run", state.step, event="end", status="export_failed")
+            raise
+    if interrupted.requested and status in ("done", "stopped"):  # the signal came after the last step's verdict
+        status = "interrupted"
+    t.metrics.event(
+        "run",
+        state.step,
+        event="end",
+        status=status,
+        **({"exported": str(exported)} if exported is not None and status != "done" else {}),
+    )
+    return status, exported
 
 
 def _data_fields(train_set) -> dict:
@@ -223,11 +290,13 @@ def _memory_fields(place: Place, cap_bytes: int, nodes: int = 1) -> dict:
         fields["host_rss_bytes_by_node"] = sum_by_node(rss, place.node_rank, nodes, place.device)
     if place.on_cuda:
         device = place.device
-        fields.update(gpu_allocated_bytes=torch.cuda.memory_allocated(device),
-                      gpu_reserved_bytes=torch.cuda.memory_reserved(device),
-                      gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
-                      gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
-                      gpu_cap_bytes=cap_bytes,
-                      # the allocator hit the cap, freed its cache and retried: slow, a sign to plan lower
-                      gpu_alloc_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+        fields.update(
+            gpu_allocated_bytes=torch.cuda.memory_allocated(device),
+            gpu_reserved_bytes=torch.cuda.memory_reserved(device),
+            gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
+            gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
+            gpu_cap_bytes=cap_bytes,
+            # the allocator hit the cap, freed its cache and retried: slow, a sign to plan lower
+            gpu_alloc_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0),
+        )
     return fields

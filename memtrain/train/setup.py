@@ -8,6 +8,7 @@
 `setup` registers every clean-up (prefetch threads, the metrics log) on the caller's ExitStack, so
 an exception anywhere in setup or training releases them. Scripts and tests use the same builders.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,51 +19,51 @@ from pathlib import Path
 import torch
 
 from memtrain.configs import model_preset, model_preset_names
-from memtrain.data.dataset import build_datasets
-from memtrain.data.loader import BatchLoader, SampleOrder, sample_order
-from memtrain.data.mixture import (
+from memtrain.data.render.chat import generation_prompt_warning, unclosed_turn_warning
+from memtrain.data.render.templates import ensure_template_tokens
+from memtrain.data.rows.dataset import build_datasets
+from memtrain.data.rows.loader import BatchLoader, SampleOrder, sample_order
+from memtrain.data.rows.mixture import (
     noted_datasets,
     trailing_turns_warning,
     unread_system_warning,
     untrainable_records_warning,
     unwritten_messages_warning,
 )
-from memtrain.data.render import generation_prompt_warning, unclosed_turn_warning
-from memtrain.data.templates import ensure_template_tokens
-from memtrain.data.tokenizer import load_tokenizer
+from memtrain.data.tokens.tokenizer import load_tokenizer
 from memtrain.ds_config.compiler import ds_config as compile_ds_config
 from memtrain.ds_config.compiler import uses_client_optimizer
 from memtrain.errors import DataError, Problem, UserError
 from memtrain.files import write_atomically
 from memtrain.model.build import build_model
-from memtrain.model.checkpointing import apply_checkpointing
 from memtrain.model.compiled import compile_layers
 from memtrain.model.config import meta_model, model_config
 from memtrain.model.kernels import apply_liger_kernels, patches_layers, uses_fused_loss
 from memtrain.model.loraplus import lora_param_groups
 from memtrain.model.precision import apply_precision
 from memtrain.model.quantize import require_bitsandbytes
+from memtrain.model.recompute import apply_checkpointing
 from memtrain.model.wrapper import TrainableLM
 from memtrain.monitor.forecast import PeakForecast
 from memtrain.monitor.metrics import MetricsLog
 from memtrain.monitor.profiler import StepProfiler
 from memtrain.monitor.startup import StartupClock
 from memtrain.recipe.schema import Recipe
-from memtrain.train.batch_policy import BatchPolicy
-from memtrain.train.checkpoint import LoopState, latest_checkpoint, load_checkpoint
-from memtrain.train.cpu_adam import CpuAdamLoad
-from memtrain.train.distributed import Place, setup_process
-from memtrain.train.generate_eval import GenerationEval
-from memtrain.train.hooks import Hooks
-from memtrain.train.in_backward import StepInBackward
-from memtrain.train.nodes import agree_on_run
-from memtrain.train.oom import start_memory_history
-from memtrain.train.restart_note import RestartNote, read_note
-from memtrain.train.resume import follow_recipe, optimizer_settings
-from memtrain.train.run import ResolvedRun, RunOptions, max_steps_stop
-from memtrain.train.rundir import start_metrics
-from memtrain.train.schedule import lr_scheduler_factory
-from memtrain.train.session import Session
+from memtrain.train.eval.generation import GenerationEval
+from memtrain.train.ops.cpu_adam import CpuAdamLoad
+from memtrain.train.optim.in_backward import StepInBackward
+from memtrain.train.optim.schedule import lr_scheduler_factory
+from memtrain.train.resolve import ResolvedRun, RunOptions, max_steps_stop
+from memtrain.train.runtime.distributed import Place, setup_process
+from memtrain.train.runtime.nodes import agree_on_run
+from memtrain.train.runtime.oom import start_memory_history
+from memtrain.train.state.checkpoint import LoopState, latest_checkpoint, load_checkpoint
+from memtrain.train.state.restart_note import RestartNote, read_note
+from memtrain.train.state.resume import follow_recipe, optimizer_settings
+from memtrain.train.state.rundir import start_metrics
+from memtrain.train.step.batch_policy import BatchPolicy
+from memtrain.train.step.hooks import Hooks
+from memtrain.train.step.runner import StepRunner
 
 
 @dataclass
@@ -70,9 +71,9 @@ class RunData:
     tokenizer: object
     train_set: torch.utils.data.Dataset
     val_set: torch.utils.data.Dataset
-    added_tokens: tuple[str, ...]        # a chat template's markers added to the tokenizer (data.add_special_tokens)
-    model_embedding_rows: int            # the model's own vocabulary (config.vocab_size), before any growth
-    warnings: tuple[str, ...] = ()       # for people, said by whatever builds the data (run, prepare, preview)
+    added_tokens: tuple[str, ...]  # a chat template's markers added to the tokenizer (data.add_special_tokens)
+    model_embedding_rows: int  # the model's own vocabulary (config.vocab_size), before any growth
+    warnings: tuple[str, ...] = ()  # for people, said by whatever builds the data (run, prepare, preview)
 
     @property
     def model_vocab_size(self) -> int | None:
@@ -90,27 +91,39 @@ def build_data(recipe: Recipe) -> RunData:
     vocab_size = model_config(recipe.model).vocab_size
     if len(tokenizer) - len(added) > vocab_size:
         needed = len(tokenizer) - len(added)
-        fitting = sorted((model_preset(name)["vocab_size"], name) for name in model_preset_names()
-                         if model_preset(name).get("vocab_size", 0) >= needed)
+        fitting = sorted(
+            (model_preset(name)["vocab_size"], name)
+            for name in model_preset_names()
+            if model_preset(name).get("vocab_size", 0) >= needed
+        )
         closest = [name for vocab, name in fitting if vocab == fitting[0][0]][:4] if fitting else []  # least padding
         presets = f" ({' or '.join(f'model.preset={name}' for name in closest)}: {fitting[0][0]:,})" if closest else ""
-        raise DataError(Problem(
-            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab_size}",
-            key="model.tokenizer",
-            hint=f"use the model's own tokenizer, or a preset whose vocab_size is at least the tokenizer's{presets}"))
+        raise DataError(
+            Problem(
+                f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab_size}",
+                key="model.tokenizer",
+                hint=f"use the model's own tokenizer, or a preset whose vocab_size is at least the tokenizer's{presets}",
+            )
+        )
     train_set, val_set = build_datasets(recipe.data, tokenizer, recipe.train.seed)
     if len(train_set) < recipe.batch.global_batch:
-        raise DataError(Problem(
-            f"the training data gives {len(train_set)} samples of {recipe.data.seq_len} tokens, "
-            f"fewer than one global batch of {recipe.batch.global_batch}", key="batch.global_batch",
-            hint="add data, lower data.seq_len, or lower batch.global_batch"))
+        raise DataError(
+            Problem(
+                f"the training data gives {len(train_set)} samples of {recipe.data.seq_len} tokens, "
+                f"fewer than one global batch of {recipe.batch.global_batch}",
+                key="batch.global_batch",
+                hint="add data, lower data.seq_len, or lower batch.global_batch",
+            )
+        )
     noted = noted_datasets(recipe.data, tokenizer)  # the token cache's notes, read once for the four below
-    warnings = (unclosed_turn_warning(recipe.data, tokenizer),  # a template that leaves nothing to stop at,
-                generation_prompt_warning(recipe.data, tokenizer),  # prompts otherwise than it trains,
-                unwritten_messages_warning(recipe.data, tokenizer, noted),  # or leaves messages out,
-                trailing_turns_warning(recipe.data, tokenizer, noted),  # conversations that go on past their answer,
-                untrainable_records_warning(recipe.data, tokenizer, noted),  # records left out with nothing to train on,
-                unread_system_warning(recipe.data, tokenizer, noted))  # or a system prompt the dataset does not read
+    warnings = (
+        unclosed_turn_warning(recipe.data, tokenizer),  # a template that leaves nothing to stop at,
+        generation_prompt_warning(recipe.data, tokenizer),  # prompts otherwise than it trains,
+        unwritten_messages_warning(recipe.data, tokenizer, noted),  # or leaves messages out,
+        trailing_turns_warning(recipe.data, tokenizer, noted),  # conversations that go on past their answer,
+        untrainable_records_warning(recipe.data, tokenizer, noted),  # records left out with nothing to train on,
+        unread_system_warning(recipe.data, tokenizer, noted),
+    )  # or a system prompt the dataset does not read
     return RunData(tokenizer, train_set, val_set, added, vocab_size, tuple(w for w in warnings if w))
 
 
@@ -121,14 +134,20 @@ def check_new_rows_train(recipe: Recipe, added: tuple[str, ...]) -> None:
     if lora is None:
         return
     model = meta_model(recipe.model)
-    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-             if module is model.get_input_embeddings() or module is model.get_output_embeddings()}
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if module is model.get_input_embeddings() or module is model.get_output_embeddings()
+    }
     missing = sorted(names - set(lora.modules_to_save))
     if missing:
-        raise UserError(Problem(
-            f"{', '.join(added)} are added to the tokenizer, but LoRA would leave their new embedding rows untrained",
-            key="model.lora.modules_to_save", hint=f"add {missing} to model.lora.modules_to_save, or use a tokenizer "
-            "that has the template's markers"))
+        raise UserError(
+            Problem(
+                f"{', '.join(added)} are added to the tokenizer, but LoRA would leave their new embedding rows untrained",
+                key="model.lora.modules_to_save",
+                hint=f"add {missing} to model.lora.modules_to_save, or use a tokenizer that has the template's markers",
+            )
+        )
 
 
 def build_policy_model(recipe: Recipe, place: Place, ds_config: dict, vocab_size: int | None = None) -> torch.nn.Module:
@@ -137,11 +156,12 @@ def build_policy_model(recipe: Recipe, place: Place, ds_config: dict, vocab_size
     modules when `model.kernels` resolved to liger (not liger_loss: its loss is chosen in build_engine)."""
     if patches_layers(recipe.model):
         apply_liger_kernels(recipe.model)  # transformers' module-level classes: before the model is built
-    model = build_model(recipe.model, recipe.precision.storage, place.device, ds_config, seed=recipe.train.seed,
-                        vocab_size=vocab_size)
+    model = build_model(
+        recipe.model, recipe.precision.storage, place.device, ds_config, seed=recipe.train.seed, vocab_size=vocab_size
+    )
     apply_checkpointing(model, recipe.checkpointing)
     apply_precision(model, recipe.precision)
-    if recipe.train.compile is True:  # resolved (memtrain.train.run); an unresolved 'auto' builds eager layers
+    if recipe.train.compile is True:  # resolved (memtrain.train.resolve); an unresolved 'auto' builds eager layers
         compile_layers(model)
     return model
 
@@ -150,16 +170,24 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, ds_config: dict, total_
     """(DeepSpeed engine, LR scheduler) around the model with memtrain's loss."""
     import deepspeed  # noqa: PLC0415 — heavy (and it sets up its accelerator on import): only where an engine is built
 
-    lm = TrainableLM(model, recipe.precision,
-                     fused_loss=uses_fused_loss(recipe.model, recipe.precision, recipe.offload.stage))
+    lm = TrainableLM(
+        model, recipe.precision, fused_loss=uses_fused_loss(recipe.model, recipe.precision, recipe.offload.stage)
+    )
     trainable = [p for p in lm.parameters() if p.requires_grad]
     lora, o = recipe.model.lora, recipe.optimizer
     # LoRA+: the B matrices at lr × ratio, as parameter groups that every optimizer (and the schedule) keeps apart
-    groups = lora_param_groups(lm, o.lr, lora.loraplus_lr_ratio, o.weight_decay) \
-        if lora is not None and lora.loraplus_lr_ratio is not None else trainable
-    engine, _, _, scheduler = deepspeed.initialize(model=lm, model_parameters=groups, config=ds_config,
-                                                   optimizer=client_optimizer(recipe, groups),
-                                                   lr_scheduler=lr_scheduler_factory(recipe.schedule, total_steps))
+    groups = (
+        lora_param_groups(lm, o.lr, lora.loraplus_lr_ratio, o.weight_decay)
+        if lora is not None and lora.loraplus_lr_ratio is not None
+        else trainable
+    )
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=lm,
+        model_parameters=groups,
+        config=ds_config,
+        optimizer=client_optimizer(recipe, groups),
+        lr_scheduler=lr_scheduler_factory(recipe.schedule, total_steps),
+    )
     if o.step_in_backward:
         # after each backward DeepSpeed's ZeRO-0 all-reduce gives every parameter without a gradient a zero one: the
         # whole model's gradients, which the hooks had just freed (measured: 7B at 22.6 GiB allocated, 16.8 planned)
@@ -180,8 +208,11 @@ def client_optimizer(recipe: Recipe, trainable: list[torch.nn.Parameter] | list[
         require_bitsandbytes()
         import bitsandbytes as bnb  # noqa: PLC0415 — optional dependency (memtrain[qlora])
 
-        kind = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw": bnb.optim.PagedAdamW,
-                "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}[o.name]
+        kind = {
+            "adamw_8bit": bnb.optim.AdamW8bit,
+            "paged_adamw": bnb.optim.PagedAdamW,
+            "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+        }[o.name]
     if o.step_in_backward:
         return StepInBackward(trainable, settings, make=kind)  # each parameter's group carries the settings
     return kind(trainable, **settings)
@@ -207,9 +238,9 @@ class Training:
     val_loader: BatchLoader
     metrics: MetricsLog
     profiler: StepProfiler
-    session: Session
+    stepper: StepRunner
     generation: GenerationEval | None = None  # train.eval_generate, on rank 0
-    startup: StartupClock | None = None       # the start-up phases; the loop adds the first step and records them
+    startup: StartupClock | None = None  # the start-up phases; the loop adds the first step and records them
     restarted_after: RestartNote | None = None  # the OOM this attempt starts smaller after (restart_note.py)
 
     @property
@@ -217,8 +248,14 @@ class Training:
         return self.run.recipe
 
 
-def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack, data: RunData | None = None,
-          clock: StartupClock | None = None) -> Training:
+def setup(
+    run: ResolvedRun,
+    options: RunOptions,
+    hooks: Hooks,
+    stack: ExitStack,
+    data: RunData | None = None,
+    clock: StartupClock | None = None,
+) -> Training:
     """Process group and device, data, model, engine, resume, loaders and logs, for this process's rank.
     clock: the start-up phases so far (None: a clock from this process's start, as in a torchrun worker)."""
     r = run.recipe
@@ -245,8 +282,9 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
         built = optimizer_settings(engine, scheduler)  # the recipe's; the checkpoint brings the old ones
         state = load_checkpoint(engine, checkpoint, place.rank)
         follow_recipe(engine, scheduler, state, r, built)
-    policy = BatchPolicy(r.batch, run.per_rank_batch, run.micro_batch, cap_bytes or 1,
-                         prior=run.planner_prior if place.on_cuda else None)
+    policy = BatchPolicy(
+        r.batch, run.per_rank_batch, run.micro_batch, cap_bytes or 1, prior=run.planner_prior if place.on_cuda else None
+    )
     if state.batch_policy:
         policy.load_state_dict(state.batch_policy)
     if place.is_main:
@@ -255,26 +293,60 @@ def setup(run: ResolvedRun, options: RunOptions, hooks: Hooks, stack: ExitStack,
         write_atomically(run.run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
         write_atomically(run.run_dir / "recipe.json", r.model_dump_json(indent=2))
 
-    metrics = MetricsLog(run.run_dir / "metrics.jsonl", flush_every=r.train.log_every, enabled=place.is_main,
-                         tensorboard_dir=run.run_dir / "tensorboard")
+    metrics = MetricsLog(
+        run.run_dir / "metrics.jsonl",
+        flush_every=r.train.log_every,
+        enabled=place.is_main,
+        tensorboard_dir=run.run_dir / "tensorboard",
+    )
     stack.callback(metrics.close)
     note = read_note(run.run_dir) if options.resume else None
     if note is not None and note.applies_to(state.step):  # another process ran out of memory in backward: smaller
         policy.restarted_after_oom(note.failed_micro_batch, note.micro_batch)
     else:
         note = None
-    trim = r.data.groups_by_length  # micro-batches cut to their longest row (data/loader.py)
+    trim = r.data.groups_by_length  # micro-batches cut to their longest row (data/rows/loader.py)
     loader = stack.enter_context(BatchLoader(data.train_set, place.device, trim=trim))
     val_loader = stack.enter_context(BatchLoader(data.val_set, place.device, trim=trim))
     start_memory_history(place.device)
     hooks.oom.attach(model)  # OOMs from inside a decoder layer (MEMTRAIN_INJECT_OOM=…@layerK)
     hooks.nan.attach(model)  # NaN losses (MEMTRAIN_INJECT_NAN)
     clock.mark("loaders")  # resume, metrics, data loaders
-    session = Session(r, place, engine, policy, metrics, PeakForecast(), loader, hooks, run.run_dir,
-                      r.offload.stage == 3, options.save, state, cap_bytes, max_steps_stop(options, state.step))
-    return Training(run=run, options=options, hooks=hooks, place=place, cap_bytes=cap_bytes, data=data, model=model,
-                    engine=engine, scheduler=scheduler, state=state, resumed_from=checkpoint,
-                    order=sample_order(r.data, data.train_set, r.train.seed, r.batch.global_batch), loader=loader, val_loader=val_loader,
-                    metrics=metrics, profiler=StepProfiler(run.run_dir, options.profile_steps, place.device),
-                    session=session, generation=GenerationEval.for_run(r, data.tokenizer, place.is_main),
-                    startup=clock, restarted_after=note)
+    stepper = StepRunner(
+        r=r,
+        place=place,
+        engine=engine,
+        policy=policy,
+        metrics=metrics,
+        forecast=PeakForecast(),
+        loader=loader,
+        hooks=hooks,
+        run_dir=run.run_dir,
+        zero3=r.offload.stage == 3,
+        save=options.save,
+        state=state,
+        cap_bytes=cap_bytes,
+        max_steps_stop=max_steps_stop(options, state.step),
+    )
+    return Training(
+        run=run,
+        options=options,
+        hooks=hooks,
+        place=place,
+        cap_bytes=cap_bytes,
+        data=data,
+        model=model,
+        engine=engine,
+        scheduler=scheduler,
+        state=state,
+        resumed_from=checkpoint,
+        order=sample_order(r.data, data.train_set, r.train.seed, r.batch.global_batch),
+        loader=loader,
+        val_loader=val_loader,
+        metrics=metrics,
+        profiler=StepProfiler(run.run_dir, options.profile_steps, place.device),
+        stepper=stepper,
+        generation=GenerationEval.for_run(r, data.tokenizer, place.is_main),
+        startup=clock,
+        restarted_after=note,
+    )

@@ -3,6 +3,7 @@
 RUN_FILE is the run the launcher resolved (run.json in the run directory); the flags are the
 launcher's RunOptions (RunOptions.to_flags). Test hooks are read from this process's environment.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,24 +13,32 @@ import signal
 import sys
 import time
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from memtrain.errors import UserError
-from memtrain.train.restart_note import RestartEveryProcess
-from memtrain.train.result import EXIT_RESTART
-from memtrain.train.signals import (die_with_parent, exit_code, mark_ending, marked_ending, not_saved_line,
-                                   received_stop, say_once, signum_of, stop_on_signals)
+from memtrain.train.runtime.result import EXIT_RESTART
+from memtrain.train.runtime.signals import (
+    die_with_parent,
+    exit_code,
+    mark_ending,
+    marked_ending,
+    not_saved_line,
+    received_stop,
+    say_once,
+    signum_of,
+    stop_on_signals,
+)
+from memtrain.train.state.restart_note import RestartEveryProcess
 
 if TYPE_CHECKING:  # for the reader: main imports them under its signal handlers
-    from memtrain.train.run import RunOptions
+    from memtrain.train.resolve import RunOptions
 
 
 NON_HOST_EXIT_DELAY_S = 2.0  # torchrun's agents notice their workers' exit within 0.1 s (its monitor interval)
 
 
 def parse_options(argv: list[str]) -> tuple[Path, RunOptions]:
-    from memtrain.train.run import RunOptions  # noqa: PLC0415 — torch and the rest: see main
+    from memtrain.train.resolve import RunOptions  # noqa: PLC0415 — torch and the rest: see main
 
     parser = argparse.ArgumentParser(prog="memtrain.train.worker")
     parser.add_argument("run_file", type=Path)
@@ -45,9 +54,9 @@ def main(argv: list[str]) -> int:
             # torch, transformers and DeepSpeed import for seconds: under the handlers, a Ctrl-C then is one line
             # (imported at the top, it was a KeyboardInterrupt traceback from each worker, audit 18d)
             from memtrain.monitor.startup import CLOCK_ENV, StartupClock  # noqa: PLC0415
-            from memtrain.train.hooks import Hooks  # noqa: PLC0415
             from memtrain.train.launch import train_here  # noqa: PLC0415
-            from memtrain.train.run import ResolvedRun  # noqa: PLC0415
+            from memtrain.train.resolve import ResolvedRun  # noqa: PLC0415
+            from memtrain.train.step.hooks import Hooks  # noqa: PLC0415
 
             clock = StartupClock.from_env(os.environ.get(CLOCK_ENV))  # from the command's start, as one process's
             run_file, options = parse_options(argv)
@@ -101,7 +110,7 @@ def leave_after_node_0() -> None:
     started waiting for the key yet: that agent then logs a DistNetworkError traceback although the run succeeded
     (seen on two CPU "nodes" of one machine under load). With node 0 arriving first, it waits for the others and
     leaves last."""
-    from memtrain.train.distributed import barrier  # noqa: PLC0415 — imported by main already
+    from memtrain.train.runtime.distributed import barrier  # noqa: PLC0415 — imported by main already
 
     barrier()
     if int(os.environ.get("GROUP_RANK", "0")) > 0:

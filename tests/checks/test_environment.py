@@ -1,4 +1,5 @@
 """The second validation phase: what a recipe names outside itself, with the environment handed in as data."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,7 +30,8 @@ def problems(text: str, env: Environment = Environment()) -> list[str]:
 def test_each_dataset_path_of_a_list_is_checked_at_its_own_key_and_line(tmp_path):
     assert problems(CHAT % "missing.jsonl") == [
         "chat.yaml:6: data.train.1.path: dataset 'missing.jsonl' does not exist — give a .jsonl, .json, .parquet or "
-        f".txt file or a datasets directory; a relative path starts at the directory memtrain runs in ({Path.cwd()})"]
+        f".txt file or a datasets directory; a relative path starts at the directory memtrain runs in ({Path.cwd()})"
+    ]
     [unknown] = problems(CHAT % '"builtin:wikipedia"')
     assert unknown.startswith("chat.yaml:6: data.train.1.path: there is no builtin dataset 'wikipedia'")
     present = tmp_path / "alpaca.jsonl"
@@ -46,8 +48,10 @@ def test_a_dataset_the_readers_cannot_read_is_refused_at_validate_as_run_refuses
     text = tmp_path / "notes.txt"
     text.write_text("Say hi. hi\n")
     [plain] = problems(CHAT % text)
-    assert plain.startswith(f"chat.yaml:6: data.train.1.path: '{text}' is plain text, which holds no instruction "
-                            "records") and "type: text" in plain
+    assert (
+        plain.startswith(f"chat.yaml:6: data.train.1.path: '{text}' is plain text, which holds no instruction records")
+        and "type: text" in plain
+    )
     assert load_checked_text(CHAT.replace("type: instruction", "type: text") % text, "chat.yaml")
 
 
@@ -76,30 +80,37 @@ def test_missing_paths_say_where_relative_paths_start_as_they_were_resolved(tmp_
     [in_file] = [p.format() for p in caught.value.problems]
     # written in the recipe: looked for beside the recipe, not in the directory memtrain runs in
     assert f"dataset '{recipe.parent / 'missing.jsonl'}' does not exist" in in_file
-    assert f"a relative path in a recipe starts at the directory of the recipe file that names it ({recipe.parent})" \
+    assert (
+        f"a relative path in a recipe starts at the directory of the recipe file that names it ({recipe.parent})"
         in in_file
+    )
     assert "run memtrain from" not in in_file and str(elsewhere) not in in_file
     with pytest.raises(RecipeError) as caught:
         load_checked(recipe, ["data.train=gone.txt", "data.validation=gone.txt"], env=Environment())
     typed = [p.format() for p in caught.value.problems]
     assert typed and all(p.startswith("<command line>: data.") for p in typed)
-    assert all("a relative path given on the command line starts at the directory memtrain runs in "
-               f"({elsewhere})" in p for p in typed)
+    assert all(
+        f"a relative path given on the command line starts at the directory memtrain runs in ({elsewhere})" in p
+        for p in typed
+    )
 
 
 def test_a_missing_model_or_tokenizer_directory_says_where_relative_paths_start(tmp_path, monkeypatch):
     recipe = tmp_path / "recipes" / "r.yaml"
     recipe.parent.mkdir()
-    recipe.write_text("model: {path: ../models/base, tokenizer: tok}\ndata: {train: 'builtin:shakespeare', "
-                      "seq_len: 64}\ntrain: {steps: 4}\n")
+    recipe.write_text(
+        "model: {path: ../models/base, tokenizer: tok}\ndata: {train: 'builtin:shakespeare', "
+        "seq_len: 64}\ntrain: {steps: 4}\n"
+    )
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RecipeError) as caught:
         load_checked(recipe, env=Environment())
     model, tokenizer = [p.format() for p in caught.value.problems]
     assert f"model directory '{tmp_path / 'models' / 'base'}' does not exist" in model
     assert f"tokenizer directory '{recipe.parent / 'tok'}' does not exist" in tokenizer
-    assert all(f"starts at the directory of the recipe file that names it ({recipe.parent})" in p
-               for p in (model, tokenizer))
+    assert all(
+        f"starts at the directory of the recipe file that names it ({recipe.parent})" in p for p in (model, tokenizer)
+    )
     with pytest.raises(RecipeError) as caught:
         load_checked(recipe, ["model.path=base"], env=Environment())
     [typed] = [p.format() for p in caught.value.problems if "model.path" in p.format()]
@@ -128,7 +139,10 @@ def test_validate_refuses_what_plan_and_run_would_before_reading_any_data(tmp_pa
     [template] = problems(text.replace("seq_len: 64", "seq_len: 64\n  template: chatmll"))
     assert template.startswith("chat.yaml:8: data.template: there is no chat template 'chatmll' — use one of ")
     from transformers import BertConfig
-    BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path)
+
+    BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64).save_pretrained(
+        tmp_path
+    )
     [encoder] = problems(text.replace("preset: micro", f"path: {tmp_path}"))
     assert encoder.startswith("chat.yaml:2: model.path: 'bert' is an encoder-only (masked language) model")
 
@@ -138,18 +152,25 @@ def test_chat_data_whose_tokenizer_has_no_chat_template_is_refused_at_validate(t
     read, not loaded; a tokenizer directory without a chat_template (here a copy of the plain bundled one) too."""
     chat = CHAT.replace("    - {path: %s, type: instruction}\n", "")
     [said] = problems(chat.replace("builtin:shakespeare-chat", "builtin:shakespeare"))
-    assert said.startswith("chat.yaml:3: data.template: the tokenizer (model.tokenizer: ") and "has no chat_template" in said
+    assert (
+        said.startswith("chat.yaml:3: data.template: the tokenizer (model.tokenizer: ")
+        and "has no chat_template" in said
+    )
     assert "set data.template to one of" in said and "chatml" in said
     assert load_checked_text(chat, "chat.yaml")  # the chat tokenizer has one
-    assert load_checked_text(chat.replace("builtin:shakespeare-chat", "builtin:shakespeare").replace(
-        "  seq_len: 64", "  seq_len: 64\n  template: chatml\n  add_special_tokens: true"), "chat.yaml")
+    assert load_checked_text(
+        chat.replace("builtin:shakespeare-chat", "builtin:shakespeare").replace(
+            "  seq_len: 64", "  seq_len: 64\n  template: chatml\n  add_special_tokens: true"
+        ),
+        "chat.yaml",
+    )
 
 
 @pytest.mark.parametrize("name", ["pairs.json", "pairs.csv", "pairs.parquet", "pairs.json.gz"])
 def test_a_file_of_records_given_as_a_data_path_is_refused_not_trained_on_as_text(tmp_path, name):
     """Audit 18c: `data.train: my_alpaca.json` trained on the JSON's brackets and keys; validate passed it."""
-    from memtrain.data.dataset import build_datasets
-    from memtrain.data.tokenizer import load_tokenizer
+    from memtrain.data.rows.dataset import build_datasets
+    from memtrain.data.tokens.tokenizer import load_tokenizer
     from memtrain.errors import DataError
     from memtrain.recipe.schema import Data, Model
 

@@ -1,4 +1,5 @@
-"""`memtrain export`: the command around memtrain.model.export (whose merge is proven in tests/model/test_merge.py)."""
+"""`memtrain export`: the command around memtrain.model.final_dir (whose merge is proven in tests/model/test_merge.py)."""
+
 from __future__ import annotations
 
 import json
@@ -84,8 +85,14 @@ def test_an_export_that_fails_writing_ends_with_one_line_and_leaves_nothing(tmp_
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
 
-    done = subprocess.run([sys.executable, "-m", "memtrain", "export", str(run_dir), "-o", str(out)], text=True,
-                          preexec_fn=small_files, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "memtrain", "export", str(run_dir), "-o", str(out)],
+        text=True,
+        preexec_fn=small_files,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=300,
+    )
     said = " ".join(done.stdout.split())
     assert done.returncode == 2 and "Traceback" not in done.stdout, done.stdout[-3000:]
     assert f"cannot create '{out}'" in said and "the partial output was removed" in said, said

@@ -1,4 +1,5 @@
 """`memtrain plan`: exit codes, --json shape, advice, and --fit writing a recipe that fits."""
+
 from __future__ import annotations
 
 import io
@@ -12,9 +13,9 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from memtrain.cli import app
+from memtrain.commands.plan import plan_command
 from memtrain.errors import RecipeError
 from memtrain.plan.advice import advise
-from memtrain.commands.plan import plan_command
 from memtrain.plan.planner import TERMS, plan_recipe
 from memtrain.recipe.load import load_recipe
 
@@ -58,7 +59,15 @@ def run(path: Path, *overrides: str, **options) -> tuple[int, str]:
 def test_fitting_recipe_exits_0_and_prints_the_breakdown_and_verdict(tmp_path):
     code, text = run(write(tmp_path))
     assert code == 0
-    for label in ("model_params", "gradients", "optimizer_states", "activation_memory", "peak reserved", "host", "NVMe"):
+    for label in (
+        "model_params",
+        "gradients",
+        "optimizer_states",
+        "activation_memory",
+        "peak reserved",
+        "host",
+        "NVMe",
+    ):
         assert label in text
     assert "fits with" in text and "GiB to spare" in text
 
@@ -89,7 +98,9 @@ def test_json_has_terms_phases_host_nvme_and_verdict(tmp_path):
     for key in ("host_bytes", "host_breakdown", "nvme_bytes", "peak_reserved_bytes"):
         assert key in plan
     assert data["verdict"].startswith("misses by")
-    assert data["advice"] and {"overrides", "peak_reserved_bytes", "speed_cost", "reason", "tight"} <= set(data["advice"][0])
+    assert data["advice"] and {"overrides", "peak_reserved_bytes", "speed_cost", "reason", "tight"} <= set(
+        data["advice"][0]
+    )
 
 
 def test_gpu_option_asks_about_another_card(tmp_path):
@@ -132,7 +143,7 @@ def test_bad_recipes_are_recipe_errors_not_tracebacks(tmp_path):
     with pytest.raises(RecipeError, match="seq_lenn"):
         run(path)
     with pytest.raises(RecipeError):
-        run(write(tmp_path), "batch.micro_batch=3")           # does not divide the global batch
+        run(write(tmp_path), "batch.micro_batch=3")  # does not divide the global batch
     with pytest.raises(RecipeError, match="--fit"):
         run(write(tmp_path), output=tmp_path / "x.yaml")
 
@@ -168,7 +179,9 @@ data: {train: "builtin:shakespeare", seq_len: 64}
 batch: {global_batch: 16, micro_batch: auto}
 train: {steps: 10}
 """)
-    assert larger_micro_batch(auto, Planner(None, exact_pinned=True), plan_of(auto.recipe)) is None  # auto already takes the largest
+    assert (
+        larger_micro_batch(auto, Planner(None, exact_pinned=True), plan_of(auto.recipe)) is None
+    )  # auto already takes the largest
 
 
 def test_spare_memory_is_offered_as_fewer_recomputed_layers():
@@ -191,8 +204,17 @@ train: {steps: 10}
     assert fewer is not None and fewer.recomputed_layers == 2 and fewer.fits and not fewer.tight
     assert fewer.micro_batch == plan.micro_batch and fewer.peak_reserved_bytes > plan.peak_reserved_bytes
     roomy = load_text(text % ("24GiB", "every_n_layers"))
-    assert fewer_recomputed_layers(roomy, Planner(None, exact_pinned=True), plan_of(roomy.recipe)).recomputed_layers == 0
-    assert fewer_recomputed_layers(load_text(text % ("24GiB", "none")), Planner(None, exact_pinned=True), plan_of(load_text(text % ("24GiB", "none")).recipe)) is None
+    assert (
+        fewer_recomputed_layers(roomy, Planner(None, exact_pinned=True), plan_of(roomy.recipe)).recomputed_layers == 0
+    )
+    assert (
+        fewer_recomputed_layers(
+            load_text(text % ("24GiB", "none")),
+            Planner(None, exact_pinned=True),
+            plan_of(load_text(text % ("24GiB", "none")).recipe),
+        )
+        is None
+    )
 
 
 def test_the_plan_says_what_checkpointing_auto_resolved_to(tmp_path):
@@ -309,8 +331,17 @@ def test_data_option_gives_every_column_over_the_same_steps(tmp_path):
     """Audit 18c: with length bucketing the padding share was of the priced steps, the tokens of all rows, so
     1 - tokens / slots disagreed with the padding column (15.6 % shown, 21.4 % implied). 13 conversations of
     growing length, 8 rows a step: one step is priced, 5 rows are left over."""
-    lines = [json.dumps({"messages": [{"role": "user", "content": "Say it."},
-                                      {"role": "assistant", "content": "word " * (1 + 4 * i)}]}) for i in range(14)]
+    lines = [
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "Say it."},
+                    {"role": "assistant", "content": "word " * (1 + 4 * i)},
+                ]
+            }
+        )
+        for i in range(14)
+    ]
     (tmp_path / "chat.jsonl").write_text("\n".join(lines) + "\n")
     recipe = tmp_path / "chat.yaml"
     recipe.write_text(f"""
@@ -364,8 +395,9 @@ def test_the_chat_quickstart_loads_and_plans_from_another_directory(tmp_path, mo
     result = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--data"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["data"]["train"]["samples"] > 2000
-    assert load_recipe(recipe).recipe.model.path == str(recipe.parents[1] / "memtrain" / "assets" / "models"
-                                                         / "shakespeare-mini")
+    assert load_recipe(recipe).recipe.model.path == str(
+        recipe.parents[1] / "memtrain" / "assets" / "models" / "shakespeare-mini"
+    )
 
 
 def test_fit_repoints_relative_input_paths_to_the_written_recipe(tmp_path, monkeypatch):
@@ -387,8 +419,9 @@ def test_fit_repoints_relative_input_paths_to_the_written_recipe(tmp_path, monke
 
 def test_fit_output_through_a_file_is_a_user_error_not_a_traceback(tmp_path):
     (tmp_path / "chat.yaml").write_text("mine")
-    result = CliRunner().invoke(app, ["plan", str(write(tmp_path, gpu="1GiB")), "--fit",
-                                      "-o", str(tmp_path / "chat.yaml" / "f.yaml")])
+    result = CliRunner().invoke(
+        app, ["plan", str(write(tmp_path, gpu="1GiB")), "--fit", "-o", str(tmp_path / "chat.yaml" / "f.yaml")]
+    )
     assert result.exit_code == 2, result.output
     assert "is a file, where a directory is needed" in result.output and "Traceback" not in result.output
     assert (tmp_path / "chat.yaml").read_text() == "mine"
@@ -423,12 +456,18 @@ def test_fit_onto_the_recipe_itself_leaves_a_fitting_recipe_untouched(tmp_path):
     assert code == 0 and "fits as it is" in text and path.read_text() == before  # comments and all
 
 
-@pytest.mark.parametrize("gpu, says", [("0GiB", "has no memory to plan against"), ("0", "has no memory to plan against"),
-                                       ("potato", "neither a GPU profile nor a size")])
+@pytest.mark.parametrize(
+    "gpu, says",
+    [
+        ("0GiB", "has no memory to plan against"),
+        ("0", "has no memory to plan against"),
+        ("potato", "neither a GPU profile nor a size"),
+    ],
+)
 def test_gpu_option_must_name_a_card_with_memory(tmp_path, gpu, says):
     result = CliRunner().invoke(app, ["plan", str(write(tmp_path)), "--gpu", gpu])
     assert result.exit_code == 2, result.output
-    assert f"<command line>: --gpu: " in result.output and says in result.output and "Traceback" not in result.output
+    assert "<command line>: --gpu: " in result.output and says in result.output and "Traceback" not in result.output
     assert "hardware.gpu" not in result.output  # the flag is wrong, not the recipe's key
 
 
@@ -478,6 +517,7 @@ def test_a_recipe_fitted_for_another_card_names_that_card_and_plans_the_same_wit
 def test_a_recipe_with_micro_batch_auto_fitted_for_another_card_resolves_auto_for_that_card(tmp_path):
     """What `memtrain run F` does with `batch.micro_batch: auto`: resolve it against hardware.gpu."""
     from memtrain.plan.planner import resolve_micro_batch
+
     card, output = "rtx4060ti-16gb", tmp_path / "fitted.yaml"
     code, _ = run(RECIPES / "llama2-7b-full-64gb-host.yaml", gpu=card, fit=True, output=output)
     fitted = load_recipe(output).recipe
@@ -522,10 +562,12 @@ def test_fit_says_when_the_only_change_it_could_write_is_tight(tmp_path, monkeyp
     """Where nothing on the list fits with margin, --fit writes the cheapest tight change and says so."""
     import memtrain.commands.plan as plan_module
     from memtrain.plan.advice import Advice
+
     recipe, preset = RECIPES / "llama2-7b-lora-24gb.yaml", ["model.preset=gemma2-9b"]
     tight = plan_recipe(load_recipe(recipe, preset + ["batch.micro_batch=1"]).recipe)
-    monkeypatch.setattr(plan_module, "advise",
-                        lambda *args, **kwargs: [Advice(["batch.micro_batch=1"], tight, 0.1, "micro-batch 1")])
+    monkeypatch.setattr(
+        plan_module, "advise", lambda *args, **kwargs: [Advice(["batch.micro_batch=1"], tight, 0.1, "micro-batch 1")]
+    )
     output = tmp_path / "fitted.yaml"
     code, text = run(recipe, *preset, fit=True, output=output)
     words = " ".join(text.split())
@@ -537,11 +579,16 @@ def test_a_smaller_micro_batch_costs_by_the_parameter_offload_of_its_own_combina
     """Audit 17b, finding 5: TinyLlama with the optimizer on the CPU, on a 3 GiB card. An option that adds
     parameter offload and halves the micro-batch re-gathers every parameter twice as often: +50 % per halving
     (docs/PLAN.md), not the +5 % of the recipe's own parameters on the GPU."""
-    advice = advise(load_recipe(RECIPES / "tinyllama-1.1b-full-offload-24gb.yaml", ["hardware.gpu=3GiB",
-                                                                           "batch.micro_batch=4"]))
+    advice = advise(
+        load_recipe(RECIPES / "tinyllama-1.1b-full-offload-24gb.yaml", ["hardware.gpu=3GiB", "batch.micro_batch=4"])
+    )
     costs = {tuple(a.overrides): a.speed_cost for a in advice}
-    offload = ("offload.optimizer=cpu", "offload.params=cpu", "offload.zero_stage=3",
-               "offload.max_live_parameters=300000000")
+    offload = (
+        "offload.optimizer=cpu",
+        "offload.params=cpu",
+        "offload.zero_stage=3",
+        "offload.max_live_parameters=300000000",
+    )
     assert costs[("batch.micro_batch=2",) + offload] == 1.14  # 0.6 + 0.5 × 1 halving + 0.04
     assert costs[("batch.micro_batch=1",) + offload] == 1.64  # 0.6 + 0.5 × 2 halvings + 0.04
     assert [a.speed_cost for a in advice] == sorted(a.speed_cost for a in advice)

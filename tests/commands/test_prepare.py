@@ -1,5 +1,6 @@
 """`memtrain prepare`: the data tokenised into the cache and DeepSpeed's ops built ahead of a run, which then
 tokenises and builds nothing; bad input and machines that cannot build an op exit 2 with the way around it."""
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,9 @@ from typer.testing import CliRunner
 
 from memtrain.cli import app
 from memtrain.recipe.load import load_recipe_text
-from memtrain.train import deepspeed_ops
-from memtrain.train.deepspeed_ops import ASYNC_IO, CPU_ADAM, SHARED_MEMORY, ops_for
-from memtrain.train.distributed import without_rank_variables
+from memtrain.train.ops import deepspeed_ops
+from memtrain.train.ops.deepspeed_ops import ASYNC_IO, CPU_ADAM, SHARED_MEMORY, ops_for
+from memtrain.train.runtime.distributed import without_rank_variables
 
 
 def _recipe(**offload):
@@ -59,8 +60,9 @@ def test_prepare_tokenises_once_and_says_so(write_recipe, tmp_path):
 
 
 @pytest.mark.parametrize("command", ["prepare", "run"])
-def test_an_op_this_machine_cannot_build_is_said_at_its_key_before_anything_is_built(command, write_recipe, tmp_path,
-                                                                                    monkeypatch):
+def test_an_op_this_machine_cannot_build_is_said_at_its_key_before_anything_is_built(
+    command, write_recipe, tmp_path, monkeypatch
+):
     class Builder:  # every op loads, but async I/O finds no libaio
         def __init__(self, op):
             self.op = op
@@ -72,8 +74,9 @@ def test_an_op_this_machine_cannot_build_is_said_at_its_key_before_anything_is_b
             return None
 
     monkeypatch.setattr(deepspeed_ops, "_builder", Builder)
-    recipe = write_recipe("nvme", {"offload": {"params": "nvme", "optimizer": "nvme"},
-                                   "hardware": {"nvme_path": str(tmp_path / "nvme")}})
+    recipe = write_recipe(
+        "nvme", {"offload": {"params": "nvme", "optimizer": "nvme"}, "hardware": {"nvme_path": str(tmp_path / "nvme")}}
+    )
     result = CliRunner().invoke(app, [command, str(recipe)])
     assert result.exit_code == 2, result.output
     said = " ".join(result.output.split())
@@ -112,22 +115,44 @@ def test_a_run_after_prepare_builds_and_tokenises_nothing(write_recipe, tmp_path
     recipe = write_recipe("offload", {"offload": {"optimizer": "cpu"}})
     extensions = tmp_path / "torch_extensions"
     env = {**without_rank_variables(os.environ), "TORCH_EXTENSIONS_DIR": str(extensions)}
-    prepared = subprocess.run([sys.executable, "-m", "memtrain", "prepare", str(recipe), "--json"], env=env,
-                              capture_output=True, text=True, timeout=600)
+    prepared = subprocess.run(
+        [sys.executable, "-m", "memtrain", "prepare", str(recipe), "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert prepared.returncode == 0, prepared.stderr[-3000:]
     summary = json.loads(prepared.stdout)
-    assert {op["name"]: op["state"] for op in summary["ops"]} == {"deepspeed_shm_comm": "built now",
-                                                                 "cpu_adam": "built now"}
+    assert {op["name"]: op["state"] for op in summary["ops"]} == {
+        "deepspeed_shm_comm": "built now",
+        "cpu_adam": "built now",
+    }
+
     def files() -> dict:  # the ops, the token-cache entries and the data files' remembered fingerprints
         cache = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
         return {path: path.stat().st_mtime_ns for path in [*extensions.glob("*/*.so"), *cache]}
+
     written = files()
     assert len([p for p in written if p.suffix == ".so"]) == 2 and len(list((tmp_path / "cache").glob("*.npy"))) == 4
-    ran = subprocess.run([sys.executable, "-m", "memtrain", "run", str(recipe), "--max-steps", "1", "--no-save"],
-                         env=env, capture_output=True, text=True, timeout=600)
+    ran = subprocess.run(
+        [sys.executable, "-m", "memtrain", "run", str(recipe), "--max-steps", "1", "--no-save"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert files() == written
-    again = json.loads(subprocess.run([sys.executable, "-m", "memtrain", "prepare", str(recipe), "--json"], env=env,
-                                      capture_output=True, text=True, timeout=600, check=True).stdout)
+    again = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "memtrain", "prepare", str(recipe), "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        ).stdout
+    )
     assert [op["state"] for op in again["ops"]] == ["already built", "already built"]
     assert again["data"]["tokenised_now"] == 0

@@ -1,5 +1,6 @@
 """`memtrain preview`: the rows a run trains on, built as the run builds them, with the loss's targets marked —
 for chat data exactly the answers and their end-of-turn token, whatever the packing."""
+
 from __future__ import annotations
 
 import json
@@ -11,16 +12,30 @@ from memtrain.cli import app
 
 CHAT_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart-chat.yaml"
 TEXT_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
-CONVERSATIONS = [("What is the capital of France?", "Paris"), ("Say it with a party popper.", "Done 🎉 ünïcödé"),
-                 ("Spell 'king' backwards.", "gnik")]
+CONVERSATIONS = [
+    ("What is the capital of France?", "Paris"),
+    ("Say it with a party popper.", "Done 🎉 ünïcödé"),
+    ("Spell 'king' backwards.", "gnik"),
+]
 
 
 def _chat_file(tmp_path: Path) -> Path:
     path = tmp_path / "chat.jsonl"
-    path.write_text("".join(json.dumps({"messages": [{"role": "system", "content": "Be brief."},
-                                                     {"role": "user", "content": question},
-                                                     {"role": "assistant", "content": answer}]}) + "\n"
-                            for question, answer in CONVERSATIONS))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": question},
+                        {"role": "assistant", "content": answer},
+                    ]
+                }
+            )
+            + "\n"
+            for question, answer in CONVERSATIONS
+        )
+    )
     return path
 
 
@@ -31,8 +46,12 @@ def _preview(recipe: Path, *args: str):
 def _chat_overrides(tmp_path: Path, monkeypatch) -> list[str]:
     monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "cache"))
     data = _chat_file(tmp_path)
-    return [f"data.train=[{{path: {data}, type: chat}}]", f"data.validation=[{{path: {data}, type: chat}}]",
-            "batch.global_batch=1", "batch.micro_batch=1"]
+    return [
+        f"data.train=[{{path: {data}, type: chat}}]",
+        f"data.validation=[{{path: {data}, type: chat}}]",
+        "batch.global_batch=1",
+        "batch.micro_batch=1",
+    ]
 
 
 def test_the_targets_of_a_packed_chat_row_are_the_answers_and_their_end_of_turn_token(tmp_path, monkeypatch):
@@ -93,7 +112,9 @@ def test_a_template_that_closes_no_turn_is_warned_about_where_the_data_is_built(
     overrides = _chat_overrides(tmp_path, monkeypatch)
     result = _preview(CHAT_RECIPE, *overrides, f"model.tokenizer={plain}", "data.template=null")
     assert result.exit_code == 0, result.output
-    assert "model.tokenizer: the tokenizer's chat_template (data.template is not set) writes no special token" \
+    assert (
+        "model.tokenizer: the tokenizer's chat_template (data.template is not set) writes no special token"
         in " ".join(result.output.split())
+    )
     chatml = _preview(CHAT_RECIPE, *overrides)
     assert "writes no special token" not in chatml.output

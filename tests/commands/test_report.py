@@ -1,4 +1,5 @@
 """`memtrain report`: plots and summary from the metrics.jsonl of a real (tiny) training run."""
+
 from __future__ import annotations
 
 import gzip
@@ -20,12 +21,12 @@ from rich.console import Console
 from tokenizers import Tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from memtrain.commands.report import report_command
 from memtrain.errors import UserError
 from memtrain.monitor.metrics import GENERATION_KIND, MetricsLog, read_metrics
 from memtrain.monitor.plots import DPI, FIGURE_SIZE_INCHES, PLOT_FILES
-from memtrain.monitor.series import series, steady_speeds, throughput
-from memtrain.commands.report import report_command
 from memtrain.monitor.report import summarize
+from memtrain.monitor.series import series, steady_speeds, throughput
 from memtrain.monitor.startup import StartupClock
 
 ASSETS = Path(__file__).resolve().parents[2] / "memtrain" / "assets"
@@ -47,20 +48,28 @@ def _token_ids(split: str, max_chars: int) -> torch.Tensor:
 def _train_tiny_run(run_dir: Path) -> None:
     """A few AdamW steps of a tiny Llama on Shakespeare, logging the way the trainer loop does."""
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=4096, max_position_embeddings=SEQ_LEN)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=4096,
+        max_position_embeddings=SEQ_LEN,
+    )
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     train_ids, val_ids = _token_ids("train", 40_000), _token_ids("validation", 8_000)
     micro_batch, cursor, tokens = 2, 0, 0
     with MetricsLog(run_dir / "metrics.jsonl", flush_every=3) as log:
-        log.event("run", 0, event="start", recipe="tiny-test", plan_peak_reserved_bytes=None, gpu_cap_bytes=0,
-                  device="cpu")
+        log.event(
+            "run", 0, event="start", recipe="tiny-test", plan_peak_reserved_bytes=None, gpu_cap_bytes=0, device="cpu"
+        )
         for step in range(1, STEPS + 1):
             start = time.perf_counter()
             loss_sum = torch.zeros(())
             for _ in range(GRAD_ACCUM):
-                batch = train_ids[cursor:cursor + micro_batch]
+                batch = train_ids[cursor : cursor + micro_batch]
                 cursor += micro_batch
                 loss = model(input_ids=batch, labels=batch).loss / GRAD_ACCUM
                 loss.backward()
@@ -71,12 +80,25 @@ def _train_tiny_run(run_dir: Path) -> None:
             optimizer.zero_grad(set_to_none=True)
             step_time_s = time.perf_counter() - start
             rss = psutil.Process().memory_info().rss
-            log.record("train", step, loss=loss_sum, lr=3e-3, grad_norm=grad_norm, tokens=tokens,
-                       tokens_per_s=(GRAD_ACCUM * micro_batch * (SEQ_LEN - 1)) / step_time_s,
-                       step_time_s=step_time_s, micro_batch=micro_batch, grad_accum=GRAD_ACCUM,
-                       gpu_allocated_bytes=0, gpu_reserved_bytes=0, gpu_peak_allocated_bytes=0,
-                       gpu_peak_reserved_bytes=0, gpu_cap_bytes=0, host_rss_bytes=rss,
-                       host_peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            log.record(
+                "train",
+                step,
+                loss=loss_sum,
+                lr=3e-3,
+                grad_norm=grad_norm,
+                tokens=tokens,
+                tokens_per_s=(GRAD_ACCUM * micro_batch * (SEQ_LEN - 1)) / step_time_s,
+                step_time_s=step_time_s,
+                micro_batch=micro_batch,
+                grad_accum=GRAD_ACCUM,
+                gpu_allocated_bytes=0,
+                gpu_reserved_bytes=0,
+                gpu_peak_allocated_bytes=0,
+                gpu_peak_reserved_bytes=0,
+                gpu_cap_bytes=0,
+                host_rss_bytes=rss,
+                host_peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            )
             if step % EVAL_EVERY == 0:
                 with torch.no_grad():
                     eval_loss = model(input_ids=val_ids[:8], labels=val_ids[:8]).loss.item()
@@ -220,11 +242,18 @@ def test_the_latest_start_up_is_reported_with_its_longest_phases(tiny_run, tmp_p
     with MetricsLog(run_dir / "metrics.jsonl", flush_every=1) as log:
         _startup_record(log, 1, {"launch": 9.0, "model": 20.0, "deepspeed_init": 41.0, "first_step": 50.0})
         log.event("run", 4, event="resume", recipe="tiny-test", device="cpu")  # a resumed run starts again
-        _startup_record(log, 5, {"launch": 7.0, "model": 9.5, "loaders": 16.5, "deepspeed_init": 18.0, "first_step": 21.0})
+        _startup_record(
+            log, 5, {"launch": 7.0, "model": 9.5, "loaders": 16.5, "deepspeed_init": 18.0, "first_step": 21.0}
+        )
     summary = summarize(run_dir)
     assert summary["first_step_s"] == 21.0
-    assert summary["startup_phases_s"] == {"launch": 7.0, "model": 2.5, "loaders": 7.0, "deepspeed_init": 1.5,
-                                           "first_step": 3.0}
+    assert summary["startup_phases_s"] == {
+        "launch": 7.0,
+        "model": 2.5,
+        "loaders": 7.0,
+        "deepspeed_init": 1.5,
+        "first_step": 3.0,
+    }
     assert "21.0 s (longest: launch 7.0 s, loaders 7.0 s, first step 3.0 s)" in _report(run_dir)
 
 
@@ -235,12 +264,23 @@ def test_the_held_out_exact_match_is_reported_from_its_first_to_its_last_score(t
     assert summarize(run_dir)["final_exact_match"] is None and "train.eval_generate is off" in line
     with MetricsLog(run_dir / "metrics.jsonl", flush_every=1) as log:
         for step, correct in ((0, 0), (4, 1), (8, 1)):
-            log.event(GENERATION_KIND, step, exact_match=correct / 12, correct=correct, total=12, skipped=0,
-                      by_task={}, samples=[])
+            log.event(
+                GENERATION_KIND,
+                step,
+                exact_match=correct / 12,
+                correct=correct,
+                total=12,
+                skipped=0,
+                by_task={},
+                samples=[],
+            )
     summary = summarize(run_dir)
     assert (summary["first_exact_match"], summary["first_exact_match_step"]) == (0.0, 0)
-    assert (summary["final_exact_match"], summary["final_exact_match_step"], summary["exact_match_answers"]) == \
-        (pytest.approx(1 / 12), 8, 12)
+    assert (summary["final_exact_match"], summary["final_exact_match_step"], summary["exact_match_answers"]) == (
+        pytest.approx(1 / 12),
+        8,
+        12,
+    )
     assert "0.000 at step 0 → 0.083 at step 8 (12 answers)" in _report(run_dir)
 
 
@@ -267,8 +307,12 @@ def test_speed_is_derived_from_tokens_and_step_time_when_not_recorded(tiny_run):
         new_tokens = train[step]["tokens"] - train[step - 1]["tokens"]
         assert speed == pytest.approx(new_tokens / train[step]["step_time_s"])
         assert speed == pytest.approx(
-            next(r["tokens_per_s"] for r in read_metrics(tiny_run / "metrics.jsonl")
-                 if r["kind"] == "train" and r["step"] == step))
+            next(
+                r["tokens_per_s"]
+                for r in read_metrics(tiny_run / "metrics.jsonl")
+                if r["kind"] == "train" and r["step"] == step
+            )
+        )
 
 
 def test_the_median_speed_leaves_out_each_starts_first_step_and_nothing_else(tmp_path):

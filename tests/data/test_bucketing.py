@@ -1,4 +1,5 @@
 """Length bucketing of unpacked rows (data.group_by_length): every row once per epoch, resumable, and less padding."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memtrain.data.dataset import build_datasets, document_windows
-from memtrain.data.loader import BatchLoader, SampleOrder, batch_width, collate, sample_order, token_slots
+from memtrain.data.rows.dataset import build_datasets, document_windows
+from memtrain.data.rows.loader import BatchLoader, SampleOrder, batch_width, collate, sample_order, token_slots
 from memtrain.labels import IGNORE_INDEX
 from memtrain.recipe.schema import Data
 
@@ -17,10 +18,17 @@ CHAT_VALIDATION = [{"path": "builtin:chat/validation", "type": "chat"}]
 
 
 @settings(max_examples=60, deadline=None)
-@given(n_samples=st.integers(1, 60), group=st.integers(1, 9), bucket_steps=st.integers(1, 4),
-       seed=st.integers(0, 2**32 - 1), start=st.integers(0, 150), count=st.integers(0, 120))
-def test_a_bucketed_epoch_is_a_permutation_and_indices_slice_the_epochs(n_samples, group, bucket_steps, seed,
-                                                                         start, count):
+@given(
+    n_samples=st.integers(1, 60),
+    group=st.integers(1, 9),
+    bucket_steps=st.integers(1, 4),
+    seed=st.integers(0, 2**32 - 1),
+    start=st.integers(0, 150),
+    count=st.integers(0, 120),
+)
+def test_a_bucketed_epoch_is_a_permutation_and_indices_slice_the_epochs(
+    n_samples, group, bucket_steps, seed, start, count
+):
     lengths = np.random.default_rng(seed).integers(1, 100, n_samples)
     order = SampleOrder(n_samples, seed, lengths=lengths, group=group, bucket_steps=bucket_steps)
     n_epochs = (start + count) // n_samples + 1
@@ -28,7 +36,7 @@ def test_a_bucketed_epoch_is_a_permutation_and_indices_slice_the_epochs(n_sample
     assert all(sorted(epoch) == list(range(n_samples)) for epoch in epochs)
     # a new process (a resumed run) sees the same stream from any cursor
     resumed = SampleOrder(n_samples, seed, lengths=lengths, group=group, bucket_steps=bucket_steps)
-    assert resumed.indices(start, count) == sum(epochs, [])[start:start + count]
+    assert resumed.indices(start, count) == sum(epochs, [])[start : start + count]
 
 
 def test_each_step_holds_rows_of_similar_length_and_steps_stay_aligned_across_epochs():
@@ -50,8 +58,11 @@ def test_each_step_holds_rows_of_similar_length_and_steps_stay_aligned_across_ep
 
 
 def test_a_cut_batch_is_the_full_batch_without_its_padding_columns(chat_tokenizer, make_data):
-    train, _ = build_datasets(make_data(train=CHAT_VALIDATION, validation=CHAT_VALIDATION, seq_len=128,
-                                        packing=False, template="chatml"), chat_tokenizer, seed=0)
+    train, _ = build_datasets(
+        make_data(train=CHAT_VALIDATION, validation=CHAT_VALIDATION, seq_len=128, packing=False, template="chatml"),
+        chat_tokenizer,
+        seed=0,
+    )
     indices = [3, 17, 41]
     full, cut = collate(train, indices), collate(train, indices, trim=True)
     width = batch_width(train.lengths[indices], 128)

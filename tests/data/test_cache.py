@@ -1,4 +1,5 @@
 """The token cache: tokenise once, reuse by content and tokenizer, write atomically."""
+
 from __future__ import annotations
 
 import errno
@@ -12,9 +13,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-import memtrain.data.cache as cache
-from memtrain.data.cache import cache_paths, cached_documents, cached_tokens
-from memtrain.data.tokenizer import load_tokenizer
+import memtrain.data.tokens.cache as cache
+from memtrain.data.tokens.cache import cache_paths, cached_documents, cached_tokens
+from memtrain.data.tokens.tokenizer import load_tokenizer
 from memtrain.errors import UserError
 from memtrain.recipe.schema import Model
 
@@ -67,7 +68,8 @@ def test_second_call_reuses_the_file(tokenizer, corpus, tmp_path, tokenize_calls
     assert tokens_path.stat().st_mtime_ns == written_ns
     assert np.array_equal(first, second)
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == sorted(
-        [tokens_path.name, tokens_path.name.replace(".tokens.", ".doc_ends.")])  # no temporary files left
+        [tokens_path.name, tokens_path.name.replace(".tokens.", ".doc_ends.")]
+    )  # no temporary files left
 
 
 def test_new_content_or_tokenizer_gives_a_new_entry(tokenizer, corpus, tmp_path, tokenize_calls):
@@ -146,14 +148,16 @@ def test_unwritable_cache_dir(tokenizer, corpus, tmp_path):
     assert problem.key == "data.cache_dir" and "cannot write the token cache" in problem.message
 
 
-def test_a_full_disk_says_so_with_the_entrys_size_and_leaves_no_part_of_the_entry(tokenizer, corpus, tmp_path,
-                                                                                   monkeypatch):
+def test_a_full_disk_says_so_with_the_entrys_size_and_leaves_no_part_of_the_entry(
+    tokenizer, corpus, tmp_path, monkeypatch
+):
     real_save = np.save
 
     def full_at_tokens(handle, array):
         if array.dtype != np.int64:  # the ends are written first; the tokens after them do not fit
             raise OSError(errno.ENOSPC, "No space left on device")
         real_save(handle, array)
+
     monkeypatch.setattr(cache.np, "save", full_at_tokens)
     with pytest.raises(UserError) as excinfo:
         cached_tokens(corpus, "auto", "text", tokenizer, str(tmp_path / "c"))
@@ -163,8 +167,7 @@ def test_a_full_disk_says_so_with_the_entrys_size_and_leaves_no_part_of_the_entr
     assert list((tmp_path / "c").iterdir()) == []  # the ends file written before is gone, and no temporary is left
 
 
-def test_a_killed_writes_old_temporaries_are_removed_by_the_next_write_and_live_ones_kept(tokenizer, corpus,
-                                                                                          tmp_path):
+def test_a_killed_writes_old_temporaries_are_removed_by_the_next_write_and_live_ones_kept(tokenizer, corpus, tmp_path):
     tokens_path, ends_path = cache_paths(corpus, "auto", "text", tokenizer, str(tmp_path / "c"))
     tokens_path.parent.mkdir(parents=True)
     old, live = (tokens_path.parent / f".{tokens_path.name}.{tag}.tmp" for tag in ("s8cx6h8_", "abcd1234"))
@@ -179,6 +182,7 @@ def test_a_killed_writes_old_temporaries_are_removed_by_the_next_write_and_live_
 def test_a_short_write_with_no_room_left_is_a_full_disk_too(tokenizer, corpus, tmp_path, monkeypatch):
     def short(handle, array):  # how numpy says a full disk while it writes an array: no errno
         raise OSError(f"{array.nbytes} requested and 1089472 written")
+
     monkeypatch.setattr(cache.np, "save", short)
     for room, said in ((10, "filesystem is full (this entry needs"), (10**15, "requested and 1089472 written")):
         monkeypatch.setattr(cache, "_room", lambda directory, room=room: room)

@@ -1,4 +1,5 @@
 """Reading documents: text and JSONL, plain and gzipped, the builtin corpus, and errors that name file and line."""
+
 from __future__ import annotations
 
 import gzip
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from memtrain.data.corpus import read_documents, resolve_format, source_fingerprint
+from memtrain.data.read.corpus import read_documents, resolve_format, source_fingerprint
 from memtrain.errors import DataError, UserError
 
 
@@ -153,8 +154,17 @@ def test_fingerprint_follows_content_format_and_field(tmp_path):
     base = source_fingerprint(a, "auto", "text")
     assert source_fingerprint(copy, "auto", "text") == base  # the content, not the path
     assert source_fingerprint(a, "jsonl", "text") == base  # auto resolves to jsonl
-    assert len({base, source_fingerprint(other, "auto", "text"), source_fingerprint(a, "auto", "body"),
-                source_fingerprint(a, "text", "text")}) == 4
+    assert (
+        len(
+            {
+                base,
+                source_fingerprint(other, "auto", "text"),
+                source_fingerprint(a, "auto", "body"),
+                source_fingerprint(a, "text", "text"),
+            }
+        )
+        == 4
+    )
 
 
 def test_damaged_jsonl_gzip_names_the_line_it_stopped_at(tmp_path):

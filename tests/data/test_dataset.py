@@ -1,4 +1,5 @@
 """Token windows (packed and per document) and the train/validation split."""
+
 from __future__ import annotations
 
 import json
@@ -7,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from memtrain.data.cache import cached_tokens
-from memtrain.data.dataset import IGNORE_INDEX, build_datasets, document_windows, packed_windows
-from memtrain.data.tokenizer import load_tokenizer
+from memtrain.data.rows.dataset import IGNORE_INDEX, build_datasets, document_windows, packed_windows
+from memtrain.data.tokens.cache import cached_tokens
+from memtrain.data.tokens.tokenizer import load_tokenizer
 from memtrain.errors import DataError
 from memtrain.recipe.schema import Data, Model
 
@@ -82,8 +83,9 @@ def test_builtin_corpus_split_counts_and_no_overlap(tokenizer, cache_dir):
 
 
 def test_validation_file_is_used_whole(tokenizer, cache_dir):
-    data = Data(train="builtin:shakespeare", validation="builtin:shakespeare/validation", seq_len=64,
-                cache_dir=cache_dir)
+    data = Data(
+        train="builtin:shakespeare", validation="builtin:shakespeare/validation", seq_len=64, cache_dir=cache_dir
+    )
     train, validation = build_datasets(data, tokenizer, seed=0)
     n_train = len(cached_tokens("builtin:shakespeare", "auto", "text", tokenizer, cache_dir)) // 64
     n_validation = len(cached_tokens("builtin:shakespeare/validation", "auto", "text", tokenizer, cache_dir)) // 64

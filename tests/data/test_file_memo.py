@@ -1,5 +1,6 @@
 """A data file is hashed once per version: a warm start finds its token-cache entry without reading the file,
 and any change to the file (even one that keeps its size and mtime) is hashed again."""
+
 from __future__ import annotations
 
 import json
@@ -7,15 +8,17 @@ import os
 
 import pytest
 
-import memtrain.data.corpus as corpus
-import memtrain.data.records as records
-from memtrain.data import file_memo
-from memtrain.data.corpus import source_fingerprint
-from memtrain.data.records import dataset_fingerprint
-from memtrain.data.dataset import build_datasets
+import memtrain.data.read.corpus as corpus
+import memtrain.data.read.records as records
+from memtrain.data.read import file_memo
+from memtrain.data.read.corpus import source_fingerprint
+from memtrain.data.read.records import dataset_fingerprint
+from memtrain.data.rows.dataset import build_datasets
 
-CHAT = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                      {"role": "assistant", "content": str(2 * i)}]} for i in range(40)]
+CHAT = [
+    {"messages": [{"role": "user", "content": f"What is {i} plus {i}?"}, {"role": "assistant", "content": str(2 * i)}]}
+    for i in range(40)
+]
 
 
 @pytest.fixture
@@ -28,6 +31,7 @@ def hashed(monkeypatch):
         def counting(digest, path, name=name, original=original):
             counts[name] += 1
             original(digest, path)
+
         monkeypatch.setattr(module, "digest_file", counting)
     file_memo.forget()
     yield counts
@@ -87,8 +91,11 @@ def test_split_format_and_field_are_part_of_what_is_remembered(tmp_path, hashed,
     assert dataset_fingerprint(str(data), "train", memo) != dataset_fingerprint(str(data), "test", memo)
     text = tmp_path / "docs.jsonl"
     text.write_text('{"text": "a", "body": "b"}\n')
-    values = {source_fingerprint(str(text), "auto", "text", memo), source_fingerprint(str(text), "auto", "body", memo),
-              source_fingerprint(str(text), "text", "text", memo)}
+    values = {
+        source_fingerprint(str(text), "auto", "text", memo),
+        source_fingerprint(str(text), "auto", "body", memo),
+        source_fingerprint(str(text), "text", "text", memo),
+    }
     assert len(values) == 3 and hashed["corpus"] == 3
     file_memo.forget()
     assert source_fingerprint(str(text), "auto", "body", memo) in values and hashed["corpus"] == 3
@@ -113,8 +120,9 @@ def test_a_damaged_memo_file_is_ignored(tmp_path, hashed, settled):
     assert dataset_fingerprint(str(data), None, memo) == value and hashed["records"] == 2
 
 
-def test_a_warm_build_of_chat_data_reads_no_data_file_to_find_its_cache_entry(tmp_path, hashed, settled,
-                                                                              chat_tokenizer, make_data):
+def test_a_warm_build_of_chat_data_reads_no_data_file_to_find_its_cache_entry(
+    tmp_path, hashed, settled, chat_tokenizer, make_data
+):
     data = write_chat(tmp_path / "chat.jsonl")
     recipe_data = make_data(train=[{"path": str(data), "type": "chat"}])
     cold, _ = build_datasets(recipe_data, chat_tokenizer, seed=0)
@@ -122,18 +130,21 @@ def test_a_warm_build_of_chat_data_reads_no_data_file_to_find_its_cache_entry(tm
     file_memo.forget()  # as a new process
     warm, _ = build_datasets(recipe_data, chat_tokenizer, seed=0)
     assert cold_hashes == 1 and hashed["records"] == 1
-    assert [warm[i]["input_ids"].tolist() for i in range(len(warm))] == \
-        [cold[i]["input_ids"].tolist() for i in range(len(cold))]
+    assert [warm[i]["input_ids"].tolist() for i in range(len(warm))] == [
+        cold[i]["input_ids"].tolist() for i in range(len(cold))
+    ]
     data.write_text(data.read_text().replace('"2"}', '"two"}'))  # an answer changed: tokenised again
     changed, _ = build_datasets(recipe_data, chat_tokenizer, seed=0)
     assert hashed["records"] == 2
     assert sum(len(r["input_ids"]) for r in (changed[i] for i in range(len(changed)))) > 0
-    assert [changed[i]["labels"].tolist() for i in range(len(changed))] != \
-        [cold[i]["labels"].tolist() for i in range(len(cold))]
+    assert [changed[i]["labels"].tolist() for i in range(len(changed))] != [
+        cold[i]["labels"].tolist() for i in range(len(cold))
+    ]
 
 
-def test_a_renamed_link_in_a_dataset_directory_is_another_version_and_the_memo_is_readable_by_all(tmp_path, hashed,
-                                                                                                  settled):
+def test_a_renamed_link_in_a_dataset_directory_is_another_version_and_the_memo_is_readable_by_all(
+    tmp_path, hashed, settled
+):
     target = write_chat(tmp_path / "a.jsonl")
     folder = tmp_path / "dataset"
     folder.mkdir()

@@ -1,4 +1,5 @@
 """The resumable sample order and the prefetching batch loader."""
+
 from __future__ import annotations
 
 import threading
@@ -9,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memtrain.data.dataset import document_windows, packed_windows
-from memtrain.data.loader import BatchLoader, SampleOrder, collate
+from memtrain.data.rows.dataset import document_windows, packed_windows
+from memtrain.data.rows.loader import BatchLoader, SampleOrder, collate
 
 
 def concatenated_epochs(order: SampleOrder, n_epochs: int) -> list[int]:
@@ -32,12 +33,13 @@ def test_order_is_deterministic_across_instances_and_depends_on_seed():
 
 
 @settings(max_examples=60, deadline=None)
-@given(n_samples=st.integers(1, 40), seed=st.integers(0, 2**32 - 1),
-       start=st.integers(0, 150), count=st.integers(0, 120))
+@given(
+    n_samples=st.integers(1, 40), seed=st.integers(0, 2**32 - 1), start=st.integers(0, 150), count=st.integers(0, 120)
+)
 def test_indices_equal_slicing_the_concatenated_epochs(n_samples, seed, start, count):
     order = SampleOrder(n_samples, seed)
     n_epochs = (start + count) // n_samples + 1
-    assert order.indices(start, count) == concatenated_epochs(order, n_epochs)[start:start + count]
+    assert order.indices(start, count) == concatenated_epochs(order, n_epochs)[start : start + count]
 
 
 def test_crossing_an_epoch_boundary_and_resuming():

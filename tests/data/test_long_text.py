@@ -2,6 +2,7 @@
 tokenizer styles of the model families: byte-level BPE (GPT-2 / the bundled one, Llama 3 / Qwen's split), Metaspace
 (SentencePiece conversions), and a normalizer that prepends "▁" to every call (older Llama 2 conversions), for which
 no cut holds and the document goes whole."""
+
 from __future__ import annotations
 
 import gzip
@@ -12,17 +13,19 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from memtrain.data import long_text
-from memtrain.data.cache import tokenize_documents
-from memtrain.data.corpus import ASSETS
-from memtrain.data.tokenized import SampleRules, tokenize_dataset
+from memtrain.data.read.corpus import ASSETS
+from memtrain.data.tokens import long_text
+from memtrain.data.tokens.cache import tokenize_documents
+from memtrain.data.tokens.tokenized import SampleRules, tokenize_dataset
 from memtrain.recipe.schema import DatasetSpec
 
 PLAYS = gzip.decompress((ASSETS / "corpus/shakespeare/train.txt.gz").read_bytes()).decode()[:200_000]
 # Text without spaces between words, where only punctuation can be cut at.
 CJK = "天地玄黄，宇宙洪荒。日月盈昃，辰宿列张。寒来暑往，秋收冬藏。闰余成岁，律吕调阳。" * 400
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def trained(style: str) -> PreTrainedTokenizerFast:
@@ -33,9 +36,12 @@ def trained(style: str) -> PreTrainedTokenizerFast:
         tokenizer.decoder = decoders.ByteLevel()
         alphabet = pre_tokenizers.ByteLevel.alphabet()
     elif style == "llama3":
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
         tokenizer.decoder = decoders.ByteLevel()
         alphabet = pre_tokenizers.ByteLevel.alphabet()
     elif style == "metaspace":
@@ -43,8 +49,9 @@ def trained(style: str) -> PreTrainedTokenizerFast:
         tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     elif style == "prepend":
         tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    trainer = trainers.BpeTrainer(vocab_size=1500, special_tokens=["<unk>", "</s>"], initial_alphabet=alphabet,
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1500, special_tokens=["<unk>", "</s>"], initial_alphabet=alphabet, show_progress=False
+    )
     tokenizer.train_from_iterator([PLAYS, CJK], trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>")
 
@@ -55,8 +62,11 @@ def whole(tokenizer, text: str) -> list[int]:
 
 TEXTS = {"plays": PLAYS, "cjk": CJK, "mixed": PLAYS[:30_000] + CJK[:8_000] + PLAYS[30_000:60_000]}
 CUT = {  # style: the texts it cuts (Metaspace prepends "▁" to a piece that does not start with a space)
-    "gpt2": {"plays", "cjk", "mixed"}, "llama3": {"plays", "cjk", "mixed"}, "metaspace": {"plays", "mixed"},
-    "prepend": set()}
+    "gpt2": {"plays", "cjk", "mixed"},
+    "llama3": {"plays", "cjk", "mixed"},
+    "metaspace": {"plays", "mixed"},
+    "prepend": set(),
+}
 
 
 @pytest.mark.parametrize("style", list(CUT))

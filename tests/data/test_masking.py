@@ -6,12 +6,13 @@ The segments are tokenised one by one and laid end to end; the dataset's first r
 with labels -100 exactly where the segment is not a target (and on the sample's first token, which
 nothing predicts).
 """
+
 from __future__ import annotations
 
 import pytest
 
-from memtrain.data.dataset import build_datasets
-from memtrain.data.tokenizer import load_tokenizer
+from memtrain.data.rows.dataset import build_datasets
+from memtrain.data.tokens.tokenizer import load_tokenizer
 from memtrain.recipe.schema import Model
 
 T, C = "template", "content"
@@ -58,11 +59,19 @@ MULTI_TURN = [
 def chatml_segments(last_turn_only: bool = False, everything: bool = False) -> list[tuple[str, str, bool]]:
     first = everything or not last_turn_only
     return [
-        (T, "<|im_start|>system\n", everything), (C, SYSTEM, everything), (T, "<|im_end|>\n<|im_start|>user\n", everything),
-        (C, "What is 2 + 3?", everything), (T, "<|im_end|>\n<|im_start|>assistant\n", everything),
-        (C, "5", first), (T, "<|im_end|>", first), (T, "\n<|im_start|>user\n", everything),
-        (C, "And plus 4?", everything), (T, "<|im_end|>\n<|im_start|>assistant\n", everything),
-        (C, "9", True), (T, "<|im_end|>", True), (T, "\n", everything),
+        (T, "<|im_start|>system\n", everything),
+        (C, SYSTEM, everything),
+        (T, "<|im_end|>\n<|im_start|>user\n", everything),
+        (C, "What is 2 + 3?", everything),
+        (T, "<|im_end|>\n<|im_start|>assistant\n", everything),
+        (C, "5", first),
+        (T, "<|im_end|>", first),
+        (T, "\n<|im_start|>user\n", everything),
+        (C, "And plus 4?", everything),
+        (T, "<|im_end|>\n<|im_start|>assistant\n", everything),
+        (C, "9", True),
+        (T, "<|im_end|>", True),
+        (T, "\n", everything),
     ]
 
 
@@ -96,57 +105,103 @@ def test_sharegpt_conversations_mask_like_the_same_openai_messages(chat_tokenize
 def test_sharegpt_with_mapped_role_names(chat_tokenizer, write_jsonl, make_data):
     record = {"dialogue": [{"from": "asker", "value": "What is 2 + 3?"}, {"from": "answerer", "value": "5"}]}
     path = write_jsonl("custom.jsonl", [record])
-    data = one_dataset(make_data, path, "chat", spec={"messages_field": "dialogue", "chat_format": "sharegpt",
-                                                       "roles": {"asker": "user", "answerer": "assistant"}})
-    assert first_row(chat_tokenizer, data) == expected(chat_tokenizer, [
-        (T, "<|im_start|>user\n", False), (C, "What is 2 + 3?", False), (T, "<|im_end|>\n<|im_start|>assistant\n", False),
-        (C, "5", True), (T, "<|im_end|>", True), (T, "\n", False),
-    ])
+    data = one_dataset(
+        make_data,
+        path,
+        "chat",
+        spec={
+            "messages_field": "dialogue",
+            "chat_format": "sharegpt",
+            "roles": {"asker": "user", "answerer": "assistant"},
+        },
+    )
+    assert first_row(chat_tokenizer, data) == expected(
+        chat_tokenizer,
+        [
+            (T, "<|im_start|>user\n", False),
+            (C, "What is 2 + 3?", False),
+            (T, "<|im_end|>\n<|im_start|>assistant\n", False),
+            (C, "5", True),
+            (T, "<|im_end|>", True),
+            (T, "\n", False),
+        ],
+    )
 
 
-ALPACA_INPUT_PREAMBLE = ("Below is an instruction that describes a task, paired with an input that provides further "
-                         "context. Write a response that appropriately completes the request.\n\n")
+ALPACA_INPUT_PREAMBLE = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+)
 
 
 def test_instruction_with_input_through_the_alpaca_template(text_tokenizer, write_jsonl, make_data):
     record = {"instruction": "Write the word in capital letters.", "input": "king", "output": "KING"}
     path = write_jsonl("alpaca.jsonl", [record])
     got = first_row(text_tokenizer, one_dataset(make_data, path, "instruction", template="alpaca"))
-    assert got == expected(text_tokenizer, [
-        (T, ALPACA_INPUT_PREAMBLE + "### Instruction:\n", False), (C, "Write the word in capital letters.", False),
-        (T, "\n\n### Input:\n", False), (C, "king", False),
-        (T, "\n\n### Response:\n", False), (C, "KING", True), (T, "<|endoftext|>", True), (T, "\n\n", False),
-    ])
+    assert got == expected(
+        text_tokenizer,
+        [
+            (T, ALPACA_INPUT_PREAMBLE + "### Instruction:\n", False),
+            (C, "Write the word in capital letters.", False),
+            (T, "\n\n### Input:\n", False),
+            (C, "king", False),
+            (T, "\n\n### Response:\n", False),
+            (C, "KING", True),
+            (T, "<|endoftext|>", True),
+            (T, "\n\n", False),
+        ],
+    )
 
 
 def test_instruction_without_input_and_with_a_system_field(text_tokenizer, write_jsonl, make_data):
     record = {"sys": "Be terse.", "instruction": "Reverse 'sword'.", "input": "", "output": "drows"}
     path = write_jsonl("alpaca.jsonl", [record])
     data = one_dataset(make_data, path, "instruction", template="alpaca", spec={"system_field": "sys"})
-    assert first_row(text_tokenizer, data) == expected(text_tokenizer, [
-        (T, "", False), (C, "Be terse.", False), (T, "\n\n### Instruction:\n", False), (C, "Reverse 'sword'.", False),
-        (T, "\n\n### Response:\n", False), (C, "drows", True), (T, "<|endoftext|>", True), (T, "\n\n", False),
-    ])
+    assert first_row(text_tokenizer, data) == expected(
+        text_tokenizer,
+        [
+            (T, "", False),
+            (C, "Be terse.", False),
+            (T, "\n\n### Instruction:\n", False),
+            (C, "Reverse 'sword'.", False),
+            (T, "\n\n### Response:\n", False),
+            (C, "drows", True),
+            (T, "<|endoftext|>", True),
+            (T, "\n\n", False),
+        ],
+    )
 
 
 def test_completion_is_a_user_prompt_and_an_assistant_answer(chat_tokenizer, write_jsonl, make_data):
     path = write_jsonl("completion.jsonl", [{"q": "What is 7 times 8?", "a": "56"}])
     data = one_dataset(make_data, path, "completion", spec={"prompt_field": "q", "completion_field": "a"})
-    assert first_row(chat_tokenizer, data) == expected(chat_tokenizer, [
-        (T, "<|im_start|>user\n", False), (C, "What is 7 times 8?", False),
-        (T, "<|im_end|>\n<|im_start|>assistant\n", False), (C, "56", True), (T, "<|im_end|>", True), (T, "\n", False),
-    ])
+    assert first_row(chat_tokenizer, data) == expected(
+        chat_tokenizer,
+        [
+            (T, "<|im_start|>user\n", False),
+            (C, "What is 7 times 8?", False),
+            (T, "<|im_end|>\n<|im_start|>assistant\n", False),
+            (C, "56", True),
+            (T, "<|im_end|>", True),
+            (T, "\n", False),
+        ],
+    )
 
 
 def test_llama3_template_ends_each_turn_with_eot(write_jsonl, make_data):
     tokenizer = load_tokenizer(Model(preset="tiny", tokenizer="builtin:shakespeare-chat"))  # gains llama-3 markers
     path = write_jsonl("chat.jsonl", [{"messages": MULTI_TURN[1:3]}])
     data = one_dataset(make_data, path, "chat", template="llama-3", add_special_tokens=True)
-    assert first_row(tokenizer, data) == expected(tokenizer, [
-        (T, "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n", False), (C, "What is 2 + 3?", False),
-        (T, "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n", False), (C, "5", True),
-        (T, "<|eot_id|>", True),
-    ])
+    assert first_row(tokenizer, data) == expected(
+        tokenizer,
+        [
+            (T, "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n", False),
+            (C, "What is 2 + 3?", False),
+            (T, "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n", False),
+            (C, "5", True),
+            (T, "<|eot_id|>", True),
+        ],
+    )
 
 
 def test_a_truncated_sample_keeps_its_prompt_masked(chat_tokenizer, write_jsonl, make_data):

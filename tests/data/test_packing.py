@@ -3,6 +3,7 @@
 Real parts throughout: rows from the bundled chat data, a tiny LlamaForCausalLM built from a config, and
 memtrain's TrainableLM (the module DeepSpeed runs), in fp32 on the CPU.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from memtrain.data.dataset import build_datasets
-from memtrain.data.packing import pack_rows
+from memtrain.data.rows.dataset import build_datasets
+from memtrain.data.rows.packing import pack_rows
 from memtrain.model import wrapper
 from memtrain.model.wrapper import TrainableLM
 from memtrain.recipe.schema import Precision
@@ -21,9 +22,16 @@ IGNORE = -100
 
 def tiny_model(vocab_size: int, attn: str) -> TrainableLM:
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=vocab_size, max_position_embeddings=256,
-                         attn_implementation=attn)
+    config = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=vocab_size,
+        max_position_embeddings=256,
+        attn_implementation=attn,
+    )
     model = LlamaForCausalLM(config).float()
     # chunks smaller than a micro-batch so the chunked loss is the path under test too
     return TrainableLM(model, Precision(compute="fp32", loss_chunk_tokens=64))
@@ -34,8 +42,9 @@ def packed_rows(chat_tokenizer, tmp_path_factory):
     from memtrain.recipe.schema import Data
 
     spec = {"path": "builtin:chat/validation", "type": "chat"}
-    data = Data(train=[spec], validation=[spec], seq_len=96, packing=True,
-                cache_dir=str(tmp_path_factory.mktemp("cache")))
+    data = Data(
+        train=[spec], validation=[spec], seq_len=96, packing=True, cache_dir=str(tmp_path_factory.mktemp("cache"))
+    )
     train, _ = build_datasets(data, chat_tokenizer, seed=3)
     return train
 
@@ -55,8 +64,8 @@ def one_by_one(model: TrainableLM, rows, indices: list[int]) -> tuple[torch.Tens
         at = 0
         for sample in rows.row(index):
             length = int(rows.samples.length[sample])
-            input_ids = item["input_ids"][at:at + length].unsqueeze(0)
-            labels = item["labels"][at:at + length].unsqueeze(0)
+            input_ids = item["input_ids"][at : at + length].unsqueeze(0)
+            labels = item["labels"][at : at + length].unsqueeze(0)
             at += length
             loss, n, g = loss_and_grads(model, {"input_ids": input_ids, "labels": labels})
             total, count = total + loss, count + n
@@ -107,16 +116,19 @@ def test_attention_does_not_cross_a_sample_boundary(packed_rows, chat_tokenizer,
     changed = item["input_ids"].clone()
     changed[:first] = torch.randint(2, 4096, (first,), generator=torch.Generator().manual_seed(1))
     positions = item["position_ids"].unsqueeze(0)
-    torch.testing.assert_close(later_samples_hidden(changed, positions), later_samples_hidden(item["input_ids"], positions),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        later_samples_hidden(changed, positions), later_samples_hidden(item["input_ids"], positions), rtol=0, atol=1e-6
+    )
     # the same change does reach the later samples without the restarting positions: the check has teeth
     assert not torch.allclose(later_samples_hidden(changed, None), later_samples_hidden(item["input_ids"], None))
 
     # and through the training module: the later samples' loss ignores the first sample's tokens
     labels = item["labels"].clone()
     labels[:first] = IGNORE
-    losses = [model(input_ids=ids.unsqueeze(0), labels=labels.unsqueeze(0), position_ids=positions)[0].item()
-              for ids in (item["input_ids"], changed)]
+    losses = [
+        model(input_ids=ids.unsqueeze(0), labels=labels.unsqueeze(0), position_ids=positions)[0].item()
+        for ids in (item["input_ids"], changed)
+    ]
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
@@ -126,7 +138,7 @@ def test_rows_restart_positions_and_pad_after_the_samples(packed_rows, chat_toke
         at = 0
         for sample in packed_rows.row(index):
             length = int(packed_rows.samples.length[sample])
-            assert item["position_ids"][at:at + length].tolist() == list(range(length))
+            assert item["position_ids"][at : at + length].tolist() == list(range(length))
             assert item["labels"][at] == IGNORE
             at += length
         assert (item["input_ids"][at:] == chat_tokenizer.pad_token_id).all() and (item["labels"][at:] == IGNORE).all()
@@ -149,8 +161,9 @@ def test_pack_rows_fits_every_sample_once_and_tightly():
 
 def test_unpacked_rows_hold_one_sample_each(chat_tokenizer, make_data):
     spec = {"path": "builtin:chat/validation", "type": "chat"}
-    train, _ = build_datasets(make_data(train=[spec], validation=[spec], seq_len=96, packing=False),
-                              chat_tokenizer, seed=0)
+    train, _ = build_datasets(
+        make_data(train=[spec], validation=[spec], seq_len=96, packing=False), chat_tokenizer, seed=0
+    )
     assert len(train) == train.stats.samples == 300
     assert all(len(train.row(i)) == 1 for i in range(len(train)))
     assert 0 < train.stats.padding_share < 1

@@ -1,5 +1,6 @@
 """Chat records are encoded in forked workers when there are enough of them, with the same samples, notes and
 problems, in the same order, as in one process."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import memtrain.data.tokenized as tokenized
-from memtrain.data import parallel
-from memtrain.data.dataset import build_datasets
+import memtrain.data.tokens.tokenized as tokenized
+from memtrain.data.rows.dataset import build_datasets
+from memtrain.data.tokens import parallel
 from memtrain.errors import DataError
 
 
@@ -35,8 +36,12 @@ def conversations(n: int) -> list:
 def built(chat_tokenizer, make_data, path, min_batches: int, monkeypatch):
     monkeypatch.setattr(parallel, "MIN_BATCHES", min_batches)
     monkeypatch.setattr(tokenized, "BATCH_RECORDS", 16)
-    data = make_data(train=[{"path": str(path), "type": "chat"}], skip_untrainable=True, seq_len=64,
-                     cache_dir=str(path.parent / f"cache-{min_batches}"))
+    data = make_data(
+        train=[{"path": str(path), "type": "chat"}],
+        skip_untrainable=True,
+        seq_len=64,
+        cache_dir=str(path.parent / f"cache-{min_batches}"),
+    )
     train, validation = build_datasets(data, chat_tokenizer, seed=0)
     rows = [train[i]["input_ids"].tolist() + train[i]["labels"].tolist() for i in range(len(train))]
     return rows, [validation[i]["labels"].tolist() for i in range(len(validation))], train.stats
@@ -61,8 +66,11 @@ def test_problems_found_in_workers_are_said_in_line_order(chat_tokenizer, make_d
     monkeypatch.setattr(parallel, "MIN_BATCHES", 1)
     monkeypatch.setattr(tokenized, "BATCH_RECORDS", 16)
     with pytest.raises(DataError) as err:
-        build_datasets(make_data(train=[{"path": str(path), "type": "chat"}], template="alpaca",
-                                 skip_untrainable=True), chat_tokenizer, seed=0)
+        build_datasets(
+            make_data(train=[{"path": str(path), "type": "chat"}], template="alpaca", skip_untrainable=True),
+            chat_tokenizer,
+            seed=0,
+        )
     assert [p.line for p in err.value.problems] == [21, 151]
     assert all(p.key == "data.template" for p in err.value.problems)
 
@@ -80,16 +88,29 @@ def test_tokenising_stops_once_ten_problems_are_found(chat_tokenizer, make_data,
     monkeypatch.setattr(tokenized, "BATCH_RECORDS", 16)
     encoded = []
     encode_many = tokenized.ConversationEncoder.encode_many
-    monkeypatch.setattr(tokenized.ConversationEncoder, "encode_many",
-                        lambda self, batch: encoded.append(len(batch)) or encode_many(self, batch))
+    monkeypatch.setattr(
+        tokenized.ConversationEncoder,
+        "encode_many",
+        lambda self, batch: encoded.append(len(batch)) or encode_many(self, batch),
+    )
     with pytest.raises(DataError) as err:
-        build_datasets(make_data(train=[{"path": str(path), "type": "chat"}], template="alpaca",
-                                 skip_untrainable=True, cache_dir=str(tmp_path / "cache")), chat_tokenizer, seed=0)
+        build_datasets(
+            make_data(
+                train=[{"path": str(path), "type": "chat"}],
+                template="alpaca",
+                skip_untrainable=True,
+                cache_dir=str(tmp_path / "cache"),
+            ),
+            chat_tokenizer,
+            seed=0,
+        )
     problems = err.value.problems
     assert [p.line for p in problems[:10]] == [i + 1 for i in bad[:10]]  # lines count from 1
     # the tenth is record 86, in the sixth batch (records 80-95): checking stops after that batch's last line
-    assert problems[10].message == "… checking stopped after line 96 (1 more problem up to there, the lines after " \
-                                   "it were not checked)"
+    assert (
+        problems[10].message == "… checking stopped after line 96 (1 more problem up to there, the lines after "
+        "it were not checked)"
+    )
     assert len(problems) == 11 and err.value.count == "at least 11 problems, the first 10 listed"
     if min_batches > 1:  # in this process: the batches after it were never encoded (workers may run ahead)
         assert len(encoded) == 6
@@ -116,7 +137,7 @@ def test_batches_are_read_a_few_ahead_of_the_one_yielded(monkeypatch, min_batche
 
 CHILD = """
 import signal, sys, time
-from memtrain.data import parallel
+from memtrain.data.tokens import parallel
 def stop(signum, frame):
     raise KeyboardInterrupt  # as memtrain run's handler raises Stopped
 signal.signal(signal.SIGTERM, stop)
@@ -135,15 +156,22 @@ except KeyboardInterrupt:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
 def test_workers_end_quietly_when_the_command_is_stopped_or_killed(signum):
     """Audit 20b G1, G3: SIGTERM to the command (its handler raises) or kill -9 of it left a traceback per worker."""
-    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": str(Path(parallel.__file__).parents[2])})
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(parallel.__file__).parents[2])},
+    )
     assert child.stdout.readline().startswith("result")  # the workers are at work
-    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(child.pid)], capture_output=True,
-                                              text=True).stdout.split()]
+    workers = [
+        int(p) for p in subprocess.run(["pgrep", "-P", str(child.pid)], capture_output=True, text=True).stdout.split()
+    ]
     child.send_signal(signum)
     out, err = child.communicate(timeout=30)  # the pipes close only when the workers are gone too
     assert "Traceback" not in err, err
     assert ("stopped" in out) == (signum == signal.SIGTERM)
     time.sleep(0.5)
-    assert len(workers) >= 1 and not [w for w in workers if Path(f"/proc/{w}").exists()
-                                      and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]]
+    assert len(workers) >= 1 and not [
+        w for w in workers if Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]
+    ]

@@ -1,12 +1,13 @@
 """Per-sample target counts are summed a chunk at a time over the memory-mapped target flags: the same sums as a
 cumulative sum over the whole array, for any spans (empty, repeated, overlapping, at either end), at any chunk size."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from memtrain.data import rows
-from memtrain.data.rows import SampleViews, span_sums
+from memtrain.data.rows import row_set as rows
+from memtrain.data.rows.row_set import SampleViews, span_sums
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 1 << 22])
@@ -26,7 +27,12 @@ def test_target_counts_leave_out_each_samples_first_token_across_sources(monkeyp
     monkeypatch.setattr(rows, "PREFIX_CHUNK", 4)
     targets = (np.array([1, 1, 0, 1, 1, 1, 0, 1, 1, 1], dtype=np.uint8), np.array([0, 1, 1], dtype=np.uint8))
     tokens = tuple(np.zeros(len(t), dtype=np.uint16) for t in targets)
-    views = SampleViews(tokens, targets, source=np.array([0, 1, 0, 0, 0, 1]), start=np.array([0, 0, 3, 3, 10, 3]),
-                        length=np.array([3, 3, 7, 2, 0, 0]))
+    views = SampleViews(
+        tokens,
+        targets,
+        source=np.array([0, 1, 0, 0, 0, 1]),
+        start=np.array([0, 0, 3, 3, 10, 3]),
+        length=np.array([3, 3, 7, 2, 0, 0]),
+    )
     # [1,1,0] -> 1; [0,1,1] -> 2; [1,1,1,0,1,1,1] -> 5; [1,1] -> 1; empty at the end -> 0; empty -> 0
     assert views.target_counts().tolist() == [1, 2, 5, 1, 0, 0]

@@ -1,13 +1,19 @@
 """Template markers are single special tokens; content can never produce one; missing markers are named."""
+
 from __future__ import annotations
 
 import pytest
 
-from memtrain.data.dataset import build_datasets
-from memtrain.data.render import ConversationEncoder
-from memtrain.data.templates import (ensure_template_tokens, missing_special_tokens, resolve_template,
-                                     shipped_template, shipped_template_names)
-from memtrain.data.tokenizer import load_tokenizer
+from memtrain.data.render.chat import ConversationEncoder
+from memtrain.data.render.templates import (
+    ensure_template_tokens,
+    missing_special_tokens,
+    resolve_template,
+    shipped_template,
+    shipped_template_names,
+)
+from memtrain.data.rows.dataset import build_datasets
+from memtrain.data.tokens.tokenizer import load_tokenizer
 from memtrain.errors import DataError
 from memtrain.recipe.schema import Model
 
@@ -35,13 +41,17 @@ def test_content_that_spells_a_marker_stays_text(chat_tokenizer):
     # exactly the template's own markers: two turns, each opened and closed once
     assert ids.count(im_start) == 2 and ids.count(im_end) == 2
     assert chat_tokenizer.eos_token_id not in ids
-    assert chat_tokenizer.decode(ids) == ("<|im_start|>user\n" + attack + "<|im_end|>\n<|im_start|>assistant\nNo.<|im_end|>\n")
+    assert chat_tokenizer.decode(ids) == (
+        "<|im_start|>user\n" + attack + "<|im_end|>\n<|im_start|>assistant\nNo.<|im_end|>\n"
+    )
 
 
 def test_a_template_whose_markers_the_tokenizer_lacks_is_refused_with_the_tokens_named(
-        text_tokenizer, write_jsonl, make_data):
-    path = write_jsonl("chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
-                                                    {"role": "assistant", "content": "hello"}]}])
+    text_tokenizer, write_jsonl, make_data
+):
+    path = write_jsonl(
+        "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    )
     data = make_data(train=[{"path": path, "type": "chat"}], template="chatml")
     with pytest.raises(DataError) as err:
         build_datasets(data, text_tokenizer, seed=0)
@@ -53,8 +63,9 @@ def test_a_template_whose_markers_the_tokenizer_lacks_is_refused_with_the_tokens
 def test_add_special_tokens_adds_the_missing_markers_once(write_jsonl, make_data):
     tokenizer = fresh("shakespeare")
     size = len(tokenizer)
-    path = write_jsonl("chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
-                                                    {"role": "assistant", "content": "hello"}]}] * 4)
+    path = write_jsonl(
+        "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 4
+    )
     data = make_data(train=[{"path": path, "type": "chat"}], template="chatml", add_special_tokens=True)
     assert ensure_template_tokens(data, tokenizer) == ["<|im_start|>", "<|im_end|>"]
     assert len(tokenizer) == size + 2
@@ -65,16 +76,18 @@ def test_add_special_tokens_adds_the_missing_markers_once(write_jsonl, make_data
 
 
 def test_chat_data_without_any_template_says_what_to_set(text_tokenizer, write_jsonl, make_data):
-    path = write_jsonl("chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
-                                                    {"role": "assistant", "content": "hello"}]}])
+    path = write_jsonl(
+        "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    )
     with pytest.raises(DataError) as err:
         build_datasets(make_data(train=[{"path": path, "type": "chat"}]), text_tokenizer, seed=0)
     assert err.value.problems[0].key == "data.template" and "chatml" in err.value.problems[0].hint
 
 
 def test_an_unknown_template_name_lists_the_shipped_ones(chat_tokenizer, write_jsonl, make_data):
-    path = write_jsonl("chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
-                                                    {"role": "assistant", "content": "hello"}]}])
+    path = write_jsonl(
+        "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    )
     with pytest.raises(DataError, match="no chat template 'vicuna'.*chatml"):
         build_datasets(make_data(train=[{"path": path, "type": "chat"}], template="vicuna"), chat_tokenizer, seed=0)
 

@@ -6,41 +6,52 @@ The tokenizers are the bundled Shakespeare BPE with each family's markers as spe
 chat_template (Qwen2's ChatML, Gemma-2's, Phi-3's, Mistral's), as a model directory from the Hub has them.
 `family_tokenizer` is shared with the generation-eval and export tests.
 """
+
 from __future__ import annotations
 
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from memtrain.data.prompts import prompt_of
-from memtrain.data.render import (
+from memtrain.data.render.chat import (
     ConversationEncoder,
     RenderError,
-    turn_end_id,
     generation_prompt_warning,
+    turn_end_id,
     unclosed_turn_warning,
 )
-from memtrain.data.templates import ensure_template_tokens, resolve_template
-from memtrain.data.tokenizer import ASSETS
+from memtrain.data.render.templates import ensure_template_tokens, resolve_template
+from memtrain.data.rows.prompts import prompt_of
+from memtrain.data.tokens.tokenizer import ASSETS
 
-QWEN2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-         "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
-         "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-GEMMA2 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-          "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-          "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
-          "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
-PHI3 = ("{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
-        "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
-        "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
-MISTRAL = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
-           "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
-           "{{ message['content'] + eos_token}}{% endif %}{% endfor %}")
-PLAIN = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
-         "{% if add_generation_prompt %}assistant: {% endif %}")
+QWEN2 = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+GEMMA2 = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+PHI3 = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
+    "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+MISTRAL = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{{ message['content'] + eos_token}}{% endif %}{% endfor %}"
+)
+PLAIN = (
+    "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 # family: (chat_template, its markers, the token that closes an assistant turn; None: the tokenizer's eos)
 FAMILIES = {
@@ -50,8 +61,12 @@ FAMILIES = {
     "mistral": (MISTRAL, ["[INST]", "[/INST]"], None),
     "plain": (PLAIN, [], None),
 }
-CHAT = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"},
-        {"role": "user", "content": "And plus 4?"}, {"role": "assistant", "content": "9"}]
+CHAT = [
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "5"},
+    {"role": "user", "content": "And plus 4?"},
+    {"role": "assistant", "content": "9"},
+]
 
 
 def family_tokenizer(family: str) -> PreTrainedTokenizerBase:
@@ -87,8 +102,9 @@ def test_a_tokenizer_templates_end_of_turn_is_the_token_training_targets_after_e
 
 
 def test_a_shipped_template_keeps_its_named_end_of_turn(chat_tokenizer, text_tokenizer):
-    assert turn_end_id(resolve_template("chatml", chat_tokenizer), chat_tokenizer) == \
-        chat_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert turn_end_id(
+        resolve_template("chatml", chat_tokenizer), chat_tokenizer
+    ) == chat_tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert turn_end_id(resolve_template("alpaca", text_tokenizer), text_tokenizer) == text_tokenizer.eos_token_id
 
 
@@ -104,8 +120,9 @@ def test_a_template_that_writes_no_special_token_after_an_answer_is_warned_about
     assert "set data.template" in warning and "chatml" in warning and "data.add_special_tokens" in warning
 
 
-def test_no_warning_where_a_special_token_closes_each_answer_or_no_template_is_used(make_data, write_jsonl,
-                                                                                  text_tokenizer):
+def test_no_warning_where_a_special_token_closes_each_answer_or_no_template_is_used(
+    make_data, write_jsonl, text_tokenizer
+):
     for family in ("qwen2", "gemma2", "phi3", "mistral"):
         assert unclosed_turn_warning(chat_data(make_data, write_jsonl), family_tokenizer(family)) is None
     plain = family_tokenizer("plain")
@@ -129,9 +146,11 @@ def test_encode_raises_render_error_and_prompt_of_skips_the_conversation():
     assert prompt_of(encoder, CHAT[:2]) is not None
 
 
-LLAMA2 = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
-          "{{ '[INST] ' + message['content'] | trim + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
-          "{{ ' ' + message['content'] | trim + ' ' + eos_token }}{% endif %}{% endfor %}")
+LLAMA2 = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] | trim + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{{ ' ' + message['content'] | trim + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma2", "phi3", "mistral", "plain", "llama2"])
@@ -149,7 +168,8 @@ def test_training_ids_are_the_tokenizers_own_ids_of_the_rendered_conversation(fa
     assert ids == list(own["input_ids"] if hasattr(own, "keys") else own)
     trained = tokenizer.decode([i for i, t in zip(ids, targets) if t])
     closing = {"qwen2": "<|im_end|>", "gemma2": "<end_of_turn>", "phi3": "<|end|>", "plain": ""}.get(
-        family, tokenizer.eos_token)
+        family, tokenizer.eos_token
+    )
     assert trained.replace(" ", "") == f"5{closing}9{closing}".replace(" ", "")
 
 
@@ -162,20 +182,22 @@ def test_an_eval_prompt_is_the_tokenizers_own_generation_prompt(family):
     assert prompt == list(own["input_ids"] if hasattr(own, "keys") else own) and expected == "9"
 
 
-MISTRAL_V03 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
-               "{% set rest = messages[1:] %}{% else %}{% set rest = messages %}{% endif %}"
-               "{% for message in rest %}{% if message['role'] == 'user' %}{% if loop.last and system is defined %}"
-               "{{ '[INST] ' + system + '\\n\\n' + message['content'] + '[/INST]' }}{% else %}"
-               "{{ '[INST] ' + message['content'] + '[/INST]' }}{% endif %}{% else %}"
-               "{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}")
+MISTRAL_V03 = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+    "{% set rest = messages[1:] %}{% else %}{% set rest = messages %}{% endif %}"
+    "{% for message in rest %}{% if message['role'] == 'user' %}{% if loop.last and system is defined %}"
+    "{{ '[INST] ' + system + '\\n\\n' + message['content'] + '[/INST]' }}{% else %}"
+    "{{ '[INST] ' + message['content'] + '[/INST]' }}{% endif %}{% else %}"
+    "{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
 
 
 def test_a_message_the_template_leaves_out_is_counted_and_warned_about(make_data, write_jsonl, tmp_path):
     """Audit 18a F2: Mistral v0.3's template writes the system message only into the last user turn, so a training
     conversation (ending with its answer) loses it silently. The count survives the token cache (a second build
     reads it back), and conversations without a system message are not counted."""
-    from memtrain.data.dataset import build_datasets
-    from memtrain.data.mixture import unwritten_messages_warning
+    from memtrain.data.rows.dataset import build_datasets
+    from memtrain.data.rows.mixture import unwritten_messages_warning
 
     tokenizer = family_tokenizer("mistral")
     tokenizer.chat_template = MISTRAL_V03
@@ -186,20 +208,26 @@ def test_a_message_the_template_leaves_out_is_counted_and_warned_about(make_data
         build_datasets(data, tokenizer, seed=0)
         warning = unwritten_messages_warning(data, tokenizer)
         assert warning is not None and warning.startswith(
-            "model.tokenizer: the tokenizer's chat_template (data.template is not set) did not write")
+            "model.tokenizer: the tokenizer's chat_template (data.template is not set) did not write"
+        )
         assert f"the system message of 2 conversations of {path} (the first at line 2)" in warning
         assert "first user message" in warning
-    plain = make_data(train=[{"path": write_jsonl("plain.jsonl", [{"messages": CHAT}] * 3), "type": "chat"}],
-                      validation=None, template=None)
+    plain = make_data(
+        train=[{"path": write_jsonl("plain.jsonl", [{"messages": CHAT}] * 3), "type": "chat"}],
+        validation=None,
+        template=None,
+    )
     build_datasets(plain, tokenizer, seed=0)
     assert unwritten_messages_warning(plain, tokenizer) is None
 
 
-QWEN3 = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
-         "{% if loop.last %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{{ m['content'] + '<|im_end|>\n' }}"
-         "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
-         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and "
-         "enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}")
+QWEN3 = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{% if loop.last %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{{ m['content'] + '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and "
+    "enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"
+)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma2", "phi3", "mistral"])

@@ -4,6 +4,7 @@
 The digests below were computed with the code at the base of this branch (commit 455c843, before list
 datasets existed) over every window's input_ids and labels of the bundled Shakespeare, seq_len 64.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from memtrain.data.cache import cache_paths
-from memtrain.data.dataset import build_datasets
+from memtrain.data.rows.dataset import build_datasets
+from memtrain.data.tokens.cache import cache_paths
 from memtrain.recipe.schema import Data
 
 VALIDATION = "builtin:shakespeare/validation"
@@ -48,9 +49,14 @@ def test_text_windows_are_those_of_the_branch_base(packing, validation, text_tok
 
 
 def test_an_unpacked_document_gives_the_packed_windows_and_its_tail(text_tokenizer, cache_dir):
-    packed, unpacked = (build_datasets(Data(train="builtin:shakespeare", validation=VALIDATION, seq_len=64,
-                                            packing=packing, cache_dir=cache_dir), text_tokenizer, seed=7)[0]
-                        for packing in (True, False))
+    packed, unpacked = (
+        build_datasets(
+            Data(train="builtin:shakespeare", validation=VALIDATION, seq_len=64, packing=packing, cache_dir=cache_dir),
+            text_tokenizer,
+            seed=7,
+        )[0]
+        for packing in (True, False)
+    )
     assert len(unpacked) == len(packed) + 1 and unpacked.n_tokens > packed.n_tokens
     assert all(np.array_equal(unpacked[i]["input_ids"], packed[i]["input_ids"]) for i in range(len(packed)))
 

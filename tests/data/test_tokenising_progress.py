@@ -1,5 +1,6 @@
 """The first tokenisation of a data file reports how far it has got, and a command draws it as a bar on a terminal;
 data from the token cache reports nothing."""
+
 from __future__ import annotations
 
 import io
@@ -7,12 +8,14 @@ import json
 
 from rich.console import Console
 
-from memtrain.data.dataset import build_datasets
-from memtrain.data.progress import listening
-from memtrain.train.progress import tokenising_progress
+from memtrain.data.rows.dataset import build_datasets
+from memtrain.data.tokens.progress import listening
+from memtrain.train.progress_bar import tokenising_progress
 
-CHAT = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                      {"role": "assistant", "content": str(2 * i)}]} for i in range(1200)]
+CHAT = [
+    {"messages": [{"role": "user", "content": f"What is {i} plus {i}?"}, {"role": "assistant", "content": str(2 * i)}]}
+    for i in range(1200)
+]
 
 
 def test_a_cold_chat_build_reports_its_records_and_a_warm_one_nothing(chat_tokenizer, make_data, tmp_path):

@@ -1,4 +1,5 @@
 """Loading the recipe's tokenizer offline, with eos and pad guaranteed, and fingerprinting it."""
+
 from __future__ import annotations
 
 import json
@@ -6,7 +7,7 @@ import shutil
 
 import pytest
 
-from memtrain.data.tokenizer import ASSETS, load_tokenizer, tokenizer_fingerprint
+from memtrain.data.tokens.tokenizer import ASSETS, load_tokenizer, tokenizer_fingerprint
 from memtrain.errors import UserError
 from memtrain.recipe.schema import Model
 

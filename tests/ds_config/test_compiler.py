@@ -1,5 +1,6 @@
 """The recipe -> DeepSpeed compiler: golden files for every shipped recipe, DeepSpeed's own parser
 accepts every output, and the decisions (stage, offload blocks, batch split, precision) follow the recipe."""
+
 from __future__ import annotations
 
 import json
@@ -51,7 +52,7 @@ def test_deepspeed_accepts_every_compiled_config(path, monkeypatch):
     assert parsed.train_batch_size == config["train_batch_size"]
     assert parsed.zero_optimization_stage == config["zero_optimization"]["stage"]
     assert parsed.gradient_accumulation_steps == config["gradient_accumulation_steps"]
-    assert parsed.managed_gradient_accumulation  # the loop marks boundaries (memtrain.train.step)
+    assert parsed.managed_gradient_accumulation  # the loop marks boundaries (memtrain.train.step.micro_batches)
 
 
 BASE = """
@@ -102,8 +103,16 @@ def test_precision_blocks():
     bf16 = ds_config_for_shapes(recipe_with(overrides=["precision.master=bf16"]), 256, 4)
     assert bf16["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     fp16 = ds_config_for_shapes(
-        recipe_with(overrides=["precision.compute=fp16", "precision.loss_scale.initial_scale_power=12",
-                               "precision.loss_scale.hysteresis=3"]), 256, 4)
+        recipe_with(
+            overrides=[
+                "precision.compute=fp16",
+                "precision.loss_scale.initial_scale_power=12",
+                "precision.loss_scale.hysteresis=3",
+            ]
+        ),
+        256,
+        4,
+    )
     assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0
     assert fp16["fp16"]["initial_scale_power"] == 12 and fp16["fp16"]["hysteresis"] == 3
     assert "bf16" not in fp16
@@ -116,7 +125,6 @@ def test_compiler_is_pure():
     before = recipe.model_dump()
     assert ds_config_for_shapes(recipe, 256, 4) == ds_config_for_shapes(recipe, 256, 4)
     assert recipe.model_dump() == before
-
 
 
 def test_the_compile_command_writes_the_golden_config(tmp_path):
@@ -137,8 +145,16 @@ def test_compile_resolves_auto_micro_batch_and_epochs(tmp_path):
 
     from memtrain.cli import app
 
-    result = CliRunner().invoke(app, ["compile", str(ROOT / "recipes" / "tinyllama-1.1b-full-offload-24gb.yaml"),
-                                      "batch.micro_batch=auto", "train.steps=null", "train.epochs=1"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "compile",
+            str(ROOT / "recipes" / "tinyllama-1.1b-full-offload-24gb.yaml"),
+            "batch.micro_batch=auto",
+            "train.steps=null",
+            "train.epochs=1",
+        ],
+    )
     assert result.exit_code == 0, result.output
     config = json.loads(result.stdout)
     micro = config["train_micro_batch_size_per_gpu"]
@@ -151,10 +167,12 @@ def test_an_optimizer_on_the_device_is_torch_fused_adamw():
     import deepspeed
     import torch
 
-    from memtrain.train.distributed import free_port
+    from memtrain.train.runtime.distributed import free_port
 
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     config = ds_config_for_shapes(recipe_with(overrides=["precision.compute=fp32"]), 256, 4)
     assert config["optimizer"]["params"]["fused"] is True
@@ -172,8 +190,9 @@ def test_an_output_path_through_a_file_is_a_user_error_not_a_traceback(tmp_path)
     from memtrain.cli import app
 
     (tmp_path / "chat.yaml").write_text("mine")
-    result = CliRunner().invoke(app, ["compile", str(ROOT / "recipes" / "quickstart.yaml"),
-                                      "-o", str(tmp_path / "chat.yaml" / "ds.json")])
+    result = CliRunner().invoke(
+        app, ["compile", str(ROOT / "recipes" / "quickstart.yaml"), "-o", str(tmp_path / "chat.yaml" / "ds.json")]
+    )
     assert result.exit_code == 2, result.output
     assert "is a file, where a directory is needed" in result.output and "Traceback" not in result.output
     assert (tmp_path / "chat.yaml").read_text() == "mine"

@@ -1,4 +1,5 @@
 """Architecture support is decided from the Hugging Face config, before anything is built."""
+
 from __future__ import annotations
 
 import pytest
@@ -82,8 +83,9 @@ def test_flash_attention_is_planned_without_flash_attn_and_refused_by_a_run_that
     from memtrain.plan.activations import trace_layer
 
     flash = Model(preset="tiny", attn_implementation="flash_attention_2")
-    assert sum(p.numel() for p in meta_model(flash).parameters()) == \
-        sum(p.numel() for p in meta_model(Model(preset="tiny")).parameters())
+    assert sum(p.numel() for p in meta_model(flash).parameters()) == sum(
+        p.numel() for p in meta_model(Model(preset="tiny")).parameters()
+    )
     flash_trace, sdpa_trace = trace_layer(flash, "bf16", 2, 64), trace_layer(Model(preset="tiny"), "bf16", 2, 64)
     assert flash_trace.saved_bytes() == sdpa_trace.saved_bytes() and flash_trace.saved_bytes()[0] > 0
     assert [(t.module, t.nbytes) for t in flash_trace.saved] == [(t.module, t.nbytes) for t in sdpa_trace.saved]

@@ -1,4 +1,5 @@
 """Checkpoint strategies leave the math where it was and recompute/offload exactly what they say."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,9 +7,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from memtrain.errors import RecipeError
-from memtrain.model.checkpointing import apply_checkpointing, checkpoint_plan
-from memtrain.recipe.checkpoint_rules import rule_problems
+from memtrain.model.recompute import apply_checkpointing, checkpoint_plan
 from memtrain.model.wrapper import TrainableLM
+from memtrain.recipe.recompute_rules import rule_problems
 from memtrain.recipe.schema import Checkpointing, Precision
 from tests.model.test_support import one_torch_thread, shakespeare_batches, tiny_llama  # noqa: F401 (autouse fixture)
 
@@ -21,10 +22,13 @@ STRATEGIES = {
     "every_8_layers": Checkpointing(strategy="every_n_layers", every_n_layers=8),
     "first_3_layers": Checkpointing(strategy="first_n_layers", first_n_layers=3),
     "selective": Checkpointing(strategy="selective"),
-    "rules_branches": Checkpointing(strategy="rules", rules={
-        "model.embed_tokens": "save", "model.layers.*.self_attn": "recompute", "model.layers.*.mlp": "offload"}),
-    "rules_layers_offload": Checkpointing(strategy="rules", rules={
-        "model.layers.0": "save", "model.layers.*": "offload"}),
+    "rules_branches": Checkpointing(
+        strategy="rules",
+        rules={"model.embed_tokens": "save", "model.layers.*.self_attn": "recompute", "model.layers.*.mlp": "offload"},
+    ),
+    "rules_layers_offload": Checkpointing(
+        strategy="rules", rules={"model.layers.0": "save", "model.layers.*": "offload"}
+    ),
 }
 
 
@@ -72,9 +76,18 @@ def _calls_per_module(model, names):
     return counts
 
 
-@pytest.mark.parametrize("name, recomputed_layers", [
-    ("every_layer", [0, 1, 2, 3]), ("every_2_layers", [0, 2]), ("every_8_layers", [0]), ("first_3_layers", [0, 1, 2]),
-    ("selective", [0, 1, 2, 3]), ("rules_branches", [0, 1, 2, 3]), ("rules_layers_offload", [])])
+@pytest.mark.parametrize(
+    "name, recomputed_layers",
+    [
+        ("every_layer", [0, 1, 2, 3]),
+        ("every_2_layers", [0, 2]),
+        ("every_8_layers", [0]),
+        ("first_3_layers", [0, 1, 2]),
+        ("selective", [0, 1, 2, 3]),
+        ("rules_branches", [0, 1, 2, 3]),
+        ("rules_layers_offload", []),
+    ],
+)
 def test_exactly_the_planned_blocks_run_twice(name, recomputed_layers):
     model = tiny_llama()
     plan = apply_checkpointing(model, STRATEGIES[name])
@@ -97,7 +110,8 @@ def test_selective_plan_saves_embeddings_and_recomputes_branches():
     plan = checkpoint_plan(tiny_llama(), STRATEGIES["selective"])
     assert plan.actions["model.embed_tokens"] == "save"
     assert sorted(plan.branches_with("recompute")) == sorted(
-        f"model.layers.{i}.{b}" for i in range(4) for b in ("self_attn", "mlp"))
+        f"model.layers.{i}.{b}" for i in range(4) for b in ("self_attn", "mlp")
+    )
     assert plan.layers_with("recompute") == []
 
 
@@ -123,9 +137,12 @@ def test_offloaded_activations_live_on_the_host_during_forward():
 
     # The final norm runs after all layers and before backward: the moment to look at the hooks.
     model.model.norm.register_forward_pre_hook(
-        lambda *_: seen_at_norm.update(packed=plan.offload_stats.packed_tensors,
-                                       devices=set(plan.offload_stats.packed_devices),
-                                       unpacked=plan.offload_stats.unpacked_tensors))
+        lambda *_: seen_at_norm.update(
+            packed=plan.offload_stats.packed_tensors,
+            devices=set(plan.offload_stats.packed_devices),
+            unpacked=plan.offload_stats.unpacked_tensors,
+        )
+    )
     ids = shakespeare_batches(1)[0]
     with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
         loss_sum, _ = TrainableLM(model, FP32)(input_ids=ids, labels=ids)
@@ -140,7 +157,8 @@ def test_offloaded_activations_live_on_the_host_during_forward():
     assert len(plain) == len(outside) + stats.packed_tensors + stats.parameters_left_in_place
     params = {p.untyped_storage().data_ptr() for p in plain_model.parameters()}
     params_in_offloaded_layers = sum(t.untyped_storage().data_ptr() in params for t in plain) - sum(
-        t.untyped_storage().data_ptr() in {p.untyped_storage().data_ptr() for p in model.parameters()} for t in outside)
+        t.untyped_storage().data_ptr() in {p.untyped_storage().data_ptr() for p in model.parameters()} for t in outside
+    )
     assert stats.parameters_left_in_place == params_in_offloaded_layers > 0
     loss_sum.backward()
     assert plan.offload_stats.unpacked_tensors == plan.offload_stats.packed_tensors
@@ -151,8 +169,9 @@ def test_lora_strategies_match_plain_lora():
     def lora_losses(config):
         base = tiny_llama()
         torch.manual_seed(1)  # LoRA's A matrices are drawn from the global generator
-        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                        target_modules=["q_proj", "v_proj", "down_proj"]))
+        model = get_peft_model(
+            base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+        )
         plan = apply_checkpointing(model, config) if config else None
         return train(model, steps=10, lr=1e-2)[0], plan
 
@@ -164,8 +183,18 @@ def test_lora_strategies_match_plain_lora():
         assert torch.allclose(losses, reference, rtol=0, atol=1e-5), (name, (losses - reference).abs().max())
 
 
-@pytest.mark.parametrize("pattern", ["*.self_attn.q_proj", "model.layers.*.input_layernorm", "*norm*",
-                                     "model.layers.*.mlp.act_fn", "*", "model.layers.*.*", "*_proj"])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "*.self_attn.q_proj",
+        "model.layers.*.input_layernorm",
+        "*norm*",
+        "model.layers.*.mlp.act_fn",
+        "*",
+        "model.layers.*.*",
+        "*_proj",
+    ],
+)
 def test_rules_that_cut_inside_a_residual_block_are_problems(pattern):
     problems = rule_problems({pattern: "recompute", "model.embed_tokens": "save"})
     assert [p for p, _ in problems] == [pattern]
@@ -173,9 +202,21 @@ def test_rules_that_cut_inside_a_residual_block_are_problems(pattern):
     assert rule_problems({pattern: "save"}) == []
 
 
-@pytest.mark.parametrize("pattern", ["model.layers.*", "model.layers.3", "model.layers.[0-7]", "*.self_attn",
-                                     "model.layers.*.mlp", "transformer.h.*.attn", "model.embed_tokens",
-                                     "model.norm", "lm_head", "*.layers.*"])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "model.layers.*",
+        "model.layers.3",
+        "model.layers.[0-7]",
+        "*.self_attn",
+        "model.layers.*.mlp",
+        "transformer.h.*.attn",
+        "model.embed_tokens",
+        "model.norm",
+        "lm_head",
+        "*.layers.*",
+    ],
+)
 def test_whole_blocks_are_fine(pattern):
     assert rule_problems({pattern: "recompute"}) == []
     assert rule_problems({pattern: "offload"}) == []
@@ -185,6 +226,8 @@ def test_applying_bad_rules_raises_a_recipe_error_naming_the_rule():
     with pytest.raises(RecipeError, match="q_proj"):
         apply_checkpointing(tiny_llama(), Checkpointing(strategy="rules", rules={"*.q_proj": "recompute"}))
     with pytest.raises(RecipeError, match="model.decoder.layers") as err:
-        apply_checkpointing(tiny_llama(), Checkpointing(strategy="rules", rules={"model.decoder.layers.*": "recompute"}))
+        apply_checkpointing(
+            tiny_llama(), Checkpointing(strategy="rules", rules={"model.decoder.layers.*": "recompute"})
+        )
     assert err.value.problems[0].key == "checkpointing.rules.model.decoder.layers.*"
     assert "model.embed_tokens" in err.value.problems[0].hint

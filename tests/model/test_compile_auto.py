@@ -1,4 +1,5 @@
 """train.compile: auto — which recipes compile their decoder layers on a CUDA GPU, and that the rest do not."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,11 +22,14 @@ def test_auto_compiles_llama_lora_on_a_cuda_gpu_only():
     assert not resolved(LORA, cuda=False)
 
 
-@pytest.mark.parametrize("overrides, why", [
-    (("model.lora.lean_dropout=true",), "lean dropout's autograd function is not fused: slower compiled"),
-    (("model.preset=gemma2-9b",), "a family not measured compiled"),
-    (("offload.optimizer=cpu", "offload.params=cpu"), "ZeRO-3 gathers weights in hooks compile would trace"),
-])
+@pytest.mark.parametrize(
+    "overrides, why",
+    [
+        (("model.lora.lean_dropout=true",), "lean dropout's autograd function is not fused: slower compiled"),
+        (("model.preset=gemma2-9b",), "a family not measured compiled"),
+        (("offload.optimizer=cpu", "offload.params=cpu"), "ZeRO-3 gathers weights in hooks compile would trace"),
+    ],
+)
 def test_auto_leaves_eager_what_was_not_measured_to_win(overrides, why):
     assert not resolved(LORA, *overrides), why
 
@@ -78,7 +82,9 @@ def test_the_plan_command_names_compiled_layers(tmp_path):
 
     def printed(*overrides):
         console = Console(file=io.StringIO(), width=300, color_system=None)
-        assert plan_command(LORA, list(overrides), console=console, gpu=None, fit=False, output=None, as_json=False) == 0
+        assert (
+            plan_command(LORA, list(overrides), console=console, gpu=None, fit=False, output=None, as_json=False) == 0
+        )
         return " ".join(console.file.getvalue().split())  # the title wraps at the table's width
 
     assert "checkpointing every_layer, compiled layers" in printed()

@@ -1,6 +1,7 @@
 """A saved model generates as it was trained to: its special-token ids are its tokenizer's, and a chat run's
 final/ and merged export stop at the template's end-of-turn token (<|im_end|> for chatml) as well as at the
 tokenizer's eos, with use_cache on (memtrain.model.merge.set_inference_config)."""
+
 from __future__ import annotations
 
 import json
@@ -11,11 +12,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor
 
 from memtrain.commands.run import run_command
-from memtrain.data.tokenizer import ASSETS, load_tokenizer
-from memtrain.model.export import export_run
+from memtrain.data.tokens.tokenizer import ASSETS, load_tokenizer
+from memtrain.model.final_dir import export_run
 from memtrain.model.merge import set_inference_config
 from memtrain.recipe.schema import Data, Model
-from memtrain.train.export import export_model
+from memtrain.train.state.final_model import export_model
 from tests.data.test_templates import family_tokenizer
 from tests.model.families import tiny_config
 from tests.train.test_chat_run import chat_recipe
@@ -32,8 +33,10 @@ def test_the_shipped_chat_base_has_the_special_token_ids_of_its_tokenizer():
     """config.json and generation_config.json name the tokenizer's bos, eos and pad (they once said bos 1 =
     <|pad|>, eos 2 = "!": generation stopped at any "!" and never at <|endoftext|>)."""
     for tokenizer in (AutoTokenizer.from_pretrained(CHAT_BASE), load_tokenizer(Model(path=str(CHAT_BASE)))):
-        assert tokenizer.convert_ids_to_tokens([tokenizer.eos_token_id, tokenizer.pad_token_id]) == \
-            ["<|endoftext|>", "<|pad|>"]
+        assert tokenizer.convert_ids_to_tokens([tokenizer.eos_token_id, tokenizer.pad_token_id]) == [
+            "<|endoftext|>",
+            "<|pad|>",
+        ]
         for config in (AutoConfig.from_pretrained(CHAT_BASE), GenerationConfig.from_pretrained(CHAT_BASE)):
             assert config.bos_token_id == tokenizer.bos_token_id
             assert _ids(config.eos_token_id) == [tokenizer.eos_token_id]
@@ -49,7 +52,9 @@ def test_set_inference_config_replaces_a_presets_default_ids_and_keeps_real_end_
     model.generation_config.eos_token_id = [2, IM_END]  # "!" is not an end token; <|im_end|> (special) may be
     generation = set_inference_config(model, tokenizer, [IM_END])
     assert generation is model.generation_config
-    assert generation.eos_token_id == [IM_END, EOS] and generation.pad_token_id == PAD and generation.bos_token_id == EOS
+    assert (
+        generation.eos_token_id == [IM_END, EOS] and generation.pad_token_id == PAD and generation.bos_token_id == EOS
+    )
     assert model.config.eos_token_id == EOS and model.config.bos_token_id == EOS and model.config.pad_token_id == PAD
     assert model.config.use_cache is True and generation.use_cache is True
 
@@ -81,13 +86,18 @@ def _assert_stops_at_im_end(directory: Path) -> None:
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == IM_END
     text = "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"
     # the saved tokenizer carries the template the run trained with (the Shakespeare tokenizer had none)
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"}], tokenize=False,
-                                         add_generation_prompt=True) == text
+    assert (
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is 2 plus 3?"}], tokenize=False, add_generation_prompt=True
+        )
+        == text
+    )
     prompt = tokenizer(text, return_tensors="pt")
     width = prompt["input_ids"].shape[1]
     with torch.no_grad():
-        out = model.generate(**prompt, do_sample=False, max_new_tokens=20,
-                             logits_processor=[_ForceAt(width, 3, IM_END, [IM_END, EOS])])
+        out = model.generate(
+            **prompt, do_sample=False, max_new_tokens=20, logits_processor=[_ForceAt(width, 3, IM_END, [IM_END, EOS])]
+        )
     new = out[0, width:].tolist()
     assert len(new) == 4 and new[-1] == IM_END, new
 
@@ -100,23 +110,29 @@ def test_an_export_with_the_tokenizers_own_template_stops_at_the_token_training_
     tokenizer = family_tokenizer(family)
     end_id, eos = tokenizer.convert_tokens_to_ids(end), tokenizer.eos_token_id
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, vocab_size=len(tokenizer), bos_token_id=eos,
-                                                         eos_token_id=eos, pad_token_id=tokenizer.pad_token_id))
+    model = AutoModelForCausalLM.from_config(
+        tiny_config(
+            family, vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
+        )
+    )
     data_file = tmp_path / "chat.jsonl"
-    data_file.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
-                                                  {"role": "assistant", "content": "Hello"}]}) + "\n")
+    data_file.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}) + "\n"
+    )
     data = Data(train=[{"path": str(data_file), "type": "chat"}], template=None)
     out = export_model(None, model, tokenizer, tmp_path / "export", rank=0, zero3=False, data=data)
     assert _ids(json.loads((out / "generation_config.json").read_text())["eos_token_id"]) == [end_id, eos]
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
     saved_tokenizer = AutoTokenizer.from_pretrained(out)
-    text = saved_tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"}], tokenize=False,
-                                               add_generation_prompt=True)
+    text = saved_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 plus 3?"}], tokenize=False, add_generation_prompt=True
+    )
     prompt = saved_tokenizer(text, add_special_tokens=False, return_tensors="pt")
     width = prompt["input_ids"].shape[1]
     with torch.no_grad():
-        generated = exported.generate(**prompt, do_sample=False, max_new_tokens=20,
-                                      logits_processor=[_ForceAt(width, 3, end_id, [end_id, eos])])
+        generated = exported.generate(
+            **prompt, do_sample=False, max_new_tokens=20, logits_processor=[_ForceAt(width, 3, end_id, [end_id, eos])]
+        )
     new = generated[0, width:].tolist()
     assert len(new) == 4 and new[-1] == end_id, new
 
@@ -136,12 +152,22 @@ def test_a_chat_run_and_its_merged_export_stop_at_the_end_of_a_turn(write_recipe
 def test_a_lora_chat_run_merged_into_the_shipped_base_stops_at_the_end_of_a_turn(write_recipe, tmp_path):
     """LoRA on the chat base (the quickstart's model and tokenizer): the adapter's final/ carries the stop ids
     in a generation_config.json, and the merge writes them into the merged model's."""
-    extra = {"model": {"preset": None, "path": str(CHAT_BASE), "tokenizer": "builtin:shakespeare-chat",
-                       "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
-             "data": {"train": [{"path": "builtin:chat", "type": "chat"}],
-                      "validation": [{"path": "builtin:chat/validation", "type": "chat"}],
-                      "seq_len": 64, "template": "chatml", "packing": True},
-             "train": {"steps": 2, "save_every": 2, "eval_every": 100}}
+    extra = {
+        "model": {
+            "preset": None,
+            "path": str(CHAT_BASE),
+            "tokenizer": "builtin:shakespeare-chat",
+            "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        },
+        "data": {
+            "train": [{"path": "builtin:chat", "type": "chat"}],
+            "validation": [{"path": "builtin:chat/validation", "type": "chat"}],
+            "seq_len": 64,
+            "template": "chatml",
+            "packing": True,
+        },
+        "train": {"steps": 2, "save_every": 2, "eval_every": 100},
+    }
     run_dir = tmp_path / "runs" / "lora"
     assert run_command(write_recipe("lora", extra), []) == 0
     assert (run_dir / "final" / "adapter_config.json").is_file()
@@ -157,8 +183,9 @@ def test_an_end_token_the_base_lists_stays_when_it_is_also_the_pad():
     tokenizer = family_tokenizer("qwen2")
     im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token = "<|im_end|>", "<|endoftext|>", None  # as Qwen's
-    model = AutoModelForCausalLM.from_config(tiny_config("qwen2", vocab_size=len(tokenizer), eos_token_id=im_end,
-                                                         pad_token_id=endoftext))
+    model = AutoModelForCausalLM.from_config(
+        tiny_config("qwen2", vocab_size=len(tokenizer), eos_token_id=im_end, pad_token_id=endoftext)
+    )
     model.generation_config.eos_token_id = [im_end, endoftext]
     generation = set_inference_config(model, tokenizer, [im_end])
     assert _ids(generation.eos_token_id) == [im_end, endoftext] and generation.pad_token_id == endoftext

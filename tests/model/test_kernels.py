@@ -1,4 +1,5 @@
 """model.kernels: which runs use Liger's kernels, and that the CPU path (and its plan) does not change."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +14,7 @@ from memtrain.plan.logits import estimate_fused_logits, estimate_logits, fused_c
 from memtrain.plan.planner import plan_recipe
 from memtrain.recipe.load import load_recipe
 from memtrain.recipe.schema import Lora, Model, Precision
-from memtrain.train.run import resolve_run, with_kernels
+from memtrain.train.resolve import resolve_run, with_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_MACHINE = KernelSupport(liger=True, cuda=True)
@@ -25,11 +26,14 @@ def test_auto_resolves_to_none_on_this_cpu_machine():
     assert resolve_kernels(Model(preset="tiny"), support) == "none"
 
 
-@pytest.mark.parametrize("support, expected", [
-    (KernelSupport(liger=True, cuda=True), "liger"),
-    (KernelSupport(liger=True, cuda=False), "none"),
-    (KernelSupport(liger=False, cuda=True), "none"),
-])
+@pytest.mark.parametrize(
+    "support, expected",
+    [
+        (KernelSupport(liger=True, cuda=True), "liger"),
+        (KernelSupport(liger=True, cuda=False), "none"),
+        (KernelSupport(liger=False, cuda=True), "none"),
+    ],
+)
 def test_auto_needs_liger_and_cuda(support, expected):
     assert resolve_kernels(Model(preset="llama2-7b"), support) == expected
     assert resolve_kernels(Model(preset="llama2-7b", kernels="none"), GPU_MACHINE) == "none"
@@ -47,8 +51,17 @@ def test_liger_where_it_cannot_run_names_every_reason():
 def test_liger_on_cpu_is_exit_2_with_the_recipe_line(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text((ROOT / "recipes/quickstart.yaml").read_text() + "\n")
-    result = CliRunner().invoke(app, ["run", str(recipe), "model.kernels=liger", "train.steps=1", "schedule.warmup_steps=0",
-                                      f"train.output_dir={tmp_path / 'run'}"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "run",
+            str(recipe),
+            "model.kernels=liger",
+            "train.steps=1",
+            "schedule.warmup_steps=0",
+            f"train.output_dir={tmp_path / 'run'}",
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert "CUDA" in result.output and "model.kernels" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "run").exists()
@@ -108,6 +121,7 @@ def test_liger_layers_keep_what_their_autograd_functions_save():
     liger = trace_layer(Model(preset="llama2-7b", kernels="liger"), "bf16", 1, tokens)
     per_norm = hidden * 4  # (fp32 copy 4 + normalised copy 2) bytes per element, less the input Liger keeps (2)
     assert eager.full_bytes - liger.full_bytes == (2 * per_norm + 2 * intermediate) * tokens
+
     def input_sizes(trace):  # what recomputing each block keeps
         return {block: nbytes for block, (_, nbytes) in trace.inputs.items()}
 
@@ -120,7 +134,9 @@ def test_compiled_layers_take_liger_s_loss_only():
     llama = Model(preset="llama2-7b")
     assert resolve_kernels(llama, GPU_MACHINE, compiled=True) == "liger_loss"
     assert resolve_kernels(llama, KernelSupport(liger=False, cuda=True), compiled=True) == "none"
-    assert resolve_kernels(Model(preset="llama2-7b", kernels="liger"), GPU_MACHINE, compiled=True) == "liger"  # as asked
+    assert (
+        resolve_kernels(Model(preset="llama2-7b", kernels="liger"), GPU_MACHINE, compiled=True) == "liger"
+    )  # as asked
     assert resolve_kernels(Model(preset="llama2-7b", kernels="liger_loss"), GPU_MACHINE) == "liger_loss"
     with pytest.raises(UserError, match="liger_loss needs a CUDA GPU"):
         resolve_kernels(Model(preset="llama2-7b", kernels="liger_loss"), KernelSupport(liger=True, cuda=False))
@@ -129,7 +145,9 @@ def test_compiled_layers_take_liger_s_loss_only():
 
 def test_the_liger_loss_plan_prices_the_fused_loss_and_eager_layers():
     recipe = load_recipe(ROOT / "recipes/llama2-7b-lora-24gb.yaml").recipe
-    eager, loss_only, liger = (plan_recipe(with_kernels(recipe, kernels)) for kernels in ("none", "liger_loss", "liger"))
+    eager, loss_only, liger = (
+        plan_recipe(with_kernels(recipe, kernels)) for kernels in ("none", "liger_loss", "liger")
+    )
     assert loss_only.logits_loss == liger.logits_loss < eager.logits_loss
     assert loss_only.activations == eager.activations > liger.activations
 
@@ -139,9 +157,11 @@ def test_the_7b_lora_recipe_resolves_to_compiled_layers_and_liger_s_loss_on_a_gp
     assert recipe.train.compile == "auto" and recipe.model.kernels == "auto"
     resolved = resolve_run(recipe, "lora", Path("/tmp/unused"), 10_000, exact_pinned=True, kernels=GPU_MACHINE)
     assert resolved.recipe.train.compile is True and resolved.recipe.model.kernels == "liger_loss"
-    on_cpu = resolve_run(recipe, "lora", Path("/tmp/unused"), 10_000, exact_pinned=True,
-                         kernels=KernelSupport(liger=True, cuda=False))
+    on_cpu = resolve_run(
+        recipe, "lora", Path("/tmp/unused"), 10_000, exact_pinned=True, kernels=KernelSupport(liger=True, cuda=False)
+    )
     assert on_cpu.recipe.train.compile is False and on_cpu.recipe.model.kernels == "none"
     # run.json holds the resolved values, which a worker reads back
-    from memtrain.train.run import ResolvedRun
+    from memtrain.train.resolve import ResolvedRun
+
     assert ResolvedRun.from_json(resolved.to_json()).recipe == resolved.recipe

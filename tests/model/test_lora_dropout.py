@@ -1,5 +1,6 @@
 """Lean LoRA dropout: the same dropout as PEFT's, with the mask regenerated from a seed in backward,
 so autograd keeps the adapter input (shared by q/k/v) instead of a dropped copy and its mask."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,14 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from memtrain.model.build import build_model
-from memtrain.model.checkpointing import apply_checkpointing
 from memtrain.model.lora_dropout import DropoutLinear, LeanDropoutLinear, dropout_mask
+from memtrain.model.recompute import apply_checkpointing
 from memtrain.recipe.schema import Checkpointing, Lora, Model
 from tests.conftest import lora_layer_saved_bytes, saved_for_backward_bytes
 from tests.model.test_support import one_torch_thread  # noqa: F401 (autouse fixture)
 
 CPU = torch.device("cpu")
-MICRO = {"hidden": 64, "intermediate": 172, "layers": 2}   # configs/models/micro.yaml
+MICRO = {"hidden": 64, "intermediate": 172, "layers": 2}  # configs/models/micro.yaml
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, p: float, seed: int) -> torch.Tensor:
@@ -32,8 +33,10 @@ def grads(fn, x, weight, grad_h):
 
 def inputs(dtype: torch.dtype, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)
-                 for shape in ((3, 10, 48), (8, 48), (3, 10, 8)))   # x, A, grad of h
+    return tuple(
+        torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)
+        for shape in ((3, 10, 48), (8, 48), (3, 10, 8))
+    )  # x, A, grad of h
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -133,7 +136,7 @@ def test_peft_s_bitsandbytes_4bit_layer_goes_through_the_lean_path():
 
     model = Model(preset="micro", quantize={"type": "nf4"}, lora=Lora(r=4, dropout=0.1, lean_dropout=True))
     lm = build_model(model.model_copy(update={"lora": None}), "bf16", CPU)
-    lm.is_loaded_in_4bit = True   # what from_pretrained sets with a 4-bit quantization_config
+    lm.is_loaded_in_4bit = True  # what from_pretrained sets with a 4-bit quantization_config
     lm = add_lora(lm, model).train()
     wrapped = [m for m in lm.modules() if isinstance(m, Linear4bit)]
     assert len(wrapped) == 7 * MICRO["layers"]
@@ -174,7 +177,7 @@ def test_recompute_regenerates_the_same_masks(strategy):
         if isinstance(module, LeanDropoutLinear):
             module.register_forward_hook(lambda *_: calls.append(1))
     checkpointed_loss, grads = step(lm)
-    assert len(calls) == 2 * 4 * MICRO["layers"]   # every adapter ran again in backward
+    assert len(calls) == 2 * 4 * MICRO["layers"]  # every adapter ran again in backward
     assert torch.equal(checkpointed_loss, loss)
     assert grads.keys() == reference_grads.keys()
     for name, grad in grads.items():
@@ -193,10 +196,12 @@ def test_the_plan_prices_lean_dropout_as_what_the_layer_saves():
     assert model.lora.lean_dropout and model.lora.dropout > 0
     tokens, hidden, intermediate = 2 * 32, 256, 688
     trace = trace_layer(model, "bf16", 2, 32)
-    peft = trace_layer(model.model_copy(update={"lora": model.lora.model_copy(update={"lean_dropout": False})}),
-                       "bf16", 2, 32)
+    peft = trace_layer(
+        model.model_copy(update={"lora": model.lora.model_copy(update={"lean_dropout": False})}), "bf16", 2, 32
+    )
     # PEFT: a bf16 dropped copy and a one-byte CUDA mask per adapter; lean: q/v's shared input and down's.
-    assert peft.full_bytes - trace.full_bytes == tokens * (3 * (hidden + hidden + intermediate)
-                                                           - 2 * (hidden + intermediate))
+    assert peft.full_bytes - trace.full_bytes == tokens * (
+        3 * (hidden + hidden + intermediate) - 2 * (hidden + intermediate)
+    )
 
     assert trace.full_bytes == lora_layer_saved_bytes(model, 2, 32)

@@ -1,4 +1,5 @@
 """DoRA, rsLoRA, LoRA+ and modules_to_save through PEFT: each trains, each is counted, LoRA+ groups are exact."""
+
 from __future__ import annotations
 
 import math

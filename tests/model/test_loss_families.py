@@ -1,4 +1,5 @@
 """memtrain's chunked loss is the model's own loss, for every family, Gemma-2's logit soft-cap included."""
+
 from __future__ import annotations
 
 import pytest

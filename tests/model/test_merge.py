@@ -1,4 +1,5 @@
 """A LoRA adapter merged into its base gives the logits of base + adapter, saved whole or not at all."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,11 +9,11 @@ import torch
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from memtrain.data.tokenizer import ASSETS
+from memtrain.data.tokens.tokenizer import ASSETS
 from memtrain.errors import UserError
 from memtrain.files import directory_atomically
 from memtrain.model.build import lora_config
-from memtrain.model.export import export_run
+from memtrain.model.final_dir import export_run
 from memtrain.model.merge import merge_adapter
 from memtrain.recipe.schema import Data, Lora, Model, Precision, Recipe
 from tests.model.families import VOCAB, tiny_config
@@ -178,7 +179,8 @@ def test_export_run_says_what_is_missing(tmp_path):
     assert "memtrain run" in caught.value.problems[0].hint
     assert caught.value.problems[0].hint.endswith(  # audit 21: how to end an interrupted run where it stopped
         "or end it at its last checkpoint now: `memtrain run RECIPE train.steps=5` writes final/ from it without "
-        "training more")
+        "training more"
+    )
     (run_dir / "final").mkdir()
     (run_dir / "final" / "adapter_config.json").write_text("{}")
     with pytest.raises(UserError, match="random and were never saved") as caught:
@@ -195,15 +197,18 @@ def test_a_qlora_adapter_merges_onto_the_dequantised_base_it_was_trained_on(tmp_
     base_dir = _base_dir(tmp_path, "llama")
     adapter_dir = _adapter_dir(tmp_path, base_dir)
     nf4 = Quantize(type="nf4")
-    quantized = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16, device_map={"": "cpu"},
-                                                     quantization_config=bnb_config(nf4, torch.bfloat16))
+    quantized = AutoModelForCausalLM.from_pretrained(
+        base_dir, dtype=torch.bfloat16, device_map={"": "cpu"}, quantization_config=bnb_config(nf4, torch.bfloat16)
+    )
     trained = _logits(PeftModel.from_pretrained(quantized, adapter_dir), INPUT_IDS)  # what training computed
 
-    merged = AutoModelForCausalLM.from_pretrained(merge_adapter(adapter_dir, base_dir, tmp_path / "dq", torch.bfloat16,
-                                                                quantize=nf4))
+    merged = AutoModelForCausalLM.from_pretrained(
+        merge_adapter(adapter_dir, base_dir, tmp_path / "dq", torch.bfloat16, quantize=nf4)
+    )
     assert getattr(merged.config, "quantization_config", None) is None  # loads without bitsandbytes
-    onto_original = AutoModelForCausalLM.from_pretrained(merge_adapter(adapter_dir, base_dir, tmp_path / "orig",
-                                                                       torch.bfloat16))
+    onto_original = AutoModelForCausalLM.from_pretrained(
+        merge_adapter(adapter_dir, base_dir, tmp_path / "orig", torch.bfloat16)
+    )
     error = (_logits(merged, INPUT_IDS) - trained).abs()
     original_error = (_logits(onto_original, INPUT_IDS) - trained).abs()
     # measured: 0.0017 mean / 0.020 max against 0.0147 / 0.37 when merged onto the original bf16 weights
@@ -228,9 +233,17 @@ def test_a_merge_that_fails_writing_ends_with_one_line_and_leaves_nothing(tmp_pa
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
 
-    done = subprocess.run([sys.executable, "-m", "memtrain", "export", str(run_dir), "--merge", "-o", str(out)],
-                          text=True, preexec_fn=small_files, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "memtrain", "export", str(run_dir), "--merge", "-o", str(out)],
+        text=True,
+        preexec_fn=small_files,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=300,
+    )
     said = " ".join(done.stdout.split())
-    assert done.returncode == 2 and "Traceback" not in done.stdout and "SafetensorError" not in said, done.stdout[-3000:]
+    assert done.returncode == 2 and "Traceback" not in done.stdout and "SafetensorError" not in said, done.stdout[
+        -3000:
+    ]
     assert f"cannot create '{out}'" in said and "the partial output was removed" in said, said
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".merged-out")]

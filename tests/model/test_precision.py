@@ -1,4 +1,5 @@
 """Precision map (fp32 islands) and the chunked loss: dtypes where they are asked, and the same math."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,15 +26,22 @@ def _outputs_by_name(model, names):
 def test_islands_are_fp32_and_the_rest_is_in_the_compute_dtype():
     model = tiny_llama()
     islands = apply_precision(model, Precision(compute="bf16", fp32_modules=ISLANDS))
-    assert islands == [*(f"model.layers.{i}.{n}" for i in range(4) for n in ("input_layernorm",
-                                                                              "post_attention_layernorm")),
-                       "model.norm", "lm_head"]
+    assert islands == [
+        *(f"model.layers.{i}.{n}" for i in range(4) for n in ("input_layernorm", "post_attention_layernorm")),
+        "model.norm",
+        "lm_head",
+    ]
     for name, p in model.named_parameters():
         expected = torch.float32 if "norm" in name or name.startswith("lm_head") else torch.bfloat16
         assert p.dtype == expected, name
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32  # buffers keep their dtype
-    watched = ["model.layers.1.input_layernorm", "model.layers.1.self_attn.q_proj", "model.layers.1.mlp",
-               "model.layers.1", "lm_head"]
+    watched = [
+        "model.layers.1.input_layernorm",
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.mlp",
+        "model.layers.1",
+        "lm_head",
+    ]
     outputs = _outputs_by_name(model, watched)
     ids = shakespeare_batches(1)[0]
     with torch.no_grad():
@@ -84,7 +92,7 @@ def test_bf16_with_fp32_islands_and_loss_is_close_to_pure_fp32():
     apply_precision(model, precision)
     bf16_sum, n_bf16 = TrainableLM(model, precision)(input_ids=ids, labels=ids)
     assert bf16_sum.dtype == torch.float32 and n == n_bf16 == 62
-    assert abs(bf16_sum.item() / fp32_sum.item() - 1) < 2 ** -7  # bf16 has 8 significant bits
+    assert abs(bf16_sum.item() / fp32_sum.item() - 1) < 2**-7  # bf16 has 8 significant bits
 
 
 def test_unknown_fp32_module_pattern_is_a_recipe_error():
@@ -112,7 +120,9 @@ def test_chunked_loss_equals_full_loss_and_gradients(chunk_tokens):
     assert chunked.dtype == torch.float32
     assert abs(chunked.item() - full.item()) <= 1e-6 * abs(full.item())
     assert torch.allclose(hidden.grad, full_grads[0], rtol=0, atol=1e-6)
-    assert torch.allclose(model.lm_head.weight.grad, full_grads[1], rtol=0, atol=1e-6), (model.lm_head.weight.grad - full_grads[1]).abs().max()
+    assert torch.allclose(model.lm_head.weight.grad, full_grads[1], rtol=0, atol=1e-6), (
+        (model.lm_head.weight.grad - full_grads[1]).abs().max()
+    )
 
 
 def test_chunked_loss_never_holds_more_than_one_chunk_of_logits():

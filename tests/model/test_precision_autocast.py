@@ -1,5 +1,6 @@
 """precision.mode: autocast — fp32 weights everywhere (fp32_modules included, also under DeepSpeed),
 nn.Linear computed in bf16 by DeepSpeed's torch_autocast, the loss within bf16 tolerance of fp32."""
+
 from __future__ import annotations
 
 import os
@@ -26,18 +27,21 @@ train: {steps: 10}
 def _engine(recipe_text: str, overrides: list[str]):
     import deepspeed
 
-    from memtrain.train.distributed import free_port
+    from memtrain.train.runtime.distributed import free_port
 
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     recipe = load_recipe_text(recipe_text, overrides=overrides).recipe
     config = ds_config(recipe, micro_batch=4)
     model = build_model(recipe.model, recipe.precision.storage, torch.device("cpu"), config, seed=0)
     apply_precision(model, recipe.precision)
     lm = TrainableLM(model, recipe.precision)
-    engine, *_ = deepspeed.initialize(model=lm, model_parameters=[p for p in lm.parameters() if p.requires_grad],
-                                      config=config)
+    engine, *_ = deepspeed.initialize(
+        model=lm, model_parameters=[p for p in lm.parameters() if p.requires_grad], config=config
+    )
     return engine, model
 
 
@@ -50,11 +54,14 @@ def test_autocast_keeps_fp32_weights_runs_linear_in_bf16_and_matches_fp32():
     seen = {}
     q_proj = model.model.layers[0].self_attn.q_proj
     norm = model.model.layers[0].input_layernorm
+
     def record(name, value):
         seen.setdefault(name, value)  # a forward hook must return None, or it replaces the output
 
-    handles = [q_proj.register_forward_hook(lambda m, i, o: record("linear", o.dtype)),
-               norm.register_forward_hook(lambda m, i, o: record("norm_weight", m.weight.dtype))]
+    handles = [
+        q_proj.register_forward_hook(lambda m, i, o: record("linear", o.dtype)),
+        norm.register_forward_hook(lambda m, i, o: record("norm_weight", m.weight.dtype)),
+    ]
     losses = []
     for _ in range(3):
         loss_sum, n_tokens = engine(input_ids=tokens, labels=tokens)
@@ -75,8 +82,11 @@ def test_autocast_keeps_fp32_weights_runs_linear_in_bf16_and_matches_fp32():
 def test_autocast_compiles_to_deepspeed_torch_autocast_without_a_bf16_block():
     recipe = load_recipe_text(RECIPE).recipe
     config = ds_config(recipe, micro_batch=4)
-    assert config["torch_autocast"] == {"enabled": True, "dtype": "bfloat16",
-                                        "lower_precision_safe_modules": ["torch.nn.Linear"]}
+    assert config["torch_autocast"] == {
+        "enabled": True,
+        "dtype": "bfloat16",
+        "lower_precision_safe_modules": ["torch.nn.Linear"],
+    }
     assert "bf16" not in config and "fp16" not in config
 
 
@@ -89,8 +99,9 @@ def test_autocast_plans_fp32_weights_and_gradients():
     assert autocast.terms["gradients"] == 2 * cast.terms["gradients"]
 
 
-@pytest.mark.parametrize("overrides,key", [(["precision.compute=fp16"], "precision.mode"),
-                                           (["precision.master=bf16"], "precision.master")])
+@pytest.mark.parametrize(
+    "overrides,key", [(["precision.compute=fp16"], "precision.mode"), (["precision.master=bf16"], "precision.master")]
+)
 def test_autocast_contradictions_are_recipe_errors(overrides, key):
     with pytest.raises(RecipeError) as error:
         load_recipe_text(RECIPE, overrides=overrides)

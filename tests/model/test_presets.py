@@ -1,4 +1,5 @@
 """The model-family presets build on the meta device with the parameter counts their model cards publish."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,11 +9,11 @@ from memtrain.recipe.schema import Model
 
 # Parameter counts published for the models the presets copy (model cards / safetensors metadata).
 PUBLISHED_PARAMS = {
-    "qwen2.5-7b": 7.61e9,       # Qwen/Qwen2.5-7B: "Number of Parameters: 7.61B"
-    "qwen3-8b": 8.2e9,          # Qwen/Qwen3-8B: "Number of Parameters: 8.2B"
+    "qwen2.5-7b": 7.61e9,  # Qwen/Qwen2.5-7B: "Number of Parameters: 7.61B"
+    "qwen3-8b": 8.2e9,  # Qwen/Qwen3-8B: "Number of Parameters: 8.2B"
     "mistral-7b-v0.3": 7.25e9,  # mistralai/Mistral-7B-v0.3: 7.25B
-    "gemma2-9b": 9.24e9,        # google/gemma-2-9b: 9.24B
-    "phi3-mini": 3.82e9,        # microsoft/Phi-3-mini-4k-instruct: 3.8B (3.82B in its safetensors)
+    "gemma2-9b": 9.24e9,  # google/gemma-2-9b: 9.24B
+    "phi3-mini": 3.82e9,  # microsoft/Phi-3-mini-4k-instruct: 3.8B (3.82B in its safetensors)
 }
 
 

@@ -6,9 +6,9 @@ bf16 engine leaves the packed weights alone and only the adapters train; the exp
 on the unquantised base; the 8-bit / paged optimizers train; the advice proposes nf4 when LoRA
 alone does not fit; impossible combinations are refused with exit 2.
 """
+
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -29,16 +29,22 @@ bnb = pytest.importorskip("bitsandbytes", reason="QLoRA tests need bitsandbytes 
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
-QLORA = {"model": {"quantize": {"type": "nf4"}, "lora": {"r": 8, "alpha": 16, "dropout": 0.0}},
-         "checkpointing": {"strategy": "every_layer"},
-         "precision": {"compute": "bf16"},
-         "optimizer": {"lr": 3.0e-2}}
+QLORA = {
+    "model": {"quantize": {"type": "nf4"}, "lora": {"r": 8, "alpha": 16, "dropout": 0.0}},
+    "checkpointing": {"strategy": "every_layer"},
+    "precision": {"compute": "bf16"},
+    "optimizer": {"lr": 3.0e-2},
+}
 
 
-def quantized(preset: str = "micro", kind: str = "nf4", double_quant: bool = True, lora: bool = False,
-              seed: int = 0) -> torch.nn.Module:
-    model = Model(preset=preset, quantize=Quantize(type=kind, double_quant=double_quant),
-                  lora=Lora(r=4, dropout=0.0) if lora else None)
+def quantized(
+    preset: str = "micro", kind: str = "nf4", double_quant: bool = True, lora: bool = False, seed: int = 0
+) -> torch.nn.Module:
+    model = Model(
+        preset=preset,
+        quantize=Quantize(type=kind, double_quant=double_quant),
+        lora=Lora(r=4, dropout=0.0) if lora else None,
+    )
     return build_model(model, "bf16", CPU, seed=seed)
 
 
@@ -54,16 +60,17 @@ def packed_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 # --- the planner's bytes against the real tensors ---------------------------------------------------
 
+
 def test_bytes_of_one_nf4_matrix_by_hand():
     """4096 × 4096 in nf4 with double quantisation, counted by hand from bitsandbytes' layout."""
     numel = 4096 * 4096
-    packed = numel // 2                      # two 4-bit codes per byte
-    blocks = numel // 64                     # one uint8 absmax code per block of 64
-    nested = (blocks // 256) * 4             # one fp32 scale per 256 blocks
-    constants = 4 + 256 * 4 + 16 * 4         # fp32 offset, the second level's code table, the nf4 code table
+    packed = numel // 2  # two 4-bit codes per byte
+    blocks = numel // 64  # one uint8 absmax code per block of 64
+    nested = (blocks // 256) * 4  # one fp32 scale per 256 blocks
+    constants = 4 + 256 * 4 + 16 * 4  # fp32 offset, the second level's code table, the nf4 code table
     assert quantized_weight_bytes(numel, 4096, "nf4", True) == packed + blocks + nested + constants == 8_655_940
     assert quantized_weight_bytes(numel, 4096, "nf4", False) == packed + blocks * 4 + 16 * 4  # fp32 absmax
-    assert quantized_weight_bytes(numel, 4096, "int8", False) == numel + 4096 * 4             # fp32 scale per row
+    assert quantized_weight_bytes(numel, 4096, "int8", False) == numel + 4096 * 4  # fp32 scale per row
     assert 0.515 < 8_655_940 / numel < 0.517
 
 
@@ -130,6 +137,7 @@ def test_a_quantised_preset_is_reproducible_for_a_seed():
 
 # --- the plan and the advice ------------------------------------------------------------------------
 
+
 def test_the_plan_counts_quantised_weights_for_the_13b_recipe():
     from memtrain.plan.planner import plan_recipe
 
@@ -137,8 +145,8 @@ def test_the_plan_counts_quantised_weights_for_the_13b_recipe():
     plan = plan_recipe(loaded.recipe)
     counts = count_parameters(loaded.recipe.model)
     assert plan.params == counts.weight_bytes(2)
-    assert 6.5 * 2**30 < plan.params < 7.2 * 2**30       # 12.7 B weights at ~0.52 B + embeddings/head in bf16
-    assert plan.phases["init"] < 8 * 2**30               # the bf16 model (24 GiB) is never built
+    assert 6.5 * 2**30 < plan.params < 7.2 * 2**30  # 12.7 B weights at ~0.52 B + embeddings/head in bf16
+    assert plan.phases["init"] < 8 * 2**30  # the bf16 model (24 GiB) is never built
     assert plan.fits
 
 
@@ -161,8 +169,9 @@ def test_advice_for_a_full_fine_tune_adds_lora_with_nf4():
     from memtrain.plan.advice import _quantize_options
     from memtrain.recipe.load import load_recipe_text
 
-    loaded = load_recipe_text("model: {preset: llama2-13b}\ndata: {train: 'builtin:shakespeare'}\ntrain: {steps: 1}\n",
-                              check=False)
+    loaded = load_recipe_text(
+        "model: {preset: llama2-13b}\ndata: {train: 'builtin:shakespeare'}\ntrain: {steps: 1}\n", check=False
+    )
     options = _quantize_options(loaded.recipe)
     assert options[1].overrides == ("model.lora.r=16", "model.quantize.type=nf4")
 
@@ -191,13 +200,16 @@ def test_bnb_optimizers_are_client_optimizers_without_a_config_block(name, monke
     assert adamw["optimizer"]["params"]["torch_adam"] is True and adamw["optimizer"]["params"]["fused"] is True
 
 
-@pytest.mark.parametrize("overrides,key,words", [
-    (["model.lora=null"], "model.quantize", "LoRA"),
-    (["offload.params=cpu", "offload.optimizer=cpu"], "offload.params", "ZeRO-3"),
-    (["offload.zero_stage=3"], "offload.zero_stage", "quantisation constants"),
-    (["precision.mode=autocast"], "precision.mode", "fp32"),
-    (["optimizer.name=adamw_8bit", "offload.optimizer=cpu"], "optimizer.name", "CPU Adam"),
-])
+@pytest.mark.parametrize(
+    "overrides,key,words",
+    [
+        (["model.lora=null"], "model.quantize", "LoRA"),
+        (["offload.params=cpu", "offload.optimizer=cpu"], "offload.params", "ZeRO-3"),
+        (["offload.zero_stage=3"], "offload.zero_stage", "quantisation constants"),
+        (["precision.mode=autocast"], "precision.mode", "fp32"),
+        (["optimizer.name=adamw_8bit", "offload.optimizer=cpu"], "optimizer.name", "CPU Adam"),
+    ],
+)
 def test_impossible_combinations_exit_2_naming_the_key_and_why(tmp_path, overrides, key, words):
     path = tmp_path / "bad.yaml"
     path.write_text(BASE)
@@ -217,16 +229,24 @@ def test_shipped_qlora_recipes_fit_their_cards():
 
 # --- DeepSpeed engines on the CPU -------------------------------------------------------------------
 
+
 @pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
 @pytest.mark.parametrize("kind,optimizer", [("nf4", "adamw_8bit"), ("int8", "adamw")])
 def test_deepspeed_bf16_engine_trains_only_adapters_and_keeps_the_packed_weights(
-        process_group, write_recipe, kind, optimizer):
+    process_group, write_recipe, kind, optimizer
+):
     from memtrain.ds_config.compiler import ds_config
     from memtrain.train.setup import build_engine, build_policy_model
     from tests.model.test_support import shakespeare_batches
 
-    path = write_recipe("engine", {**QLORA, "model": {**QLORA["model"], "quantize": {"type": kind}},
-                                   "optimizer": {"name": optimizer, "lr": 3.0e-2}})
+    path = write_recipe(
+        "engine",
+        {
+            **QLORA,
+            "model": {**QLORA["model"], "quantize": {"type": kind}},
+            "optimizer": {"name": optimizer, "lr": 3.0e-2},
+        },
+    )
     loaded = load_recipe(path)
     config = ds_config(loaded.recipe, micro_batch=2)
     model = build_policy_model(loaded.recipe, process_group, config)
@@ -235,8 +255,9 @@ def test_deepspeed_bf16_engine_trains_only_adapters_and_keeps_the_packed_weights
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     # deepspeed.initialize cast the module with .bfloat16(): packed weights and their constants are untouched
     frozen_packed = {n: p for n, p in model.named_parameters() if not p.is_floating_point()}
-    assert frozen_packed and all(p.dtype == (torch.uint8 if kind == "nf4" else torch.int8)
-                                 for p in frozen_packed.values())
+    assert frozen_packed and all(
+        p.dtype == (torch.uint8 if kind == "nf4" else torch.int8) for p in frozen_packed.values()
+    )
     assert all(torch.equal(p, dict(fresh.named_parameters())[n]) for n, p in frozen_packed.items())
     if kind == "nf4":
         assert all(p.quant_state is not None for p in frozen_packed.values())
@@ -253,7 +274,7 @@ def test_deepspeed_bf16_engine_trains_only_adapters_and_keeps_the_packed_weights
         losses.append(float(loss_sum.detach() / tokens))
     after = dict(model.named_parameters())
     changed = {n for n, p in before.items() if not torch.equal(p, after[n].detach())}
-    assert changed and changed <= trainable           # only adapters moved (lora_A and lora_B)
+    assert changed and changed <= trainable  # only adapters moved (lora_A and lora_B)
     assert any(".lora_B." in n for n in changed)
     if kind == "nf4":
         assert all(torch.equal(a, b) for a, b in zip(packed_state(model).values(), packed_state(fresh).values()))
@@ -265,9 +286,10 @@ def test_deepspeed_bf16_engine_trains_only_adapters_and_keeps_the_packed_weights
 
 # --- end to end -------------------------------------------------------------------------------------
 
+
 def _run(path: Path, save: bool = True) -> int:
     from memtrain.commands.run import run_command
-    from memtrain.train.run import RunOptions
+    from memtrain.train.resolve import RunOptions
 
     return run_command(path, [], RunOptions(save=save))
 
@@ -304,7 +326,8 @@ def test_qlora_run_lowers_the_loss_and_exports_an_adapter_for_the_unquantised_ba
     for name, module in quantized_base.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
             state[name.removesuffix(".base_layer") + ".weight"] = bnb.functional.dequantize_4bit(
-                module.weight.data, module.weight.quant_state)
+                module.weight.data, module.weight.quant_state
+            )
     for name, p in quantized_base.named_parameters():
         if p.is_floating_point() and "lora_" not in name:
             state[name.replace(".base_layer", "")] = p.detach()
@@ -330,8 +353,9 @@ def test_qlora_run_lowers_the_loss_and_exports_an_adapter_for_the_unquantised_ba
 def test_8bit_optimizers_train_qlora(write_recipe, name):
     """On the CPU bitsandbytes runs a paged optimizer unpaged (it warns so): this covers the recipe path and
     the 8-bit states; paging to the host under memory pressure needs CUDA's unified memory."""
-    path = write_recipe(name, {**QLORA, "optimizer": {"name": name, "lr": 3.0e-2},
-                               "train": {"steps": 20, "eval_every": 100}})
+    path = write_recipe(
+        name, {**QLORA, "optimizer": {"name": name, "lr": 3.0e-2}, "train": {"steps": 20, "eval_every": 100}}
+    )
     assert _run(path, save=False) == 0
     losses = train_losses(Path(load_recipe(path).recipe.train.output_dir))
     assert _mean(losses, (18, 19, 20)) < _mean(losses, (1, 2, 3)) - 0.05, losses

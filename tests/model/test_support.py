@@ -1,4 +1,5 @@
 """Shared pieces for the memory-policy tests: a tiny Llama from a config and real Shakespeare batches."""
+
 from __future__ import annotations
 
 import copy
@@ -9,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from memtrain.data.corpus import read_documents
+from memtrain.data.read.corpus import read_documents
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "memtrain/assets/tokenizer/shakespeare/tokenizer.json"
 SEQ_LEN = 32
@@ -18,9 +19,16 @@ MICRO_BATCH = 2
 
 def tiny_config(layers: int = 4) -> LlamaConfig:
     """A Llama small enough for 30 CPU steps in about a second, with the bundled tokenizer's vocabulary."""
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=4096, max_position_embeddings=128,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "sdpa"
     return config
 
@@ -53,8 +61,6 @@ def shakespeare_batches(steps: int, micro_batch: int = MICRO_BATCH, seq_len: int
     """`steps` batches of (micro_batch, seq_len) token ids cut from the bundled corpus, in order."""
     stream = _token_stream(steps * micro_batch * seq_len)
     return list(stream.view(steps, micro_batch, seq_len))
-
-
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,4 +1,5 @@
 """The OOM early warning: trend over a sliding window of per-step peaks."""
+
 from __future__ import annotations
 
 import random

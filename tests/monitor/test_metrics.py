@@ -1,4 +1,5 @@
 """MetricsLog: buffered tensors, one host transfer per flush, a file that survives being killed."""
+
 from __future__ import annotations
 
 import json

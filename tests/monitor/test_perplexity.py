@@ -1,4 +1,5 @@
 """One perplexity cap for the metrics, the progress line, `memtrain eval` and the plots (audit 17c, L6)."""
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """StepProfiler: a Chrome trace of N steps after one warm-up, with named phases; a no-op at N == 0."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,15 @@ from memtrain.monitor.profiler import SUMMARY_FILE, TRACE_FILE, StepProfiler, ph
 
 def _train(profiler: StepProfiler, steps: int) -> None:
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=16)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=16,
+    )
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = torch.randint(0, 256, (2, 16))

@@ -1,5 +1,6 @@
 """The start-up clock: each mark gives the time since the previous one to its phase, so they sum to the total; and
 the note for a Python that compiles the heavy packages again at every start."""
+
 from __future__ import annotations
 
 import os
@@ -27,12 +28,12 @@ def _note_in_child(tmp_path, **env) -> str:
     package = tmp_path / "tinypkg"
     package.mkdir(exist_ok=True)
     (package / "__init__.py").write_text("VALUE = 1\n")
-    code = ("import tinypkg; from memtrain.monitor.startup import bytecode_note; "
-            "print(bytecode_note(('tinypkg',)))")
+    code = "import tinypkg; from memtrain.monitor.startup import bytecode_note; print(bytecode_note(('tinypkg',)))"
     child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
     child_env.update(PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]), **env)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env, timeout=120,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=child_env, timeout=120, check=False
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip()
 

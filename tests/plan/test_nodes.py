@@ -1,5 +1,6 @@
 """Several nodes: ZeRO partitions over nodes × gpus ranks, host memory is each node's, and the global
 batch must split over the whole world."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,14 +21,15 @@ train: {steps: 10}
 
 
 def recipe(gpus: int, nodes: int, global_batch: int = 16, offload: str = "cpu"):
-    text = (OFFLOADED_ZERO3 % (gpus, nodes, global_batch)).replace("optimizer: cpu, params: cpu",
-                                                                   f"optimizer: {offload}, params: {offload}")
+    text = (OFFLOADED_ZERO3 % (gpus, nodes, global_batch)).replace(
+        "optimizer: cpu, params: cpu", f"optimizer: {offload}, params: {offload}"
+    )
     return load_recipe_text(text).recipe
 
 
 def test_a_rank_of_two_nodes_holds_what_a_rank_of_one_node_with_as_many_gpus_holds():
     one_node, two_nodes = plan_recipe(recipe(gpus=4, nodes=1)), plan_recipe(recipe(gpus=2, nodes=2))
-    assert two_nodes.terms == one_node.terms           # ZeRO-3 over 4 ranks either way: the same per-GPU bytes
+    assert two_nodes.terms == one_node.terms  # ZeRO-3 over 4 ranks either way: the same per-GPU bytes
     assert two_nodes.peak_reserved_bytes == one_node.peak_reserved_bytes
     # each node holds its two ranks' shares of the offloaded states: half of the one machine's
     for key, value in one_node.host_breakdown.items():
@@ -38,11 +40,14 @@ def test_a_rank_of_two_nodes_holds_what_a_rank_of_one_node_with_as_many_gpus_hol
 
 def test_a_node_of_a_larger_world_holds_less_host_memory_than_a_lone_node():
     alone, of_four = plan_recipe(recipe(gpus=2, nodes=1)), plan_recipe(recipe(gpus=2, nodes=4))
-    assert of_four.host_breakdown["optimizer_states"] == pytest.approx(alone.host_breakdown["optimizer_states"] / 4,
-                                                                       rel=0.01)
+    assert of_four.host_breakdown["optimizer_states"] == pytest.approx(
+        alone.host_breakdown["optimizer_states"] / 4, rel=0.01
+    )
     on_gpu_alone, on_gpu_of_four = plan_recipe(recipe(2, 1, offload="none")), plan_recipe(recipe(2, 4, offload="none"))
     assert on_gpu_of_four.terms["params"] == on_gpu_alone.terms["params"] // 4  # partitioned 8 ways, not 2
-    assert on_gpu_of_four.terms["optimizer_states"] == pytest.approx(on_gpu_alone.terms["optimizer_states"] / 4, rel=0.01)
+    assert on_gpu_of_four.terms["optimizer_states"] == pytest.approx(
+        on_gpu_alone.terms["optimizer_states"] / 4, rel=0.01
+    )
 
 
 def test_micro_batches_divide_each_ranks_share_of_the_world():

@@ -1,5 +1,6 @@
 """The memory model: each term against a hand computation, monotonicity, conservation over tiers,
 and the traced activation term against bytes a real CPU forward saves for backward."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,8 @@ from tests.conftest import saved_for_backward_bytes
 GiB = 1024**3
 
 # configs/models/tiny.yaml: hidden 256, intermediate 688, 4 layers, 4 heads (no GQA), vocab 4096, untied.
-TINY_LAYER = 4 * 256 * 256 + 3 * 256 * 688 + 2 * 256          # q,k,v,o + gate,up,down + two RMSNorms
-TINY_TOTAL = 4 * TINY_LAYER + 2 * 4096 * 256 + 256               # + embedding, lm_head, final norm
+TINY_LAYER = 4 * 256 * 256 + 3 * 256 * 688 + 2 * 256  # q,k,v,o + gate,up,down + two RMSNorms
+TINY_TOTAL = 4 * TINY_LAYER + 2 * 4096 * 256 + 256  # + embedding, lm_head, final norm
 
 
 def tiny(extra: str = "", overrides: list[str] | None = None, seq_len: int = 64, micro_batch: int = 2):
@@ -44,7 +45,7 @@ def test_parameter_counts_match_the_hand_count():
     assert counts.largest_layer == TINY_LAYER
     assert counts.largest_tensor == 4096 * 256
     lora = count_parameters(Model(preset="tiny", lora=Lora(r=8, target_modules=["q_proj", "v_proj"])))
-    adapters = 4 * 2 * 8 * (256 + 256)   # 4 layers × (q, v) × r × (in + out)
+    adapters = 4 * 2 * 8 * (256 + 256)  # 4 layers × (q, v) × r × (in + out)
     assert lora.trainable == adapters == 32_768
     assert lora.total == TINY_TOTAL + adapters
 
@@ -74,19 +75,25 @@ def test_default_lora_targets_are_every_linear_layer_but_the_head_as_peft_builds
     model = Model(preset=None, path=str(base_dir), lora=Lora(r=4))
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), lora_config(model.lora))
     adapted = {name.rsplit(".", 1)[-1] for name, sub in peft_model.named_modules() if hasattr(sub, "lora_A")}
-    expected = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} if family == "phi3" else \
-        {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    expected = (
+        {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+        if family == "phi3"
+        else {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    )
     assert adapted == expected
     counts = count_parameters(model)
     assert counts.trainable == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize("stage, gpu_params, gpu_grads, gpu_optim", [
-    (0, TINY_TOTAL * 2, TINY_TOTAL * 2, TINY_TOTAL * 12),
-    (1, TINY_TOTAL * 2, TINY_TOTAL * 2, TINY_TOTAL * 12 // 2),
-    (2, TINY_TOTAL * 2, TINY_TOTAL * 2 // 2, TINY_TOTAL * 12 // 2),
-    (3, TINY_TOTAL * 2 // 2, TINY_TOTAL * 2 // 2, TINY_TOTAL * 12 // 2),
-])
+@pytest.mark.parametrize(
+    "stage, gpu_params, gpu_grads, gpu_optim",
+    [
+        (0, TINY_TOTAL * 2, TINY_TOTAL * 2, TINY_TOTAL * 12),
+        (1, TINY_TOTAL * 2, TINY_TOTAL * 2, TINY_TOTAL * 12 // 2),
+        (2, TINY_TOTAL * 2, TINY_TOTAL * 2 // 2, TINY_TOTAL * 12 // 2),
+        (3, TINY_TOTAL * 2 // 2, TINY_TOTAL * 2 // 2, TINY_TOTAL * 12 // 2),
+    ],
+)
 def test_zero_stages_partition_model_states_over_two_gpus(stage, gpu_params, gpu_grads, gpu_optim):
     # bf16 weights and grads (2 B), fp32 master (4 B) + Adam moments (8 B) = 12 B per parameter
     states = place_model_states(count_parameters(Model(preset="tiny")), stage, 2, "bf16", "fp32", "none", "none")
@@ -97,7 +104,7 @@ def test_zero_stages_partition_model_states_over_two_gpus(stage, gpu_params, gpu
 def test_bf16_master_halves_optimizer_states_and_fp32_compute_has_no_separate_master():
     counts = count_parameters(Model(preset="tiny"))
     bf16 = place_model_states(counts, 2, 1, "bf16", "bf16", "cpu", "none")
-    assert bf16.host_optimizer_states == TINY_TOTAL * 6       # bf16 master + two bf16 moments
+    assert bf16.host_optimizer_states == TINY_TOTAL * 6  # bf16 master + two bf16 moments
     assert bf16.host_gradients == TINY_TOTAL * 2
     fp32 = place_model_states(counts, 2, 1, "fp32", "fp32", "none", "none")
     assert fp32.gpu_params == TINY_TOTAL * 4 and fp32.gpu_optimizer_states == TINY_TOTAL * 8
@@ -110,8 +117,13 @@ def test_offload_tiers_move_bytes_off_the_gpu_without_losing_any(gpus):
     placed = [place_model_states(counts, 3, gpus, "bf16", "fp32", opt, par) for opt, par in tiers]
 
     def params_and_optimizer(s):
-        return (s.gpu_params + s.gpu_optimizer_states) * gpus + s.host_params + s.host_optimizer_states \
-            + s.nvme_params + s.nvme_optimizer_states
+        return (
+            (s.gpu_params + s.gpu_optimizer_states) * gpus
+            + s.host_params
+            + s.host_optimizer_states
+            + s.nvme_params
+            + s.nvme_optimizer_states
+        )
 
     assert {params_and_optimizer(s) for s in placed} == {TINY_TOTAL * 14}
     gpu = [s.gpu_params + s.gpu_gradients + s.gpu_optimizer_states for s in placed]
@@ -123,8 +135,9 @@ def test_offload_tiers_move_bytes_off_the_gpu_without_losing_any(gpus):
 def test_plan_moves_offloaded_states_to_host_and_nvme(tmp_path):
     base = plan_recipe(tiny().recipe)
     offload = plan_recipe(tiny(overrides=["offload.optimizer=cpu"]).recipe)
-    nvme = plan_recipe(tiny(overrides=["offload.optimizer=nvme", "offload.params=nvme",
-                                       f"hardware.nvme_path={tmp_path}"]).recipe)
+    nvme = plan_recipe(
+        tiny(overrides=["offload.optimizer=nvme", "offload.params=nvme", f"hardware.nvme_path={tmp_path}"]).recipe
+    )
     assert base.optimizer_states == TINY_TOTAL * 12 and offload.optimizer_states == 0
     # on the host: fp32 master weights and gradients, Adam's moments, a bf16 staging copy (memtrain.plan.host)
     moved = offload.host_breakdown
@@ -143,11 +156,15 @@ def test_optimizer_states_on_nvme_compile_and_plan_as_zero3(tmp_path):
     zero = ds_config(nvme, micro_batch=2)["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "nvme" and "offload_param" not in zero
     plan = plan_recipe(nvme)
-    explicit = plan_recipe(tiny(overrides=["offload.optimizer=nvme", "offload.zero_stage=3",
-                                           f"hardware.nvme_path={tmp_path}"]).recipe)
+    explicit = plan_recipe(
+        tiny(overrides=["offload.optimizer=nvme", "offload.zero_stage=3", f"hardware.nvme_path={tmp_path}"]).recipe
+    )
     assert plan.zero_stage == 3
-    assert (plan.host_breakdown, plan.nvme_breakdown, plan.peak_reserved_bytes) == \
-        (explicit.host_breakdown, explicit.nvme_breakdown, explicit.peak_reserved_bytes)
+    assert (plan.host_breakdown, plan.nvme_breakdown, plan.peak_reserved_bytes) == (
+        explicit.host_breakdown,
+        explicit.nvme_breakdown,
+        explicit.peak_reserved_bytes,
+    )
     # on disk: fp32 master weights and Adam's moments; on the host: ZeRO-3's bf16 gradient partition and the
     # swap buffers, no master weights or moments
     assert plan.nvme_breakdown == {"params": 0, "optimizer_states": TINY_TOTAL * 12}
@@ -167,7 +184,7 @@ def test_states_are_never_priced_on_nvme_below_zero3(stage):
 def test_lora_counts_only_trainable_parameters_for_gradients_and_optimizer():
     plan = plan_recipe(tiny(overrides=["model.lora.r=8", "model.lora.target_modules=[q_proj, v_proj]"]).recipe)
     assert plan.params_trainable == 32_768
-    assert plan.params == (TINY_TOTAL + 32_768) * 2          # frozen base and adapters, bf16
+    assert plan.params == (TINY_TOTAL + 32_768) * 2  # frozen base and adapters, bf16
     assert plan.gradients == 32_768 * 2
     assert plan.optimizer_states == 32_768 * 12
 
@@ -195,9 +212,11 @@ def test_checkpoint_strategies_order_and_every_layer_keeps_one_input_per_layer()
     def saved(strategy: str) -> int:
         return plan_recipe(tiny(overrides=[f"checkpointing.strategy={strategy}"]).recipe).saved_for_backward["layers"]
 
-    rope = 2 * 2 * 64 * 64 * 2           # cos and sin, (micro, seq, head_dim) bf16, shared by all layers
+    rope = 2 * 2 * 64 * 64 * 2  # cos and sin, (micro, seq, head_dim) bf16, shared by all layers
     assert saved("every_layer") == 4 * (2 * 64 * 256 * 2) + rope
-    every_2 = plan_recipe(tiny(overrides=["checkpointing.strategy=every_n_layers", "checkpointing.every_n_layers=2"]).recipe)
+    every_2 = plan_recipe(
+        tiny(overrides=["checkpointing.strategy=every_n_layers", "checkpointing.every_n_layers=2"]).recipe
+    )
     assert saved("every_layer") < every_2.saved_for_backward["layers"] < saved("none")
     assert saved("every_layer") < saved("selective") < saved("none")
     rules = tiny(overrides=["checkpointing.strategy=rules", "checkpointing.rules={'model.layers.*': recompute}"])
@@ -210,8 +229,9 @@ def test_activation_term_matches_bytes_a_real_forward_saves_for_backward():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config(Model(preset="tiny")), dtype=torch.bfloat16)
     ids = torch.randint(0, 4096, (2, 64))
-    measured = saved_for_backward_bytes(lambda: model(input_ids=ids, labels=ids).loss.backward(),
-                                        skip=model.parameters())
+    measured = saved_for_backward_bytes(
+        lambda: model(input_ids=ids, labels=ids).loss.backward(), skip=model.parameters()
+    )
     predicted = sum(plan.saved_for_backward.values())
     assert measured > 5e6
     print(f"predicted {predicted} measured {measured}")
@@ -264,8 +284,9 @@ train: {steps: 10}
 
 
 def test_auto_micro_batch_is_the_largest_that_fits():
-    loaded = tiny(overrides=["batch.micro_batch=auto", "hardware.gpu=2GiB", "checkpointing.strategy=none",
-                             "data.seq_len=1024"])
+    loaded = tiny(
+        overrides=["batch.micro_batch=auto", "hardware.gpu=2GiB", "checkpointing.strategy=none", "data.seq_len=1024"]
+    )
     chosen = resolve_micro_batch(loaded.recipe)
     assert plan_recipe(loaded.recipe, micro_batch=chosen).fits
     larger = [m for m in (1, 2, 4, 8, 16) if m > chosen]
@@ -274,8 +295,15 @@ def test_auto_micro_batch_is_the_largest_that_fits():
 
 
 def _first_n(n: int, *extra: str):
-    return tiny(overrides=["checkpointing.strategy=first_n_layers", f"checkpointing.first_n_layers={n}",
-                           "data.seq_len=1024", "batch.micro_batch=8", *extra])
+    return tiny(
+        overrides=[
+            "checkpointing.strategy=first_n_layers",
+            f"checkpointing.first_n_layers={n}",
+            "data.seq_len=1024",
+            "batch.micro_batch=8",
+            *extra,
+        ]
+    )
 
 
 def test_first_n_layers_spans_no_checkpointing_to_every_layer():
@@ -298,8 +326,9 @@ def test_first_n_layers_spans_no_checkpointing_to_every_layer():
     assert peaks[3] - peaks[4] <= peaks[2] - peaks[3]
 
 
-@pytest.mark.parametrize("gpu, layers", [("1.25GiB", 3), ("1.35GiB", 2), ("1.45GiB", 1), ("1.55GiB", 0),
-                                         ("1.15GiB", 4), ("1.0GiB", 4)])
+@pytest.mark.parametrize(
+    "gpu, layers", [("1.25GiB", 3), ("1.35GiB", 2), ("1.45GiB", 1), ("1.55GiB", 0), ("1.15GiB", 4), ("1.0GiB", 4)]
+)
 def test_auto_checkpointing_recomputes_the_fewest_layers_that_fit(gpu, layers):
     from memtrain.plan.planner import resolve_checkpointing
 
@@ -380,5 +409,5 @@ def test_a_layer_trace_does_not_depend_on_what_was_traced_before():
     # DoRA keeps two more output-sized bf16 tensors per adapted module (the base output it rescales and the
     # rescaled one), 0.65 GiB at 4 × 1024 tokens, and per output feature an fp32 norm and a bf16 scale; none
     # of the eye graph's weight-sized tensors
-    out_features = 4 * 4096 + 2 * 11008 + 4096   # q, k, v, o; gate, up; down
+    out_features = 4 * 4096 + 2 * 11008 + 4096  # q, k, v, o; gate, up; down
     assert fresh - lora == 2 * (4 * 1024 * out_features * 2) + out_features * (4 + 2)

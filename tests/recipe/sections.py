@@ -1,6 +1,7 @@
 """The schema's sections as the recipe tests walk them: a field's own section class, if it holds one directly
 (`Section` or `Section | None`; a section inside a list or a union of several, as data.train's DatasetSpec, is
 not followed)."""
+
 from __future__ import annotations
 
 from typing import Any, get_args

@@ -8,6 +8,7 @@ Each file states its expected problems in leading comments:
     # expect: 4: -                                  line 4, no key (YAML syntax)
     # args: batch.micro_batch=0                     overrides passed after the recipe
 """
+
 from __future__ import annotations
 
 import os
@@ -34,10 +35,10 @@ def expectations(path: Path) -> tuple[list[str], list[str]]:
     prefixes, args = [], []
     for line in path.read_text().splitlines():
         if line.startswith("# args: "):
-            args = line[len("# args: "):].split()
+            args = line[len("# args: ") :].split()
         if not line.startswith("# expect: "):
             continue
-        location, _, key = line[len("# expect: "):].partition(": ")
+        location, _, key = line[len("# expect: ") :].partition(": ")
         if location == "<command line>":
             where = location
         elif location == "-":
@@ -74,7 +75,7 @@ def test_bad_recipe_reports_each_declared_problem(path: Path):
         match = next((line for line in unmatched if line.startswith(prefix)), None)
         assert match is not None, f"no problem starting with {prefix!r} in:\n{output}"
         unmatched.remove(match)
-        message = match[len(prefix):]
+        message = match[len(prefix) :]
         # what is wrong, then " — " and what to do about it
         what, _, hint = message.partition(" — ")
         assert what.strip() and hint.strip(), f"problem without a message or a hint: {match!r}"
@@ -83,8 +84,12 @@ def test_bad_recipe_reports_each_declared_problem(path: Path):
 
 def test_unknown_keys_suggest_the_key_meant():
     result = CliRunner().invoke(app, ["validate", str(BAD_DIR / "05_unknown_keys_every_level.yaml")])
-    for typo, meant in [("alhpa", "alpha"), ("seqlen", "seq_len"), ("queue_dept", "queue_depth"),
-                        ("grow_belw", "grow_below")]:
+    for typo, meant in [
+        ("alhpa", "alpha"),
+        ("seqlen", "seq_len"),
+        ("queue_dept", "queue_depth"),
+        ("grow_belw", "grow_below"),
+    ]:
         line = next(line for line in problem_lines(result.output) if f".{typo}:" in line)
         assert f"did you mean '{meant}'?" in line
 
@@ -95,14 +100,22 @@ def test_another_tools_key_names_memtrains_own():
     with pytest.raises(RecipeError) as refused:
         load_recipe_text(text, overrides=["optimizer.learning_rate=1e-4", "num_train_epochs=2"])
     hints = {p.key: p.hint for p in refused.value.problems}
-    assert hints == {"optimizer.learning_rate": "memtrain's key for it is optimizer.lr",
-                     "num_train_epochs": "memtrain's key for it is train.epochs"}
+    assert hints == {
+        "optimizer.learning_rate": "memtrain's key for it is optimizer.lr",
+        "num_train_epochs": "memtrain's key for it is train.epochs",
+    }
     for key in {target.split(" ")[0] for target in FAMILIAR_KEYS.values()}:  # each names a key the schema has
         section = Recipe
         for part in key.split("."):
             field = section.model_fields[part]
-            section = next((a for a in (field.annotation, *getattr(field.annotation, "__args__", ()))
-                            if hasattr(a, "model_fields")), None)
+            section = next(
+                (
+                    a
+                    for a in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                    if hasattr(a, "model_fields")
+                ),
+                None,
+            )
 
 
 def test_out_of_range_messages_are_short_and_show_the_value():
@@ -118,8 +131,9 @@ def test_out_of_range_messages_are_short_and_show_the_value():
 def test_a_real_process_exits_2_without_a_traceback():
     env = {**os.environ, "COLUMNS": "200"}
     path = BAD_DIR / "23_fields_and_contradictions_together.yaml"
-    proc = subprocess.run([sys.executable, "-m", "memtrain", "validate", str(path)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "memtrain", "validate", str(path)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stdout + proc.stderr
     assert len(problem_lines(proc.stderr)) == 4
@@ -140,9 +154,11 @@ def test_a_dataset_key_of_another_type_names_the_types_it_applies_to_and_this_on
     result = CliRunner().invoke(app, ["validate", str(BAD_DIR / "35_dataset_keys_of_another_type.yaml")])
     lines = {line.split(": ", 2)[1]: line.split(": ", 2)[2] for line in problem_lines(result.output)}
     assert lines["data.train.0.prompt_field"].startswith(
-        "is read only for completion datasets, and this dataset's type is chat, so it would do nothing — remove")
+        "is read only for completion datasets, and this dataset's type is chat, so it would do nothing — remove"
+    )
     assert lines["data.validation.0.system_field"].startswith(
-        "is read only for instruction and chat datasets, and this dataset's type is completion")
+        "is read only for instruction and chat datasets, and this dataset's type is completion"
+    )
     assert "data.train.0.system_field" not in lines and "data.train.1.field" not in lines
 
 
@@ -168,7 +184,8 @@ def test_stepping_in_backward_takes_the_default_micro_batch_as_the_whole_batch(t
     recipe = tmp_path / "in-backward.yaml"
     recipe.write_text(shipped.read_text().replace("  micro_batch: 16\n", "") + f"# from {shipped}\n")
     recipe.with_name("llama2-7b-full-offload-2x24gb.yaml").write_text(
-        (recipes / "llama2-7b-full-offload-2x24gb.yaml").read_text().replace("  micro_batch: 2\n", ""))
+        (recipes / "llama2-7b-full-offload-2x24gb.yaml").read_text().replace("  micro_batch: 2\n", "")
+    )
     result = CliRunner().invoke(app, ["validate", str(recipe)])
     assert result.exit_code == 0, result.output
     loaded = load_recipe(recipe)

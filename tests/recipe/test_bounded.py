@@ -1,5 +1,6 @@
 """Recipes that would be read wrong or read forever are refused with file:line: alias bombs, self-referential
 aliases, true/false given for a number, values outside their sane range."""
+
 from __future__ import annotations
 
 import time
@@ -45,15 +46,21 @@ def test_a_few_aliases_still_work():
     assert load_recipe_text(text.replace("steps: 10", "steps: *n")).recipe.train.steps == 32
 
 
-@pytest.mark.parametrize("override", ["train.steps=true", "optimizer.lr=true", "batch.micro_batch=false",
-                                      "model.lora.r=true"])
+@pytest.mark.parametrize(
+    "override", ["train.steps=true", "optimizer.lr=true", "batch.micro_batch=false", "model.lora.r=true"]
+)
 def test_true_or_false_for_a_number_is_refused(override):
     assert "must be a number, not true/false" in refused(TINY, [override])
 
 
-@pytest.mark.parametrize("override, says", [("optimizer.weight_decay=1e6", "at most 1"),
-                                             ("schedule.warmup_steps=50", "longer than the whole run"),
-                                             ("train.max_bad_steps=0", "at least 1")])
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("optimizer.weight_decay=1e6", "at most 1"),
+        ("schedule.warmup_steps=50", "longer than the whole run"),
+        ("train.max_bad_steps=0", "at least 1"),
+    ],
+)
 def test_numbers_outside_their_sane_range_are_refused(override, says):
     assert says in refused(TINY, [override])
 

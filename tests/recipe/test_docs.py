@@ -1,4 +1,5 @@
 """docs/RECIPES.md is the schema written out: committed text equals what the generator makes now."""
+
 from __future__ import annotations
 
 import importlib.util

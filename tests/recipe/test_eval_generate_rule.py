@@ -1,4 +1,5 @@
 """train.eval_generate: scored against answers, so refused for text-only held-out data and under ZeRO-3."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,8 +31,12 @@ def test_text_only_held_out_data_is_refused_at_its_line():
     [problem] = problems(text)
     assert "text only" in problem.message and problem.line == 5 and "eval_generate=0" in problem.hint
     # chat training data, but text held out: nothing to score either
-    [problem] = problems(CHAT.replace("  template: chatml", '  template: chatml\n  validation: '
-                                      '[{path: "builtin:shakespeare/validation", type: text}]'))
+    [problem] = problems(
+        CHAT.replace(
+            "  template: chatml",
+            '  template: chatml\n  validation: [{path: "builtin:shakespeare/validation", type: text}]',
+        )
+    )
     assert "text only" in problem.message
 
 

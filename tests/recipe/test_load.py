@@ -1,5 +1,6 @@
 """Loading recipes: `extends:`, command-line overrides, where problems point, problems reported together,
 the shipped recipes, and the JSON Schema that `memtrain schema` prints."""
+
 from __future__ import annotations
 
 import json
@@ -46,14 +47,17 @@ def problems_of(call) -> list:
 
 def test_child_wins_and_each_key_remembers_its_file_and_line(tmp_path):
     base = write(tmp_path / "base.yaml", BASE)
-    child = write(tmp_path / "child.yaml", """\
+    child = write(
+        tmp_path / "child.yaml",
+        """\
         extends: base.yaml
         optimizer:
           lr: 3.0e-4
-        """)
+        """,
+    )
     loaded = load_recipe(child)
-    assert loaded.recipe.optimizer.lr == 3.0e-4             # the child's value
-    assert loaded.recipe.optimizer.weight_decay == 0.1      # the base's sibling key survives the merge
+    assert loaded.recipe.optimizer.lr == 3.0e-4  # the child's value
+    assert loaded.recipe.optimizer.weight_decay == 0.1  # the base's sibling key survives the merge
     assert loaded.recipe.train.steps == 10
     assert loaded.sources.where(("optimizer", "lr")) == (str(child), 3)
     assert loaded.sources.where(("optimizer", "weight_decay")) == (str(base), 8)
@@ -112,31 +116,54 @@ def test_model_path_on_the_command_line_replaces_the_recipes_preset_and_the_othe
 def test_an_override_reaches_into_a_list_by_index(tmp_path):
     """Audit 20 F11: `data.train.1.weight=2` was refused ('data.train' is a value, not a section), so changing one
     dataset of a list meant copying the recipe."""
-    recipe = write(tmp_path / "r.yaml", BASE.replace(
-        "  train: builtin:shakespeare\n",
-        "  train:\n    - path: builtin:shakespeare\n      type: text\n    - path: builtin:shakespeare-chat\n"
-        "      type: chat\n"))
-    loaded = load_recipe(recipe, ["data.train.1.weight=2", ("data.train.0={path: builtin:shakespeare, type: text, "
-                                  "weight: 0.5}")], check=False)
+    recipe = write(
+        tmp_path / "r.yaml",
+        BASE.replace(
+            "  train: builtin:shakespeare\n",
+            "  train:\n    - path: builtin:shakespeare\n      type: text\n    - path: builtin:shakespeare-chat\n"
+            "      type: chat\n",
+        ),
+    )
+    loaded = load_recipe(
+        recipe,
+        ["data.train.1.weight=2", ("data.train.0={path: builtin:shakespeare, type: text, weight: 0.5}")],
+        check=False,
+    )
     assert [(spec.weight, spec.type) for spec in loaded.recipe.data.train] == [(0.5, "text"), (2.0, "chat")]
     assert loaded.sources.where(("data", "train", "1", "weight")) == (COMMAND_LINE, None)
     assert loaded.sources.where(("data", "train", "1", "type"))[1] == 8  # the file's line, kept
-    problems = problems_of(lambda: load_recipe(recipe, ["data.train.2.weight=2", "data.train.first.weight=2",
-                                                       "data.seq_len.0=2"]))
+    problems = problems_of(
+        lambda: load_recipe(recipe, ["data.train.2.weight=2", "data.train.first.weight=2", "data.seq_len.0=2"])
+    )
     assert [(p.file, p.message, p.hint) for p in problems] == [
-        (COMMAND_LINE, ("cannot set 'data.train.2.weight': 'data.train' is a list of 2, and '2' is not one of its "
-                        "indexes"), "use an index from 0 to 1"),
-        (COMMAND_LINE, ("cannot set 'data.train.first.weight': 'data.train' is a list of 2, and 'first' is not one "
-                        "of its indexes"), "use an index from 0 to 1"),
-        (COMMAND_LINE, "cannot set 'data.seq_len.0': 'data.seq_len' is a value, not a section",
-         "set data.seq_len=... instead")]
+        (
+            COMMAND_LINE,
+            ("cannot set 'data.train.2.weight': 'data.train' is a list of 2, and '2' is not one of its indexes"),
+            "use an index from 0 to 1",
+        ),
+        (
+            COMMAND_LINE,
+            (
+                "cannot set 'data.train.first.weight': 'data.train' is a list of 2, and 'first' is not one "
+                "of its indexes"
+            ),
+            "use an index from 0 to 1",
+        ),
+        (
+            COMMAND_LINE,
+            "cannot set 'data.seq_len.0': 'data.seq_len' is a value, not a section",
+            "set data.seq_len=... instead",
+        ),
+    ]
 
 
 def test_an_unknown_section_made_by_an_override_is_reported_at_the_command_line(tmp_path):
     recipe = write(tmp_path / "r.yaml", BASE)
     problems = problems_of(lambda: load_recipe(recipe, ["nonexistent.key=1", "model.nothing.deeper=2"]))
-    assert {(p.file, p.line, p.key) for p in problems} == {(COMMAND_LINE, None, "nonexistent"),
-                                                           (COMMAND_LINE, None, "model.nothing")}
+    assert {(p.file, p.line, p.key) for p in problems} == {
+        (COMMAND_LINE, None, "nonexistent"),
+        (COMMAND_LINE, None, "model.nothing"),
+    }
 
 
 def test_an_override_replacing_a_section_forgets_the_file_lines_below_it(tmp_path):
@@ -146,8 +173,10 @@ def test_an_override_replacing_a_section_forgets_the_file_lines_below_it(tmp_pat
 
 
 def test_field_errors_and_contradictions_come_out_together():
-    text = BASE + "batch:\n  micro_batch: 0\nprecision:\n  compute: fp32\n  master: bf16\n" \
-                  "offload:\n  params: cpu\n  zero_stage: 1\n"
+    text = (
+        BASE + "batch:\n  micro_batch: 0\nprecision:\n  compute: fp32\n  master: bf16\n"
+        "offload:\n  params: cpu\n  zero_stage: 1\n"
+    )
     problems = problems_of(lambda: load_recipe_text(text))
     assert {p.key for p in problems} == {"batch.micro_batch", "precision.master", "offload.zero_stage"}
 
@@ -197,17 +226,26 @@ def schema_errors(value, schema: dict, root: dict, path: str = "") -> list[str]:
     if "enum" in schema and value not in schema["enum"]:
         return [f"{path}: {value!r} not in {schema['enum']}"]
     kind = schema.get("type")
-    checks = {"object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
-              "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
-              "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "null": lambda v: v is None}
+    checks = {
+        "object": lambda v: isinstance(v, dict),
+        "array": lambda v: isinstance(v, list),
+        "string": lambda v: isinstance(v, str),
+        "boolean": lambda v: isinstance(v, bool),
+        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "null": lambda v: v is None,
+    }
     if kind and not checks[kind](value):
         return [f"{path}: {value!r} is not {kind}"]
     if "pattern" in schema and not re.search(schema["pattern"], value):
         return [f"{path}: {value!r} does not match {schema['pattern']}"]
     errors = []
-    for bound, fails in [("minimum", lambda v, b: v < b), ("maximum", lambda v, b: v > b),
-                         ("exclusiveMinimum", lambda v, b: v <= b), ("exclusiveMaximum", lambda v, b: v >= b)]:
+    for bound, fails in [
+        ("minimum", lambda v, b: v < b),
+        ("maximum", lambda v, b: v > b),
+        ("exclusiveMinimum", lambda v, b: v <= b),
+        ("exclusiveMaximum", lambda v, b: v >= b),
+    ]:
         if bound in schema and fails(value, schema[bound]):
             errors.append(f"{path}: {value!r} breaks {bound} {schema[bound]}")
     if "minItems" in schema and len(value) < schema["minItems"]:
@@ -224,7 +262,7 @@ def schema_errors(value, schema: dict, root: dict, path: str = "") -> list[str]:
         errors += [f"{path}.{key}: required" for key in schema.get("required", []) if key not in value]
     if isinstance(value, list):
         for index, item in enumerate(value):
-            item_schema = (schema.get("prefixItems") or [])[index:index + 1] or [schema.get("items", {})]
+            item_schema = (schema.get("prefixItems") or [])[index : index + 1] or [schema.get("items", {})]
             errors += schema_errors(item, item_schema[0], root, f"{path}.{index}")
     return errors
 
@@ -243,8 +281,13 @@ def test_printed_schema_accepts_every_shipped_recipe(printed_schema, path):
 
 def test_printed_schema_rejects_what_validation_rejects(printed_schema):
     recipe = yaml.safe_load(RECIPES[0].read_text())
-    for section, key, value in [("batch", "micro_batch", 0), ("batch", "micro_btch", 2), ("offload", "params", "disk"),
-                                ("hardware", "host_memory", "lots"), ("optimizer", "lr", 0)]:
+    for section, key, value in [
+        ("batch", "micro_batch", 0),
+        ("batch", "micro_btch", 2),
+        ("offload", "params", "disk"),
+        ("hardware", "host_memory", "lots"),
+        ("optimizer", "lr", 0),
+    ]:
         broken = {**recipe, section: {**recipe.get(section, {}), key: value}}
         assert schema_errors(broken, printed_schema, printed_schema), (section, key, value)
     for size in ["64GiB", "16 GB", "1.5e9", 2**36]:
@@ -270,22 +313,25 @@ def test_printed_schema_takes_data_as_validate_does(printed_schema):
 def test_input_paths_are_relative_to_the_file_that_names_them(tmp_path, monkeypatch):
     (tmp_path / "recipes" / "base").mkdir(parents=True)
     (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "recipes" / "base" / "base.yaml").write_text(textwrap.dedent("""\
+    (tmp_path / "recipes" / "base" / "base.yaml").write_text(
+        textwrap.dedent("""\
         model: {path: ../../models/m, tokenizer: builtin:shakespeare}
         data:
           train: [{path: ../../data/a.jsonl, type: chat}, {path: builtin:chat, type: chat}]
           validation: {path: /abs/v.jsonl, type: chat}
           cache_dir: cache
         train: {output_dir: runs/x}
-        """))
+        """)
+    )
     child = tmp_path / "recipes" / "child.yaml"
     child.write_text("extends: base/base.yaml\nmodel: {tokenizer: tok}\n")
     monkeypatch.chdir(tmp_path / "elsewhere")
-    loaded = load_recipe(Path("..") / "recipes" / "child.yaml", ["data.train=[{path: mine.jsonl, type: chat}]"],
-                         check=False)
+    loaded = load_recipe(
+        Path("..") / "recipes" / "child.yaml", ["data.train=[{path: mine.jsonl, type: chat}]"], check=False
+    )
     model, data = loaded.recipe.model, loaded.recipe.data
-    assert model.path == str(tmp_path / "models" / "m")            # from base.yaml: relative to it
-    assert model.tokenizer == str(tmp_path / "recipes" / "tok")     # from child.yaml: relative to it
+    assert model.path == str(tmp_path / "models" / "m")  # from base.yaml: relative to it
+    assert model.tokenizer == str(tmp_path / "recipes" / "tok")  # from child.yaml: relative to it
     assert data.validation[0].path == "/abs/v.jsonl"
     assert data.train[0].path == str(tmp_path / "elsewhere" / "mine.jsonl")  # typed: the working directory's
     assert data.cache_dir == "cache" and loaded.recipe.train.output_dir == "runs/x"  # outputs: where the run starts
@@ -316,8 +362,9 @@ def test_an_emptied_run_length_is_reported_at_the_key_that_was_emptied(tmp_path)
     assert problem.key == "train" and "say how long to train" in problem.message  # nothing written: the section
 
 
-@pytest.mark.parametrize("value, shown", [("[0.9]", "[0.9]"), ("[]", "[]"), ("[0.9, 0.9, 0.9]", "[0.9, 0.9, 0.9]"),
-                                          ("0.9", "0.9")])
+@pytest.mark.parametrize(
+    "value, shown", [("[0.9]", "[0.9]"), ("[]", "[]"), ("[0.9, 0.9, 0.9]", "[0.9, 0.9, 0.9]"), ("0.9", "0.9")]
+)
 def test_a_pair_given_the_wrong_number_of_values_is_one_problem_at_its_own_key(tmp_path, value, shown):
     recipe = write(tmp_path / "r.yaml", BASE)
     [problem] = problems_of(lambda: load_recipe(recipe, [f"optimizer.betas={value}"]))

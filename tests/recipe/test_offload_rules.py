@@ -1,6 +1,7 @@
 """Optimizer states on NVMe need ZeRO-3: DeepSpeed's ZeRO-1/2 optimizer has no NVMe swapper and keeps states
 offloaded to any device in host memory (stage_1_and_2.py), so `auto` picks stage 3 for them and an explicit
 lower stage is refused where it is written, with the change that works."""
+
 from __future__ import annotations
 
 import pytest
@@ -41,12 +42,18 @@ def test_stage_zero_with_optimizer_on_nvme_asks_for_stage_three_once():
     assert problem.hint == "set offload.zero_stage=3 (or auto)"
 
 
-@pytest.mark.parametrize("recipe", ["offload: {optimizer: cpu, zero_stage: 2}\nprecision: {compute: bf16, master: bf16}\n",
-                                    "offload: {optimizer: cpu, params: cpu}\n"], ids=["zero2-bf16-master", "zero3-cpu"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "offload: {optimizer: cpu, zero_stage: 2}\nprecision: {compute: bf16, master: bf16}\n",
+        "offload: {optimizer: cpu, params: cpu}\n",
+    ],
+    ids=["zero2-bf16-master", "zero3-cpu"],
+)
 def test_host_refusals_hint_names_an_nvme_change_that_validates(recipe):
     """`run` refuses a host too small for the plan and points at NVMe: what it names must be a recipe DeepSpeed
     runs with the states on disk, also from a recipe that pins ZeRO-2 or bf16 master weights."""
-    from memtrain.train.preflight import NVME_OPTIMIZER
+    from memtrain.train.runtime.preflight import NVME_OPTIMIZER
 
     base = "model: {preset: tiny}\ndata: {train: 'builtin:shakespeare', seq_len: 64}\ntrain: {steps: 10}\n"
     changed = load_recipe_text(base + recipe, overrides=[*NVME_OPTIMIZER, "hardware.nvme_path=/tmp"]).recipe

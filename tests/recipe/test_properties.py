@@ -3,6 +3,7 @@
 Random recipes are built from the schema's own keys (so they reach deep into validation and the
 cross-field checks), mixed with unknown keys, random values and plain garbage text.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,12 +22,36 @@ QUICKSTART = (Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-10**6, 10**12), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=12), st.sampled_from(["auto", "none", "cpu", "nvme", "bf16", "fp16", "fp32", "24GiB", "tiny",
-                                           "builtin:shakespeare", "rtx3090", "every_layer", "rules", "3", "-1"]),
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**12),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(
+        [
+            "auto",
+            "none",
+            "cpu",
+            "nvme",
+            "bf16",
+            "fp16",
+            "fp32",
+            "24GiB",
+            "tiny",
+            "builtin:shakespeare",
+            "rtx3090",
+            "every_layer",
+            "rules",
+            "3",
+            "-1",
+        ]
+    ),
 )
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
-                      | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 def section_strategy(model: type[BaseModel], depth: int = 0) -> st.SearchStrategy[dict]:
@@ -83,18 +108,21 @@ def _render(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
-valid_overrides = st.fixed_dictionaries({}, optional={
-    "optimizer.lr": st.floats(1e-6, 0.5),
-    "optimizer.weight_decay": st.floats(0, 1),
-    "train.seed": st.integers(0, 2**31),
-    "train.steps": st.integers(20, 10**6),
-    "data.seq_len": st.integers(8, 2048),
-    "data.packing": st.booleans(),
-    "schedule.decay": st.sampled_from(["cosine", "linear", "constant"]),
-    "precision.fp32_modules": st.lists(st.sampled_from(["*norm*", "lm_head", "model.embed_tokens"]), max_size=3),
-    "hardware.host_memory": st.integers(1, 2**40),
-    "batch.adaptive.grow_factor": st.floats(1.01, 4),
-})
+valid_overrides = st.fixed_dictionaries(
+    {},
+    optional={
+        "optimizer.lr": st.floats(1e-6, 0.5),
+        "optimizer.weight_decay": st.floats(0, 1),
+        "train.seed": st.integers(0, 2**31),
+        "train.steps": st.integers(20, 10**6),
+        "data.seq_len": st.integers(8, 2048),
+        "data.packing": st.booleans(),
+        "schedule.decay": st.sampled_from(["cosine", "linear", "constant"]),
+        "precision.fp32_modules": st.lists(st.sampled_from(["*norm*", "lm_head", "model.embed_tokens"]), max_size=3),
+        "hardware.host_memory": st.integers(1, 2**40),
+        "batch.adaptive.grow_factor": st.floats(1.01, 4),
+    },
+)
 
 
 @SETTINGS

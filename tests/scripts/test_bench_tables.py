@@ -1,6 +1,7 @@
 """The committed accuracy table says what the current planner predicts: its predicted columns are
 recomputed here (as `scripts/plan_accuracy.py --replan` does) and must match, so a planner change
 that moves a prediction cannot land without the table (and its view in docs/) moving with it."""
+
 from __future__ import annotations
 
 import csv
@@ -21,7 +22,10 @@ def _harness():
     return module
 
 
-TABLES = [(True, "plan_accuracy.csv", "PLAN_ACCURACY.md"), (False, "plan_accuracy_caching.csv", "PLAN_ACCURACY_CACHING.md")]
+TABLES = [
+    (True, "plan_accuracy.csv", "PLAN_ACCURACY.md"),
+    (False, "plan_accuracy_caching.csv", "PLAN_ACCURACY_CACHING.md"),
+]
 
 
 def _rows(table: str) -> list[dict]:

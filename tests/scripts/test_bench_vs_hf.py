@@ -1,5 +1,6 @@
 """scripts/bench_vs_hf.py's bookkeeping (the GPU runs are faked): one memtrain run per case, one row per
 baseline, rows keyed by case and baseline, rows from before the `baseline` column read as `hf`."""
+
 from __future__ import annotations
 
 import csv
@@ -35,20 +36,38 @@ def test_one_memtrain_run_and_a_row_per_baseline(tmp_path, monkeypatch):
 
     def memtrain_side(recipe, overrides, steps, warmup, run_dir, timeout):
         ours_runs.append(recipe)
-        return {"tokens_per_s": 8000.0, "target_tokens_per_s": 3000.0, "peak_reserved_gib": 15.7, "host_peak_rss_gib": 2.2, "first_step_s": 20.0,
-                "setup": "mb 4, every_layer, expandable, liger kernels"}
+        return {
+            "tokens_per_s": 8000.0,
+            "target_tokens_per_s": 3000.0,
+            "peak_reserved_gib": 15.7,
+            "host_peak_rss_gib": 2.2,
+            "first_step_s": 20.0,
+            "setup": "mb 4, every_layer, expandable, liger kernels",
+        }
 
     def hf_side(recipe, overrides, steps, warmup, result, timeout, baseline="hf"):
         theirs_runs.append(baseline)
-        return {"tokens_per_s": {"hf": 6000.0, "hf-liger": 8000.0}[baseline], "target_tokens_per_s": 2000.0,
-                "peak_reserved_gib": 16.0,
-                "host_peak_rss_gib": 2.2, "time_to_first_step_s": 20.0}
+        return {
+            "tokens_per_s": {"hf": 6000.0, "hf-liger": 8000.0}[baseline],
+            "target_tokens_per_s": 2000.0,
+            "peak_reserved_gib": 16.0,
+            "host_peak_rss_gib": 2.2,
+            "time_to_first_step_s": 20.0,
+        }
 
     monkeypatch.setattr(bench, "memtrain_side", memtrain_side)
     monkeypatch.setattr(bench, "hf_side", hf_side)
     monkeypatch.setattr(bench, "prebuild_cpu_adam", lambda: None)
-    argv = ["--out", str(out), "--runs", str(tmp_path / "runs"), "--baseline", "hf,hf-liger",
-            "--case", "7b=recipes/llama2-7b-lora-24gb.yaml"]
+    argv = [
+        "--out",
+        str(out),
+        "--runs",
+        str(tmp_path / "runs"),
+        "--baseline",
+        "hf,hf-liger",
+        "--case",
+        "7b=recipes/llama2-7b-lora-24gb.yaml",
+    ]
     assert bench.main(argv) == 0
     assert ours_runs == ["recipes/llama2-7b-lora-24gb.yaml"] and theirs_runs == ["hf", "hf-liger"]
     rows = {(r["recipe"], r["baseline"]): r for r in csv.DictReader(out.open())}

@@ -1,4 +1,5 @@
 """The GPU checkpoint sweep's bookkeeping, run on the CPU with the tiny preset (2 steps per strategy)."""
+
 from __future__ import annotations
 
 import csv
@@ -23,8 +24,22 @@ def sweep():
 @pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
 def test_cpu_sweep_writes_one_row_per_strategy_and_appends(sweep, tmp_path):
     out = tmp_path / "sweep.csv"
-    argv = ["--device", "cpu", "--preset", "tiny", "--micro-batch", "2", "--seq-len", "32", "--steps", "2",
-            "--strategies", "none,every_2,selective,offload", "--out", str(out)]
+    argv = [
+        "--device",
+        "cpu",
+        "--preset",
+        "tiny",
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--steps",
+        "2",
+        "--strategies",
+        "none,every_2,selective,offload",
+        "--out",
+        str(out),
+    ]
     assert sweep.main(argv) == 0
     assert sweep.main([*argv[:-3], "none", "--lora", "--out", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))

@@ -1,5 +1,6 @@
 """scripts/hf_baseline.py on chat data: the Trainer gets memtrain's rows, in memtrain's order, in memtrain's
 micro-batches, and transformers keeps the packed samples apart on the HF side as it does on memtrain's."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -13,12 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from memtrain.data.loader import collate, sample_order
+from memtrain.data.rows.loader import collate, sample_order
 from memtrain.labels import IGNORE_INDEX
 from memtrain.model.config import model_config
 from memtrain.model.wrapper import one_sequence
 from memtrain.recipe.load import load_recipe
-from memtrain.train.distributed import without_rank_variables
+from memtrain.train.runtime.distributed import without_rank_variables
 from memtrain.train.setup import build_data
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,13 +58,18 @@ def test_the_trainer_gets_memtrains_micro_batches_in_memtrains_order(hf_baseline
     recipe = load_recipe(chat_recipe(tmp_path, packing)).recipe
     rows = build_data(recipe).train_set
     steps = 3
-    loader = torch.utils.data.DataLoader(hf_baseline.RowIndices(len(rows)), batch_size=2,
-                                         sampler=hf_baseline.RunOrder(recipe, rows, steps),
-                                         collate_fn=hf_baseline.MemtrainBatches(rows, recipe.data.groups_by_length,
-                                                                                "sdpa"))
+    loader = torch.utils.data.DataLoader(
+        hf_baseline.RowIndices(len(rows)),
+        batch_size=2,
+        sampler=hf_baseline.RunOrder(recipe, rows, steps),
+        collate_fn=hf_baseline.MemtrainBatches(rows, recipe.data.groups_by_length, "sdpa"),
+    )
     order = sample_order(recipe.data, rows, recipe.train.seed, 4)
-    expected = [collate(rows, order.indices(step * 4, 4)[half:half + 2], trim=not packing)
-                for step in range(steps) for half in (0, 2)]
+    expected = [
+        collate(rows, order.indices(step * 4, 4)[half : half + 2], trim=not packing)
+        for step in range(steps)
+        for half in (0, 2)
+    ]
     got = list(loader)
     assert len(got) == len(expected) == 6
     for a, b in zip(got, expected):
@@ -75,8 +81,10 @@ def test_the_trainer_gets_memtrains_micro_batches_in_memtrains_order(hf_baseline
         assert all(b["input_ids"].shape[1] < 128 for b in got)
     assert all((b["labels"] == IGNORE_INDEX).float().mean() > 0.3 for b in got)
     counts = hf_baseline.target_tokens_per_step(recipe, rows, steps)
-    assert counts == [int((torch.cat([got[2 * s]["labels"], got[2 * s + 1]["labels"]])[:, 1:] != IGNORE_INDEX).sum())
-                      for s in range(steps)]
+    assert counts == [
+        int((torch.cat([got[2 * s]["labels"], got[2 * s + 1]["labels"]])[:, 1:] != IGNORE_INDEX).sum())
+        for s in range(steps)
+    ]
 
 
 def test_flash_attention_gets_the_rows_end_to_end_as_memtrain_lays_them(hf_baseline, tmp_path):
@@ -117,9 +125,24 @@ def test_tokens_per_second_leave_the_warm_up_out(hf_baseline):
 @pytest.mark.slow
 def test_the_script_trains_a_tiny_chat_recipe_on_the_cpu(tmp_path):
     out = tmp_path / "hf.json"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "hf_baseline.py"), str(chat_recipe(tmp_path)),
-                           "--steps", "4", "--warmup", "1", "--out", str(out)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600, env=without_rank_variables(os.environ))
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "hf_baseline.py"),
+            str(chat_recipe(tmp_path)),
+            "--steps",
+            "4",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=without_rank_variables(os.environ),
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["steps"] == 4

@@ -1,4 +1,5 @@
 """scripts/memory_segments.py's summary of an allocator snapshot: per-stream peaks, init told apart from training."""
+
 import importlib.util
 from pathlib import Path
 
@@ -23,12 +24,20 @@ def _event(action, size_mib, stream=0):
 def test_peaks_per_stream_and_during_training(segments):
     side = 7
     trace = [
-        _event("segment_map", 300), _event("alloc", 300), _event("free_completed", 300),  # initialisation
-        _event("alloc", 100), _event("segment_map", 200, side), _event("alloc", 200, side),  # training from index 3
-        _event("alloc", 50), _event("free_completed", 200, side), _event("free_completed", 150),
+        _event("segment_map", 300),
+        _event("alloc", 300),
+        _event("free_completed", 300),  # initialisation
+        _event("alloc", 100),
+        _event("segment_map", 200, side),
+        _event("alloc", 200, side),  # training from index 3
+        _event("alloc", 50),
+        _event("free_completed", 200, side),
+        _event("free_completed", 150),
     ]
-    snapshot = {"segments": [{"stream": 0, "total_size": 300 * MiB}, {"stream": side, "total_size": 200 * MiB}],
-                "device_traces": [trace]}
+    snapshot = {
+        "segments": [{"stream": 0, "total_size": 300 * MiB}, {"stream": side, "total_size": 200 * MiB}],
+        "device_traces": [trace],
+    }
     summary = segments.summarise(snapshot, train_from=3)
     by_stream = {s["stream"]: s for s in summary["streams"]}
     GiB = 1024
@@ -45,16 +54,24 @@ def test_peaks_per_stream_and_during_training(segments):
 
 
 def _at(action, size_mib, addr, filename="", line=0):
-    frames = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
-              {"filename": filename, "line": line, "name": "forward"}] if filename else []
+    frames = (
+        [
+            {"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+            {"filename": filename, "line": line, "name": "forward"},
+        ]
+        if filename
+        else []
+    )
     return {"action": action, "size": size_mib * MiB, "stream": 0, "addr": addr, "frames": frames}
 
 
 def test_live_at_training_peak_groups_blocks_by_who_allocated_them(segments):
     layer = "/venv/site-packages/transformers/models/llama/modeling_llama.py"
     trace = [
-        _at("alloc", 500, 1, layer, 10), _at("free_completed", 500, 1, layer, 10),  # initialisation, larger
-        _at("alloc", 40, 2, layer, 10), _at("alloc", 30, 3, layer, 10),            # training from index 2
+        _at("alloc", 500, 1, layer, 10),
+        _at("free_completed", 500, 1, layer, 10),  # initialisation, larger
+        _at("alloc", 40, 2, layer, 10),
+        _at("alloc", 30, 3, layer, 10),  # training from index 2
         _at("alloc", 100, 4, "/repo/memtrain/model/loss.py", 7),
         _at("free_completed", 30, 3, layer, 10),  # peak was before this free: 170 MiB
         _at("alloc", 5, 5),

@@ -1,5 +1,6 @@
 """Allocator settings: memtrain adds its own (expandable segments, the pinned rounding threshold, parallel pinning)
 unless the user chose the key, and a PyTorch that does not know a key is no error."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from memtrain.train.allocator import (
+from memtrain.train.runtime.allocator import (
     pinning_threads,
     set_allocator_setting,
     use_expandable_segments,
@@ -41,8 +42,10 @@ def test_expandable_segments_are_set_when_the_user_said_nothing(settings):
     assert settings[-1] == "expandable_segments:False"
 
 
-@pytest.mark.parametrize("user, asked, on", [("expandable_segments:False", True, False),
-                                             ("max_split_size_mb:128,expandable_segments:True", False, True)])
+@pytest.mark.parametrize(
+    "user, asked, on",
+    [("expandable_segments:False", True, False), ("max_split_size_mb:128,expandable_segments:True", False, True)],
+)
 def test_the_users_alloc_conf_wins(settings, monkeypatch, user, asked, on):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user)
     assert use_expandable_segments(asked) is on
@@ -79,10 +82,12 @@ def test_the_users_pinning_choice_wins(settings, monkeypatch):
 def test_this_pytorch_knows_the_pinning_keys_and_their_values():
     """The real allocator config (in a child, which may keep the settings): a misspelt key or a thread count
     PyTorch refuses would leave pinning serial without a word."""
-    code = ("import torch; from memtrain.train.allocator import pinning_threads, use_parallel_pinning; "
-            "print(use_parallel_pinning(12, kernel_release='6.8.0-generic')); "
-            "[torch._C._accelerator_setAllocatorSettings(f'pinned_num_register_threads:{pinning_threads(n)}') "
-            "for n in (1, 3, 12, 64)]; print('accepted')")
+    code = (
+        "import torch; from memtrain.train.runtime.allocator import pinning_threads, use_parallel_pinning; "
+        "print(use_parallel_pinning(12, kernel_release='6.8.0-generic')); "
+        "[torch._C._accelerator_setAllocatorSettings(f'pinned_num_register_threads:{pinning_threads(n)}') "
+        "for n in (1, 3, 12, 64)]; print('accepted')"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.stdout.split() == ["True", "accepted"], done.stderr[-2000:]

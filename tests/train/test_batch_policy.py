@@ -1,4 +1,5 @@
 """The adaptive batch policy as a pure state machine: table-driven rules, limits, OOMs, checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -6,12 +7,12 @@ import random
 
 import pytest
 
-from memtrain.recipe.schema import Adaptive, Batch
-from memtrain.train.batch_policy import BatchPolicy, GiveUp, PeakFit, split_samples
 from memtrain.errors import UserError
+from memtrain.recipe.schema import Adaptive, Batch
+from memtrain.train.step.batch_policy import BatchPolicy, GiveUp, PeakFit, split_samples
 
 CAP = 1000  # bytes; peaks below are shares of it ×1000, so 650 means 65 % of the card
-LOW = 100   # well under grow_below (70 %) and far from any fit limit
+LOW = 100  # well under grow_below (70 %) and far from any fit limit
 
 
 def make(initial=4, per_rank_batch=64, policy="adaptive", prior=None, **rules) -> BatchPolicy:
@@ -40,52 +41,75 @@ def steps(peak, n):
 G = "grow"
 CASES = {
     # name: (policy kwargs, events, expected decisions (None = no change))
-    "grows after exactly 5 steps under 70%": (
-        {}, steps(LOW, 5), [None] * 4 + [(4, 6, G)]),
-    "does not grow after 4": (
-        {}, steps(LOW, 4), [None] * 4),
-    "a step at 70% resets the streak": (
-        {}, steps(LOW, 4) + steps(700, 1) + steps(LOW, 5), [None] * 9 + [(4, 6, G)]),
-    "a step at 80% resets the streak": (
-        {}, steps(LOW, 3) + steps(800, 1) + steps(LOW, 4), [None] * 8),
+    "grows after exactly 5 steps under 70%": ({}, steps(LOW, 5), [None] * 4 + [(4, 6, G)]),
+    "does not grow after 4": ({}, steps(LOW, 4), [None] * 4),
+    "a step at 70% resets the streak": ({}, steps(LOW, 4) + steps(700, 1) + steps(LOW, 5), [None] * 9 + [(4, 6, G)]),
+    "a step at 80% resets the streak": ({}, steps(LOW, 3) + steps(800, 1) + steps(LOW, 4), [None] * 8),
     "streak restarts at the new size": (
-        {}, steps(LOW, 5) + steps(LOW, 4) + steps(LOW, 1), [None] * 4 + [(4, 6, G)] + [None] * 4 + [(6, 9, G)]),
-    "shrinks above 90%": (
-        {"initial": 8}, steps(901, 1), [(8, 4, "shrink")]),
-    "exactly 90% does not shrink": (
-        {"initial": 8}, steps(900, 1), [None]),
-    "no shrink below the minimum": (
-        {"initial": 1}, steps(990, 2), [None, None]),
-    "shrink respects min_micro_batch": (
-        {"initial": 6, "min_micro_batch": 4}, steps(950, 2), [(6, 4, "shrink"), None]),
+        {},
+        steps(LOW, 5) + steps(LOW, 4) + steps(LOW, 1),
+        [None] * 4 + [(4, 6, G)] + [None] * 4 + [(6, 9, G)],
+    ),
+    "shrinks above 90%": ({"initial": 8}, steps(901, 1), [(8, 4, "shrink")]),
+    "exactly 90% does not shrink": ({"initial": 8}, steps(900, 1), [None]),
+    "no shrink below the minimum": ({"initial": 1}, steps(990, 2), [None, None]),
+    "shrink respects min_micro_batch": ({"initial": 6, "min_micro_batch": 4}, steps(950, 2), [(6, 4, "shrink"), None]),
     "custom grow_after_steps and factor": (
-        {"grow_after_steps": 2, "grow_factor": 2.0}, steps(LOW, 4), [None, (4, 8, G), None, (8, 16, G)]),
+        {"grow_after_steps": 2, "grow_factor": 2.0},
+        steps(LOW, 4),
+        [None, (4, 8, G), None, (8, 16, G)],
+    ),
     "OOM rolls back to the last stable size": (
-        {}, steps(LOW, 5) + steps(LOW, 1) + [("o",)], [None] * 4 + [(4, 6, G), None, (6, 4, "rollback")]),
-    "OOM before any stable size halves": (
-        {"initial": 16}, [("o",), ("o",)], [(16, 8, "oom"), (8, 4, "oom")]),
+        {},
+        steps(LOW, 5) + steps(LOW, 1) + [("o",)],
+        [None] * 4 + [(4, 6, G), None, (6, 4, "rollback")],
+    ),
+    "OOM before any stable size halves": ({"initial": 16}, [("o",), ("o",)], [(16, 8, "oom"), (8, 4, "oom")]),
     "OOM skips stable sizes at or above the failing one": (
         {"initial": 4, "grow_after_steps": 1},
-        steps(LOW, 2) + [("f", 950)] + [("o",)],   # 4 -> 6 -> 9 (stable), forecast -> 4, OOM at 4: 9 is not below
-        [(4, 6, G), (6, 9, G), (9, 4, "forecast"), (4, 2, "oom")]),
+        steps(LOW, 2) + [("f", 950)] + [("o",)],  # 4 -> 6 -> 9 (stable), forecast -> 4, OOM at 4: 9 is not below
+        [(4, 6, G), (6, 9, G), (9, 4, "forecast"), (4, 2, "oom")],
+    ),
     "never grows back into an OOM size": (
-        {}, steps(LOW, 5) + [("o",)] + steps(LOW, 5) + steps(LOW, 5),
-        [None] * 4 + [(4, 6, G), (6, 4, "rollback")] + [None] * 4 + [(4, 5, G)] + [None] * 5),
+        {},
+        steps(LOW, 5) + [("o",)] + steps(LOW, 5) + steps(LOW, 5),
+        [None] * 4 + [(4, 6, G), (6, 4, "rollback")] + [None] * 4 + [(4, 5, G)] + [None] * 5,
+    ),
     "max_micro_batch caps growth": (
-        {"initial": 6, "max_micro_batch": 8}, steps(LOW, 10), [None] * 4 + [(6, 8, G)] + [None] * 5),
+        {"initial": 6, "max_micro_batch": 8},
+        steps(LOW, 10),
+        [None] * 4 + [(6, 8, G)] + [None] * 5,
+    ),
     "per_rank_batch caps growth": (
-        {"initial": 6, "per_rank_batch": 7}, steps(LOW, 10), [None] * 4 + [(6, 7, G)] + [None] * 5),
+        {"initial": 6, "per_rank_batch": 7},
+        steps(LOW, 10),
+        [None] * 4 + [(6, 7, G)] + [None] * 5,
+    ),
     "forecast over 90% shrinks": (
-        {"initial": 8}, [("f", 950), ("f", 850), ("f", None)], [(8, 4, "forecast"), None, None]),
+        {"initial": 8},
+        [("f", 950), ("f", 850), ("f", None)],
+        [(8, 4, "forecast"), None, None],
+    ),
     "OOM at the minimum retries at the minimum": (
-        {"initial": 2}, [("o",), ("o",), ("o",)], [(2, 1, "oom"), (1, 1, "oom"), (1, 1, "oom")]),
+        {"initial": 2},
+        [("o",), ("o",), ("o",)],
+        [(2, 1, "oom"), (1, 1, "oom"), (1, 1, "oom")],
+    ),
     "a completed step resets the OOM count at the minimum": (
-        {"initial": 1, "max_oom_at_min": 2}, [("o",), ("s", LOW), ("o",), ("s", LOW), ("o",)],
-        [(1, 1, "oom"), None, (1, 1, "oom"), None, (1, 1, "oom")]),
+        {"initial": 1, "max_oom_at_min": 2},
+        [("o",), ("s", LOW), ("o",), ("s", LOW), ("o",)],
+        [(1, 1, "oom"), None, (1, 1, "oom"), None, (1, 1, "oom")],
+    ),
     "fixed policy ignores peaks and forecasts": (
-        {"initial": 8, "policy": "fixed"}, steps(LOW, 10) + steps(990, 1) + [("f", 990)], [None] * 12),
+        {"initial": 8, "policy": "fixed"},
+        steps(LOW, 10) + steps(990, 1) + [("f", 990)],
+        [None] * 12,
+    ),
     "fixed policy still shrinks on OOM, and stays there": (
-        {"initial": 8, "policy": "fixed"}, [("o",)] + steps(LOW, 6), [(8, 4, "oom")] + [None] * 6),
+        {"initial": 8, "policy": "fixed"},
+        [("o",)] + steps(LOW, 6),
+        [(8, 4, "oom")] + [None] * 6,
+    ),
 }
 
 
@@ -212,15 +236,26 @@ def test_split_samples_keeps_every_sample():
 
 
 def test_state_dict_round_trip_continues_identically():
-    events = (steps(LOW, 6) + [("o",)] + steps(LOW, 7) + [("f", 950)] + steps(650, 3) + [("o",)] * 2
-              + steps(LOW, 5) + steps(920, 1) + steps(LOW, 9) + [("o",)] + steps(LOW, 6))
+    events = (
+        steps(LOW, 6)
+        + [("o",)]
+        + steps(LOW, 7)
+        + [("f", 950)]
+        + steps(650, 3)
+        + [("o",)] * 2
+        + steps(LOW, 5)
+        + steps(920, 1)
+        + steps(LOW, 9)
+        + [("o",)]
+        + steps(LOW, 6)
+    )
     for cut in range(len(events) + 1):
         straight = make(initial=8, prior=(0.0, 60.0))
         expected = play(straight, events)
         first = make(initial=8, prior=(0.0, 60.0))
         play(first, events[:cut])
         state = json.loads(json.dumps(first.state_dict()))  # checkpoints store it as JSON
-        resumed = make(initial=3, prior=(0.0, 999.0))          # what the resumed run is built with does not matter
+        resumed = make(initial=3, prior=(0.0, 999.0))  # what the resumed run is built with does not matter
         resumed.load_state_dict(state)
         assert play(resumed, events[cut:]) == expected[cut:], f"cut at {cut}"
         assert resumed.state_dict() == straight.state_dict()

@@ -1,19 +1,20 @@
 """Properties of the batch policy over random event streams and simulated cards."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memtrain.recipe.schema import Adaptive, Batch
-from memtrain.train.batch_policy import BatchPolicy, GiveUp
+from memtrain.train.step.batch_policy import BatchPolicy, GiveUp
 
 GiB = 2**30
 CAP = 24 * GiB
 
 event = st.one_of(
-    st.tuples(st.just("s"), st.floats(0.0, 1.3)),   # a step with peak = share × cap
-    st.tuples(st.just("o")),                        # an OOM
-    st.tuples(st.just("f"), st.floats(0.0, 1.3)),   # a forecast
+    st.tuples(st.just("s"), st.floats(0.0, 1.3)),  # a step with peak = share × cap
+    st.tuples(st.just("o")),  # an OOM
+    st.tuples(st.just("f"), st.floats(0.0, 1.3)),  # a forecast
 )
 
 
@@ -32,7 +33,9 @@ def make(initial, per_rank_batch, min_size, max_size, prior=None, policy="adapti
     policy=st.sampled_from(["adaptive", "fixed"]),
     events=st.lists(event, max_size=80),
 )
-def test_size_stays_in_limits_and_never_returns_to_an_oom_size(initial, per_rank_batch, min_size, max_size, policy, events):
+def test_size_stays_in_limits_and_never_returns_to_an_oom_size(
+    initial, per_rank_batch, min_size, max_size, policy, events
+):
     batch_policy = make(initial, per_rank_batch, min_size, max_size, policy=policy)
     upper = min(per_rank_batch, max_size)
     smallest_oom = None

@@ -1,5 +1,6 @@
 """The chat quickstart end to end on DeepSpeed's CPU accelerator: exact match rises with fine-tuning, and the
 generation evaluation leaves training exactly as it was."""
+
 from __future__ import annotations
 
 import io
@@ -10,14 +11,18 @@ from rich.console import Console
 
 from memtrain.commands.eval import eval_command
 from memtrain.commands.run import run_command
-from memtrain.train.run import RunOptions
+from memtrain.train.resolve import RunOptions
 from tests.conftest import ROOT, read_records, train_losses
 
 pytestmark = pytest.mark.slow
 
 BASE_MODEL = ROOT / "memtrain" / "assets" / "models" / "shakespeare-mini"
-CHAT = {"train": [{"path": "builtin:chat", "type": "chat"}],
-        "validation": [{"path": "builtin:chat/validation", "type": "chat"}], "template": "chatml", "seq_len": 64}
+CHAT = {
+    "train": [{"path": "builtin:chat", "type": "chat"}],
+    "validation": [{"path": "builtin:chat/validation", "type": "chat"}],
+    "template": "chatml",
+    "seq_len": 64,
+}
 # Measured on two CPU cores (recipes/quickstart-chat.yaml as shipped): exact match 0.00 at step 0 (the base has
 # never seen ChatML) and 0.12-0.13 after 300 steps (12 or 13 of 100 by machine and PyTorch version; README.md says
 # 0.13: first letters, word lengths, multiplication). The margin is half of that: other machines' arithmetic takes
@@ -28,8 +33,14 @@ MARGIN = 0.06
 def test_chat_quickstart_exact_match_rises_by_a_margin(tmp_path):
     recipe = ROOT / "recipes" / "quickstart-chat.yaml"
     run_dir = tmp_path / "quickstart-chat"
-    assert run_command(recipe, [f"model.path={BASE_MODEL}", f"train.output_dir={run_dir}",
-                                f"data.cache_dir={tmp_path / 'cache'}"], RunOptions()) == 0
+    assert (
+        run_command(
+            recipe,
+            [f"model.path={BASE_MODEL}", f"train.output_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"],
+            RunOptions(),
+        )
+        == 0
+    )
     scores = read_records(run_dir, "generation")
     assert [s["step"] for s in scores] == [0, 300]
     before, after = scores[0]["exact_match"], scores[-1]["exact_match"]
@@ -46,9 +57,15 @@ def test_chat_quickstart_exact_match_rises_by_a_margin(tmp_path):
 
 def test_generation_evaluation_leaves_training_unchanged(write_recipe):
     """LoRA dropout draws from torch's RNG every step: an evaluation that drew from it would change the losses."""
-    extra = {"model": {"preset": "mini", "tokenizer": "builtin:shakespeare-chat",
-                       "lora": {"r": 4, "alpha": 8, "dropout": 0.2}},
-             "data": CHAT, "train": {"steps": 4, "eval_every": 100, "save_every": 100}}
+    extra = {
+        "model": {
+            "preset": "mini",
+            "tokenizer": "builtin:shakespeare-chat",
+            "lora": {"r": 4, "alpha": 8, "dropout": 0.2},
+        },
+        "data": CHAT,
+        "train": {"steps": 4, "eval_every": 100, "save_every": 100},
+    }
     without = write_recipe("without", extra)
     with_eval = write_recipe("with", {**extra, "train": {**extra["train"], "eval_generate": 4}})
     for recipe in (without, with_eval):

@@ -1,5 +1,6 @@
 """Instruction and chat data through `memtrain run` on the CPU (real DeepSpeed): mixed datasets packed into
 rows, response-only targets, the template's markers added to the tokenizer, and exact resume."""
+
 from __future__ import annotations
 
 import json
@@ -11,13 +12,14 @@ from safetensors.torch import load_file
 
 from memtrain.commands.run import run_command
 from memtrain.errors import UserError
-from memtrain.train.run import RunOptions
+from memtrain.train.resolve import RunOptions
 from tests.conftest import read_records, train_losses
 
 pytestmark = pytest.mark.slow
 
-INSTRUCTIONS = [{"instruction": f"Add {a} and {b}.", "input": "", "output": str(a + b)}
-                for a in range(12) for b in range(12)]
+INSTRUCTIONS = [
+    {"instruction": f"Add {a} and {b}.", "input": "", "output": str(a + b)} for a in range(12) for b in range(12)
+]
 
 
 def chat_recipe(tmp_path: Path, steps: int = 8) -> dict:
@@ -25,12 +27,21 @@ def chat_recipe(tmp_path: Path, steps: int = 8) -> dict:
     to which the ChatML markers are added."""
     alpaca = tmp_path / "alpaca.jsonl"
     alpaca.write_text("".join(json.dumps(r) + "\n" for r in INSTRUCTIONS))
-    return {"model": {"preset": "micro", "tokenizer": "builtin:shakespeare"},
-            "data": {"train": [{"path": "builtin:chat", "type": "chat"},
-                               {"path": str(alpaca), "type": "instruction", "weight": 0.5}],
-                     "validation": [{"path": "builtin:chat/validation", "type": "chat"}],
-                     "seq_len": 64, "template": "chatml", "add_special_tokens": True, "packing": True},
-            "train": {"steps": steps, "save_every": steps // 2, "eval_every": 100}}
+    return {
+        "model": {"preset": "micro", "tokenizer": "builtin:shakespeare"},
+        "data": {
+            "train": [
+                {"path": "builtin:chat", "type": "chat"},
+                {"path": str(alpaca), "type": "instruction", "weight": 0.5},
+            ],
+            "validation": [{"path": "builtin:chat/validation", "type": "chat"}],
+            "seq_len": 64,
+            "template": "chatml",
+            "add_special_tokens": True,
+            "packing": True,
+        },
+        "train": {"steps": steps, "save_every": steps // 2, "eval_every": 100},
+    }
 
 
 def test_a_mixed_packed_chat_run_resumed_mid_epoch_equals_the_straight_run(write_recipe, tmp_path):

@@ -1,6 +1,7 @@
 """checkpoint.save_checkpoint on real files: how many checkpoints a save needs room for, and that a step's only
 complete copy survives a kill at any point of its replacement. The engine's part of a save is a file it writes:
 what DeepSpeed writes does not matter to the order of renames and deletions."""
+
 from __future__ import annotations
 
 import errno
@@ -11,8 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from memtrain.train import checkpoint
-from memtrain.train.checkpoint import LoopState, complete_checkpoints, latest_checkpoint, remove_leftovers, save_checkpoint
+from memtrain.train.state import checkpoint
+from memtrain.train.state.checkpoint import (
+    LoopState,
+    complete_checkpoints,
+    latest_checkpoint,
+    remove_leftovers,
+    save_checkpoint,
+)
 
 
 class FilesEngine:
@@ -33,8 +40,14 @@ def test_a_save_needs_room_for_max_keep_last_2_checkpoints_not_keep_last_plus_on
     a save always needed room for keep_last + 1, and a lowered keep_last freed nothing before the save that failed."""
     at_fault = []
     for step in range(1, 6):
-        save_checkpoint(FilesEngine(), tmp_path, LoopState(step=step), rank=0, keep_last=keep_last,
-                        fault=lambda tmp: at_fault.append(len(complete_checkpoints(tmp_path)) + 1))  # + the partial
+        save_checkpoint(
+            FilesEngine(),
+            tmp_path,
+            LoopState(step=step),
+            rank=0,
+            keep_last=keep_last,
+            fault=lambda tmp: at_fault.append(len(complete_checkpoints(tmp_path)) + 1),
+        )  # + the partial
         assert len(complete_checkpoints(tmp_path)) == min(step, keep_last)  # what stays between saves is as before
     assert max(at_fault) == peak
 
@@ -68,6 +81,7 @@ def test_saving_a_step_again_keeps_a_complete_copy_of_it_at_every_moment(tmp_pat
             if calls["n"] == killed_at:
                 raise SystemExit("killed")  # nothing after this point of save_checkpoint runs
             return real(*args, **kwargs)
+
         return call
 
     monkeypatch.setattr(checkpoint.os, "replace", kill_at(replace))

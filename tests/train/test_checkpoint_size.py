@@ -1,5 +1,6 @@
 """The size a first checkpoint is expected to take (the disk-space warning before a save): the parameters plus the
 optimizer states the planner counts per trainable element, not a flat fp32-Adam figure."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,15 +9,19 @@ import torch
 
 from memtrain.plan.model_states import optimizer_bytes_per_param
 from memtrain.recipe.load import load_recipe
-from memtrain.train.storage import expected_checkpoint_bytes
+from memtrain.train.state.storage import expected_checkpoint_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _per_param(recipe: str) -> float:
     r = load_recipe(ROOT / "recipes" / recipe).recipe
-    return optimizer_bytes_per_param(r.precision.storage, r.precision.master, eight_bit=r.optimizer.eight_bit,
-                                     in_backward=r.optimizer.step_in_backward)
+    return optimizer_bytes_per_param(
+        r.precision.storage,
+        r.precision.master,
+        eight_bit=r.optimizer.eight_bit,
+        in_backward=r.optimizer.step_in_backward,
+    )
 
 
 def test_the_first_checkpoint_is_priced_by_the_optimizer_s_states(tmp_path):

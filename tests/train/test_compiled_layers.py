@@ -1,4 +1,5 @@
 """`train.compile`: every decoder layer compiled, nothing else; training with it matches training without."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,9 +15,18 @@ def _tiny_lora():
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=128, max_position_embeddings=32)
-    return get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=128,
+        max_position_embeddings=32,
+    )
+    return get_peft_model(
+        LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    )
 
 
 def test_compiles_exactly_the_decoder_layers_under_a_peft_wrapper():
@@ -27,16 +37,25 @@ def test_compiles_exactly_the_decoder_layers_under_a_peft_wrapper():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [
-    {},
-    {"model": {"lora": {"r": 4, "alpha": 8, "dropout": 0.1, "lean_dropout": True}},
-     "checkpointing": {"strategy": "every_layer"}},
-], ids=["full", "lora-lean-dropout-checkpointed"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {
+            "model": {"lora": {"r": 4, "alpha": 8, "dropout": 0.1, "lean_dropout": True}},
+            "checkpointing": {"strategy": "every_layer"},
+        },
+    ],
+    ids=["full", "lora-lean-dropout-checkpointed"],
+)
 def test_compiled_layers_train_like_eager_ones(write_recipe, extra):
     """Same losses step by step, with DeepSpeed really running: compilation fuses kernels, it does not change
     the arithmetic beyond rounding (fp32 here)."""
     base = {**extra, "train": {"steps": 4, "eval_every": 100, "save_every": 100}}
-    eager, compiled = write_recipe("eager", base), write_recipe("compiled", {**base, "train": {**base["train"], "compile": True}})
+    eager, compiled = (
+        write_recipe("eager", base),
+        write_recipe("compiled", {**base, "train": {**base["train"], "compile": True}}),
+    )
     from torch._dynamo.utils import counters
 
     assert run_command(eager, []) == 0

@@ -1,6 +1,7 @@
-"""DeepSpeed's CPU Adam loaded in a background thread while the run starts (memtrain/train/cpu_adam.py): it starts
+"""DeepSpeed's CPU Adam loaded in a background thread while the run starts (memtrain/train/ops/cpu_adam.py): it starts
 without blocking, a failed build is said where the run waits for it (with the ways around it), and py-cpuinfo is
 asked once per process."""
+
 from __future__ import annotations
 
 import threading
@@ -11,21 +12,25 @@ from deepspeed.ops.op_builder import CPUAdamBuilder
 
 from memtrain.errors import UserError
 from memtrain.recipe.schema import Recipe
-from memtrain.train import cpu_adam
-from memtrain.train.cpu_adam import CpuAdamLoad
-from memtrain.train.deepspeed_ops import needs_cpu_adam
+from memtrain.train.ops import cpu_adam
+from memtrain.train.ops.cpu_adam import CpuAdamLoad
+from memtrain.train.ops.deepspeed_ops import needs_cpu_adam
 
 
 def _recipe(**offload) -> Recipe:
-    return Recipe.model_validate({"model": {"preset": "tiny"}, "data": {"train": "builtin:shakespeare"},
-                                  "offload": offload})
+    return Recipe.model_validate(
+        {"model": {"preset": "tiny"}, "data": {"train": "builtin:shakespeare"}, "offload": offload}
+    )
 
 
 def test_only_recipes_whose_optimizer_deepspeed_offloads_need_the_op():
     assert needs_cpu_adam(_recipe(optimizer="cpu"))
     assert not needs_cpu_adam(_recipe())
-    assert not needs_cpu_adam(Recipe.model_validate({**_recipe(optimizer="cpu").model_dump(exclude_unset=True),
-                                                     "optimizer": {"name": "paged_adamw_8bit"}}))
+    assert not needs_cpu_adam(
+        Recipe.model_validate(
+            {**_recipe(optimizer="cpu").model_dump(exclude_unset=True), "optimizer": {"name": "paged_adamw_8bit"}}
+        )
+    )
 
 
 def test_start_returns_while_the_op_loads_and_a_failed_build_is_said_with_the_ways_around_it(monkeypatch):
@@ -40,7 +45,7 @@ def test_start_returns_while_the_op_loads_and_a_failed_build_is_said_with_the_wa
     monkeypatch.setattr(CPUAdamBuilder, "load", planted_load)
     load = CpuAdamLoad(_recipe(optimizer="cpu")).start()
     assert started.wait(timeout=30)  # the load runs...
-    may_finish.set()                 # ...while this thread goes on
+    may_finish.set()  # ...while this thread goes on
     with pytest.raises(UserError) as raised:
         load.wait()
     [problem] = raised.value.problems
@@ -73,6 +78,7 @@ def test_cpu_info_is_asked_once_per_process_whatever_the_threads(monkeypatch):
     for thread in threads:
         thread.join()
     from cpuinfo import get_cpu_info  # as DeepSpeed imports it, at each call
+
     answers.append(get_cpu_info())
     assert len(asked) == 1 and len(answers) == 5
     assert all(answer == {"arch": "X86_64", "flags": ["avx2"]} for answer in answers)

@@ -1,5 +1,6 @@
 """offload.cpu_adam=torch: PyTorch's fused AdamW steps the optimizer offloaded to the CPU (nothing to build) and
 trains as DeepSpeed's CPU Adam does, resumes exactly, and is refused where DeepSpeed accepts only its own."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,8 @@ import torch
 from memtrain.commands.run import run_command
 from memtrain.recipe.load import load_recipe_text
 from memtrain.recipe.rules import check_rules
-from memtrain.train.deepspeed_ops import needs_cpu_adam
-from memtrain.train.run import RunOptions
+from memtrain.train.ops.deepspeed_ops import needs_cpu_adam
+from memtrain.train.resolve import RunOptions
 from tests.conftest import train_losses
 
 OFFLOADED = {"optimizer": "cpu"}
@@ -18,8 +19,9 @@ ZERO3 = {"optimizer": "cpu", "params": "cpu"}
 
 def _recipe_text(**offload) -> str:
     lines = [f"  {key}: {value}" for key, value in offload.items()]
-    return "\n".join(["model: {preset: micro}", "data: {train: 'builtin:shakespeare'}", "train: {steps: 10}",
-                      "offload:", *lines, ""])
+    return "\n".join(
+        ["model: {preset: micro}", "data: {train: 'builtin:shakespeare'}", "train: {steps: 10}", "offload:", *lines, ""]
+    )
 
 
 def _problems(text: str) -> str:
@@ -46,8 +48,10 @@ def test_torch_cpu_adam_builds_no_op():
 
 
 def _run(write_recipe, name: str, offload: dict, cpu_adam: str, steps: int = 6, **options) -> dict[int, float]:
-    path = write_recipe(name, {"offload": {**offload, "cpu_adam": cpu_adam},
-                               "train": {"steps": steps, "save_every": 3, "eval_every": 100}})
+    path = write_recipe(
+        name,
+        {"offload": {**offload, "cpu_adam": cpu_adam}, "train": {"steps": steps, "save_every": 3, "eval_every": 100}},
+    )
     assert run_command(path, [], RunOptions(**options)) == 0
     return train_losses(path.parent / "runs" / name)
 

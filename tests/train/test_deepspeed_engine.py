@@ -1,4 +1,5 @@
 """The memory policies under real single-process DeepSpeed engines on the CPU accelerator."""
+
 from __future__ import annotations
 
 import os
@@ -7,11 +8,11 @@ import socket
 import pytest
 import torch
 
-from memtrain.model.checkpointing import apply_checkpointing
 from memtrain.model.precision import apply_precision
+from memtrain.model.recompute import apply_checkpointing
 from memtrain.model.wrapper import TrainableLM
 from memtrain.recipe.schema import Checkpointing, Precision
-from memtrain.train.preflight import cpu_fp16_supported
+from memtrain.train.runtime.preflight import cpu_fp16_supported
 from tests.model.test_support import one_torch_thread, shakespeare_batches, tiny_llama  # noqa: F401
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -23,8 +24,14 @@ def single_process_group():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        for key, value in dict(DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        for key, value in dict(
+            DS_ACCELERATOR="cpu",
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        ).items():
             os.environ.setdefault(key, value)
         deepspeed.init_distributed(dist_backend="gloo")
     yield
@@ -33,8 +40,13 @@ def single_process_group():
 def engine(model, precision: Precision, config: dict, lr: float = 1e-3):
     lm = TrainableLM(model, precision)
     optimizer = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=lr)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-              "zero_allow_untested_optimizer": True, **config}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        **config,
+    }
     eng, *_ = deepspeed.initialize(model=lm, optimizer=optimizer, config=config)
     return eng
 
@@ -55,9 +67,12 @@ FP32 = Precision(compute="fp32", loss_chunk_tokens=16)
 def test_checkpointing_under_zero_matches_no_checkpointing(stage):
     batches = shakespeare_batches(8)
     runs = {}
-    for name, config in {"none": Checkpointing(strategy="none"), "selective": Checkpointing(strategy="selective"),
-                         "every_2_layers": Checkpointing(strategy="every_n_layers", every_n_layers=2),
-                         "offload_mlp": Checkpointing(strategy="rules", rules={"*.mlp": "offload"})}.items():
+    for name, config in {
+        "none": Checkpointing(strategy="none"),
+        "selective": Checkpointing(strategy="selective"),
+        "every_2_layers": Checkpointing(strategy="every_n_layers", every_n_layers=2),
+        "offload_mlp": Checkpointing(strategy="rules", rules={"*.mlp": "offload"}),
+    }.items():
         model = tiny_llama()
         plan = apply_checkpointing(model, config)
         eng = engine(model, FP32, {"zero_optimization": {"stage": stage}})
@@ -77,9 +92,20 @@ def test_fp16_overflow_lowers_the_scale_and_skips_the_step(hysteresis):
     precision = Precision(compute="fp16", fp32_modules=["*norm*"], loss_chunk_tokens=16)
     model = tiny_llama()
     apply_precision(model, precision)
-    eng = engine(model, precision, {"zero_optimization": {"stage": 2}, "fp16": {
-        "enabled": True, "initial_scale_power": 8, "hysteresis": hysteresis, "loss_scale_window": 1000,
-        "min_loss_scale": 1}})
+    eng = engine(
+        model,
+        precision,
+        {
+            "zero_optimization": {"stage": 2},
+            "fp16": {
+                "enabled": True,
+                "initial_scale_power": 8,
+                "hysteresis": hysteresis,
+                "loss_scale_window": 1000,
+                "min_loss_scale": 1,
+            },
+        },
+    )
     batches = shakespeare_batches(2 + hysteresis)
     assert step(eng, batches[0]) < 9 and eng.optimizer.cur_scale == 256 and eng.skipped_steps == 0
     weights = {k: v.detach().clone() for k, v in eng.module.state_dict().items()}
@@ -105,8 +131,9 @@ def test_lora_bf16_islands_under_zero3_match_no_checkpointing():
     for name in ("none", "selective", "every_layer"):
         base = tiny_llama()
         torch.manual_seed(1)  # LoRA's A matrices are drawn from the global generator
-        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                        target_modules=["q_proj", "v_proj", "up_proj"]))
+        model = get_peft_model(
+            base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
+        )
         apply_checkpointing(model, Checkpointing(strategy=name))
         apply_precision(model, precision)
         eng = engine(model, precision, {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, lr=1e-2)
@@ -127,11 +154,24 @@ def test_deepspeed_zenflow_scrambles_the_weights_it_is_given(zenflow):
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
     if zenflow:
-        zero["zenflow"] = {"topk_ratio": 0.1, "select_strategy": "step", "select_interval": 4, "update_interval": 4,
-                           "overlap_step": False}
-    eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_allow_untested_optimizer": True})
+        zero["zenflow"] = {
+            "topk_ratio": 0.1,
+            "select_strategy": "step",
+            "select_interval": 4,
+            "update_interval": 4,
+            "overlap_step": False,
+        }
+    eng, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_allow_untested_optimizer": True,
+        },
+    )
     matrices = {name: p for name, p in eng.module.named_parameters() if p.dim() == 2}
     assert len(matrices) == 2 * 7 + 2  # 7 projections per layer, embedding and head
     for name, p in matrices.items():
@@ -150,9 +190,13 @@ def test_loraplus_trains_the_b_matrices_at_lr_times_the_ratio_through_the_schedu
     from memtrain.recipe.load import load_recipe
     from memtrain.train.setup import build_engine, build_policy_model
 
-    path = write_recipe("loraplus", {"model": {"lora": {"r": 4, "alpha": 8, "loraplus_lr_ratio": 16.0,
-                                                        "target_modules": ["q_proj", "v_proj"]}},
-                                     "schedule": {"warmup_steps": 2}})
+    path = write_recipe(
+        "loraplus",
+        {
+            "model": {"lora": {"r": 4, "alpha": 8, "loraplus_lr_ratio": 16.0, "target_modules": ["q_proj", "v_proj"]}},
+            "schedule": {"warmup_steps": 2},
+        },
+    )
     recipe = load_recipe(path).recipe
     config = ds_config(recipe, micro_batch=4)
     engine, scheduler = build_engine(recipe, build_policy_model(recipe, process_group, config), config, total_steps=10)

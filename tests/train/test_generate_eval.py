@@ -1,15 +1,16 @@
 """The generation evaluation: exact-match scoring, stopping at the end-of-turn token, RNG and mode left alone."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from memtrain.data.prompts import HeldOutPrompt
-from memtrain.data.tokenizer import load_tokenizer
+from memtrain.data.rows.prompts import HeldOutPrompt
+from memtrain.data.tokens.tokenizer import load_tokenizer
 from memtrain.recipe.schema import Model
-from memtrain.train import generate_eval
-from memtrain.train.generate_eval import (
+from memtrain.train.eval import generation as generate_eval
+from memtrain.train.eval.generation import (
     generation_eval,
     greedy_generate,
     is_exact_match,
@@ -26,8 +27,15 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=4160, max_position_embeddings=256)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4160,
+        max_position_embeddings=256,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -36,16 +44,29 @@ def prompt(tokenizer, question: str, expected: str, task: str | None = None) -> 
     return HeldOutPrompt(tokenizer(text, add_special_tokens=False)["input_ids"], expected, question, "f", 1, task)
 
 
-@pytest.mark.parametrize("generated, expected, match", [
-    ("42", "42", True), (" 42\n", "42", True), ("42", " 42 ", True), ("\t\nSOUND ", "SOUND", True),
-    ("42.", "42", False), ("sound", "SOUND", False), ("4 2", "42", False), ("", "42", False), ("420", "42", False),
-])
+@pytest.mark.parametrize(
+    "generated, expected, match",
+    [
+        ("42", "42", True),
+        (" 42\n", "42", True),
+        ("42", " 42 ", True),
+        ("\t\nSOUND ", "SOUND", True),
+        ("42.", "42", False),
+        ("sound", "SOUND", False),
+        ("4 2", "42", False),
+        ("", "42", False),
+        ("420", "42", False),
+    ],
+)
 def test_exact_match_ignores_only_surrounding_whitespace(generated, expected, match):
     assert is_exact_match(generated, expected) is match
 
 
 def test_chatml_stops_at_im_end_and_eos(tokenizer):
-    assert stop_token_ids("chatml", tokenizer) == [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
+    assert stop_token_ids("chatml", tokenizer) == [
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        tokenizer.eos_token_id,
+    ]
     assert stop_token_ids("alpaca", tokenizer) == [tokenizer.eos_token_id]  # its end of turn is the eos
 
 
@@ -76,33 +97,56 @@ def test_generation_stops_at_the_end_of_turn_token(tokenizer, model):
     for at in (0, 3, 7):
         stop = free[at]
         cut = greedy_generate(model, [ids], stop_ids=[stop], pad_id=tokenizer.pad_token_id, max_new_tokens=12)[0]
-        assert cut == free[:free.index(stop)]
+        assert cut == free[: free.index(stop)]
 
 
 def test_batched_generation_with_left_padding_equals_one_by_one(tokenizer, model):
-    prompts = [prompt(tokenizer, q, "").prompt_ids for q in
-               ("What is 2 + 2?", "Reverse the word 'sound'.", "How many letters are in 'day'?", "Hi")]
+    prompts = [
+        prompt(tokenizer, q, "").prompt_ids
+        for q in ("What is 2 + 2?", "Reverse the word 'sound'.", "How many letters are in 'day'?", "Hi")
+    ]
     batched = greedy_generate(model, prompts, [-1], tokenizer.pad_token_id, 6, batch_size=4)
     alone = [greedy_generate(model, [p], [-1], tokenizer.pad_token_id, 6)[0] for p in prompts]
     assert batched == alone
     answered = []  # the progress a command draws (memtrain eval): after each batch, how many of all
-    assert greedy_generate(model, prompts, [-1], tokenizer.pad_token_id, 6, batch_size=3,
-                           on_batch=lambda done, total: answered.append((done, total))) == batched
+    assert (
+        greedy_generate(
+            model,
+            prompts,
+            [-1],
+            tokenizer.pad_token_id,
+            6,
+            batch_size=3,
+            on_batch=lambda done, total: answered.append((done, total)),
+        )
+        == batched
+    )
     assert answered == [(3, 4), (4, 4)]
 
 
 def test_scores_count_exact_matches_and_keep_the_first_samples(tokenizer, model, monkeypatch):
     answers = [" 4\n", "5", "s", "SOUND"]
-    monkeypatch.setattr(generate_eval, "greedy_generate", lambda model, prompts, *a, **k: [
-        tokenizer(text, add_special_tokens=False)["input_ids"] for text in answers[:len(prompts)]])
-    prompts = [prompt(tokenizer, "What is 2 + 2?", "4", "add"), prompt(tokenizer, "What is 2 + 2?", "4", "add"),
-               prompt(tokenizer, "First letter of 'sound'?", "s", "first_letter"),
-               prompt(tokenizer, "'sound' in capitals?", "SOUNDS", "upper")]
+    monkeypatch.setattr(
+        generate_eval,
+        "greedy_generate",
+        lambda model, prompts, *a, **k: [
+            tokenizer(text, add_special_tokens=False)["input_ids"] for text in answers[: len(prompts)]
+        ],
+    )
+    prompts = [
+        prompt(tokenizer, "What is 2 + 2?", "4", "add"),
+        prompt(tokenizer, "What is 2 + 2?", "4", "add"),
+        prompt(tokenizer, "First letter of 'sound'?", "s", "first_letter"),
+        prompt(tokenizer, "'sound' in capitals?", "SOUNDS", "upper"),
+    ]
     score = generation_eval(model, tokenizer, prompts, [0], skipped=2, keep_samples=3)
     assert (score.correct, score.total, score.skipped, score.exact_match) == (2, 4, 2, 0.5)
     assert score.by_task == {"add": 0.5, "first_letter": 1.0, "upper": 0.0}
-    assert [(s.expected, s.generated, s.correct) for s in score.samples] == [("4", "4", True), ("4", "5", False),
-                                                                            ("s", "s", True)]
+    assert [(s.expected, s.generated, s.correct) for s in score.samples] == [
+        ("4", "4", True),
+        ("4", "5", False),
+        ("s", "s", True),
+    ]
     record = score.as_record()
     assert record["exact_match"] == 0.5 and len(record["samples"]) == 3 and record["samples"][0]["question"]
     assert generation_eval(model, tokenizer, [], [0]).total == 0

@@ -1,4 +1,5 @@
 """The emulated card's cap leaves the CUDA context outside the allocator, and the plan's verdict agrees with it."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,7 @@ import pytest
 from memtrain.configs import allocator_budget_bytes, gpu_profile
 from memtrain.plan.planner import plan_recipe
 from memtrain.recipe.load import load_recipe
-from memtrain.train.distributed import gpu_cap
+from memtrain.train.runtime.distributed import gpu_cap
 from memtrain.units import GiB
 
 H200 = 143_771_058_176  # bytes torch reports for the H200's memory
@@ -27,7 +28,9 @@ def test_the_plans_verdict_and_the_cap_agree(write_recipe):
     peak = plan_recipe(recipe).peak_reserved_bytes
     context = gpu_profile("24GiB").cuda_context_bytes  # a card given by size has the default context
     for card in (peak + context - 1, peak + context, peak + context + 1):
-        plan = plan_recipe(recipe.model_copy(update={"hardware": recipe.hardware.model_copy(update={"gpu": str(card)})}))
+        plan = plan_recipe(
+            recipe.model_copy(update={"hardware": recipe.hardware.model_copy(update={"gpu": str(card)})})
+        )
         assert plan.peak_reserved_bytes == peak
         _, cap = gpu_cap(gpu_profile(str(card)), H200, cap_memory=True)
         assert plan.fits == (peak <= cap) == (card >= peak + context), card

@@ -1,5 +1,6 @@
 """The guard on its own, with real tensors: when a divergence is reported, and what several ranks agree on
 (one all-reduce over real gloo processes)."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import torch
 
 from memtrain.monitor.metrics import MetricsLog
 from memtrain.recipe.schema import Recipe
-from memtrain.train.guard import DIVERGENCE_AFTER_STEPS, Guard
+from memtrain.train.step.guard import DIVERGENCE_AFTER_STEPS, Guard
 from tests.conftest import TINY_RECIPE
 
 
@@ -25,8 +26,9 @@ class Engine:
 
 def guard_for(tmp_path: Path, world_size: int = 1) -> tuple[Guard, Path]:
     path = tmp_path / "metrics.jsonl"
-    guard = Guard(Recipe.model_validate(TINY_RECIPE), MetricsLog(path, flush_every=1), world_size,
-                  torch.device("cpu"), tmp_path)
+    guard = Guard(
+        Recipe.model_validate(TINY_RECIPE), MetricsLog(path, flush_every=1), world_size, torch.device("cpu"), tmp_path
+    )
     return guard, path
 
 
@@ -74,8 +76,14 @@ def test_a_resumed_guard_warns_as_the_uninterrupted_one_does(tmp_path):
     feed(before, losses[:8])
     saved = json.loads(json.dumps(before.state_dict()))  # as state.json carries it
     path = tmp_path / "after" / "metrics.jsonl"
-    after = Guard(Recipe.model_validate(TINY_RECIPE), MetricsLog(path, flush_every=1), 1, torch.device("cpu"),
-                  tmp_path / "after", saved)
+    after = Guard(
+        Recipe.model_validate(TINY_RECIPE),
+        MetricsLog(path, flush_every=1),
+        1,
+        torch.device("cpu"),
+        tmp_path / "after",
+        saved,
+    )
     for step, loss in enumerate(losses[8:], start=9):
         after.after_step(step, torch.tensor(loss * 100), 100, Engine(), 0, None)
     whole.metrics.flush()
@@ -97,11 +105,16 @@ def _agree_on_two_ranks(rank: int, port: int, out: str) -> None:
         verdict = guard.after_step(1, shares[rank], targets, Engine(), 0, asked[rank])
         both = [None, signal.SIGINT]
         later = guard.after_step(2, shares[rank], targets, Engine(), 0, [signal.SIGTERM, signal.SIGINT][rank])
-        nan = guard.after_step(3, torch.tensor(math.nan) if rank == 1 else shares[0], targets, Engine(), 0,
-                               both[rank])
-        (Path(out) / f"rank{rank}.json").write_text(json.dumps({
-            "first": [verdict.stop, verdict.signum, float(verdict.loss), verdict.bad],
-            "both": [later.signum], "nan": [nan.bad, nan.signum]}))
+        nan = guard.after_step(3, torch.tensor(math.nan) if rank == 1 else shares[0], targets, Engine(), 0, both[rank])
+        (Path(out) / f"rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "first": [verdict.stop, verdict.signum, float(verdict.loss), verdict.bad],
+                    "both": [later.signum],
+                    "nan": [nan.bad, nan.signum],
+                }
+            )
+        )
     finally:
         dist.destroy_process_group()
 
@@ -111,7 +124,7 @@ def test_two_ranks_agree_on_the_stop_signal_and_log_the_global_batch_loss(tmp_pa
     the loss is the whole batch's mean, not rank 0's share."""
     import torch.multiprocessing as mp
 
-    from memtrain.train.distributed import free_port
+    from memtrain.train.runtime.distributed import free_port
 
     for rank in range(2):
         (tmp_path / f"rank{rank}").mkdir()

@@ -1,5 +1,6 @@
 """Two "nodes" on localhost: two `memtrain run … --nnodes 2 --node-rank 0|1` launchers, one process each,
 joined by torchrun's rendezvous over gloo, train the quickstart recipe (shrunk) as one process would."""
+
 from __future__ import annotations
 
 import signal
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from memtrain.train.checkpoint import complete_checkpoints
-from memtrain.train.distributed import free_port
+from memtrain.train.runtime.distributed import free_port
+from memtrain.train.state.checkpoint import complete_checkpoints
 from tests.conftest import read_records, train_losses
 from tests.train.test_run import clean_env, run
 
@@ -23,21 +24,52 @@ JOIN_TIMEOUT_S = 60
 
 def shrunk(tmp_path: Path, name: str, *extra: str) -> list[str]:
     """The quickstart with a micro model, short sequences and a few steps; global batch 8 either way."""
-    return ["model.preset=micro", "data.seq_len=32", "batch.global_batch=8", "batch.micro_batch=2",
-            "train.steps=6", "train.eval_every=100", "train.eval_batches=2", "train.save_every=2",
-            "schedule.warmup_steps=2", f"train.output_dir={tmp_path / 'runs' / name}",
-            f"data.cache_dir={tmp_path / 'cache'}", *extra]
+    return [
+        "model.preset=micro",
+        "data.seq_len=32",
+        "batch.global_batch=8",
+        "batch.micro_batch=2",
+        "train.steps=6",
+        "train.eval_every=100",
+        "train.eval_batches=2",
+        "train.save_every=2",
+        "schedule.warmup_steps=2",
+        f"train.output_dir={tmp_path / 'runs' / name}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        *extra,
+    ]
 
 
 def start_node(rank: int, port: int, overrides: list[str], timeout_s: int = JOIN_TIMEOUT_S) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "memtrain", "run", str(QUICKSTART), *overrides, "--nnodes", "2", "--node-rank",
-         str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), "--join-timeout", str(timeout_s)],
-        env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "memtrain",
+            "run",
+            str(QUICKSTART),
+            *overrides,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--join-timeout",
+            str(timeout_s),
+        ],
+        env=clean_env(OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
-def two_nodes(overrides: list[str], node1_overrides: list[str] | None = None,
-              timeout_s: int = JOIN_TIMEOUT_S) -> list[tuple[int, str]]:
+def two_nodes(
+    overrides: list[str], node1_overrides: list[str] | None = None, timeout_s: int = JOIN_TIMEOUT_S
+) -> list[tuple[int, str]]:
     port = free_port()
     nodes = [start_node(0, port, overrides, timeout_s), start_node(1, port, node1_overrides or overrides, timeout_s)]
     return [(node.wait(timeout=600), node.stdout.read()) for node in nodes]
@@ -138,9 +170,27 @@ def start_with_hostfile(tmp_path: Path, overrides: list[str]) -> subprocess.Pope
     hosts = tmp_path / "hostfile"
     hosts.write_text("# two 'machines' on this one\nlocalhost slots=1\n127.0.0.1 slots=1\n")
     return subprocess.Popen(
-        [sys.executable, "-m", "memtrain", "run", str(QUICKSTART), *overrides, "--hostfile", str(hosts),
-         "--remote-shell", str(remote_shell), "--master-port", str(free_port()), "--join-timeout", str(JOIN_TIMEOUT_S)],
-        env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "memtrain",
+            "run",
+            str(QUICKSTART),
+            *overrides,
+            "--hostfile",
+            str(hosts),
+            "--remote-shell",
+            str(remote_shell),
+            "--master-port",
+            str(free_port()),
+            "--join-timeout",
+            str(JOIN_TIMEOUT_S),
+        ],
+        env=clean_env(OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_one_command_with_a_hostfile_starts_both_nodes_and_trains_as_one_process(tmp_path):

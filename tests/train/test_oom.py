@@ -1,4 +1,5 @@
 """OOM helpers: recognising real OOM errors, freeing memory, snapshots on CPU, the test injector."""
+
 from __future__ import annotations
 
 import gc
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from memtrain.errors import UserError
-from memtrain.train.oom import (
+from memtrain.train.runtime.oom import (
     INJECT_ENV,
     OomInjector,
     dump_memory_snapshot,
@@ -153,7 +154,7 @@ def test_micro_batch_condition_waits_for_a_matching_size():
 
 
 def test_hooks_read_the_environment_once_and_default_to_nothing():
-    from memtrain.train.hooks import Hooks
+    from memtrain.train.step.hooks import Hooks
 
     injector = Hooks.from_env({INJECT_ENV: "1:2*2:mb==8"}).oom
     assert injector and drive(injector, [(1, 2, 4), (1, 2, 8), (1, 2, 8), (1, 2, 8)]) == [(1, 2, 8)] * 2
@@ -164,7 +165,7 @@ def test_hooks_read_the_environment_once_and_default_to_nothing():
 
 
 def test_only_the_named_rank_injects():
-    from memtrain.train.hooks import Hooks
+    from memtrain.train.step.hooks import Hooks
 
     spec = {INJECT_ENV: "0:0", "MEMTRAIN_INJECT_RANK": "1"}
     assert not Hooks.from_env({**spec, "RANK": "0"}).oom
@@ -182,8 +183,16 @@ def test_malformed_spec_is_a_user_error_naming_the_point(spec):
 def test_a_layer_point_arms_and_raises_from_inside_that_layer():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     entered = []
     for index, layer in enumerate(model.model.layers):
         layer.self_attn.register_forward_pre_hook(lambda m, a, index=index: entered.append(index))
@@ -202,6 +211,7 @@ def test_a_layer_point_arms_and_raises_from_inside_that_layer():
 def _checkpoint_as_torch_2_11_did(function, x):
     """torch.utils.checkpoint (non-reentrant) before 2.13: its saved-tensor hooks live in a generator
     that is only closed on success; when `function` raises, they stay installed until the frame dies."""
+
     def hooks_around_forward():
         with torch.autograd.graph.saved_tensors_hooks(lambda t: ("packed", t), lambda p: p[1]):
             yield
@@ -218,7 +228,7 @@ def _saved_tensor_hooks_installed() -> bool:
 
 
 def test_an_oom_inside_a_checkpointed_region_leaves_no_saved_tensor_hooks_behind():
-    from memtrain.train.step import OomDuringStep, _as_oom
+    from memtrain.train.step.micro_batches import OomDuringStep, _as_oom
 
     def forward_that_runs_out(x):
         raise torch.OutOfMemoryError("CUDA out of memory (test)")
@@ -235,8 +245,16 @@ def test_an_oom_inside_a_checkpointed_region_leaves_no_saved_tensor_hooks_behind
 def test_a_layer_point_beyond_the_model_is_a_user_error_naming_the_range():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     with pytest.raises(UserError) as caught:
         OomInjector.parse("1:0@layer3").attach(model)
     assert "3 decoder layers" in str(caught.value) and "@layer0 to @layer2" in str(caught.value)

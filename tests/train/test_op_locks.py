@@ -1,4 +1,5 @@
 """A lock file left by a killed op build is removed; one a live process holds is left alone."""
+
 from __future__ import annotations
 
 import os
@@ -8,8 +9,8 @@ import sys
 import pytest
 from torch.utils import cpp_extension
 
-from memtrain.train import op_locks
-from memtrain.train.op_locks import clear_stale_locks, stale_locks
+from memtrain.train.ops import locks as op_locks
+from memtrain.train.ops.locks import clear_stale_locks, stale_locks
 
 
 @pytest.fixture

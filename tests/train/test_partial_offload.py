@@ -5,6 +5,7 @@ moments its checkpoints leave out; memtrain saves and restores them beside DeepS
 CPU accelerator keeps every sub-group in host memory, so the test routes the first sub-group to that second
 optimizer after start-up (what `subgroup_to_device` says on a GPU): the same code paths, in host memory.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from memtrain.model.wrapper import TrainableLM
 from memtrain.recipe.schema import Precision
-from memtrain.train.checkpoint import LoopState, device_sub_group_states, load_checkpoint, save_checkpoint
+from memtrain.train.state.checkpoint import LoopState, device_sub_group_states, load_checkpoint, save_checkpoint
 from tests.model.test_support import one_torch_thread, shakespeare_batches, tiny_llama  # noqa: F401
 from tests.train.test_deepspeed_engine import single_process_group, step  # noqa: F401
 
@@ -20,10 +21,16 @@ deepspeed = pytest.importorskip("deepspeed")
 
 FP32 = Precision(compute="fp32", loss_chunk_tokens=16)
 CONFIG = {
-    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.0,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0}},
-    "zero_optimization": {"stage": 3, "sub_group_size": 20_000, "stage3_param_persistence_threshold": 0,
-                          "offload_optimizer": {"device": "cpu", "pin_memory": False, "ratio": 0.5}},
+    "zero_optimization": {
+        "stage": 3,
+        "sub_group_size": 20_000,
+        "stage3_param_persistence_threshold": 0,
+        "offload_optimizer": {"device": "cpu", "pin_memory": False, "ratio": 0.5},
+    },
 }
 
 
@@ -31,7 +38,7 @@ def hybrid_engine():
     eng, *_ = deepspeed.initialize(model=TrainableLM(tiny_llama(), FP32), config=CONFIG)
     zero = eng.optimizer
     assert len(zero.fp32_partitioned_groups_flat) >= 2 and zero.backup_optimizer is not None
-    zero.subgroup_to_device[0] = "device"   # updated by the backup optimizer from now on, as on a GPU
+    zero.subgroup_to_device[0] = "device"  # updated by the backup optimizer from now on, as on a GPU
     return eng
 
 

@@ -1,11 +1,12 @@
 """train.launch.prepare: what a run says about its data before any work."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 from memtrain.checks.load import load_checked
-from memtrain.train.hooks import Hooks
 from memtrain.train.launch import prepare
+from memtrain.train.step.hooks import Hooks
 from tests.train.test_chat_run import chat_recipe
 
 
@@ -45,5 +46,10 @@ def test_a_template_that_closes_no_turn_is_a_warning_of_the_run(write_recipe, tm
     extra["model"]["tokenizer"] = str(plain)
     extra["data"].update(template=None, add_special_tokens=False)
     prepared = prepare(load_checked(write_recipe("plain", extra), []), Hooks.from_env())
-    assert any(w.startswith("model.tokenizer: the tokenizer's chat_template (data.template is not set) writes no "
-                            "special token after an assistant's answer") for w in prepared.warnings), prepared.warnings
+    assert any(
+        w.startswith(
+            "model.tokenizer: the tokenizer's chat_template (data.template is not set) writes no "
+            "special token after an assistant's answer"
+        )
+        for w in prepared.warnings
+    ), prepared.warnings

@@ -1,4 +1,5 @@
 """The training bar keeps the step, its total and the ETA on a narrow console; the stats give way, cut with '…'."""
+
 from __future__ import annotations
 
 import io
@@ -7,10 +8,15 @@ import re
 import pytest
 from rich.console import Console
 
-from memtrain.train.progress import Progress
+from memtrain.train.progress_bar import Progress
 
-RECORD = {"loss": 8.245, "tokens_per_s": 12345.0, "gpu_peak_reserved_bytes": 20.1 * 2**30, "gpu_cap_bytes": 24 * 2**30,
-          "micro_batch": 8}
+RECORD = {
+    "loss": 8.245,
+    "tokens_per_s": 12345.0,
+    "gpu_peak_reserved_bytes": 20.1 * 2**30,
+    "gpu_cap_bytes": 24 * 2**30,
+    "micro_batch": 8,
+}
 
 
 def last_line(width: int, steps: int) -> str:

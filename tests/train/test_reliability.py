@@ -1,4 +1,5 @@
 """Runs that cannot be mixed, lost or silently wrong: end to end on DeepSpeed's CPU accelerator."""
+
 from __future__ import annotations
 
 import io
@@ -12,10 +13,10 @@ from typer.testing import CliRunner
 
 from memtrain.cli import app
 from memtrain.commands.run import run_command
-from memtrain.train.checkpoint import complete_checkpoints
-from memtrain.train.resume import UNCOMPARED_DATA_NOTE
-from memtrain.train.run import RUN_FILE, RunOptions
-from memtrain.train.schedule import lr_multiplier
+from memtrain.train.optim.schedule import lr_multiplier
+from memtrain.train.resolve import RUN_FILE, RunOptions
+from memtrain.train.state.checkpoint import complete_checkpoints
+from memtrain.train.state.resume import UNCOMPARED_DATA_NOTE
 from tests.conftest import read_records
 from tests.train.test_resume_data import conversations
 from tests.train.test_run import run_dir_of
@@ -79,8 +80,14 @@ def test_resume_refuses_changes_that_break_exactness_and_lists_them(write_recipe
     assert run(recipe, max_steps=6)[0] == 0
     refused = cli(recipe, "data.seq_len=64", "batch.global_batch=16", "train.seed=8", "model.lora.r=4")
     assert refused.exit_code == 2, refused.output
-    for change in ("data.seq_len", "32 → 64", "batch.global_batch", "8 → 16", "train.seed",
-                   'model.lora (unset) → {"r": 4, '):  # a section that was not set: one change (audit 21)
+    for change in (
+        "data.seq_len",
+        "32 → 64",
+        "batch.global_batch",
+        "8 → 16",
+        "train.seed",
+        'model.lora (unset) → {"r": 4, ',
+    ):  # a section that was not set: one change (audit 21)
         assert change in refused.output, change
     assert "train.output_dir" in refused.output and "--overwrite" in refused.output
     assert "Traceback" not in refused.output
@@ -118,11 +125,22 @@ def test_resume_refuses_data_whose_contents_changed_and_continues_once_it_is_put
     """The recipe names the same file before and after; only what is in it changed (audit 17, finding 3)."""
     data = tmp_path / "qa.jsonl"
     data.write_text(conversations(40))
-    recipe = write_recipe("data", {
-        "data": {"train": [{"path": str(data), "type": "chat"}], "validation": None, "template": "chatml",
-                 "add_special_tokens": True, "packing": False, "seq_len": 64, "cache_dir": str(tmp_path / "tokens")},
-        "batch": {"global_batch": 4, "micro_batch": 4},
-        "train": {"steps": 6, "save_every": 2, "eval_every": 100, "eval_generate": 2}})
+    recipe = write_recipe(
+        "data",
+        {
+            "data": {
+                "train": [{"path": str(data), "type": "chat"}],
+                "validation": None,
+                "template": "chatml",
+                "add_special_tokens": True,
+                "packing": False,
+                "seq_len": 64,
+                "cache_dir": str(tmp_path / "tokens"),
+            },
+            "batch": {"global_batch": 4, "micro_batch": 4},
+            "train": {"steps": 6, "save_every": 2, "eval_every": 100, "eval_generate": 2},
+        },
+    )
     assert run(recipe, max_steps=2)[0] == 0
     run_dir = run_dir_of(recipe)
     entries = sorted((tmp_path / "tokens").glob("*.tokens.npy"))
@@ -135,7 +153,9 @@ def test_resume_refuses_data_whose_contents_changed_and_continues_once_it_is_put
     assert "put back the data files" in output and "--no-resume --overwrite" in output
     assert "Traceback" not in output
     assert train_steps(run_dir) == [1, 2]  # nothing ran
-    assert sorted((tmp_path / "tokens").glob("*.tokens.npy")) == entries  # refused before tokenising it again (audit 20 F7)
+    assert (
+        sorted((tmp_path / "tokens").glob("*.tokens.npy")) == entries
+    )  # refused before tokenising it again (audit 20 F7)
 
     data.write_text(conversations(40))  # put back: resumes, and a new eval_generate is applied (finding 4)
     code, said = run(recipe, "train.eval_generate=0", max_steps=2)  # two more steps: to step 4
@@ -177,7 +197,11 @@ def test_one_nan_step_is_skipped_and_the_run_goes_on_finite(write_recipe, monkey
     assert [e["step"] for e in read_records(run_dir, "bad_step")] == [3]
     losses = {r["step"]: r["loss"] for r in read_records(run_dir, "train")}
     clean_losses = {r["step"]: r["loss"] for r in read_records(run_dir_of(clean), "train")}
-    assert losses[3] is None and losses[1] == pytest.approx(clean_losses[1]) and losses[2] == pytest.approx(clean_losses[2])
+    assert (
+        losses[3] is None
+        and losses[1] == pytest.approx(clean_losses[1])
+        and losses[2] == pytest.approx(clean_losses[2])
+    )
     assert all(losses[s] is not None for s in (4, 5, 6))  # the skipped update left the weights finite
     assert read_records(run_dir, "eval")[-1]["loss"] is not None
     assert [p.name for p in complete_checkpoints(run_dir)] == ["step-000004", "step-000006"]
@@ -191,10 +215,21 @@ def start_two_process_run(write_recipe, name: str):
 
     from tests.train.test_run import clean_env
 
-    recipe = write_recipe(name, {"hardware": {"gpus": 2}, "batch": {"global_batch": 8, "micro_batch": 2},
-                                 "train": {"steps": 2000, "save_every": 1000, "eval_every": 1000, "log_every": 1}})
-    proc = subprocess.Popen([sys.executable, "-m", "memtrain", "run", str(recipe)], env=clean_env(OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    recipe = write_recipe(
+        name,
+        {
+            "hardware": {"gpus": 2},
+            "batch": {"global_batch": 8, "micro_batch": 2},
+            "train": {"steps": 2000, "save_every": 1000, "eval_every": 1000, "log_every": 1},
+        },
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memtrain", "run", str(recipe)],
+        env=clean_env(OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics = run_dir_of(recipe) / "metrics.jsonl"
     deadline = time.time() + 400
     while time.time() < deadline and not (metrics.exists() and '"train"' in metrics.read_text()):
@@ -249,8 +284,13 @@ def test_a_stop_while_one_rank_trains_and_the_other_still_starts_ends_with_a_lin
 
     recipe = write_recipe("late-rank", {"hardware": {"gpus": 2}, "batch": {"global_batch": 8, "micro_batch": 2}})
     env = clean_env(OMP_NUM_THREADS="1", MEMTRAIN_INJECT_SLOW_START="600", MEMTRAIN_INJECT_RANK="1")
-    proc = subprocess.Popen([sys.executable, "-m", "memtrain", "run", str(recipe)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memtrain", "run", str(recipe)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics = run_dir_of(recipe) / "metrics.jsonl"
     deadline = time.time() + 400
     while time.time() < deadline and not (metrics.exists() and '"start"' in metrics.read_text()):  # rank 0's loop
@@ -282,7 +322,7 @@ def test_a_signal_during_start_up_ends_with_a_line_and_the_conventional_code(wri
     import signal
 
     from memtrain.commands import run as run_module
-    from memtrain.train.signals import Stopped
+    from memtrain.train.runtime.signals import Stopped
 
     recipe = write_recipe("startup")
 
@@ -303,8 +343,13 @@ def test_sigterm_while_the_engine_is_built_exits_143_without_a_traceback(write_r
     from tests.train.test_run import clean_env
 
     recipe = write_recipe("startup-term", {"train": {"steps": 400}})
-    proc = subprocess.Popen([sys.executable, "-m", "memtrain", "run", str(recipe)], env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memtrain", "run", str(recipe)],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and not run_dir_of(recipe).exists():  # setup has begun
         time.sleep(0.02)
@@ -327,7 +372,7 @@ def test_a_full_disk_removes_the_partial_save_flushes_the_metrics_and_says_so(wr
 
 
 def test_low_free_space_is_warned_about_before_a_save(write_recipe, monkeypatch):
-    from memtrain.train import storage
+    from memtrain.train.state import storage
 
     monkeypatch.setattr(storage, "free_bytes", lambda path: 1_000_000)  # 1 MB free: less than one checkpoint
     recipe = write_recipe("lowdisk", {"train": {"steps": 2, "save_every": 2, "eval_every": 100}})
@@ -353,8 +398,14 @@ def test_an_oom_in_evaluation_shrinks_the_eval_micro_batch_instead_of_ending_the
 
 def test_a_loss_that_blows_up_from_the_first_step_is_reported_as_diverged(write_recipe):
     """Audit 17c M1: with lr 0.9 the loss is far above step 1's from step 2 on; the grace steps hid it."""
-    recipe = write_recipe("blowup", {"optimizer": {"lr": 0.9}, "schedule": {"warmup_steps": 0},
-                                     "train": {"steps": 10, "save_every": 100, "eval_every": 100}})
+    recipe = write_recipe(
+        "blowup",
+        {
+            "optimizer": {"lr": 0.9},
+            "schedule": {"warmup_steps": 0},
+            "train": {"steps": 10, "save_every": 100, "eval_every": 100},
+        },
+    )
     code, said = run(recipe, save=False)
     assert code == 0, said
     run_dir = run_dir_of(recipe)
@@ -455,8 +506,15 @@ def test_an_export_that_cannot_write_ends_with_a_line_and_the_same_command_expor
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
 
-    done = subprocess.run([sys.executable, "-m", "memtrain", "run", str(recipe)], env=clean_env(), text=True,
-                          preexec_fn=small_files, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "memtrain", "run", str(recipe)],
+        env=clean_env(),
+        text=True,
+        preexec_fn=small_files,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=600,
+    )
     said = " ".join(done.stdout.split())
     assert done.returncode == 2, done.stdout[-3000:]
     assert "Traceback" not in done.stdout and "SafetensorError" not in done.stdout
@@ -481,12 +539,25 @@ def test_a_full_disk_with_two_processes_is_said_once_without_traceback_or_torchr
 
     from tests.train.test_run import clean_env
 
-    recipe = write_recipe(f"full-two-{ranks}", {"hardware": {"gpus": 2}, "batch": {"global_batch": 8, "micro_batch": 2},
-                                                "train": {"steps": 6, "save_every": 2, "eval_every": 100}})
-    env = clean_env(OMP_NUM_THREADS="1", MEMTRAIN_INJECT_ENOSPC="4", **({} if ranks == "every" else
-                                                                       {"MEMTRAIN_INJECT_RANK": ranks}))
-    done = subprocess.run([sys.executable, "-m", "memtrain", "run", str(recipe)], text=True, timeout=600, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    recipe = write_recipe(
+        f"full-two-{ranks}",
+        {
+            "hardware": {"gpus": 2},
+            "batch": {"global_batch": 8, "micro_batch": 2},
+            "train": {"steps": 6, "save_every": 2, "eval_every": 100},
+        },
+    )
+    env = clean_env(
+        OMP_NUM_THREADS="1", MEMTRAIN_INJECT_ENOSPC="4", **({} if ranks == "every" else {"MEMTRAIN_INJECT_RANK": ranks})
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "memtrain", "run", str(recipe)],
+        text=True,
+        timeout=600,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     assert done.returncode == 2, done.stdout[-3000:]
     assert done.stdout.count("no space left on") == 1, done.stdout[-3000:]
     assert "Traceback" not in done.stdout and "failed (exitcode" not in done.stdout, done.stdout[-3000:]

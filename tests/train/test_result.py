@@ -1,10 +1,11 @@
 """The line a run ends with says where its checkpoint is, and says nothing was saved when --no-save kept it from
 being written (it used to point at a checkpoint that did not exist)."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
-from memtrain.train.result import RunResult
+from memtrain.train.runtime.result import RunResult
 
 
 def test_a_stopped_or_interrupted_run_points_at_its_checkpoint():
@@ -21,6 +22,10 @@ def test_under_no_save_it_says_nothing_was_saved():
 
 
 def test_a_finished_run_counts_its_steps_in_words():
-    assert RunResult("done", 1, Path("/runs/a"), saved=False).summary() == "trained 1 step; metrics in /runs/a (--no-save)"
-    assert RunResult("done", 2, Path("/runs/a"), exported=Path("/runs/a/final")).summary() == \
-        "trained 2 steps; model in /runs/a/final"
+    assert (
+        RunResult("done", 1, Path("/runs/a"), saved=False).summary() == "trained 1 step; metrics in /runs/a (--no-save)"
+    )
+    assert (
+        RunResult("done", 2, Path("/runs/a"), exported=Path("/runs/a/final")).summary()
+        == "trained 2 steps; model in /runs/a/final"
+    )

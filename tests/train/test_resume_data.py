@@ -1,4 +1,5 @@
 """Resume compares the data as built, not only the recipe that names it (fast: no training, real data built)."""
+
 from __future__ import annotations
 
 import json
@@ -6,20 +7,31 @@ from pathlib import Path
 
 import pytest
 
-from memtrain.data.identity import data_files, data_fingerprint
+from memtrain.data.rows.identity import data_files, data_fingerprint
 from memtrain.errors import UserError
 from memtrain.recipe.schema import Recipe
-from memtrain.train.checkpoint import STATE_FILE, checkpoint_root
-from memtrain.train.resume import (UNCOMPARED_DATA_NOTE, check_resume, differences, recipe_json,
-                                   refuse_changed_files)
-from memtrain.train.run import RUN_FILE, ResolvedRun, RunOptions
+from memtrain.train.resolve import RUN_FILE, ResolvedRun, RunOptions
 from memtrain.train.setup import build_data
+from memtrain.train.state.checkpoint import STATE_FILE, checkpoint_root
+from memtrain.train.state.resume import (
+    UNCOMPARED_DATA_NOTE,
+    check_resume,
+    differences,
+    recipe_json,
+    refuse_changed_files,
+)
 
 
 def conversations(n: int, answer_of_first: str = "2") -> str:
-    records = [{"messages": [{"role": "user", "content": f"What is {i} plus 1?"},
-                             {"role": "assistant", "content": answer_of_first if i == 1 else str(i + 1)}]}
-               for i in range(n)]
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {i} plus 1?"},
+                {"role": "assistant", "content": answer_of_first if i == 1 else str(i + 1)},
+            ]
+        }
+        for i in range(n)
+    ]
     return "".join(json.dumps(r) + "\n" for r in records)
 
 
@@ -29,22 +41,41 @@ def chat_recipe(tmp_path: Path, validation: bool = False, **train) -> Recipe:
     for name, records in files.items():
         if not (tmp_path / name).exists():
             (tmp_path / name).write_text(conversations(records))
-    data = {"train": [{"path": str(tmp_path / "train.jsonl"), "type": "chat"}], "template": "chatml",
-            "seq_len": 64, "add_special_tokens": True, "cache_dir": str(tmp_path / "cache")}
+    data = {
+        "train": [{"path": str(tmp_path / "train.jsonl"), "type": "chat"}],
+        "template": "chatml",
+        "seq_len": 64,
+        "add_special_tokens": True,
+        "cache_dir": str(tmp_path / "cache"),
+    }
     if validation:
         data["validation"] = [{"path": str(tmp_path / "val.jsonl"), "type": "chat"}]
-    return Recipe.model_validate({"model": {"preset": "micro", "tokenizer": "builtin:shakespeare"}, "data": data,
-                                  "batch": {"global_batch": 4, "micro_batch": 4},
-                                  "train": {"steps": 6, "output_dir": str(tmp_path / "run"), **train}})
+    return Recipe.model_validate(
+        {
+            "model": {"preset": "micro", "tokenizer": "builtin:shakespeare"},
+            "data": data,
+            "batch": {"global_batch": 4, "micro_batch": 4},
+            "train": {"steps": 6, "output_dir": str(tmp_path / "run"), **train},
+        }
+    )
 
 
 def resolved(recipe: Recipe) -> ResolvedRun:
     """The run as `prepare` resolves it, with the fingerprint of the data built now (the planner left out)."""
     data = build_data(recipe)
-    return ResolvedRun(name="run", recipe=recipe, run_dir=Path(recipe.train.output_dir), recipe_micro_batch=4,
-                       micro_batch=4, total_steps=recipe.train.steps, exact_pinned=True, plan_peak_reserved_bytes=None,
-                       planner_prior=None, data_fingerprint=data_fingerprint(recipe.data, data.train_set, data.val_set),
-                       data_files=data_files(recipe.data))
+    return ResolvedRun(
+        name="run",
+        recipe=recipe,
+        run_dir=Path(recipe.train.output_dir),
+        recipe_micro_batch=4,
+        micro_batch=4,
+        total_steps=recipe.train.steps,
+        exact_pinned=True,
+        plan_peak_reserved_bytes=None,
+        planner_prior=None,
+        data_fingerprint=data_fingerprint(recipe.data, data.train_set, data.val_set),
+        data_files=data_files(recipe.data),
+    )
 
 
 def trained(run: ResolvedRun, step: int = 3) -> None:
@@ -127,9 +158,13 @@ def test_the_seed_stays_refused_beside_an_eval_generate_change():
 def test_the_text_path_fingerprints_its_windows_and_a_changed_text_file_differs(tmp_path):
     text = tmp_path / "plays.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 40)
-    recipe = Recipe.model_validate({"model": {"preset": "micro", "tokenizer": "builtin:shakespeare"},
-                                    "data": {"train": str(text), "seq_len": 16, "cache_dir": str(tmp_path / "cache")},
-                                    "batch": {"global_batch": 4, "micro_batch": 4}})
+    recipe = Recipe.model_validate(
+        {
+            "model": {"preset": "micro", "tokenizer": "builtin:shakespeare"},
+            "data": {"train": str(text), "seq_len": 16, "cache_dir": str(tmp_path / "cache")},
+            "batch": {"global_batch": 4, "micro_batch": 4},
+        }
+    )
     before = resolved(recipe).data_fingerprint
     assert before is not None and list(before) == ["data.train"]  # the validation tail is data.train's
     assert resolved(recipe).data_fingerprint == before
@@ -181,5 +216,7 @@ def test_a_path_recorded_as_typed_resumes_as_the_same_file(tmp_path, monkeypatch
     recorded["data"]["train"][0]["path"] = "other.jsonl"  # another file: a change, as before
     (checkpoint / STATE_FILE).write_text(json.dumps({"step": 3, "recipe": recorded}))
     said = refusal(run)
-    assert said.startswith(f'data.train.0.path: changed since the checkpoint: data.train.0.path "{tmp_path}/other.jsonl" '
-                           f'→ "{tmp_path}/train.jsonl"')
+    assert said.startswith(
+        f'data.train.0.path: changed since the checkpoint: data.train.0.path "{tmp_path}/other.jsonl" '
+        f'→ "{tmp_path}/train.jsonl"'
+    )

@@ -1,4 +1,5 @@
 """`memtrain run` end to end on DeepSpeed's CPU accelerator with a real tiny Llama and real text."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,9 @@ import pytest
 import torch
 
 from memtrain.commands.run import run_command
-from memtrain.train.distributed import without_rank_variables
-from memtrain.train.run import RunOptions
-from memtrain.train.preflight import cpu_fp16_supported
+from memtrain.train.resolve import RunOptions
+from memtrain.train.runtime.distributed import without_rank_variables
+from memtrain.train.runtime.preflight import cpu_fp16_supported
 from tests.conftest import read_records, train_losses
 
 pytestmark = pytest.mark.slow
@@ -44,8 +45,18 @@ def test_quickstart_recipe_validation_perplexity_falls(tmp_path):
     """The shipped quickstart itself (shortened): real Shakespeare, the builtin tokenizer, the tiny preset."""
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
     run_dir = tmp_path / "quickstart"
-    assert run(recipe, "train.steps=60", "train.eval_every=20", "schedule.warmup_steps=10",
-               f"train.output_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}", save=False) == 0
+    assert (
+        run(
+            recipe,
+            "train.steps=60",
+            "train.eval_every=20",
+            "schedule.warmup_steps=10",
+            f"train.output_dir={run_dir}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            save=False,
+        )
+        == 0
+    )
     perplexities = [e["perplexity"] for e in read_records(run_dir, "eval")]
     assert len(perplexities) == 3
     assert perplexities[0] > perplexities[1] > perplexities[2]
@@ -87,9 +98,13 @@ def test_training_lowers_the_loss_and_exports_a_model_that_generates(write_recip
 
 @pytest.mark.skipif(not cpu_fp16_supported(), reason="DeepSpeed's CPU accelerator has no fp16 on this CPU")
 def test_fp16_records_the_loss_scale_and_skipped_steps(write_recipe):
-    recipe = write_recipe("fp16", {"precision": {"compute": "fp16", "loss_scale": {"initial_scale_power": 30,
-                                                                                     "hysteresis": 1}},
-                                   "train": {"steps": 6, "eval_every": 100, "save_every": 100}})
+    recipe = write_recipe(
+        "fp16",
+        {
+            "precision": {"compute": "fp16", "loss_scale": {"initial_scale_power": 30, "hysteresis": 1}},
+            "train": {"steps": 6, "eval_every": 100, "save_every": 100},
+        },
+    )
     assert run(recipe, save=False) == 0
     records = read_records(run_dir_of(recipe), "train")
     scales = [r["loss_scale"] for r in records]
@@ -123,15 +138,20 @@ def test_checkpoints_are_atomic_and_pruned(write_recipe):
     assert sorted(p.name for p in root.iterdir()) == ["step-000006", "step-000009"]
     # a save killed half-way leaves a .tmp- directory that resume ignores
     (root / ".tmp-step-000012").mkdir()
-    from memtrain.train.checkpoint import latest_checkpoint
+    from memtrain.train.state.checkpoint import latest_checkpoint
 
     assert latest_checkpoint(run_dir_of(recipe)).name == "step-000009"
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(write_recipe, tmp_path):
     recipe = write_recipe("term", {"train": {"steps": 400, "save_every": 1000, "eval_every": 1000}})
-    proc = subprocess.Popen([sys.executable, "-m", "memtrain", "run", str(recipe)], env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memtrain", "run", str(recipe)],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics = run_dir_of(recipe) / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics.exists() and '"train"' in metrics.read_text()):
@@ -142,17 +162,28 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(write_recipe, tmp_path):
     assert "Traceback" not in output
     ends = [r for r in read_records(run_dir_of(recipe), "run") if r.get("event") == "end"]
     assert ends[-1]["status"] == "interrupted"
-    from memtrain.train.checkpoint import latest_checkpoint
+    from memtrain.train.state.checkpoint import latest_checkpoint
 
     saved = latest_checkpoint(run_dir_of(recipe))
     assert saved is not None and int(saved.name.split("-")[1]) == ends[-1]["step"]
 
 
 def test_lora_trains_only_adapters_and_exports_an_adapter(write_recipe):
-    recipe = write_recipe("lora", {"model": {"lora": {"r": 4, "alpha": 8, "dropout": 0.0,
-                                                      "target_modules": ["q_proj", "v_proj", "gate_proj", "down_proj"]}},
-                                   "optimizer": {"lr": 3.0e-2},
-                                   "train": {"steps": 20, "eval_every": 100}})
+    recipe = write_recipe(
+        "lora",
+        {
+            "model": {
+                "lora": {
+                    "r": 4,
+                    "alpha": 8,
+                    "dropout": 0.0,
+                    "target_modules": ["q_proj", "v_proj", "gate_proj", "down_proj"],
+                }
+            },
+            "optimizer": {"lr": 3.0e-2},
+            "train": {"steps": 20, "eval_every": 100},
+        },
+    )
     assert run(recipe) == 0
     final = run_dir_of(recipe) / "final"
     assert (final / "adapter_config.json").is_file()
@@ -173,12 +204,20 @@ def test_lora_trains_only_adapters_and_exports_an_adapter(write_recipe):
 
 
 def test_two_processes_match_one_process_with_twice_the_accumulation(write_recipe):
-    common = {"offload": {"optimizer": "cpu"}, "batch": {"global_batch": 8, "micro_batch": 2},
-              "train": {"steps": 6, "eval_every": 100, "save_every": 100}}
+    common = {
+        "offload": {"optimizer": "cpu"},
+        "batch": {"global_batch": 8, "micro_batch": 2},
+        "train": {"steps": 6, "eval_every": 100, "save_every": 100},
+    }
     two = write_recipe("two", {**common, "hardware": {"gpus": 2}})
     one = write_recipe("one", {**common, "hardware": {"gpus": 1}})
-    result = subprocess.run([sys.executable, "-m", "memtrain", "run", str(two)], capture_output=True, text=True,
-                            timeout=900, env=clean_env(OMP_NUM_THREADS="1"))
+    result = subprocess.run(
+        [sys.executable, "-m", "memtrain", "run", str(two)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=clean_env(OMP_NUM_THREADS="1"),
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert run(one) == 0
     a, b = train_losses(run_dir_of(one)), train_losses(run_dir_of(two))
@@ -197,8 +236,10 @@ def _libaio_available() -> bool:
     return Path("/usr/include/libaio.h").exists()
 
 
-@pytest.mark.skipif(not _libaio_available() and not os.environ.get("MEMTRAIN_REQUIRE_NVME"),
-                    reason="the NVMe tier needs libaio-dev (apt-get install libaio-dev); CI installs it")
+@pytest.mark.skipif(
+    not _libaio_available() and not os.environ.get("MEMTRAIN_REQUIRE_NVME"),
+    reason="the NVMe tier needs libaio-dev (apt-get install libaio-dev); CI installs it",
+)
 def test_nvme_tier_swaps_under_the_given_path(write_recipe, tmp_path):
     """Parameters and optimizer states both go through NVMe swap files.
 
@@ -209,16 +250,29 @@ def test_nvme_tier_swaps_under_the_given_path(write_recipe, tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     model_dir = tmp_path / "llama-512"
-    AutoModelForCausalLM.from_config(LlamaConfig(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=8, vocab_size=4096, max_position_embeddings=256)).save_pretrained(model_dir)
+    AutoModelForCausalLM.from_config(
+        LlamaConfig(
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            vocab_size=4096,
+            max_position_embeddings=256,
+        )
+    ).save_pretrained(model_dir)
     nvme = tmp_path / "nvme"
-    recipe = write_recipe("nvme", {"model": {"preset": None, "path": str(model_dir)},
-                                   "hardware": {"nvme_path": str(nvme)},
-                                   "offload": {"optimizer": "nvme", "params": "nvme"},
-                                   "checkpointing": {"strategy": "every_layer"},
-                                   "batch": {"global_batch": 4, "micro_batch": 2},
-                                   "train": {"steps": 3, "eval_every": 100, "save_every": 100}})
+    recipe = write_recipe(
+        "nvme",
+        {
+            "model": {"preset": None, "path": str(model_dir)},
+            "hardware": {"nvme_path": str(nvme)},
+            "offload": {"optimizer": "nvme", "params": "nvme"},
+            "checkpointing": {"strategy": "every_layer"},
+            "batch": {"global_batch": 4, "micro_batch": 2},
+            "train": {"steps": 3, "eval_every": 100, "save_every": 100},
+        },
+    )
     assert run(recipe) == 0
     swapped = [p for p in nvme.rglob("*.swp") if p.is_file()]
     params = [p for p in swapped if "params" in p.parent.parent.name]
@@ -273,8 +327,10 @@ def assert_same_samples_and_losses(clean, faulty, steps: int, global_batch: int)
 
 
 def test_injected_ooms_lose_no_sample_and_keep_the_math(write_recipe, tmp_path, monkeypatch):
-    extra = {"batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
-             "train": {"steps": 6, "eval_every": 100, "save_every": 100}}
+    extra = {
+        "batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
+        "train": {"steps": 6, "eval_every": 100, "save_every": 100},
+    }
     clean, faulty = clean_and_faulty(write_recipe, tmp_path, monkeypatch, extra, "MEMTRAIN_INJECT_OOM", "1:0,3:1")
     assert_same_samples_and_losses(clean, faulty, steps=6, global_batch=8)
     assert [o["step"] for o in read_records(faulty[1], "oom")] == [1, 3]
@@ -285,10 +341,14 @@ def test_an_oom_inside_a_checkpointed_layer_is_retried_exactly(write_recipe, tmp
     """The OOM comes from inside a recomputed decoder layer's forward, so a checkpointed region is left
     open when it unwinds (on torch < 2.13 with its saved-tensor hooks still installed); the retry
     must neither save into it nor keep its tensors: same samples and losses as a clean run."""
-    extra = {"batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"}, "checkpointing": strategy,
-             "train": {"steps": 4, "eval_every": 100, "save_every": 100}}
-    clean, faulty = clean_and_faulty(write_recipe, tmp_path, monkeypatch, extra, "MEMTRAIN_INJECT_OOM",
-                                     "1:0@layer0,2:1@layer1")
+    extra = {
+        "batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
+        "checkpointing": strategy,
+        "train": {"steps": 4, "eval_every": 100, "save_every": 100},
+    }
+    clean, faulty = clean_and_faulty(
+        write_recipe, tmp_path, monkeypatch, extra, "MEMTRAIN_INJECT_OOM", "1:0@layer0,2:1@layer1"
+    )
     assert_same_samples_and_losses(clean, faulty, steps=4, global_batch=8)
     assert [o["step"] for o in read_records(faulty[1], "oom")] == [1, 2]
 
@@ -297,9 +357,11 @@ def test_an_oom_inside_a_checkpointed_layer_is_retried_exactly(write_recipe, tmp
 def test_an_oom_in_backward_loses_no_sample_and_keeps_the_math(write_recipe, tmp_path, monkeypatch, stage):
     """ZeRO-3 drops the step's partial gradients in place; ZeRO-2 cannot, so it saves the last
     completed step and restarts from it with the smaller micro-batch."""
-    extra = {"batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
-             "offload": {"zero_stage": stage},
-             "train": {"steps": 5, "eval_every": 100, "save_every": 100}}
+    extra = {
+        "batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
+        "offload": {"zero_stage": stage},
+        "train": {"steps": 5, "eval_every": 100, "save_every": 100},
+    }
     clean, faulty = clean_and_faulty(write_recipe, tmp_path, monkeypatch, extra, "MEMTRAIN_INJECT_OOM_BACKWARD", "2:1")
     assert_same_samples_and_losses(clean, faulty, steps=5, global_batch=8)
     run_dir = faulty[1]
@@ -312,8 +374,11 @@ def test_an_oom_in_backward_loses_no_sample_and_keeps_the_math(write_recipe, tmp
 def test_ranks_recover_together_from_an_oom_on_one_rank(write_recipe, tmp_path, monkeypatch):
     """Two processes; only rank 1 runs out of memory. Both skip that backward, shrink alike and
     retry, so their gradient reductions stay paired: same samples and losses as a clean run."""
-    extra = {"hardware": {"gpus": 2}, "batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
-             "train": {"steps": 4, "eval_every": 100, "save_every": 100}}
+    extra = {
+        "hardware": {"gpus": 2},
+        "batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
+        "train": {"steps": 4, "eval_every": 100, "save_every": 100},
+    }
     monkeypatch.setenv("MEMTRAIN_INJECT_RANK", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     clean, faulty = clean_and_faulty(write_recipe, tmp_path, monkeypatch, extra, "MEMTRAIN_INJECT_OOM", "1:0")
@@ -335,33 +400,47 @@ def test_ranks_recover_together_from_an_oom_on_one_rank(write_recipe, tmp_path, 
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_an_oom_in_one_ranks_backward_restarts_every_process_from_the_last_checkpoint(write_recipe, tmp_path,
-                                                                                       monkeypatch, capfd, stage):
+def test_an_oom_in_one_ranks_backward_restarts_every_process_from_the_last_checkpoint(
+    write_recipe, tmp_path, monkeypatch, capfd, stage
+):
     """Two processes; rank 1 alone runs out of memory in the backward of step 3, where rank 0 waits for it in a
     gradient reduction. Under ZeRO-2 it hung there until gloo's timeout (10 minutes, measured); under ZeRO-3 rank 1
     retried in place while rank 0 still waited. Now rank 1 leaves a note and ends; every process starts
     again from the checkpoint of step 2 at a smaller micro-batch (the same on both ranks), and the run trains the
     samples and losses of a clean run, with one line said and no traceback."""
-    from memtrain.train.restart_note import NOTE_FILE
+    from memtrain.train.state.restart_note import NOTE_FILE
 
-    extra = {"hardware": {"gpus": 2}, "batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
-             "offload": {"zero_stage": stage}, "train": {"steps": 4, "eval_every": 100, "save_every": 2}}
+    extra = {
+        "hardware": {"gpus": 2},
+        "batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
+        "offload": {"zero_stage": stage},
+        "train": {"steps": 4, "eval_every": 100, "save_every": 2},
+    }
     monkeypatch.setenv("MEMTRAIN_INJECT_RANK", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    clean, faulty = clean_and_faulty(write_recipe, tmp_path, monkeypatch, extra, "MEMTRAIN_INJECT_OOM_BACKWARD",
-                                     "2:0:mb>=4")
+    clean, faulty = clean_and_faulty(
+        write_recipe, tmp_path, monkeypatch, extra, "MEMTRAIN_INJECT_OOM_BACKWARD", "2:0:mb>=4"
+    )
     said = " ".join(capfd.readouterr().err.split())
     assert_same_samples_and_losses(clean, faulty, steps=4, global_batch=8)
     run_dir = faulty[1]
-    assert [(o["step"], o["rank"], o["in_backward"], o["restarted_from"]) for o in read_records(run_dir, "oom")] == \
-        [(2, 1, True, 2)]
+    assert [(o["step"], o["rank"], o["in_backward"], o["restarted_from"]) for o in read_records(run_dir, "oom")] == [
+        (2, 1, True, 2)
+    ]
     assert [r["micro_batch"] for r in read_records(run_dir, "train")] == [4, 4, 2, 2]
-    line = ("out of memory in backward at step 3 on rank 1 (micro-batch 4); the other processes wait for it in "
-            "their gradient reduction, so it cannot be retried in place: every process starts again from step 2, "
-            "its last checkpoint, at micro-batch 2")
+    line = (
+        "out of memory in backward at step 3 on rank 1 (micro-batch 4); the other processes wait for it in "
+        "their gradient reduction, so it cannot be retried in place: every process starts again from step 2, "
+        "its last checkpoint, at micro-batch 2"
+    )
     assert said.count(line) == 1, said[-3000:]
-    assert said.count("· starting at micro-batch 2: rank 1 ran out of memory in the backward of step 3 at micro-batch "
-                      "4 (oom-restart.json in the run directory, until the next checkpoint)") == 1, said[-3000:]
+    assert (
+        said.count(
+            "· starting at micro-batch 2: rank 1 ran out of memory in the backward of step 3 at micro-batch "
+            "4 (oom-restart.json in the run directory, until the next checkpoint)"
+        )
+        == 1
+    ), said[-3000:]
     assert "Traceback" not in said and "exitcode" not in said, said[-3000:]
     assert not (run_dir / NOTE_FILE).exists()  # spent by the checkpoint of step 4
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -369,13 +448,20 @@ def test_an_oom_in_one_ranks_backward_restarts_every_process_from_the_last_check
     assert records[resumed + 1]["kind"] == "oom" and records[resumed + 2]["kind"] == "batch"  # after the resume record
 
 
-def test_an_oom_in_one_ranks_backward_at_the_smallest_size_ends_both_ranks_with_one_line(write_recipe, monkeypatch,
-                                                                                          capfd):
+def test_an_oom_in_one_ranks_backward_at_the_smallest_size_ends_both_ranks_with_one_line(
+    write_recipe, monkeypatch, capfd
+):
     """Audit 19 F3, F4: rank 1 stopped with its problem said (exit 2) and rank 0, whose collective broke, added a gloo
     traceback and no end record, so `report` said "running or killed". Rank 0 now ends quietly with the same code and
     records how the run ended."""
-    recipe = write_recipe("smallest-two", {"hardware": {"gpus": 2}, "batch": {"global_batch": 4, "micro_batch": 1},
-                                           "train": {"steps": 4, "eval_every": 100, "save_every": 1}})
+    recipe = write_recipe(
+        "smallest-two",
+        {
+            "hardware": {"gpus": 2},
+            "batch": {"global_batch": 4, "micro_batch": 1},
+            "train": {"steps": 4, "eval_every": 100, "save_every": 1},
+        },
+    )
     monkeypatch.setenv("MEMTRAIN_INJECT_OOM_BACKWARD", "2:0")
     monkeypatch.setenv("MEMTRAIN_INJECT_RANK", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -393,12 +479,16 @@ def test_max_steps_stops_at_the_same_step_through_an_oom_restart(write_recipe, m
     """Audit 19 F2: each attempt counted --max-steps from where it resumed, so a run asked for 3 steps whose
     backward ran out of memory in step 3 stopped at step 5, saying "as asked". One process saves the step before
     and starts again there; two start again from the last checkpoint (step 2)."""
-    from memtrain.train.checkpoint import complete_checkpoints
+    from memtrain.train.state.checkpoint import complete_checkpoints
 
-    recipe = write_recipe(f"max-steps-{gpus}", {"hardware": {"gpus": gpus},
-                                                "batch": {"global_batch": 8, "micro_batch": 4 // gpus,
-                                                          "policy": "adaptive"},
-                                                "train": {"steps": 8, "eval_every": 100, "save_every": 2}})
+    recipe = write_recipe(
+        f"max-steps-{gpus}",
+        {
+            "hardware": {"gpus": gpus},
+            "batch": {"global_batch": 8, "micro_batch": 4 // gpus, "policy": "adaptive"},
+            "train": {"steps": 8, "eval_every": 100, "save_every": 2},
+        },
+    )
     monkeypatch.setenv("MEMTRAIN_INJECT_OOM_BACKWARD", f"2:0:mb>={4 // gpus}")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     if gpus == 2:
@@ -411,13 +501,19 @@ def test_max_steps_stops_at_the_same_step_through_an_oom_restart(write_recipe, m
 
 
 def test_repeated_ooms_at_the_smallest_size_stop_with_a_checkpoint_and_advice(write_recipe, monkeypatch):
-    recipe = write_recipe("giveup", {"batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
-                                     "train": {"steps": 5, "eval_every": 100, "save_every": 100}})
+    recipe = write_recipe(
+        "giveup",
+        {
+            "batch": {"global_batch": 8, "micro_batch": 4, "policy": "adaptive"},
+            "train": {"steps": 5, "eval_every": 100, "save_every": 100},
+        },
+    )
     monkeypatch.setenv("MEMTRAIN_INJECT_OOM", "2:0*20")  # step 3 never fits, at any size
     from typer.testing import CliRunner
 
     from memtrain.cli import app
-    from memtrain.train.checkpoint import latest_checkpoint
+    from memtrain.train.state.checkpoint import latest_checkpoint
+
     result = CliRunner().invoke(app, ["run", str(recipe)])
     assert result.exit_code == 2, result.output
     assert "memtrain plan" in result.output and "Traceback" not in result.output
@@ -435,6 +531,7 @@ def test_a_layer_injection_point_beyond_the_model_is_refused_before_the_run_dir_
     from typer.testing import CliRunner
 
     from memtrain.cli import app
+
     result = CliRunner().invoke(app, ["run", str(recipe)])
     assert result.exit_code == 2, result.output
     assert "@layer0 to @layer1" in result.output and "Traceback" not in result.output
@@ -442,8 +539,15 @@ def test_a_layer_injection_point_beyond_the_model_is_refused_before_the_run_dir_
 
 
 def test_a_host_too_small_for_the_offloaded_states_is_refused_before_any_work(write_recipe):
-    recipe = write_recipe("tinyhost", {"model": {"preset": "llama2-7b"}, "offload": {"optimizer": "cpu", "params": "cpu"},
-                                       "hardware": {"host_memory": "16GiB"}, "precision": {"compute": "bf16"}})
+    recipe = write_recipe(
+        "tinyhost",
+        {
+            "model": {"preset": "llama2-7b"},
+            "offload": {"optimizer": "cpu", "params": "cpu"},
+            "hardware": {"host_memory": "16GiB"},
+            "precision": {"compute": "bf16"},
+        },
+    )
     from typer.testing import CliRunner
 
     from memtrain.cli import app
@@ -468,8 +572,14 @@ def test_checkpointing_auto_trains_with_the_layers_the_planner_chose(write_recip
         return plan.peak_reserved_high_bytes + plan.cuda_context
 
     card_bytes = (required_high(0) + required_high(1)) // 2
-    recipe = write_recipe("auto", {"checkpointing": {"strategy": "auto"}, "hardware": {"gpu": str(card_bytes)},
-                                   "train": {"steps": 3, "eval_every": 100, "save_every": 100}})
+    recipe = write_recipe(
+        "auto",
+        {
+            "checkpointing": {"strategy": "auto"},
+            "hardware": {"gpu": str(card_bytes)},
+            "train": {"steps": 3, "eval_every": 100, "save_every": 100},
+        },
+    )
     assert run(recipe, save=False) == 0
     recorded = json.loads((run_dir_of(recipe) / "recipe.json").read_text())["checkpointing"]
     assert (recorded["strategy"], recorded["first_n_layers"]) == ("first_n_layers", 1)
@@ -502,4 +612,3 @@ def test_bad_input_fails_before_any_work_with_nothing_written(write_recipe, tmp_
     assert "line 2" in result.output and "text" in result.output
     assert "Traceback" not in result.output
     assert not run_dir_of(recipe).exists()
-

@@ -1,9 +1,10 @@
 """The launcher hands its options to torchrun's workers as flags: one owner writes and reads them."""
+
 from __future__ import annotations
 
 import pytest
 
-from memtrain.train.run import RunOptions
+from memtrain.train.resolve import RunOptions
 from memtrain.train.worker import parse_options
 
 

@@ -1,5 +1,6 @@
 """A run directory belongs to one run, trained by one process at a time; resume compares the recipe with the
 checkpoint's (unit tests)."""
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,10 @@ from typer.testing import CliRunner
 
 from memtrain.cli import app
 from memtrain.errors import UserError
-from memtrain.train.checkpoint import STATE_FILE, remove_leftovers
-from memtrain.train.resume import differences
-from memtrain.train.run import RunOptions
-from memtrain.train.rundir import LOCK_FILE, RunDirLock, claim_run_dir, start_metrics
+from memtrain.train.resolve import RunOptions
+from memtrain.train.state.checkpoint import STATE_FILE, remove_leftovers
+from memtrain.train.state.resume import differences
+from memtrain.train.state.rundir import LOCK_FILE, RunDirLock, claim_run_dir, start_metrics
 
 
 def fake_checkpoint(run_dir: Path, step: int) -> Path:
@@ -56,8 +57,11 @@ def test_overwrite_moves_the_whole_old_run_aside(tmp_path):
 
 
 def test_metrics_keep_one_history_per_directory(tmp_path):
-    records = [{"kind": "run", "step": 0, "event": "start"}] + \
-        [{"kind": "train", "step": s, "loss": 1.0} for s in range(1, 8)] + [{"kind": "checkpoint", "step": 5}]
+    records = (
+        [{"kind": "run", "step": 0, "event": "start"}]
+        + [{"kind": "train", "step": s, "loss": 1.0} for s in range(1, 8)]
+        + [{"kind": "checkpoint", "step": 5}]
+    )
     path = write_metrics(tmp_path, records, torn=True)
     assert start_metrics(tmp_path, 5) == 3  # steps 6 and 7 are redone by the resumed run; the torn line goes too
     kept = [json.loads(line) for line in path.read_text().splitlines()]
@@ -105,9 +109,14 @@ def test_what_a_killed_export_left_is_removed_at_start_up_and_nothing_else(tmp_p
 
 
 def test_recipe_changes_are_split_into_breaking_and_safe():
-    old = {"model": {"preset": "micro", "lora": None}, "data": {"seq_len": 32, "cache_dir": "a"},
-           "batch": {"global_batch": 8, "micro_batch": 4}, "optimizer": {"name": "adamw", "lr": 0.003},
-           "precision": {"compute": "fp32"}, "train": {"seed": 7, "steps": 10, "eval_every": 5}}
+    old = {
+        "model": {"preset": "micro", "lora": None},
+        "data": {"seq_len": 32, "cache_dir": "a"},
+        "batch": {"global_batch": 8, "micro_batch": 4},
+        "optimizer": {"name": "adamw", "lr": 0.003},
+        "precision": {"compute": "fp32"},
+        "train": {"seed": 7, "steps": 10, "eval_every": 5},
+    }
     new = json.loads(json.dumps(old))
     new["data"].update(seq_len=64, cache_dir="b")
     new["model"]["lora"] = {"r": 4}
@@ -116,18 +125,33 @@ def test_recipe_changes_are_split_into_breaking_and_safe():
     new["precision"]["compute"] = "bf16"
     new["train"].update(seed=8, steps=20, eval_every=2)
     breaking, safe = differences(old, new)
-    assert [c.key for c in breaking] == ["batch.global_batch", "data.seq_len", "model.lora",
-                                         "optimizer.name", "precision.compute", "train.seed"]
+    assert [c.key for c in breaking] == [
+        "batch.global_batch",
+        "data.seq_len",
+        "model.lora",
+        "optimizer.name",
+        "precision.compute",
+        "train.seed",
+    ]
     assert str(breaking[2]) == 'model.lora (unset) → {"r": 4}'  # one change, not one per field (audit 21)
-    assert [c.key for c in safe] == ["batch.micro_batch", "data.cache_dir", "optimizer.lr", "train.eval_every",
-                                     "train.steps"]
+    assert [c.key for c in safe] == [
+        "batch.micro_batch",
+        "data.cache_dir",
+        "optimizer.lr",
+        "train.eval_every",
+        "train.steps",
+    ]
     assert str(safe[2]) == "optimizer.lr 0.003 → 0.001"
 
 
 def test_a_list_of_datasets_is_compared_item_by_item():
     """Audit 21: a changed data path was said as the whole list of dataset specs, one JSON line."""
-    old = {"data": {"train": [{"path": "a.jsonl", "type": "chat"}, {"path": "b.jsonl", "type": "chat"}],
-                    "validation": None}}
+    old = {
+        "data": {
+            "train": [{"path": "a.jsonl", "type": "chat"}, {"path": "b.jsonl", "type": "chat"}],
+            "validation": None,
+        }
+    }
     new = json.loads(json.dumps(old))
     new["data"]["train"][1]["path"] = "c.jsonl"
     [change], [] = differences(old, new)
@@ -139,9 +163,16 @@ def test_a_list_of_datasets_is_compared_item_by_item():
 
 def _hold_in_another_process(run_dir: Path) -> subprocess.Popen:
     """A process holding `run_dir` as a running `memtrain run` does, until it is killed."""
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom memtrain.train.rundir import RunDirLock\n"
-                               f"held = RunDirLock({str(run_dir)!r}).acquire()\nprint('held', flush=True)\ntime.sleep(120)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom memtrain.train.state.rundir import RunDirLock\n"
+            f"held = RunDirLock({str(run_dir)!r}).acquire()\nprint('held', flush=True)\ntime.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
     return holder
 
@@ -175,8 +206,15 @@ def test_overwrite_takes_the_new_directory_and_leaves_the_lock_behind(tmp_path):
         [moved] = tmp_path.glob("run.previous-*")
         assert not (moved / LOCK_FILE).exists() and (moved / "checkpoints").is_dir()
         assert (run_dir / LOCK_FILE).is_file()  # the new directory is held
-        refused = subprocess.run([sys.executable, "-c", "from memtrain.train.rundir import RunDirLock\n"
-                                  f"RunDirLock({str(run_dir)!r}).acquire()"], capture_output=True, text=True)
+        refused = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"from memtrain.train.state.rundir import RunDirLock\nRunDirLock({str(run_dir)!r}).acquire()",
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert refused.returncode != 0 and "is in use" in refused.stderr
 
 
@@ -208,6 +246,7 @@ def test_running_a_finished_run_again_does_nothing_and_says_where_its_model_is(w
 
 def test_a_run_directory_that_cannot_be_created_says_why_at_its_key(tmp_path, monkeypatch):
     """As files.cannot_create says it for every output (this machine runs as root: permission is simulated)."""
+
     def refused(self, *args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
@@ -216,34 +255,44 @@ def test_a_run_directory_that_cannot_be_created_says_why_at_its_key(tmp_path, mo
         RunDirLock(tmp_path / "run").acquire()
     [problem] = raised.value.problems
     assert problem.key == "train.output_dir"
-    assert problem.message == f"cannot create '{tmp_path / 'run' / LOCK_FILE}': no permission to create files in '{tmp_path}'"
+    assert (
+        problem.message
+        == f"cannot create '{tmp_path / 'run' / LOCK_FILE}': no permission to create files in '{tmp_path}'"
+    )
 
 
 def test_the_validation_set_does_not_depend_on_the_card_the_auto_micro_batch_is_sized_for():
     """batch.micro_batch 'auto' (the default) is sized for the card, so counting train.eval_batches in micro-batches
     of that size made two cards evaluate different validation sets; they count batches of 4 samples instead."""
     from memtrain.recipe.load import load_recipe
-    from memtrain.train.run import resolve_run
+    from memtrain.train.resolve import resolve_run
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "tinyllama-1.1b-full-offload-24gb.yaml"
-    runs = {gpu: resolve_run(load_recipe(recipe, [f"hardware.gpu={gpu}"]).recipe, "r", Path("/tmp/unused"), 10_000,
-                             exact_pinned=True) for gpu in ("rtx3090", "6GiB")}
+    runs = {
+        gpu: resolve_run(
+            load_recipe(recipe, [f"hardware.gpu={gpu}"]).recipe, "r", Path("/tmp/unused"), 10_000, exact_pinned=True
+        )
+        for gpu in ("rtx3090", "6GiB")
+    }
     assert runs["rtx3090"].micro_batch == 16 and runs["6GiB"].micro_batch < 16  # the planner sized them apart
     assert runs["rtx3090"].eval_samples == runs["6GiB"].eval_samples == 8 * 4
-    fixed = resolve_run(load_recipe(recipe, ["batch.micro_batch=2"]).recipe, "r", Path("/tmp/unused"), 10_000,
-                        exact_pinned=True)
+    fixed = resolve_run(
+        load_recipe(recipe, ["batch.micro_batch=2"]).recipe, "r", Path("/tmp/unused"), 10_000, exact_pinned=True
+    )
     assert fixed.eval_samples == 8 * 2  # a recipe that names its micro-batch counts in it, as before
 
 
 def test_a_run_says_the_micro_batch_auto_chose_and_why(tmp_path):
     """Audit 19 F10: with the default 'auto' nothing said which micro-batch the run trains at."""
     from memtrain.checks.load import load_checked
-    from memtrain.train.hooks import Hooks
     from memtrain.train.launch import prepare
+    from memtrain.train.step.hooks import Hooks
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
     auto = prepare(load_checked(recipe, ["batch.micro_batch=auto", f"data.cache_dir={tmp_path}"]), Hooks())
-    assert ("micro-batch 16 (batch.micro_batch auto: the largest that divides the 16 samples per GPU and step and "
-            "fits rtx3090; 1 micro-batch per step)") in auto.notes
+    assert (
+        "micro-batch 16 (batch.micro_batch auto: the largest that divides the 16 samples per GPU and step and "
+        "fits rtx3090; 1 micro-batch per step)"
+    ) in auto.notes
     fixed = prepare(load_checked(recipe, [f"data.cache_dir={tmp_path}"]), Hooks())
     assert not [note for note in fixed.notes if "batch.micro_batch auto" in note]

@@ -1,4 +1,5 @@
 """The LR schedule: warmup from the first update, decay to the floor, and DeepSpeed applies it."""
+
 from __future__ import annotations
 
 import math
@@ -8,8 +9,8 @@ import torch
 
 from memtrain.errors import UserError
 from memtrain.recipe.schema import Recipe, Schedule
-from memtrain.train.run import total_steps
-from memtrain.train.schedule import lr_multiplier, lr_scheduler_factory
+from memtrain.train.optim.schedule import lr_multiplier, lr_scheduler_factory
+from memtrain.train.resolve import total_steps
 
 
 @pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
@@ -59,13 +60,20 @@ def test_the_factory_drives_a_torch_optimizer_and_survives_a_state_dict_round_tr
 def test_a_warmup_longer_than_an_epochs_run_is_refused_as_with_steps():
     """Audit 21: `train.steps=2` with 20 warmup steps is refused by the recipe's rules, but with train.epochs the
     warmup was cut to the run's 7 steps and the decay never came, without a word."""
-    recipe = Recipe.model_validate({"model": {"preset": "tiny"}, "data": {"train": "builtin:shakespeare"},
-                                    "batch": {"global_batch": 8, "micro_batch": 8},
-                                    "schedule": {"warmup_steps": 20}, "train": {"epochs": 1}})
+    recipe = Recipe.model_validate(
+        {
+            "model": {"preset": "tiny"},
+            "data": {"train": "builtin:shakespeare"},
+            "batch": {"global_batch": 8, "micro_batch": 8},
+            "schedule": {"warmup_steps": 20},
+            "train": {"epochs": 1},
+        }
+    )
     assert total_steps(recipe, 160) == 20  # warmup as long as the run: allowed, as with train.steps
     with pytest.raises(UserError) as refused:
         total_steps(recipe, 56)
     [problem] = refused.value.problems
     assert problem.key == "schedule.warmup_steps" and problem.hint == "use at most 7 warmup steps"
-    assert problem.message == ("warmup of 20 steps is longer than the whole run (7 steps: train.epochs 1 of 56 "
-                               "samples in batches of 8)")
+    assert problem.message == (
+        "warmup of 20 steps is longer than the whole run (7 steps: train.epochs 1 of 56 samples in batches of 8)"
+    )

@@ -1,6 +1,7 @@
 """torchrun's own log lines around memtrain's (a broken exit barrier after a finished run is not a traceback, its
 lines about workers' ends are left out), and stops that come at awkward moments: while a worker imports, inside a
 finaliser, or to a run that finishes anyway."""
+
 from __future__ import annotations
 
 import io
@@ -8,7 +9,7 @@ import logging
 
 import pytest
 
-from memtrain.train.signals import EXIT_BARRIER_LOGGER, QuietExitBarrier
+from memtrain.train.runtime.signals import EXIT_BARRIER_LOGGER, QuietExitBarrier
 from tests.test_main import INTERRUPT_ONCE_TORCH_LOADS
 
 
@@ -33,8 +34,10 @@ def test_a_broken_exit_barrier_after_a_finished_run_is_one_warning_line_not_a_tr
         api.logger.removeFilter(quiet)
         api.logger.removeHandler(handler)
     lines = out.getvalue().splitlines()
-    assert lines == ["WARNING the nodes' exit barrier broke (node 0 left first); every worker had finished, so "
-                     "nothing is lost", "ERROR Some other error 7"], lines
+    assert lines == [
+        "WARNING the nodes' exit barrier broke (node 0 left first); every worker had finished, so nothing is lost",
+        "ERROR Some other error 7",
+    ], lines
 
 
 def test_a_launcher_that_forwarded_a_signal_to_a_run_that_finished_anyway_exits_0():
@@ -45,9 +48,13 @@ def test_a_launcher_that_forwarded_a_signal_to_a_run_that_finished_anyway_exits_
     import threading
     import time
 
-    from memtrain.train.signals import run_forwarding_signals
+    from memtrain.train.runtime.signals import run_forwarding_signals
 
-    finishes = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(3)"]
+    finishes = [
+        sys.executable,
+        "-c",
+        "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(3)",
+    ]
     threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     started = time.time()
     assert run_forwarding_signals(finishes, dict(os.environ)) == 0
@@ -59,7 +66,7 @@ def test_a_launcher_that_forwarded_a_signal_to_a_run_that_finished_anyway_exits_
 
 SWALLOWED_STOP = """
 import os, signal, sys, time
-import memtrain.train.hooks as hooks
+import memtrain.train.step.hooks as hooks
 
 class Finaliser:
     def __del__(self):  # Ctrl-C lands while a finaliser runs: the handler's exception is printed and lost
@@ -89,19 +96,31 @@ def test_a_stop_whose_exception_a_finaliser_swallowed_still_stops_the_run(tmp_pa
     from tests.train.test_run import clean_env
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
-    done = subprocess.run([sys.executable, "-c", SWALLOWED_STOP, str(recipe), str(tmp_path / "run")], text=True,
-                          env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", SWALLOWED_STOP, str(recipe), str(tmp_path / "run")],
+        text=True,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=600,
+    )
     assert done.returncode == 130, done.stdout[-3000:]
-    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line).get("kind") == "train"]
+    steps = [
+        json.loads(line)["step"]
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line).get("kind") == "train"
+    ]
     assert steps == [1], done.stdout[-3000:]
     assert "interrupted at step 1" in done.stdout
 
 
-INTERRUPT_WORKER_IMPORTS = INTERRUPT_ONCE_TORCH_LOADS + """
+INTERRUPT_WORKER_IMPORTS = (
+    INTERRUPT_ONCE_TORCH_LOADS
+    + """
 sys.argv = ["memtrain.train.worker", "no-such-run.json"]
 runpy.run_module("memtrain.train.worker", run_name="__main__")
 """
+)
 
 
 def test_ctrl_c_while_a_worker_imports_is_one_line_not_a_traceback():
@@ -119,7 +138,7 @@ def test_torchruns_lines_about_its_workers_ends_are_left_out_and_others_kept():
     from torch.distributed.elastic.agent.server import api as agent
     from torch.distributed.elastic.multiprocessing import api as workers
 
-    from memtrain.train.signals import WORKERS_LOGGER, QuietWorkerEnds
+    from memtrain.train.runtime.signals import WORKERS_LOGGER, QuietWorkerEnds
 
     assert workers.logger.name == WORKERS_LOGGER
     out = io.StringIO()
@@ -146,12 +165,16 @@ def test_ctrl_c_as_torchrun_starts_ends_with_130_and_no_traceback():
     (seen on the CPU with the signal 8 s into a two-process start). python_command ends such a start with 130."""
     import subprocess
 
-    from memtrain.train.signals import python_command
+    from memtrain.train.runtime.signals import python_command
     from tests.test_main import INTERRUPT_ONCE_TORCH_LOADS
 
-    executable, unbuffered, flag, code = python_command("memtrain.train.signals")
-    done = subprocess.run([executable, unbuffered, flag, INTERRUPT_ONCE_TORCH_LOADS + code, "--nproc_per_node=1",
-                           "--no-python", "true"], capture_output=True, text=True, timeout=300)
+    executable, unbuffered, flag, code = python_command("memtrain.train.runtime.signals")
+    done = subprocess.run(
+        [executable, unbuffered, flag, INTERRUPT_ONCE_TORCH_LOADS + code, "--nproc_per_node=1", "--no-python", "true"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 130, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
@@ -159,15 +182,18 @@ def test_ctrl_c_as_torchrun_starts_ends_with_130_and_no_traceback():
 def test_the_launcher_says_the_stop_when_no_worker_could(tmp_path):
     import signal
 
-    from memtrain.train.signals import say_once, unsaid_stop_line
+    from memtrain.train.runtime.signals import say_once, unsaid_stop_line
 
     said = tmp_path / "said"
     said.mkdir()
-    assert unsaid_stop_line(said, 130) == ("■ stopped by Ctrl-C before the run could save; the run directory keeps its "
-                                           "last complete checkpoint, if any — run the same command to resume")
+    assert unsaid_stop_line(said, 130) == (
+        "■ stopped by Ctrl-C before the run could save; the run directory keeps its "
+        "last complete checkpoint, if any — run the same command to resume"
+    )
     assert unsaid_stop_line(said, 128 + signal.SIGTERM).startswith("■ stopped by SIGTERM before the run could save")
     assert [unsaid_stop_line(said, code) for code in (0, 1, 2, 75)] == [None] * 4
     import os
+
     os.environ["MEMTRAIN_SAID_DIR"] = str(said)
     try:
         assert say_once(["■ interrupted at step 3; checkpoint in runs/x/checkpoints"])  # rank 0 said how it ended

@@ -4,6 +4,7 @@ The hooks' arithmetic is proven against one ordinary optimizer step on a real ti
 several steps with a changing learning rate, and after a save and load); the whole memtrain path, DeepSpeed
 included, against an ordinary run of the same recipe (same losses), and its resume against a straight run.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,8 +14,8 @@ import torch
 
 from memtrain.commands.run import run_command
 from memtrain.recipe.load import load_recipe
-from memtrain.train.in_backward import StepInBackward
-from memtrain.train.run import RunOptions
+from memtrain.train.optim.in_backward import StepInBackward
+from memtrain.train.resolve import RunOptions
 from tests.conftest import read_records, train_losses
 from tests.model.test_support import shakespeare_batches, tiny_llama
 
@@ -109,9 +110,12 @@ def test_a_state_of_another_model_is_refused():
 
 # --- the recipe path, DeepSpeed included ------------------------------------------------------------
 
-IN_BACKWARD = {"optimizer": {"lr": 3.0e-3, "grad_clip": 0.0, "step_in_backward": True},
-               "batch": {"global_batch": 8, "micro_batch": 8}, "offload": {"zero_stage": 0},
-               "train": {"steps": 8, "save_every": 4, "eval_every": 100}}
+IN_BACKWARD = {
+    "optimizer": {"lr": 3.0e-3, "grad_clip": 0.0, "step_in_backward": True},
+    "batch": {"global_batch": 8, "micro_batch": 8},
+    "offload": {"zero_stage": 0},
+    "train": {"steps": 8, "save_every": 4, "eval_every": 100},
+}
 
 
 def _run(path: Path, **options) -> int:
@@ -152,8 +156,8 @@ def test_a_checkpoint_of_this_mode_loads_on_the_host(process_group, write_recipe
     7B resume ran out of memory so on a 24 GiB card): memtrain loads them on the host, memory-mapped (read whole,
     the 7B resume took 40.2 GiB of host memory), and copies them in."""
     from memtrain.ds_config.compiler import ds_config
-    from memtrain.train.checkpoint import LoopState, load_checkpoint, save_checkpoint
     from memtrain.train.setup import build_engine, build_policy_model
+    from memtrain.train.state.checkpoint import LoopState, load_checkpoint, save_checkpoint
 
     recipe = load_recipe(write_recipe("host-load", IN_BACKWARD)).recipe
     config = ds_config(recipe, micro_batch=8)
@@ -198,8 +202,11 @@ def test_a_run_stepping_in_backward_matches_an_ordinary_run(write_recipe):
 def test_bf16_stepping_in_backward_trains_and_resumes_exactly(write_recipe, name):
     """bf16 weights updated in place (bitsandbytes runs the paged optimizer unpaged on the CPU); a run
     stopped half-way and resumed gives the straight run's losses."""
-    recipe = {**IN_BACKWARD, "precision": {"compute": "bf16", "master": "bf16"},
-              "optimizer": {**IN_BACKWARD["optimizer"], "name": name}}
+    recipe = {
+        **IN_BACKWARD,
+        "precision": {"compute": "bf16", "master": "bf16"},
+        "optimizer": {**IN_BACKWARD["optimizer"], "name": name},
+    }
     straight, halves = write_recipe(f"straight-{name}", recipe), write_recipe(f"halves-{name}", recipe)
     assert _run(straight) == 0
     assert _run(halves, max_steps=4) == 0 and _run(halves) == 0

@@ -1,0 +1,234 @@
+"""Which samples each step sees (a resumable shuffled order) and getting them onto the device ahead of time.
+
+Length bucketing (recipe data.group_by_length; on by default when rows are not packed): the rows of one
+epoch, in their seeded shuffle, are taken a mega-batch of BUCKET_STEPS optimizer steps at a time, sorted
+by length within it and cut into step-sized groups, and those groups are shuffled. Every step (and so every
+micro-batch cut from it) then holds rows of similar length, and the loader cuts each micro-batch to its
+longest row (`batch_width`) instead of seq_len: padding that is never computed. It is the idea of
+Hugging Face's group_by_length; the order stays a pure function of (seed, epoch, lengths), so a resumed
+run sees the same rows in the same micro-batches.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from memtrain.recipe.schema import Data
+
+# Steps whose rows are sorted together: larger gives groups of more alike lengths, smaller keeps more of the
+# shuffle in which rows meet in a step (Hugging Face's group_by_length sorts 50 batches at a time).
+BUCKET_STEPS = 50
+# A cut micro-batch is as wide as its longest row rounded up to this: tensor-core friendly, and at most
+# seq_len / 8 distinct shapes for the caching allocator and compiled layers.
+WIDTH_MULTIPLE_TOKENS = 8
+# Mixed into the seed for the shuffle of the groups, independent of the other seeded streams.
+BUCKET_STREAM = 0x62756B
+
+
+def batch_width(lengths: np.ndarray, seq_len: int) -> int:
+    """Token positions a micro-batch of rows with these real lengths is cut to (rows are right-padded)."""
+    longest = int(np.max(lengths)) if len(lengths) else 1
+    return min(seq_len, -(-longest // WIDTH_MULTIPLE_TOKENS) * WIDTH_MULTIPLE_TOKENS)
+
+
+class SampleOrder:
+    """Maps a global sample cursor (samples consumed since the run began, over all epochs) to dataset indices.
+
+    Each epoch is a fresh permutation from (seed, epoch); deterministic, so a resumed run sees the same
+    samples in the same order. With `lengths` (one per sample) the epoch is length-bucketed in groups of
+    `group` samples, one optimizer step's (module doc): still every sample once per epoch.
+    """
+
+    def __init__(
+        self,
+        n_samples: int,
+        seed: int,
+        lengths: np.ndarray | None = None,
+        group: int = 1,
+        bucket_steps: int = BUCKET_STEPS,
+    ):
+        if n_samples < 1:
+            raise ValueError(f"n_samples must be at least 1, got {n_samples}")
+        if lengths is not None and len(lengths) != n_samples:
+            raise ValueError(f"lengths has {len(lengths)} entries for {n_samples} samples")
+        if group < 1 or bucket_steps < 1:
+            raise ValueError(f"group ({group}) and bucket_steps ({bucket_steps}) must be >= 1")
+        self.n_samples = n_samples
+        self.seed = seed
+        self.lengths = None if lengths is None else np.asarray(lengths, dtype=np.int64)
+        self.group = group
+        self.bucket_steps = bucket_steps
+        self._bucketed: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def epoch_of(self, cursor: int) -> int:
+        """The epoch (from 0) that sample number `cursor` belongs to."""
+        if cursor < 0:
+            raise ValueError(f"cursor must be >= 0, got {cursor}")
+        return cursor // self.n_samples
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Dataset indices in the order epoch `epoch` visits them."""
+        shuffled = _permutation(self.n_samples, self.seed, epoch)
+        if self.lengths is None:
+            return shuffled
+        if epoch not in self._bucketed:
+            self._bucketed[epoch] = self._bucket(shuffled, epoch)
+            while len(self._bucketed) > 2:  # the loop reads at most two epochs at a time
+                self._bucketed.popitem(last=False)
+        return self._bucketed[epoch]
+
+    def _bucket(self, shuffled: np.ndarray, epoch: int) -> np.ndarray:
+        """The epoch's shuffle, sorted by length within mega-batches and cut into step groups, groups shuffled.
+
+        Groups are aligned with the run's steps: when epochs do not hold a whole number of steps, the epoch
+        starts with the rest of a step begun in the previous one. Only full groups are shuffled; a last,
+        partial group stays last, so the groups after it keep their alignment.
+        """
+        lengths, group = self.lengths, self.group
+        rng = np.random.default_rng([self.seed, epoch, BUCKET_STREAM])
+        head = (-epoch * self.n_samples) % group  # samples that complete a step begun in the previous epoch
+        pieces = [_longest_first(shuffled[:head], lengths)]
+        mega = group * self.bucket_steps
+        for begin in range(head, self.n_samples, mega):
+            chunk = _longest_first(shuffled[begin : begin + mega], lengths)
+            full = len(chunk) // group
+            groups = chunk[: full * group].reshape(full, group)
+            pieces += [groups[rng.permutation(full)].reshape(-1), chunk[full * group :]]
+        order = np.concatenate(pieces)
+        order.flags.writeable = False
+        return order
+
+    def indices(self, start: int, count: int) -> list[int]:
+        """Dataset indices of samples start .. start+count-1 of the run; may span epoch boundaries."""
+        if start < 0 or count < 0:
+            raise ValueError(f"start and count must be >= 0, got {start}, {count}")
+        out: list[int] = []
+        cursor, end = start, start + count
+        while cursor < end:
+            epoch, offset = divmod(cursor, self.n_samples)
+            take = min(end - cursor, self.n_samples - offset)
+            out.extend(self.permutation(epoch)[offset : offset + take].tolist())
+            cursor += take
+        return out
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(n_samples: int, seed: int, epoch: int) -> np.ndarray:
+    # SeedSequence([seed, epoch]) gives independent, platform-stable streams per epoch.
+    order = np.random.default_rng([seed, epoch]).permutation(n_samples)
+    order.flags.writeable = False  # shared through the cache
+    return order
+
+
+def _longest_first(indices: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    return indices[np.argsort(-lengths[indices], kind="stable")]
+
+
+def sample_order(data: Data, train_set, seed: int, global_batch: int) -> SampleOrder:
+    """The training order of a run: bucketed by the rows' lengths when the recipe groups by length."""
+    if not data.groups_by_length:
+        return SampleOrder(len(train_set), seed)
+    return SampleOrder(len(train_set), seed, lengths=train_set.lengths, group=global_batch)
+
+
+def token_slots(
+    order: SampleOrder, dataset, global_batch: int, per_rank_batch: int, micro_batch: int, trim: bool, steps: int
+) -> int:
+    """Token positions the first `steps` optimizer steps compute, over all ranks: rows × width per micro-batch
+    (the width `batch_width` when micro-batches are cut, else seq_len); the planner prices padding with it."""
+    slots = 0
+    for step in range(steps):
+        samples = order.indices(step * global_batch, global_batch)
+        for rank_start in range(0, global_batch, per_rank_batch):
+            mine = samples[rank_start : rank_start + per_rank_batch]
+            for start in range(0, len(mine), micro_batch):
+                rows = mine[start : start + micro_batch]
+                width = batch_width(dataset.lengths[rows], dataset.seq_len) if trim else dataset.seq_len
+                slots += len(rows) * width
+    return slots
+
+
+def collate(dataset, indices: list[int], trim: bool = False) -> dict[str, torch.Tensor]:
+    """Stack dataset[i] for i in `indices` into one batch: each key becomes a [len(indices), ...] tensor.
+
+    `trim`: cut the batch to `batch_width` of its rows' lengths (`dataset.lengths`, `dataset.seq_len`); rows
+    are right-padded and labels are -100 on padding, so the loss is the same, on fewer positions.
+    """
+    items = [dataset[i] for i in indices]
+    batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+    if trim:
+        width = batch_width(dataset.lengths[np.asarray(indices, dtype=np.int64)], dataset.seq_len)
+        batch = {key: tensor[:, :width] for key, tensor in batch.items()}
+    return batch
+
+
+class BatchLoader:
+    """Collates dataset items into micro-batches on the training device with a background prefetch.
+
+    On CUDA: pinned host tensors and non-blocking copies; on CPU: plain tensors. The background thread
+    only builds host tensors; the copy to the device is issued in `get`, on the caller's stream, so it
+    is ordered with the compute that uses it. `prefetch` is how many micro-batches may load ahead of
+    `get` (0: every batch loads inside `get`); either call order, prefetch(next) then get(current) or
+    get(current) then prefetch(next), finds its batch ready. `trim`: batches are cut to their longest row
+    (see `collate`).
+    """
+
+    def __init__(self, dataset, device: torch.device, prefetch: int = 2, trim: bool = False):
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        self.dataset = dataset
+        self.trim = trim
+        self.device = torch.device(device)
+        self.max_pending = prefetch
+        self._pin = self.device.type == "cuda"
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-prefetch")
+        self._pending: OrderedDict[tuple[int, ...], Future] = OrderedDict()
+
+    def prefetch(self, indices: list[int]) -> None:
+        """Start loading this micro-batch in a background thread (no-op when prefetch is 0 or already queued)."""
+        key = tuple(indices)
+        if self.max_pending == 0 or key in self._pending:
+            return
+        self._pending[key] = self._pool.submit(self._host_batch, key)
+        # `prefetch` batches ahead plus the one a caller queued just before asking for it; beyond that the
+        # oldest goes first, so batches never asked for (the micro-batch size changed) do not pile up.
+        while len(self._pending) > self.max_pending + 1:
+            _, stale = self._pending.popitem(last=False)
+            stale.cancel()
+
+    def get(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The micro-batch for `indices` on the device: the prefetched one if queued, else loaded now."""
+        key = tuple(indices)
+        if key in self._pending:
+            # Batches queued before this one were skipped and will not be asked for.
+            while (oldest := next(iter(self._pending))) != key:
+                self._pending.pop(oldest).cancel()
+        future = self._pending.pop(key, None)
+        batch = future.result() if future is not None else self._host_batch(key)
+        if self.device.type == "cpu":
+            return batch
+        return {name: tensor.to(self.device, non_blocking=self._pin) for name, tensor in batch.items()}
+
+    def close(self) -> None:
+        """Drop queued batches and stop the background thread."""
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> BatchLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _host_batch(self, key: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        batch = collate(self.dataset, list(key), self.trim)
+        if self._pin:
+            batch = {name: tensor.pin_memory() for name, tensor in batch.items()}
+        return batch

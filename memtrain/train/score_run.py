@@ -1,0 +1,199 @@
+"""A finished run scored again: held-out loss and exact match of greedy answers, from RUN_DIR alone.
+
+    result = evaluate_run(run_dir, limit=100, keep_samples=5)
+
+The model is RUN_DIR/final (a whole Hugging Face model, or a PEFT adapter on the run's model.path), the
+tokenizer the one saved beside it, the recipe RUN_DIR/run.json's (recipe.json where there is none). The loss is
+the run's own evaluation (memtrain.train.eval.validation_loss.evaluate) over the same validation samples; exact match is
+memtrain.train.eval.generation over the recipe's held-out conversations. Text-only data has no answers: the
+result then has a loss and a note saying why there is no exact match.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from memtrain.data.rows.dataset import build_validation
+from memtrain.data.rows.identity import TRAIN_KEY, VALIDATION_KEY, data_files
+from memtrain.data.rows.loader import BatchLoader
+from memtrain.data.rows.prompts import has_answers, held_out_prompts
+from memtrain.dtypes import DTYPES
+from memtrain.errors import Problem, UserError
+from memtrain.model.final_dir import base_model_dir, final_model_dir, run_recipe
+from memtrain.model.merge import load_base
+from memtrain.model.peft_quiet import peft_quietly
+from memtrain.model.wrapper import TrainableLM
+from memtrain.monitor.perplexity import perplexity
+from memtrain.recipe.schema import Recipe
+from memtrain.train.eval.generation import (
+    SAMPLES_KEPT,
+    GenerationScore,
+    generation_eval,
+    stop_token_ids,
+)
+from memtrain.train.eval.validation_loss import evaluate
+from memtrain.train.resolve import RUN_FILE, ResolvedRun, eval_batch_samples
+from memtrain.train.runtime.distributed import Place
+from memtrain.train.state.resume import named_files, recorded_data_files
+
+TEXT_ONLY_NOTE = (
+    "the run's held-out data is text, which has no answers to check: exact match needs completion, "
+    "instruction or chat data; the loss is reported alone"
+)
+
+
+@dataclass(frozen=True)
+class RunEvaluation:
+    run_dir: Path
+    loss: float
+    validation_rows: int  # the rows of seq_len tokens the loss is over (packed: several samples each)
+    validation_target_tokens: int  # the positions the loss is the mean over
+    generation: GenerationScore | None  # None for text-only data (see note)
+    note: str | None = None
+
+    @property
+    def perplexity(self) -> float | None:
+        """exp(loss); None (JSON null) past the cap of monitor/perplexity.py, where the loss alone says it."""
+        return perplexity(self.loss)
+
+    def as_json(self) -> dict:
+        """loss, perplexity, validation rows and target tokens, exact_match, correct, total, skipped, by_task,
+        samples, note: the same keys for every run (the generation's are null for text-only data)."""
+        out = {
+            "run_dir": str(self.run_dir),
+            "loss": self.loss,
+            "perplexity": self.perplexity,
+            "validation_rows": self.validation_rows,
+            "validation_target_tokens": self.validation_target_tokens,
+            "exact_match": None,
+            "correct": None,
+            "total": None,
+            "skipped": None,
+            "by_task": None,
+            "samples": [],
+            "note": self.note,
+        }
+        if self.generation is not None:
+            out.update(self.generation.as_record())
+        return out
+
+
+def evaluate_run(
+    run_dir: Path,
+    *,
+    limit: int | None = None,
+    keep_samples: int = SAMPLES_KEPT,
+    device: torch.device | None = None,
+    on_answers: Callable[[int, int], None] | None = None,
+) -> RunEvaluation:
+    """Score RUN_DIR's final model (module doc). `limit`: held-out conversations to generate for (None: all).
+    on_answers(answered, all): after each batch of greedy answers, for a progress bar.
+
+    Raises UserError for a missing run directory, a run without a final model, an unreadable recipe, or a
+    LoRA run whose base weights cannot be found.
+    """
+    run_dir = Path(run_dir)
+    final = final_model_dir(run_dir)
+    recipe, eval_samples, micro_batch = _run_settings(run_dir)
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # bf16 matmuls are slow on a CPU, and scoring needs no memory saving there
+    dtype = DTYPES[recipe.precision.compute] if device.type == "cuda" else torch.float32
+    _refuse_changed_held_out(run_dir, recipe)
+    tokenizer = _tokenizer(final)
+    model = _model(final, recipe, run_dir, dtype).to(device)
+    val_set = build_validation(recipe.data, tokenizer, recipe.train.seed)
+    samples = min(eval_samples, len(val_set))
+    targets = val_set.targets(range(samples))
+    with BatchLoader(val_set, device, trim=recipe.data.groups_by_length) as loader:
+        loss = evaluate(
+            TrainableLM(model, recipe.precision),
+            loader,
+            val_set,
+            samples=samples,
+            micro_batch=micro_batch,
+            place=Place.single(device),
+        )
+    if not has_answers(recipe.data):
+        return RunEvaluation(run_dir, loss, samples, targets, None, TEXT_ONLY_NOTE)
+    prompts, skipped = held_out_prompts(recipe.data, tokenizer, limit=limit)
+    score = generation_eval(
+        model,
+        tokenizer,
+        prompts,
+        stop_token_ids(recipe.data.template, tokenizer),
+        skipped=skipped,
+        keep_samples=keep_samples,
+        on_batch=on_answers,
+    )
+    return RunEvaluation(run_dir, loss, samples, targets, score)
+
+
+def _run_settings(run_dir: Path) -> tuple[Recipe, int, int]:
+    """(recipe, validation samples per evaluation, micro-batch) as the run resolved them (run.json)."""
+    path = run_dir / RUN_FILE
+    if not path.is_file():  # a run from before run.json: the recipe and its own numbers
+        recipe = run_recipe(run_dir)
+        micro_batch = eval_batch_samples(recipe)
+        return recipe, recipe.train.eval_batches * micro_batch, micro_batch
+    try:
+        run = ResolvedRun.from_json(path.read_text())
+    except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as error:
+        raise UserError(
+            Problem(
+                f"cannot read the run's settings {path}: {str(error).splitlines()[0]}",
+                hint="the run directory must be one `memtrain run` wrote",
+            )
+        ) from None
+    return run.recipe, run.eval_samples, run.micro_batch
+
+
+def _refuse_changed_held_out(run_dir: Path, recipe: Recipe) -> None:
+    """The held-out records are found again from the files the run read: its validation files, or the tail of its
+    training files. Files with other bytes than the run recorded would be scored as held out when they are not
+    (audit 21: a shuffled training file put trained records in the tail, and the score rose without a word)."""
+    key = TRAIN_KEY if recipe.data.validation is None else VALIDATION_KEY
+    recorded = (recorded_data_files(run_dir) or {}).get(key)
+    if recorded is None:
+        return  # a run.json from before session 20: nothing to compare with
+    if data_files(recipe.data, keys=(key,)).get(key) != recorded:
+        raise UserError(
+            Problem(
+                f"{named_files(key, recipe)} no longer holds the bytes the run was trained on, so the records it holds "
+                "out are not the ones the run held out",
+                key=key,
+                hint="put back the data files the run was trained on to score it",
+            )
+        )
+
+
+def _tokenizer(final: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with the model (with any tokens the run added), with a pad token as training had."""
+    tokenizer = AutoTokenizer.from_pretrained(final, local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _model(final: Path, recipe: Recipe, run_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+    if not (final / "adapter_config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(final, dtype=dtype, local_files_only=True)
+    if recipe.model.preset:
+        raise UserError(
+            Problem(
+                f"the run trained a LoRA adapter on the preset '{recipe.model.preset}', whose random base weights were "
+                "never saved, so the adapter has nothing to be scored on",
+                key="model.preset",
+                hint="train LoRA on a model directory (model.path), or fine-tune the preset in full",
+            )
+        )
+    from peft import PeftModel  # noqa: PLC0415 — optional until an adapter is scored
+
+    base = load_base(base_model_dir(recipe, run_dir), dtype, recipe.model.quantize)
+    with peft_quietly():
+        return PeftModel.from_pretrained(base, final, is_trainable=False)

@@ -1,0 +1,258 @@
+"""Atomic checkpoints and exact resume.
+
+A checkpoint is written into `checkpoints/.tmp-step-NNNNNN/` (DeepSpeed's model, optimizer and
+scheduler state, one RNG file per rank, and `memtrain_state.json` last), then renamed to
+`checkpoints/step-NNNNNN/`. A run killed mid-save leaves only a `.tmp-` directory, which is never
+loaded and is removed by the next save (or at start-up); the last complete checkpoint stays intact.
+
+Pruning renames an old checkpoint to `.del-step-NNNNNN/` before deleting it, so a run killed while
+pruning leaves a `.del-` directory (removed by the next save), never a `step-` directory with part of
+its files; a save of a step that already has a checkpoint moves the old one aside the same way, and
+deletes it only once the new one is in place. Pruning to `keep_last` happens before a save as well as
+after it: before, to keep_last - 1 (at least 1), so the disk holds at most max(keep_last, 2)
+checkpoints at once, and a lower keep_last frees room for the very save that ran out of it.
+`memtrain_state.json` also records the recipe the checkpoint was trained with, so a resume can tell what
+changed (memtrain.train.state.resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from memtrain.train.optim.in_backward import StepInBackward
+from memtrain.train.runtime.distributed import barrier
+
+DS_TAG = "state"
+STATE_FILE = "memtrain_state.json"
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+@dataclass
+class LoopState:
+    """Everything the loop needs besides DeepSpeed's state to continue exactly."""
+
+    step: int = 0  # optimizer steps done
+    tokens: int = 0  # target tokens trained on (all ranks)
+    best_eval_loss: float | None = None
+    batch_policy: dict = field(default_factory=dict)
+    recipe: dict = field(default_factory=dict)  # the resolved recipe trained with (JSON); {} in older checkpoints
+    divergence: dict = field(default_factory=dict)  # the divergence guard's state (Guard.state_dict); {} before it
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """Where the complete checkpoint of `step` lives."""
+    return checkpoint_root(run_dir) / f"step-{step:06d}"
+
+
+def step_of_name(checkpoint: Path) -> int:
+    """The step a checkpoint directory holds, read from its name (step-NNNNNN); resume.checkpoint_step reads it
+    from the state file inside."""
+    return int(_STEP_DIR.match(checkpoint.name).group(1))
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=step_of_name)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def remove_leftovers(run_dir: Path) -> list[Path]:
+    """Delete what killed saves and prunes left: `.tmp-`/`.del-` directories and `step-` directories
+    without their state file (a partial prune by an older memtrain). Returns what was removed.
+
+    A `.tmp-step-N` that holds its state file (written last) is complete; when `step-N` is missing it is
+    renamed into place, not deleted: a save of a step that already had a checkpoint was killed between
+    moving the old copy aside and renaming the new one in, and it is that step's only complete copy."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    for tmp in root.glob(".tmp-step-*"):
+        final = root / tmp.name[len(".tmp-") :]
+        if _STEP_DIR.match(final.name) and (tmp / STATE_FILE).is_file() and not final.exists():
+            os.replace(tmp, final)
+    stale = [
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and (
+            p.name.startswith((".tmp-step-", ".del-step-"))
+            or (_STEP_DIR.match(p.name) and not (p / STATE_FILE).is_file())
+        )
+    ]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def _device_sub_groups(engine) -> tuple[object, dict[int, torch.Tensor]]:
+    """ZeRO-3's partial offload (`offload.ratio` < 1): the optimizer that updates the sub-groups kept on
+    the GPU, and those sub-groups' master weights by sub-group index. DeepSpeed 0.19.8 keeps their Adam
+    moments in that second optimizer (`backup_optimizer`), which its checkpoints leave out."""
+    zero = getattr(engine, "optimizer", None)
+    backup = getattr(zero, "backup_optimizer", None)
+    if backup is None:
+        return None, {}
+    return backup, {
+        i: zero.fp32_partitioned_groups_flat[i] for i, device in zero.subgroup_to_device.items() if device != "cpu"
+    }
+
+
+def device_sub_group_states(engine) -> dict[int, dict]:
+    """The optimizer states of the sub-groups a partial offload keeps on the GPU (empty without one)."""
+    backup, groups = _device_sub_groups(engine)
+    return {i: backup.state[master] for i, master in groups.items() if master in backup.state}
+
+
+def restore_device_sub_group_states(engine, states: dict[int, dict]) -> None:
+    """Put back what `device_sub_group_states` saved; a run that keeps other sub-groups on the GPU than
+    the checkpoint did cannot continue exactly, so it stops."""
+    backup, groups = _device_sub_groups(engine)
+    if set(states) - set(groups):
+        raise RuntimeError(
+            f"the checkpoint's optimizer kept sub-groups {sorted(states)} on the GPU, this run "
+            f"keeps {sorted(groups)}: resume with the offload.ratio the run started with"
+        )
+    for i, state in states.items():
+        backup.state[groups[i]] = state
+
+
+def partial_save(run_dir: Path, step: int) -> Path:
+    """Where a save of `step` writes before it is complete."""
+    return checkpoint_root(run_dir) / f".tmp-step-{step:06d}"
+
+
+def save_checkpoint(
+    engine, run_dir: Path, state: LoopState, rank: int, keep_last: int, fault: Callable[[Path], None] | None = None
+) -> Path:
+    """Write a checkpoint atomically (all ranks call this) and prune to the newest keep_last.
+
+    `fault(tmp)` (tests): called once the engine's files are written, before the state file.
+    """
+    root = checkpoint_root(run_dir)
+    tmp, final = partial_save(run_dir, state.step), checkpoint_dir(run_dir, state.step)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(run_dir)
+        prune(run_dir, kept_while_saving(keep_last))
+        tmp.mkdir()
+    barrier()
+    engine.save_checkpoint(str(tmp), tag=DS_TAG)
+    device_states = device_sub_group_states(engine)
+    if device_states:
+        torch.save(device_states, tmp / f"device-optimizer-rank{rank}.pt")
+    torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
+    if fault is not None:
+        fault(tmp)
+    barrier()
+    if rank == 0:
+        state_path = tmp / STATE_FILE
+        state_path.write_text(json.dumps(asdict(state), indent=2))
+        with open(state_path) as handle:
+            os.fsync(handle.fileno())
+        if final.exists():  # a save of the same step (e.g. after an OOM): the old copy stays whole until replaced
+            old = _doomed(final)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        prune(run_dir, keep_last)
+    barrier()
+    return final
+
+
+def kept_while_saving(keep_last: int) -> int:
+    """How many complete checkpoints stay while the next one is written: one fewer than keep_last, for the
+    new one, but never none (a save that fails must leave a checkpoint to resume from)."""
+    return max(keep_last - 1, 1)
+
+
+def prune(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints (rank 0); returns what was deleted."""
+    pruned = complete_checkpoints(run_dir)[:-keep]
+    for old in pruned:
+        doomed = _doomed(old)
+        os.replace(old, doomed)  # never a step- directory with part of its files
+        shutil.rmtree(doomed, ignore_errors=True)
+    return pruned
+
+
+def _doomed(checkpoint: Path) -> Path:
+    """Where a checkpoint goes to be deleted: a name no resume loads and the next save removes."""
+    return checkpoint.with_name(f".del-{checkpoint.name}")
+
+
+@contextmanager
+def _loaded_to_host(engine):
+    """With optimizer.step_in_backward (ZeRO stage 0), DeepSpeed loads the saved weights and optimizer states back
+    onto the device they were saved from, beside the model's own weights: a second copy of a 7B model does not fit
+    a 24 GB card (measured: out of memory at 22.8 GiB on resume). Loaded on the host instead (measured on the GPU
+    in session 14: the 7B run resumed and went on), memory-mapped, the weights are
+    copied into the model's parameters and the per-parameter optimizers place their states (train/optim/in_backward.py).
+    Every other run loads as DeepSpeed does (ZeRO stages load their partitions their own way)."""
+    if not isinstance(engine.optimizer, StepInBackward):
+        yield
+        return
+    checkpoints = engine.checkpoint_engine
+    load = checkpoints.load
+    # memory-mapped: the files' pages are read as the weights and states are copied out of them, and stay page
+    # cache the kernel can drop. Read whole (DeepSpeed's torch.load), the 7B resume peaked at 40.2 GiB of host
+    # memory machine-wide (benchmarks/host_memory.csv), over the 32 GiB host the recipe is for.
+    checkpoints.load = lambda path, map_location=None: torch.load(
+        path, map_location=torch.device("cpu"), mmap=True, weights_only=False
+    )
+    try:
+        yield
+    finally:
+        checkpoints.load = load
+
+
+def load_checkpoint(engine, path: Path, rank: int) -> LoopState:
+    """Restore DeepSpeed's model/optimizer/scheduler state, this rank's RNG, and the loop state."""
+    with _loaded_to_host(engine):
+        engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+    device_states = path / f"device-optimizer-rank{rank}.pt"
+    if device_states.is_file():
+        restore_device_sub_group_states(engine, torch.load(device_states, weights_only=False))
+    rng = path / f"rng-rank{rank}.pt"
+    if rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return LoopState(**json.loads((path / STATE_FILE).read_text()))
