@@ -28,7 +28,7 @@ from memtrain.train.runtime.allocator import exact_pinned_supported
 from memtrain.train.setup import build_data
 from memtrain.units import gib
 
-# Steps `plan --data` walks through to price bucketed batches (seconds for a million rows would be too slow to wait for).
+# Steps `plan --data` walks through to price bucketed batches (a million rows would take too long to wait for).
 PRICED_STEPS = 1000
 
 LABELS = {
@@ -50,18 +50,11 @@ def load_for_plan(recipe: Path, overrides: list[str], env: Environment) -> Loade
     return load_checked(recipe, overrides, env, weights_fit=False)
 
 
-class Planner:
-    """The planner as this command asks it: the recipe's name on the plan, pinned host buffers priced as
-    this PyTorch allocates them, and key-path errors placed at the recipe's file:line."""
-
-    def __init__(self, gpu: str | None, exact_pinned: bool):
-        self.gpu, self.exact_pinned = gpu, exact_pinned
-
-    def plan(self, loaded: LoadedRecipe, micro_batch: int | None = None) -> Plan:
-        with loaded.sources.located():
-            return plan_recipe(
-                loaded.recipe, self.gpu, micro_batch=micro_batch, exact_pinned=self.exact_pinned, name=loaded.name
-            )
+def located_plan(loaded: LoadedRecipe, *, gpu: str | None, exact_pinned: bool, micro_batch: int | None = None) -> Plan:
+    """plan_recipe as this command asks it: the recipe's name on the plan, and key-path errors placed at the
+    recipe's file:line. exact_pinned: pinned host buffers priced as this PyTorch allocates them."""
+    with loaded.sources.located():
+        return plan_recipe(loaded.recipe, gpu, micro_batch=micro_batch, exact_pinned=exact_pinned, name=loaded.name)
 
 
 def verdict(plan: Plan) -> str:
@@ -169,7 +162,7 @@ def gpu_override(gpu: str) -> str:
     return f"hardware.gpu={gpu}" if isinstance(yaml.safe_load(gpu), str) else f"hardware.gpu='{gpu}'"
 
 
-def larger_micro_batch(loaded: LoadedRecipe, planner: Planner, plan: Plan) -> Plan | None:
+def larger_micro_batch(loaded: LoadedRecipe, plan: Plan, *, gpu: str | None, exact_pinned: bool) -> Plan | None:
     """The plan at the largest micro-batch that also fits (not tight), when it is larger than the recipe's.
 
     Spare memory spent on a larger micro-batch means fewer micro-batches per step at the same global
@@ -178,11 +171,13 @@ def larger_micro_batch(loaded: LoadedRecipe, planner: Planner, plan: Plan) -> Pl
     """
     if not plan.fits or plan.tight or loaded.recipe.batch.micro_batch == "auto":
         return None
-    best = resolve_micro_batch(loaded.recipe, planner.gpu, planner.exact_pinned)
-    return planner.plan(loaded, micro_batch=best) if best > plan.micro_batch else None
+    best = resolve_micro_batch(loaded.recipe, gpu, exact_pinned)
+    if best <= plan.micro_batch:
+        return None
+    return located_plan(loaded, gpu=gpu, exact_pinned=exact_pinned, micro_batch=best)
 
 
-def fewer_recomputed_layers(loaded: LoadedRecipe, planner: Planner, plan: Plan) -> Plan | None:
+def fewer_recomputed_layers(loaded: LoadedRecipe, plan: Plan, *, gpu: str | None, exact_pinned: bool) -> Plan | None:
     """The plan of checkpointing.strategy=auto at this micro-batch, when it recomputes fewer decoder
     layers than the recipe's whole-layer strategy and still fits (docs/BENCHMARKS.md: 7B LoRA 25 of 32
     layers instead of 32: 1.12x HF + DeepSpeed, where every layer gave 0.98x in an earlier invocation)."""
@@ -190,7 +185,7 @@ def fewer_recomputed_layers(loaded: LoadedRecipe, planner: Planner, plan: Plan) 
         return None
     checkpointing = loaded.recipe.checkpointing.model_copy(update={"strategy": "auto"})
     auto = dataclasses.replace(loaded, recipe=loaded.recipe.model_copy(update={"checkpointing": checkpointing}))
-    fewer = planner.plan(auto, micro_batch=plan.micro_batch)
+    fewer = located_plan(auto, gpu=gpu, exact_pinned=exact_pinned, micro_batch=plan.micro_batch)
     return fewer if fewer.fits and fewer.recomputed_layers < plan.recomputed_layers else None
 
 
@@ -286,11 +281,11 @@ def plan_command(
     if gpu is not None:
         check_gpu_option(gpu)
     env = current_environment()
-    planner = Planner(gpu, exact_pinned=exact_pinned_supported())
+    exact_pinned = exact_pinned_supported()
     loaded = load_for_plan(recipe, overrides, env)
-    plan = planner.plan(loaded)
+    plan = located_plan(loaded, gpu=gpu, exact_pinned=exact_pinned)
 
-    advice = [] if plan.fits else advise(loaded, gpu, exact_pinned=planner.exact_pinned, checks=recipe_checks(env))
+    advice = [] if plan.fits else advise(loaded, gpu, exact_pinned=exact_pinned, checks=recipe_checks(env))
     written, replaced = None, False
     if fit and output is not None and (plan.fits or advice):
         # A recipe that fits is written as it is (with the command line's overrides), so that
@@ -305,13 +300,13 @@ def plan_command(
             write_atomically(output, fitted_yaml(recipe, chosen, output))
         if not plan.fits:
             # planned as the file says, without --gpu: it names the card
-            fitted = Planner(None, planner.exact_pinned).plan(load_for_plan(output, [], env))
+            fitted = located_plan(load_for_plan(output, [], env), gpu=None, exact_pinned=exact_pinned)
             if not fitted.fits:  # the advice was planned on the same recipe; a mismatch is a bug, say so
                 raise RuntimeError(f"fitted recipe {output} does not fit: {verdict(fitted)}")
         written = output
     code = 0 if plan.fits or written is not None else 1
-    faster = larger_micro_batch(loaded, planner, plan)
-    recompute_less = fewer_recomputed_layers(loaded, planner, plan)
+    faster = larger_micro_batch(loaded, plan, gpu=gpu, exact_pinned=exact_pinned)
+    recompute_less = fewer_recomputed_layers(loaded, plan, gpu=gpu, exact_pinned=exact_pinned)
     offer_compile = plan.fits and compile_offered(loaded, plan)
     per_step, data_warnings = None, ()
     if with_data:

@@ -45,6 +45,7 @@ from memtrain.plan.pinned import pinned_bytes
 
 def offload_host_bytes(
     counts: ParamCounts,
+    *,
     stage: int,
     gpus: int,
     storage: str,

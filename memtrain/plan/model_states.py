@@ -103,6 +103,7 @@ def optimizer_bytes_per_param(compute: str, master: str, eight_bit: bool = False
 
 def place_model_states(
     counts: ParamCounts,
+    *,
     stage: int,
     gpus: int,
     compute: str,

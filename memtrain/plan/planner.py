@@ -24,7 +24,7 @@ from memtrain.plan.activations import estimate_activations
 from memtrain.plan.calibration import Calibration, calibration
 from memtrain.plan.host import offload_host_bytes
 from memtrain.plan.logits import estimate_fused_logits, estimate_logits
-from memtrain.plan.model_states import master_bytes, place_model_states
+from memtrain.plan.model_states import StateBytes, master_bytes, place_model_states
 from memtrain.plan.params import ParamCounts, count_parameters
 from memtrain.plan.quantized import with_quantized_params
 from memtrain.plan.zero import bucket_elements, grad_accum_steps
@@ -331,125 +331,29 @@ def _counts(recipe: Recipe) -> ParamCounts:
 def _plan(
     name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micro_batch: int, exact_pinned: bool
 ) -> Plan:
-    p, o, hw = recipe.precision, recipe.offload, recipe.hardware
-    seq_len = recipe.data.seq_len
-    compute_bytes = DTYPE_BYTES[p.compute]
-    stage = o.stage
-    # ZeRO partitions over every rank of every node; host and NVMe hold this node's `hw.gpus` ranks
-    states = place_model_states(
-        counts,
-        stage,
-        hw.world_size,
-        p.storage,
-        p.master,
-        o.optimizer,
-        o.params,
-        o.ratio,
-        o.buffer_count,
-        eight_bit=recipe.optimizer.eight_bit,
-        local_ranks=hw.gpus,
-        in_backward=recipe.optimizer.step_in_backward,
-        paged=recipe.optimizer.paged,
-    )
-    states = with_quantized_params(states, counts, DTYPE_BYTES[p.storage])
-    # with model.kernels resolved to liger the trace is edited by what Liger's RMSNorm and SwiGLU keep (activations.py)
+    """The whole plan: the model states placed, the step's phases priced, reserved memory from the allocator's
+    slack, the host and NVMe bytes."""
+    hw, stage = recipe.hardware, recipe.offload.stage
+    compute_bytes = DTYPE_BYTES[recipe.precision.compute]
+    states = _placed_states(recipe, counts)
     # compiled layers as the run would build them on a CUDA GPU (train.compile auto resolved for the plan's card)
     compiled = resolve_compile(recipe, cuda=True)
-    acts = estimate_activations(
-        recipe.model,
-        recipe.checkpointing,
-        p.compute,
-        micro_batch,
-        seq_len,
-        counts.num_layers,
-        counts.layers_name,
-        compiled=compiled,
-    )
-    tokens = micro_batch * seq_len
-    head = _head_bytes(counts, compute_bytes, tokens) + packed_attention_mask_bytes(recipe, micro_batch)
-    if uses_fused_loss(recipe.model, p, stage):  # Liger's fused linear cross-entropy (model.kernels resolved to liger)
-        logits = estimate_fused_logits(
-            counts.hidden_size,
-            counts.vocab_size,
-            p.compute,
-            micro_batch,
-            seq_len,
-            head_trainable=recipe.model.lora is None,
-        )
-    else:
-        logits = estimate_logits(
-            counts.hidden_size,
-            counts.vocab_size,
-            p.compute,
-            micro_batch,
-            seq_len,
-            p.chunked_loss,
-            p.loss_chunk_tokens,
-            p.fp32_loss,
-            softcap=model_architecture(recipe.model).logit_softcap is not None,
-        )
+    acts, head, logits = _forward_terms(recipe, counts, micro_batch, compiled=compiled)
     buffers = _buffers(recipe, counts, stage, cal)
     model_states = states.gpu_params + states.gpu_gradients + states.gpu_optimizer_states
-
-    module_bytes = counts.weight_bytes(compute_bytes)
-    if stage in (1, 2):
-        init = module_bytes + int(cal.zero_init_flat_copies * counts.trainable * compute_bytes)
-    elif stage == 3:  # built under zero.Init: each tensor is partitioned (or offloaded) as it is created
-        init = states.gpu_params + counts.largest_tensor * compute_bytes
-    else:
-        init = module_bytes
     saved = acts.saved_bytes + head
-    forward_end = model_states + buffers.resident_bytes + saved + logits.forward_bytes
-    # Backward frees the loss's logits gradients before it reaches the last decoder layer, so the layer's
-    # recompute and gradient transients come after them, not on top.
-    if stage == 3 and hw.expandable_segments:
-        # ZeRO-3, per stream (gathered parameters and the reduce stream are priced as side streams): the compute
-        # stream peaks either in the loss's backward, beside the head's gradient and its partitioned copy, or
-        # in a recomputed layer's backward, beside that layer's gradients. What was live at the training peak
-        # (benchmarks/segments/peaks-*.json, 1.1B at micro-batch 2 and 4): the saved layer inputs, the head's
-        # gradient twice (DeepSpeed's linear backward and partition_grads) and the reduce stream's copies.
-        backward_extra = max(
-            logits.backward_bytes + 2 * counts.largest_tensor * compute_bytes,
-            acts.backward_extra_bytes + counts.largest_layer * compute_bytes,
-        )
-    elif stage == 3:
-        # caching allocator: the measured peaks match the sum (the max would be 4-7 % under on the H200);
-        # parameters gathered for the first layers of backward are alive during the loss's backward there
-        backward_extra = acts.backward_extra_bytes + logits.backward_bytes
-    else:
-        backward_extra = max(acts.backward_extra_bytes, logits.backward_bytes)
-    backward_start = model_states + buffers.resident_bytes + saved + backward_extra
-    if recipe.optimizer.step_in_backward:  # each parameter updated during backward: no step afterwards
-        step_transient = 0
-    elif o.optimizer == "none":
-        # fp32 gradients for the step; ZeRO-1/2 builds them from a flat compute-dtype copy of the
-        # gradient partition that is alive at the same time (stage_1_and_2.py: flatten, then .to(fp32))
-        per_param = 0 if p.compute == "fp32" else 4 + (compute_bytes if stage in (1, 2) else 0)
-        step_transient = counts.trainable * per_param // (hw.world_size if stage >= 1 else 1)
-    else:
-        step_transient = buffers.resident_bytes
-    optimizer_step = model_states + step_transient
     phases = {
-        "init": init,
-        "forward_end": forward_end,
-        "backward_start": backward_start,
-        "optimizer_step": optimizer_step,
+        "init": _init_bytes(stage, counts, states, cal, compute_bytes),
+        "forward_end": model_states + buffers.resident_bytes + saved + logits.forward_bytes,
+        "backward_start": model_states
+        + buffers.resident_bytes
+        + saved
+        + _backward_extra_bytes(recipe, counts, acts, logits, compute_bytes),
+        "optimizer_step": model_states + _step_transient_bytes(recipe, counts, buffers, compute_bytes),
     }
-    pattern = allocation_pattern(recipe, stage)
-    expandable = hw.expandable_segments
+    pattern, expandable = allocation_pattern(recipe, stage), hw.expandable_segments
     init_slack = cal.init_slack(expandable)
-    # With expandable segments, memory freed on one CUDA stream is not reused by another: each stream's
-    # segments keep that stream's own high-water mark. ZeRO-3 gathers parameters and reduces large
-    # gradients on side streams, so its reserved memory is the compute stream's peak plus theirs, not the
-    # peak of the sum (benchmarks/segments/*.json: the sum of the streams' segments, in every run).
-    # The compute stream's own slack is at least about one loss-sized tensor: the loss allocates and frees
-    # tokens × vocabulary fp32 tensors between the layers' blocks.
-    min_slack = int(cal.expandable_zero3_min_slack_loss_tensors * logits.loss_tensor_bytes)
-    side = (
-        SideStreams(buffers.gathered_bytes, buffers.side_stream_bytes, min_slack)
-        if stage == 3 and expandable and not whole_on_one_gpu(recipe)
-        else SideStreams()
-    )
+    side = _side_streams(recipe, buffers, logits, cal)
     reserved = _reserved(
         phases, init_slack, cal.slack_ratio(pattern, expandable), side, cal.expandable_side_stream_slack_ratio
     )
@@ -477,30 +381,7 @@ def _plan(
         "cuda_context": cal.cuda_context_bytes,
         "allocator_slack": peak_reserved - peak_allocated - reduce_stream,
     }
-    accumulates = grad_accum_steps(recipe.batch.global_batch, micro_batch, hw.world_size) > 1
-    host_breakdown = {
-        "baseline": cal.host_baseline_bytes * hw.gpus,
-        **offload_host_bytes(
-            counts,
-            stage,
-            hw.gpus,
-            p.storage,
-            p.master,
-            o.optimizer,
-            o.params,
-            o.pin_memory,
-            exact_pinned,
-            accumulates,
-            world_size=hw.world_size,
-            ratio=o.ratio,
-        ),
-        "swap_buffers": states.host_swap_buffers,
-        # bitsandbytes' paged states (CUDA unified memory): priced where they go when the card is full
-        "paged_optimizer_states": states.host_optimizer_states if o.optimizer == "none" else 0,
-        "offloaded_activations": acts.host_bytes * hw.gpus,
-        # A local model's weights pass through host memory once while loading.
-        "model_copy_at_load": module_bytes if recipe.model.path else 0,
-    }
+    host_breakdown = _host_breakdown(recipe, counts, cal, states, acts, micro_batch, exact_pinned)
     nvme_breakdown = {"params": states.nvme_params, "optimizer_states": states.nvme_optimizer_states}
     return Plan(
         recipe_name=name,
@@ -509,7 +390,7 @@ def _plan(
         nodes=hw.nodes,
         zero_stage=stage,
         micro_batch=micro_batch,
-        seq_len=seq_len,
+        seq_len=recipe.data.seq_len,
         params_total=counts.total,
         params_trainable=counts.trainable,
         terms=terms,
@@ -530,6 +411,166 @@ def _plan(
         recomputed_layers=recomputed_layers(recipe.checkpointing, counts.num_layers),
         compiled_layers=compiled,
     )
+
+
+def _placed_states(recipe: Recipe, counts: ParamCounts) -> StateBytes:
+    """Parameters, gradients and optimizer states on each tier (quantised weights at their own size)."""
+    p, o, hw = recipe.precision, recipe.offload, recipe.hardware
+    # ZeRO partitions over every rank of every node; host and NVMe hold this node's `hw.gpus` ranks
+    states = place_model_states(
+        counts,
+        stage=o.stage,
+        gpus=hw.world_size,
+        compute=p.storage,
+        master=p.master,
+        optimizer_tier=o.optimizer,
+        params_tier=o.params,
+        ratio=o.ratio,
+        buffer_count=o.buffer_count,
+        eight_bit=recipe.optimizer.eight_bit,
+        local_ranks=hw.gpus,
+        in_backward=recipe.optimizer.step_in_backward,
+        paged=recipe.optimizer.paged,
+    )
+    return with_quantized_params(states, counts, DTYPE_BYTES[p.storage])
+
+
+def _forward_terms(recipe: Recipe, counts: ParamCounts, micro_batch: int, *, compiled: bool):
+    """What the forward leaves for backward: the decoder layers' activations, the head's input (and a packed
+    attention mask), and the logits and loss. With model.kernels resolved to liger the trace is edited by what
+    Liger's RMSNorm and SwiGLU keep (activations.py)."""
+    p, seq_len = recipe.precision, recipe.data.seq_len
+    acts = estimate_activations(
+        recipe.model,
+        recipe.checkpointing,
+        p.compute,
+        micro_batch,
+        seq_len,
+        counts.num_layers,
+        counts.layers_name,
+        compiled=compiled,
+    )
+    head = _head_bytes(counts, DTYPE_BYTES[p.compute], micro_batch * seq_len) + packed_attention_mask_bytes(
+        recipe, micro_batch
+    )
+    if uses_fused_loss(recipe.model, p, recipe.offload.stage):  # Liger's fused linear cross-entropy
+        logits = estimate_fused_logits(
+            counts.hidden_size,
+            counts.vocab_size,
+            p.compute,
+            micro_batch,
+            seq_len,
+            head_trainable=recipe.model.lora is None,
+        )
+    else:
+        logits = estimate_logits(
+            counts.hidden_size,
+            counts.vocab_size,
+            p.compute,
+            micro_batch,
+            seq_len,
+            p.chunked_loss,
+            p.loss_chunk_tokens,
+            p.fp32_loss,
+            softcap=model_architecture(recipe.model).logit_softcap is not None,
+        )
+    return acts, head, logits
+
+
+def _init_bytes(stage: int, counts: ParamCounts, states: StateBytes, cal: Calibration, compute_bytes: int) -> int:
+    """Allocated at the end of deepspeed.initialize."""
+    module_bytes = counts.weight_bytes(compute_bytes)
+    if stage in (1, 2):
+        return module_bytes + int(cal.zero_init_flat_copies * counts.trainable * compute_bytes)
+    if stage == 3:  # built under zero.Init: each tensor is partitioned (or offloaded) as it is created
+        return states.gpu_params + counts.largest_tensor * compute_bytes
+    return module_bytes
+
+
+def _backward_extra_bytes(recipe: Recipe, counts: ParamCounts, acts, logits, compute_bytes: int) -> int:
+    """What backward adds on top of the saved activations at its start.
+
+    Backward frees the loss's logits gradients before it reaches the last decoder layer, so the layer's
+    recompute and gradient transients come after them, not on top."""
+    stage = recipe.offload.stage
+    if stage == 3 and recipe.hardware.expandable_segments:
+        # ZeRO-3, per stream (gathered parameters and the reduce stream are priced as side streams): the compute
+        # stream peaks either in the loss's backward, beside the head's gradient and its partitioned copy, or
+        # in a recomputed layer's backward, beside that layer's gradients. What was live at the training peak
+        # (benchmarks/segments/peaks-*.json, 1.1B at micro-batch 2 and 4): the saved layer inputs, the head's
+        # gradient twice (DeepSpeed's linear backward and partition_grads) and the reduce stream's copies.
+        return max(
+            logits.backward_bytes + 2 * counts.largest_tensor * compute_bytes,
+            acts.backward_extra_bytes + counts.largest_layer * compute_bytes,
+        )
+    if stage == 3:
+        # caching allocator: the measured peaks match the sum (the max would be 4-7 % under on the H200);
+        # parameters gathered for the first layers of backward are alive during the loss's backward there
+        return acts.backward_extra_bytes + logits.backward_bytes
+    return max(acts.backward_extra_bytes, logits.backward_bytes)
+
+
+def _step_transient_bytes(recipe: Recipe, counts: ParamCounts, buffers, compute_bytes: int) -> int:
+    """What the optimizer step allocates beside the model states."""
+    p, stage, world_size = recipe.precision, recipe.offload.stage, recipe.hardware.world_size
+    if recipe.optimizer.step_in_backward:  # each parameter updated during backward: no step afterwards
+        return 0
+    if recipe.offload.optimizer == "none":
+        # fp32 gradients for the step; ZeRO-1/2 builds them from a flat compute-dtype copy of the
+        # gradient partition that is alive at the same time (stage_1_and_2.py: flatten, then .to(fp32))
+        per_param = 0 if p.compute == "fp32" else 4 + (compute_bytes if stage in (1, 2) else 0)
+        return counts.trainable * per_param // (world_size if stage >= 1 else 1)
+    return buffers.resident_bytes
+
+
+def _side_streams(recipe: Recipe, buffers, logits, cal: Calibration) -> SideStreams:
+    """With expandable segments, memory freed on one CUDA stream is not reused by another: each stream's
+    segments keep that stream's own high-water mark. ZeRO-3 gathers parameters and reduces large
+    gradients on side streams, so its reserved memory is the compute stream's peak plus theirs, not the
+    peak of the sum (benchmarks/segments/*.json: the sum of the streams' segments, in every run).
+    The compute stream's own slack is at least about one loss-sized tensor: the loss allocates and frees
+    tokens x vocabulary fp32 tensors between the layers' blocks."""
+    if recipe.offload.stage != 3 or not recipe.hardware.expandable_segments or whole_on_one_gpu(recipe):
+        return SideStreams()
+    min_slack = int(cal.expandable_zero3_min_slack_loss_tensors * logits.loss_tensor_bytes)
+    return SideStreams(buffers.gathered_bytes, buffers.side_stream_bytes, min_slack)
+
+
+def _host_breakdown(
+    recipe: Recipe,
+    counts: ParamCounts,
+    cal: Calibration,
+    states: StateBytes,
+    acts,
+    micro_batch: int,
+    exact_pinned: bool,
+) -> dict[str, int]:
+    """Host bytes of this machine by what holds them."""
+    p, o, hw = recipe.precision, recipe.offload, recipe.hardware
+    accumulates = grad_accum_steps(recipe.batch.global_batch, micro_batch, hw.world_size) > 1
+    return {
+        "baseline": cal.host_baseline_bytes * hw.gpus,
+        **offload_host_bytes(
+            counts,
+            stage=o.stage,
+            gpus=hw.gpus,
+            storage=p.storage,
+            master=p.master,
+            optimizer_tier=o.optimizer,
+            params_tier=o.params,
+            pin_memory=o.pin_memory,
+            exact_pinned=exact_pinned,
+            accumulates=accumulates,
+            world_size=hw.world_size,
+            ratio=o.ratio,
+        ),
+        "swap_buffers": states.host_swap_buffers,
+        # bitsandbytes' paged states (CUDA unified memory): priced where they go when the card is full
+        "paged_optimizer_states": states.host_optimizer_states if o.optimizer == "none" else 0,
+        "offloaded_activations": acts.host_bytes * hw.gpus,
+        # A local model's weights pass through host memory once while loading.
+        "model_copy_at_load": counts.weight_bytes(DTYPE_BYTES[p.compute]) if recipe.model.path else 0,
+    }
 
 
 def recomputed_layers(checkpointing: Checkpointing, num_layers: int) -> int:

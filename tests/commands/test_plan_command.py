@@ -159,7 +159,7 @@ def test_cli_exit_codes(tmp_path):
 
 
 def test_spare_memory_is_offered_as_a_larger_micro_batch(tmp_path, capsys):
-    from memtrain.commands.plan import Planner, larger_micro_batch
+    from memtrain.commands.plan import larger_micro_batch
     from memtrain.plan.planner import plan_recipe as plan_of
     from memtrain.recipe.load import load_recipe_text as load_text
 
@@ -170,7 +170,7 @@ batch: {global_batch: 16, micro_batch: 2}
 train: {steps: 10}
 """)
     plan = plan_of(loaded.recipe)
-    faster = larger_micro_batch(loaded, Planner(None, exact_pinned=True), plan)
+    faster = larger_micro_batch(loaded, plan, gpu=None, exact_pinned=True)
     assert faster is not None and faster.micro_batch == 16 and faster.fits and not faster.tight
     assert faster.peak_reserved_bytes > plan.peak_reserved_bytes
     auto = load_text("""
@@ -180,12 +180,12 @@ batch: {global_batch: 16, micro_batch: auto}
 train: {steps: 10}
 """)
     assert (
-        larger_micro_batch(auto, Planner(None, exact_pinned=True), plan_of(auto.recipe)) is None
+        larger_micro_batch(auto, plan_of(auto.recipe), gpu=None, exact_pinned=True) is None
     )  # auto already takes the largest
 
 
 def test_spare_memory_is_offered_as_fewer_recomputed_layers():
-    from memtrain.commands.plan import Planner, fewer_recomputed_layers
+    from memtrain.commands.plan import fewer_recomputed_layers
     from memtrain.plan.planner import plan_recipe as plan_of
     from memtrain.recipe.load import load_recipe_text as load_text
 
@@ -200,18 +200,17 @@ train: {steps: 10}
     every = load_text(text % ("1.0GiB", "every_layer"))  # between the plans with 1 and 2 layers recomputed
     plan = plan_of(every.recipe)
     assert plan.recomputed_layers == 4 and plan.fits
-    fewer = fewer_recomputed_layers(every, Planner(None, exact_pinned=True), plan)
+    fewer = fewer_recomputed_layers(every, plan, gpu=None, exact_pinned=True)
     assert fewer is not None and fewer.recomputed_layers == 2 and fewer.fits and not fewer.tight
     assert fewer.micro_batch == plan.micro_batch and fewer.peak_reserved_bytes > plan.peak_reserved_bytes
     roomy = load_text(text % ("24GiB", "every_n_layers"))
-    assert (
-        fewer_recomputed_layers(roomy, Planner(None, exact_pinned=True), plan_of(roomy.recipe)).recomputed_layers == 0
-    )
+    assert fewer_recomputed_layers(roomy, plan_of(roomy.recipe), gpu=None, exact_pinned=True).recomputed_layers == 0
     assert (
         fewer_recomputed_layers(
             load_text(text % ("24GiB", "none")),
-            Planner(None, exact_pinned=True),
             plan_of(load_text(text % ("24GiB", "none")).recipe),
+            gpu=None,
+            exact_pinned=True,
         )
         is None
     )

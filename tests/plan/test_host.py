@@ -33,7 +33,16 @@ def test_zero2_cpu_offload_buffers_by_hand():
     counts = count_parameters(Model(preset="tiny"))
     n, largest = TINY_TOTAL, max(counts.trainable_numels)
     exact = offload_host_bytes(
-        counts, 2, 1, "bf16", "fp32", "cpu", "none", pin_memory=True, exact_pinned=True, accumulates=False
+        counts,
+        stage=2,
+        gpus=1,
+        storage="bf16",
+        master="fp32",
+        optimizer_tier="cpu",
+        params_tier="none",
+        pin_memory=True,
+        exact_pinned=True,
+        accumulates=False,
     )
     pin = lambda size: pinned_bytes(size, True)  # noqa: E731
     assert exact == {
@@ -44,19 +53,59 @@ def test_zero2_cpu_offload_buffers_by_hand():
         "staging_buffers": pin(2 * n) + pin(2 * largest),
         "pinning_copy": 0,
     }
-    accumulating = offload_host_bytes(counts, 2, 1, "bf16", "fp32", "cpu", "none", True, True, accumulates=True)
+    accumulating = offload_host_bytes(
+        counts,
+        stage=2,
+        gpus=1,
+        storage="bf16",
+        master="fp32",
+        optimizer_tier="cpu",
+        params_tier="none",
+        pin_memory=True,
+        exact_pinned=True,
+        accumulates=True,
+    )
     per_tensor = sum(pin(2 * k) for k in counts.trainable_numels)
     assert accumulating["staging_buffers"] - exact["staging_buffers"] == per_tensor
     rounded = offload_host_bytes(
-        counts, 2, 1, "bf16", "fp32", "cpu", "none", True, exact_pinned=False, accumulates=False
+        counts,
+        stage=2,
+        gpus=1,
+        storage="bf16",
+        master="fp32",
+        optimizer_tier="cpu",
+        params_tier="none",
+        pin_memory=True,
+        exact_pinned=False,
+        accumulates=False,
     )
     assert rounded["master_weights"] == pow2(4 * n) and rounded["optimizer_states"] == 8 * n  # moments are not pinned
     unpinned = offload_host_bytes(
-        counts, 2, 1, "bf16", "fp32", "cpu", "none", pin_memory=False, exact_pinned=False, accumulates=True
+        counts,
+        stage=2,
+        gpus=1,
+        storage="bf16",
+        master="fp32",
+        optimizer_tier="cpu",
+        params_tier="none",
+        pin_memory=False,
+        exact_pinned=False,
+        accumulates=True,
     )
     assert unpinned["master_weights"] == 4 * n and unpinned["staging_buffers"] == 2 * n + 2 * largest + 2 * n
     # bf16 master weights and optimizer states: half of everything, and no separate accumulation buffers
-    half = offload_host_bytes(counts, 2, 1, "bf16", "bf16", "cpu", "none", True, True, accumulates=True)
+    half = offload_host_bytes(
+        counts,
+        stage=2,
+        gpus=1,
+        storage="bf16",
+        master="bf16",
+        optimizer_tier="cpu",
+        params_tier="none",
+        pin_memory=True,
+        exact_pinned=True,
+        accumulates=True,
+    )
     assert half["master_weights"] == pin(2 * n) and half["optimizer_states"] == 4 * n
     assert half["staging_buffers"] == exact["staging_buffers"]
 
@@ -64,15 +113,48 @@ def test_zero2_cpu_offload_buffers_by_hand():
 def test_zero3_cpu_offload_buffers_by_hand():
     counts = count_parameters(Model(preset="tiny"))
     n = TINY_TOTAL
-    host = offload_host_bytes(counts, 3, 1, "bf16", "fp32", "cpu", "cpu", True, exact_pinned=False, accumulates=True)
+    host = offload_host_bytes(
+        counts,
+        stage=3,
+        gpus=1,
+        storage="bf16",
+        master="fp32",
+        optimizer_tier="cpu",
+        params_tier="cpu",
+        pin_memory=True,
+        exact_pinned=False,
+        accumulates=True,
+    )
     init_partitions = sum(pow2(2 * k) for k in counts.tensor_numels)
     assert host["params"] == pow2(2 * n) + init_partitions
     assert host["master_weights"] == 4 * n  # a plain copy, not pinned
     assert host["gradients"] == pow2(2 * n) + pow2(4 * n)  # one sub-group: n < sub_group_size
     assert host["optimizer_states"] == 8 * n and host["staging_buffers"] == 0
-    no_params = offload_host_bytes(counts, 3, 1, "bf16", "fp32", "cpu", "none", True, False, True)
+    no_params = offload_host_bytes(
+        counts,
+        stage=3,
+        gpus=1,
+        storage="bf16",
+        master="fp32",
+        optimizer_tier="cpu",
+        params_tier="none",
+        pin_memory=True,
+        exact_pinned=False,
+        accumulates=True,
+    )
     assert no_params["params"] == 0
-    unpinned = offload_host_bytes(counts, 3, 1, "bf16", "fp32", "cpu", "cpu", False, False, True)
+    unpinned = offload_host_bytes(
+        counts,
+        stage=3,
+        gpus=1,
+        storage="bf16",
+        master="fp32",
+        optimizer_tier="cpu",
+        params_tier="cpu",
+        pin_memory=False,
+        exact_pinned=False,
+        accumulates=True,
+    )
     assert unpinned["params"] == 2 * n  # the flat copy only: freed plain partitions are not kept
 
 
@@ -414,7 +496,16 @@ def test_partial_offload_moves_whole_sub_groups_from_the_host_to_the_gpu(pin):
     on_gpu = sum(sub_groups(counts.trainable_numels, 100_000_000)[:5])
 
     def states(ratio):
-        return place_model_states(counts, 3, 1, "bf16", "bf16", "cpu", "none", ratio=ratio)
+        return place_model_states(
+            counts,
+            stage=3,
+            gpus=1,
+            compute="bf16",
+            master="bf16",
+            optimizer_tier="cpu",
+            params_tier="none",
+            ratio=ratio,
+        )
 
     assert states(0.9).gpu_optimizer_states - states(1.0).gpu_optimizer_states == 6 * on_gpu
     assert states(0.9).gpu_gradients - states(1.0).gpu_gradients == 2 * on_gpu

@@ -96,17 +96,29 @@ def test_default_lora_targets_are_every_linear_layer_but_the_head_as_peft_builds
 )
 def test_zero_stages_partition_model_states_over_two_gpus(stage, gpu_params, gpu_grads, gpu_optim):
     # bf16 weights and grads (2 B), fp32 master (4 B) + Adam moments (8 B) = 12 B per parameter
-    states = place_model_states(count_parameters(Model(preset="tiny")), stage, 2, "bf16", "fp32", "none", "none")
+    states = place_model_states(
+        count_parameters(Model(preset="tiny")),
+        stage=stage,
+        gpus=2,
+        compute="bf16",
+        master="fp32",
+        optimizer_tier="none",
+        params_tier="none",
+    )
     assert (states.gpu_params, states.gpu_gradients, states.gpu_optimizer_states) == (gpu_params, gpu_grads, gpu_optim)
     assert states.host_optimizer_states == states.nvme_params == 0
 
 
 def test_bf16_master_halves_optimizer_states_and_fp32_compute_has_no_separate_master():
     counts = count_parameters(Model(preset="tiny"))
-    bf16 = place_model_states(counts, 2, 1, "bf16", "bf16", "cpu", "none")
+    bf16 = place_model_states(
+        counts, stage=2, gpus=1, compute="bf16", master="bf16", optimizer_tier="cpu", params_tier="none"
+    )
     assert bf16.host_optimizer_states == TINY_TOTAL * 6  # bf16 master + two bf16 moments
     assert bf16.host_gradients == TINY_TOTAL * 2
-    fp32 = place_model_states(counts, 2, 1, "fp32", "fp32", "none", "none")
+    fp32 = place_model_states(
+        counts, stage=2, gpus=1, compute="fp32", master="fp32", optimizer_tier="none", params_tier="none"
+    )
     assert fp32.gpu_params == TINY_TOTAL * 4 and fp32.gpu_optimizer_states == TINY_TOTAL * 8
 
 
@@ -114,7 +126,12 @@ def test_bf16_master_halves_optimizer_states_and_fp32_compute_has_no_separate_ma
 def test_offload_tiers_move_bytes_off_the_gpu_without_losing_any(gpus):
     counts = count_parameters(Model(preset="tiny"))
     tiers = [("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme")]
-    placed = [place_model_states(counts, 3, gpus, "bf16", "fp32", opt, par) for opt, par in tiers]
+    placed = [
+        place_model_states(
+            counts, stage=3, gpus=gpus, compute="bf16", master="fp32", optimizer_tier=opt, params_tier=par
+        )
+        for opt, par in tiers
+    ]
 
     def params_and_optimizer(s):
         return (
@@ -178,7 +195,9 @@ def test_states_are_never_priced_on_nvme_below_zero3(stage):
     host check (validate refuses such a recipe; the planner refuses to price one)."""
     counts = count_parameters(Model(preset="tiny"))
     with pytest.raises(ValueError, match="only under ZeRO-3"):
-        place_model_states(counts, stage, 1, "bf16", "fp32", "nvme", "none")
+        place_model_states(
+            counts, stage=stage, gpus=1, compute="bf16", master="fp32", optimizer_tier="nvme", params_tier="none"
+        )
 
 
 def test_lora_counts_only_trainable_parameters_for_gradients_and_optimizer():

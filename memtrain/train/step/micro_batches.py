@@ -41,6 +41,7 @@ class OomDuringStep(Exception):
 def run_micro_batches(
     engine,
     loader,
+    *,
     batches: list[list[int]],
     normaliser: float,
     loss_sum: torch.Tensor,

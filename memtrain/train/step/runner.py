@@ -142,9 +142,9 @@ class StepRunner:
                 micro_batches += run_micro_batches(
                     self.engine,
                     self.loader,
-                    batches,
-                    self.place.world_size / targets,
-                    loss_sum,
+                    batches=batches,
+                    normaliser=self.place.world_size / targets,
+                    loss_sum=loss_sum,
                     before=lambda i, size: injector.maybe_raise(step, micro_batches + i, size),
                     after=self.hooks.sample_trace.add,
                     in_backward=(lambda i, size: backward_injector.maybe_raise(step, micro_batches + i, size))
