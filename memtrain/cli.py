@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from memtrain import __version__
+from memtrain.checks.environment import current_environment, packages_needed
 from memtrain.checks.load import load_checked
 from memtrain.commands.compile import compile_command
 from memtrain.commands.eval import eval_command
@@ -113,11 +114,14 @@ def validate(
 
     Example: [bold]memtrain validate recipes/llama2-7b-lora-24gb.yaml batch.micro_batch=2[/]
     """
-    loaded = load_checked(recipe, overrides)
+    env = current_environment()
+    loaded = load_checked(recipe, overrides, env, packages=False)  # what the run imports: said, not refused
     if as_json:
         print(loaded.recipe.model_dump_json(indent=2))
     else:
         console.print(f"[green]✓[/] {recipe} is a valid recipe ({loaded.name})")
+        for package in packages_needed(loaded.recipe, env):
+            console.print(f"[yellow]![/] the run needs {package}: not installed here", highlight=False)
 
 
 @app.command()

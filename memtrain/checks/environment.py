@@ -24,6 +24,7 @@ from memtrain.errors import DataError, Problem, UserError
 from memtrain.model.config import model_architecture
 from memtrain.plan.params import count_parameters
 from memtrain.recipe.rules import Registry, gpu_profile_of
+from memtrain.recipe.schema import Recipe
 from memtrain.recipe.sources import COMMAND_LINE, LoadedRecipe
 from memtrain.units import gib
 
@@ -49,13 +50,17 @@ def check_environment(
     env: Environment,
     skip_sections: set[str] | frozenset[str] = frozenset(),
     weights_fit: bool = True,
+    packages: bool = True,
 ) -> list[Problem]:
     """Every problem of the recipe against files, models and packages (empty when none).
 
     weights_fit: False leaves out "the weights alone exceed the card", for `memtrain plan`, whose job
     is to say what to change when a recipe does not fit.
+    packages: False leaves out the optional packages the run will import (bitsandbytes), for `plan` and
+    `validate`, which one runs before installing anything, often on another machine than the GPU's
+    (`packages_needed` says what the run will need).
     """
-    leave_out = () if weights_fit else (check_weights_fit,)
+    leave_out = (() if weights_fit else (check_weights_fit,)) + (() if packages else (_check_bitsandbytes,))
     return CHECKS.run(loaded, env, skip_sections=skip_sections, leave_out=leave_out)
 
 
@@ -312,6 +317,21 @@ def check_weights_fit(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
             "`memtrain plan --fit` finds a fit",
         )
     ]
+
+
+def packages_needed(recipe: Recipe, env: Environment) -> list[str]:
+    """The optional packages a run of `recipe` imports that this machine lacks, each with what needs it."""
+    if env.bitsandbytes:
+        return []
+    users = [
+        name
+        for name, uses in (
+            ("model.quantize", recipe.model.quant_type is not None),
+            (f"optimizer.name={recipe.optimizer.name}", recipe.optimizer.name != "adamw"),
+        )
+        if uses
+    ]
+    return [f"bitsandbytes (for {' and '.join(users)}; pip install 'memtrain[qlora]')"] if users else []
 
 
 @reads("model", "optimizer")

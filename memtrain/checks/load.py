@@ -13,15 +13,21 @@ from memtrain.recipe.sources import LoadedRecipe
 
 
 def load_checked(
-    path: str | Path, overrides: list[str] | None = None, env: Environment | None = None, weights_fit: bool = True
+    path: str | Path,
+    overrides: list[str] | None = None,
+    env: Environment | None = None,
+    weights_fit: bool = True,
+    packages: bool = True,
 ) -> LoadedRecipe:
     """load_recipe with the second validation phase: every problem of both phases is raised together,
-    in reading order, as one RecipeError."""
+    in reading order, as one RecipeError. weights_fit and packages: see check_environment."""
     env = env or current_environment()
     return load_recipe(
         path,
         overrides,
-        more_checks=lambda loaded, bad: check_environment(loaded, env, skip_sections=bad, weights_fit=weights_fit),
+        more_checks=lambda loaded, bad: check_environment(
+            loaded, env, skip_sections=bad, weights_fit=weights_fit, packages=packages
+        ),
     )
 
 
@@ -35,7 +41,8 @@ def load_checked_text(
     )
 
 
-def recipe_checks(env: Environment) -> Callable[[LoadedRecipe], list[Problem]]:
+def recipe_checks(env: Environment, packages: bool = True) -> Callable[[LoadedRecipe], list[Problem]]:
     """Every problem of an already loaded recipe on this machine: its cross-field rules, then its files, models
-    and packages (what `plan --fit` and a run's host-memory hint ask of each candidate change)."""
-    return lambda loaded: check_rules(loaded) + check_environment(loaded, env)
+    and (unless `packages` is False, as for `plan`) packages: what `plan --fit` and a run's host-memory hint ask
+    of each candidate change."""
+    return lambda loaded: check_rules(loaded) + check_environment(loaded, env, packages=packages)

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 from rich.table import Table
 
-from memtrain.checks.environment import Environment, current_environment
+from memtrain.checks.environment import Environment, current_environment, packages_needed
 from memtrain.checks.load import load_checked, recipe_checks
 from memtrain.data.rows.loader import sample_order, token_slots
 from memtrain.data.rows.row_set import DataStats
@@ -45,9 +45,10 @@ LABELS = {
 
 
 def load_for_plan(recipe: Path, overrides: list[str], env: Environment) -> LoadedRecipe:
-    """Load and check a recipe, except the quick 'weights exceed the card' check: planning a recipe
-    that does not fit is this command's job (its advice says what to change)."""
-    return load_checked(recipe, overrides, env, weights_fit=False)
+    """Load and check a recipe, except the quick 'weights exceed the card' check (planning a recipe that does not
+    fit is this command's job: its advice says what to change) and the optional packages the run will import (a
+    plan is what one runs before installing anything; `packages_needed` names them)."""
+    return load_checked(recipe, overrides, env, weights_fit=False, packages=False)
 
 
 def located_plan(loaded: LoadedRecipe, *, gpu: str | None, exact_pinned: bool, micro_batch: int | None = None) -> Plan:
@@ -285,7 +286,9 @@ def plan_command(
     loaded = load_for_plan(recipe, overrides, env)
     plan = located_plan(loaded, gpu=gpu, exact_pinned=exact_pinned)
 
-    advice = [] if plan.fits else advise(loaded, gpu, exact_pinned=exact_pinned, checks=recipe_checks(env))
+    advice = (
+        [] if plan.fits else advise(loaded, gpu, exact_pinned=exact_pinned, checks=recipe_checks(env, packages=False))
+    )
     written, replaced = None, False
     if fit and output is not None and (plan.fits or advice):
         # A recipe that fits is written as it is (with the command line's overrides), so that
@@ -308,6 +311,7 @@ def plan_command(
     faster = larger_micro_batch(loaded, plan, gpu=gpu, exact_pinned=exact_pinned)
     recompute_less = fewer_recomputed_layers(loaded, plan, gpu=gpu, exact_pinned=exact_pinned)
     offer_compile = plan.fits and compile_offered(loaded, plan)
+    needed = packages_needed(loaded.recipe, env)
     per_step, data_warnings = None, ()
     if with_data:
         with tokenising_progress(), loaded.sources.located():
@@ -320,6 +324,7 @@ def plan_command(
                     "plan": plan.to_json(),
                     "verdict": verdict(plan),
                     **({"data": per_step, "data_warnings": list(data_warnings)} if with_data else {}),
+                    **({"packages_needed": needed} if needed else {}),
                     "advice": [a.to_json() for a in advice],
                     "fitted_recipe": str(written) if written else None,
                     "larger_micro_batch": faster.micro_batch if faster else None,
@@ -334,6 +339,8 @@ def plan_command(
         console.print(_data_table(per_step))
     for warning in data_warnings:
         console.print(f"[yellow]![/] {warning}", highlight=False, soft_wrap=True)
+    for package in needed:
+        console.print(f"[yellow]![/] the run needs {package}: not installed here", highlight=False, soft_wrap=True)
     if faster is not None:
         console.print(
             f"faster: batch.micro_batch={faster.micro_batch} also fits ({gib(faster.peak_reserved_bytes):.2f} "

@@ -592,3 +592,34 @@ def test_a_smaller_micro_batch_costs_by_the_parameter_offload_of_its_own_combina
     assert costs[("batch.micro_batch=1",) + offload] == 1.64  # 0.6 + 0.5 × 2 halvings + 0.04
     assert [a.speed_cost for a in advice] == sorted(a.speed_cost for a in advice)
     assert ("model.lora.r=16", "model.quantize.type=nf4") in list(costs)[:2]  # QLoRA (1.3) before micro-batch 1
+
+
+def test_plan_and_validate_work_without_the_packages_the_run_will_need(tmp_path):
+    """A plan is what one runs before installing anything: a paged 8-bit optimizer and a quantised base are
+    priced on a machine without bitsandbytes, and the plan names the package; only a run refuses."""
+    import pytest
+
+    from memtrain.checks.environment import Environment, packages_needed
+    from memtrain.checks.load import load_checked
+    from memtrain.commands.plan import load_for_plan, located_plan
+    from memtrain.errors import RecipeError
+
+    recipe = tmp_path / "paged.yaml"
+    recipe.write_text(
+        "model: {preset: tiny, lora: {r: 8}, quantize: {type: nf4}}\n"
+        "data: {train: 'builtin:shakespeare', seq_len: 64}\n"
+        "optimizer: {name: paged_adamw_8bit}\n"
+        "batch: {global_batch: 8, micro_batch: 2}\n"
+        "train: {steps: 2}\n"
+    )
+    without = Environment(bitsandbytes=False)
+    loaded = load_for_plan(recipe, [], without)
+    plan = located_plan(loaded, gpu=None, exact_pinned=True)
+    with_package = located_plan(load_for_plan(recipe, [], Environment()), gpu=None, exact_pinned=True)
+    assert plan.peak_reserved_bytes == with_package.peak_reserved_bytes > 0  # priced from known sizes
+    (needed,) = packages_needed(loaded.recipe, without)
+    assert needed.startswith("bitsandbytes") and "model.quantize" in needed and "paged_adamw_8bit" in needed
+    assert packages_needed(loaded.recipe, Environment()) == []
+    load_checked(recipe, [], without, packages=False)  # validate's check: passes
+    with pytest.raises(RecipeError, match="needs bitsandbytes, which is not installed"):
+        load_checked(recipe, [], without)  # run's check: refuses
