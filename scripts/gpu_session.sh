@@ -569,7 +569,7 @@ equal3b)  # the offload goal asks for equal or lower peak memory than HF's measu
     --case "3b-zero3-opt-param-offload-mb4x1024 (memtrain mb8, every layer: plans 6.75 GiB)=$three :: batch.micro_batch=8"
   ;;
 torch211)  # torch < 2.13 left a failed checkpointed region's hooks installed (the 7B LoRA every-2 CheckpointError)
-  tests="tests/train/test_oom.py tests/train/test_run.py" only="checkpointed_layer or saved_tensor_hooks or layer_point"
+  tests="tests/train/runtime/test_oom.py tests/train/test_run.py" only="checkpointed_layer or saved_tensor_hooks or layer_point"
   step "tests-with-fix" 90 env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -p no:cacheprovider $tests -k "$only"
   sed -i 's/^    abandon_failed_frames(error)$/    pass/' memtrain/train/step/micro_batches.py
   step "tests-without-fix (expected to fail)" 90 env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -p no:cacheprovider $tests -k "$only"

@@ -472,7 +472,7 @@ def test_gpu_option_must_name_a_card_with_memory(tmp_path, gpu, says):
 
 def test_data_option_says_the_datas_warnings(tmp_path):
     """A tokenizer template that writes no special token after an answer: plan --data says so, as run does."""
-    from tests.data.test_templates import family_tokenizer
+    from tests.data.render.test_templates import family_tokenizer
 
     family_tokenizer("plain").save_pretrained(tmp_path / "plain")
     recipe = tmp_path / "plain.yaml"

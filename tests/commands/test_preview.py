@@ -105,7 +105,7 @@ def test_rows_out_of_range_and_an_unknown_split_exit_2_with_the_way_out(tmp_path
 def test_a_template_that_closes_no_turn_is_warned_about_where_the_data_is_built(tmp_path, monkeypatch):
     """The tokenizer's own template writes no special token after an answer: nothing to learn to stop at. preview
     (and prepare and run, which build the data the same way) say so, at model.tokenizer."""
-    from tests.data.test_templates import family_tokenizer
+    from tests.data.render.test_templates import family_tokenizer
 
     plain = tmp_path / "plain-tokenizer"
     family_tokenizer("plain").save_pretrained(plain)

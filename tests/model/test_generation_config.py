@@ -17,7 +17,7 @@ from memtrain.model.final_dir import export_run
 from memtrain.model.merge import set_inference_config
 from memtrain.recipe.schema import Data, Model
 from memtrain.train.state.final_model import export_model
-from tests.data.test_templates import family_tokenizer
+from tests.data.render.test_templates import family_tokenizer
 from tests.model.families import tiny_config
 from tests.train.test_chat_run import chat_recipe
 

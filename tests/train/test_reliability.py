@@ -18,7 +18,7 @@ from memtrain.train.resolve import RUN_FILE, RunOptions
 from memtrain.train.state.checkpoint import complete_checkpoints
 from memtrain.train.state.resume import UNCOMPARED_DATA_NOTE
 from tests.conftest import read_records
-from tests.train.test_resume_data import conversations
+from tests.train.state.test_resume import conversations
 from tests.train.test_run import run_dir_of
 
 pytestmark = pytest.mark.slow

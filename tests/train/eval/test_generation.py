@@ -16,7 +16,7 @@ from memtrain.train.eval.generation import (
     is_exact_match,
     stop_token_ids,
 )
-from tests.data.test_templates import family_end_of_turn, family_tokenizer
+from tests.data.render.test_templates import family_end_of_turn, family_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -95,7 +95,7 @@ def test_a_stop_whose_exception_a_finaliser_swallowed_still_stops_the_run(tmp_pa
 
     from tests.train.test_run import clean_env
 
-    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "quickstart.yaml"
     done = subprocess.run(
         [sys.executable, "-c", SWALLOWED_STOP, str(recipe), str(tmp_path / "run")],
         text=True,

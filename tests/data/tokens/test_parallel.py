@@ -161,7 +161,7 @@ def test_workers_end_quietly_when_the_command_is_stopped_or_killed(signum):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(parallel.__file__).parents[2])},
+        env={**os.environ, "PYTHONPATH": str(Path(parallel.__file__).parents[3])},
     )
     assert child.stdout.readline().startswith("result")  # the workers are at work
     workers = [

@@ -73,7 +73,7 @@ def test_differences_name_recipe_keys_and_resolved_fields():
 
 # --- the hostfile: one command on the first node (DeepSpeed's launcher style) ---
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+QUICKSTART = Path(__file__).resolve().parents[3] / "recipes" / "quickstart.yaml"
 
 
 def hostfile(tmp_path: Path, text: str) -> Path:

@@ -11,7 +11,7 @@ from memtrain.plan.model_states import optimizer_bytes_per_param
 from memtrain.recipe.load import load_recipe
 from memtrain.train.state.storage import expected_checkpoint_bytes
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _per_param(recipe: str) -> float:

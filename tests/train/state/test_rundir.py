@@ -267,7 +267,7 @@ def test_the_validation_set_does_not_depend_on_the_card_the_auto_micro_batch_is_
     from memtrain.recipe.load import load_recipe
     from memtrain.train.resolve import resolve_run
 
-    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tinyllama-1.1b-full-offload-24gb.yaml"
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "tinyllama-1.1b-full-offload-24gb.yaml"
     runs = {
         gpu: resolve_run(
             load_recipe(recipe, [f"hardware.gpu={gpu}"]).recipe, "r", Path("/tmp/unused"), 10_000, exact_pinned=True
@@ -288,7 +288,7 @@ def test_a_run_says_the_micro_batch_auto_chose_and_why(tmp_path):
     from memtrain.train.launch import prepare
     from memtrain.train.step.hooks import Hooks
 
-    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "quickstart.yaml"
     auto = prepare(load_checked(recipe, ["batch.micro_batch=auto", f"data.cache_dir={tmp_path}"]), Hooks())
     assert (
         "micro-batch 16 (batch.micro_batch auto: the largest that divides the 16 samples per GPU and step and "

@@ -38,7 +38,7 @@ def test_the_added_tokens_note_says_whether_the_embeddings_grow(write_recipe, tm
 
 
 def test_a_template_that_closes_no_turn_is_a_warning_of_the_run(write_recipe, tmp_path):
-    from tests.data.test_templates import family_tokenizer
+    from tests.data.render.test_templates import family_tokenizer
 
     plain = tmp_path / "plain-tokenizer"
     family_tokenizer("plain").save_pretrained(plain)
