@@ -28,7 +28,8 @@ from memtrain.train.runtime.allocator import exact_pinned_supported
 from memtrain.train.setup import build_data
 from memtrain.units import gib
 
-# Steps `plan --data` walks through to price bucketed batches (seconds for a million rows would be too slow to wait for).
+# Steps `plan --data` walks through to price bucketed batches (seconds for a million rows would be too slow to wait
+# for).
 PRICED_STEPS = 1000
 
 LABELS = {
@@ -215,7 +216,7 @@ def data_per_step(recipe, train_set, micro_batch: int) -> dict:
     per_row = 1 / max(stats.rows, 1)
     slots_per_step, padding_share = rows * stats.seq_len, stats.padding_share
     tokens_per_step, targets_per_step = rows * stats.tokens * per_row, rows * stats.target_tokens * per_row
-    if recipe.data.groups_by_length:  # every column over the same priced steps (audit 18c: padding was not)
+    if recipe.data.groups_by_length:  # every column over the same priced steps (padding too)
         order = sample_order(recipe.data, train_set, recipe.train.seed, rows)
         steps = max(1, min(len(train_set) // rows, PRICED_STEPS))
         per_rank = rows // recipe.hardware.gpus

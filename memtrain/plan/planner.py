@@ -219,7 +219,7 @@ def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) 
     elif whole_on_one_gpu(recipe):
         # only the layer in use and the largest tensor are gathered beside their partitions at the peak
         # (measured on the H200: 3B and 7B held 1.90 and 1.68 GiB less than the max_live_parameters term
-        # below; fitted on those three rows, session 12)
+        # below; fitted on those three rows, benchmarks/plan_accuracy.csv)
         live = counts.largest_layer + counts.largest_tensor
     else:
         # DeepSpeed releases gathered parameters only once more than max_live_parameters are resident,
