@@ -1,6 +1,6 @@
 """The committed accuracy table says what the current planner predicts: its predicted columns are
 recomputed here (as `scripts/plan_accuracy.py --replan` does) and must match, so a planner change
-that moves a prediction cannot land without the table (and its view in docs/) moving with it."""
+that moves a prediction cannot land without the table (and its Markdown view beside it) moving with it."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def _harness():
 
 
 TABLES = [
-    (True, "plan_accuracy.csv", "PLAN_ACCURACY.md"),
-    (False, "plan_accuracy_caching.csv", "PLAN_ACCURACY_CACHING.md"),
+    (True, "plan_accuracy.csv", "plan_accuracy.md"),
+    (False, "plan_accuracy_caching.csv", "plan_accuracy_caching.md"),
 ]
 
 
@@ -55,9 +55,9 @@ def test_accuracy_table_predictions_are_the_current_planners(expandable, table, 
 
 
 @pytest.mark.parametrize("expandable, table, view", TABLES)
-def test_accuracy_view_in_docs_is_rendered_from_the_csv(expandable, table, view):
+def test_accuracy_view_beside_its_csv_is_rendered_from_the_csv(expandable, table, view):
     harness = _harness()
-    assert (ROOT / "docs" / view).read_text() == harness.markdown(_rows(table), expandable)
+    assert (ROOT / "benchmarks" / view).read_text() == harness.markdown(_rows(table), expandable)
 
 
 def test_side_by_side_runs_keep_nvme_cases_alone(monkeypatch):
