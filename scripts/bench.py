@@ -166,10 +166,11 @@ def run_limited(argv: list[str], env: dict, limit_s: int) -> int:
 
 class held_gpu:
     """scripts/hold_gpu_memory.py (the card physically 24 GiB) and scripts/sample_host_memory.py (machine-wide host
-    memory into host-NAME.json) beside the runs inside the `with`, both stopped after them."""
+    memory into host_memory/host-NAME.json under the tables' folder) beside the runs inside the `with`, both stopped
+    after them."""
 
     def __init__(self, out: Path, name: str, env: dict):
-        self.out, self.name, self.env = out, name, env
+        self.out, self.name, self.env = out / "host_memory", name, env
         self.holder: subprocess.Popen | None = None
         self.sampler: subprocess.Popen | None = None
 
@@ -273,7 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {', '.join(invocation.names)} (up to {invocation.budget_s} s) at {time.monotonic() - started:.0f} s")
         print(shown(argv), flush=True)
         start_tables(invocation, args.out)
-        if run_invocation(invocation, argv, args.out, invocation.budget_s) != 0:
+        try:
+            code = run_invocation(invocation, argv, args.out, invocation.budget_s)
+        except RuntimeError as error:  # the GPU memory holder did not start: the held runs would measure nothing
+            print(f"== {error}", flush=True)
+            code = 1
+        if code != 0:
             failed += invocation.names
     if skipped:
         rest = shlex.join(["python", "-m", "scripts.bench", args.suite, "--only", ",".join(skipped)])

@@ -178,3 +178,27 @@ def test_a_run_case_appends_its_row_to_a_copy_of_the_committed_table(tmp_path, c
     assert row["command"].startswith("memtrain run recipes/quickstart.yaml data.seq_len=32") and row["machine"]
     assert row["date"] and float(row["tokens_per_s"]) > 0
     assert "| quickstart-tiny |" in (out / "runs.md").read_text()
+
+
+def test_a_held_run_whose_gpu_memory_holder_cannot_start_is_not_run(tmp_path, capsys):
+    """Without the holder a paged optimizer would find the whole card free: the row would measure another card."""
+    suites = tmp_path / "suites.yaml"
+    suites.write_text(
+        "baselines: {}\n"
+        "suites:\n"
+        "  held:\n"
+        "    about: one run beside the GPU memory holder\n"
+        "    cases:\n"
+        "      - {name: quickstart-held, kind: run, recipe: recipes/quickstart.yaml, steps: 1, warmup_steps: 0,\n"
+        "         hold_gpu: true, budget_s: 60}\n"
+    )
+    out = tmp_path / "out"
+    environment = bench.child_environment()
+    environment["CUDA_VISIBLE_DEVICES"] = ""  # no card to hold, whatever the machine has
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench, "child_environment", lambda: environment)
+        assert bench.main(["held", "--suites", str(suites), "--out", str(out)]) == 1
+    said = capsys.readouterr().out
+    assert "the GPU memory holder did not start" in said and "did not finish cleanly: quickstart-held" in said
+    assert "quickstart-held" not in (out / "runs.csv").read_text()  # the run never started
+    assert (out / "host_memory" / "hold-quickstart-held.txt").exists()  # what the holder said, to read
