@@ -102,10 +102,7 @@ def command(invocation: Invocation, out: Path) -> list[str]:
     elif isinstance(first, PlanAccuracy):
         argv = ["scripts.plan_accuracy", "--out", table, "--timeout", str(first.timeout_s)]
         argv += ["--parallel", str(first.parallel), "--host-budget-gib", f"{first.host_budget_gib:g}"]
-        argv += ["--group", ",".join(dict.fromkeys(case.group for case in invocation.cases))]
-        only = [part for case in invocation.cases for part in case.only]
-        if only and all(case.only for case in invocation.cases):  # a case without `only` takes its whole group
-            argv += ["--only", ",".join(only)]
+        argv += ["--group", first.group] + (["--only", ",".join(first.only)] if first.only else [])
         argv += ["--calibrate"] if first.calibrate else []
     else:
         raise TypeError(f"no command for a {type(first).__name__} case")
