@@ -160,7 +160,8 @@ def plan(
     fit: bool = typer.Option(
         False,
         "--fit",
-        help="When it does not fit, apply the cheapest change that fits with margin (with -o; a recipe that fits is written as it is; with --gpu, the file names that card).",
+        help="When it does not fit, apply the cheapest change that fits with margin (with -o; a recipe that fits is "
+        "written as it is; with --gpu, the file names that card).",
     ),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="With --fit: write the fitted recipe here."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
@@ -227,7 +228,8 @@ def run(
         None,
         "--max-steps",
         min=1,
-        help="Stop after this many more optimizer steps, counted from where the run resumes (the schedule still follows the recipe).",
+        help="Stop after this many more optimizer steps, counted from where the run resumes (the schedule still "
+        "follows the recipe).",
     ),
     profile: int = typer.Option(
         0, "--profile", help="Record a torch.profiler trace of N steps into the run directory."
@@ -244,7 +246,8 @@ def run(
         None,
         "--nnodes",
         min=1,
-        help="Machines the run spans (hardware.nodes; default: the recipe's, or SLURM_NNODES). Run the same command on each.",
+        help="Machines the run spans (hardware.nodes; default: the recipe's, or SLURM_NNODES). Run the same command "
+        "on each.",
         rich_help_panel="Several nodes",
     ),
     node_rank: Optional[int] = typer.Option(
@@ -257,7 +260,8 @@ def run(
     master_addr: Optional[str] = typer.Option(
         None,
         "--master-addr",
-        help="Node 0's hostname or IP, the same on every node (default: MASTER_ADDR, or the first host of the Slurm job).",
+        help="Node 0's hostname or IP, the same on every node (default: MASTER_ADDR, or the first host of the Slurm "
+        "job).",
         rich_help_panel="Several nodes",
     ),
     master_port: Optional[int] = typer.Option(
@@ -278,13 +282,15 @@ def run(
     hostfile: Optional[Path] = typer.Option(
         None,
         "--hostfile",
-        help="DeepSpeed-style hostfile (`host slots=N` lines, this machine first): run once, here, and memtrain starts every node (the others through --remote-shell).",
+        help="DeepSpeed-style hostfile (`host slots=N` lines, this machine first): run once, here, and memtrain "
+        "starts every node (the others through --remote-shell).",
         rich_help_panel="Several nodes",
     ),
     remote_shell: str = typer.Option(
         "ssh",
         "--remote-shell",
-        help='With --hostfile: the command that runs a command on another host, as REMOTE_SHELL HOST COMMAND (e.g. "ssh -p 2222").',
+        help="With --hostfile: the command that runs a command on another host, as REMOTE_SHELL HOST COMMAND "
+        '(e.g. "ssh -p 2222").',
         rich_help_panel="Several nodes",
     ),
 ):

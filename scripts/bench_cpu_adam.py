@@ -5,7 +5,7 @@ fp32 parameters, gradients and moments, weight decay on; each implementation in 
 one step to create the moments, then the median of --steps timed steps. Rows go to --out (keyed by implementation,
 size and machine).
 
-    python scripts/bench_cpu_adam.py --millions 100 300 --out benchmarks/cpu_adam.csv
+    python -m scripts.bench_cpu_adam --millions 100 300 --out benchmarks/cpu_adam.csv
 """
 
 from __future__ import annotations
@@ -14,32 +14,27 @@ import argparse
 import datetime as dt
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+import torch
 
-from bench_run import cpu_name, upsert_row  # noqa: E402
+from scripts.bench_common import ROOT, cpu_name, upsert_row
 
 COLUMNS = ["implementation", "params_millions", "ms_per_step", "gb_per_s", "threads", "machine", "date", "command"]
 BYTES_PER_PARAM_TOUCHED = 4 * 7  # read param, grad, two moments; write param, two moments (fp32)
 
 
 def optimizer(name: str, param):
-    import torch  # noqa: PLC0415
-
     if name == "deepspeed":
-        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 — builds the op on first use
+        # here: after main() chose DeepSpeed's CPU accelerator, which it reads at import; builds the op on first use
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam([param], lr=1e-3, weight_decay=0.01, adamw_mode=True)
     return torch.optim.AdamW([param], lr=1e-3, weight_decay=0.01, fused=True)
 
 
 def step_ms(name: str, elements: int, steps: int) -> float:
-    import torch  # noqa: PLC0415
-
     param = torch.nn.Parameter(torch.randn(elements))
     param.grad = torch.randn(elements)
     opt = optimizer(name, param)
@@ -59,10 +54,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "cpu_adam.csv")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the op is the same; no GPU needed
-    import torch  # noqa: PLC0415
-
     machine = f"{cpu_name()}, {os.cpu_count()} cores, PyTorch {torch.__version__.split('+')[0]}"
-    command = f"python scripts/bench_cpu_adam.py --millions {' '.join(map(str, args.millions))} --steps {args.steps}"
+    command = f"python -m scripts.bench_cpu_adam --millions {' '.join(map(str, args.millions))} --steps {args.steps}"
     for millions in args.millions:
         for name in ("deepspeed", "torch"):
             ms = step_ms(name, millions * 1_000_000, args.steps)

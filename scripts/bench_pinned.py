@@ -4,7 +4,7 @@ under PyTorch's pinned-allocator settings: its default (one cudaHostAlloc, pages
 
 Each setting runs in a fresh process (PyTorch reads its allocator settings once). Needs a CUDA GPU.
 
-    python scripts/bench_pinned.py --gib 4 --out benchmarks/pinned.csv
+    python -m scripts.bench_pinned --gib 4 --out benchmarks/pinned.csv
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+import torch
 
-from bench_run import machine_name, upsert_row  # noqa: E402
+from scripts.bench_common import machine_name, upsert_row
 
 COLUMNS = ["setting", "gib", "pin_memory_s", "empty_pinned_s", "h2d_gbps", "machine", "date", "command"]
 SETTINGS = (
@@ -35,9 +34,11 @@ n = int(float(sys.argv[1]) * 2**30) // 4
 torch.cuda.init(); torch.zeros(1, device="cuda")
 source = torch.ones(n, dtype=torch.float32)
 start = time.perf_counter(); pinned = source.pin_memory(); pin_s = time.perf_counter() - start
-start = time.perf_counter(); empty = torch.empty(n, dtype=torch.float32, pin_memory=True); empty_s = time.perf_counter() - start
+start = time.perf_counter(); empty = torch.empty(n, dtype=torch.float32, pin_memory=True)
+empty_s = time.perf_counter() - start
 gpu = torch.empty(n, dtype=torch.float32, device="cuda")
-start = time.perf_counter(); gpu.copy_(pinned, non_blocking=True); torch.cuda.synchronize(); h2d_s = time.perf_counter() - start
+start = time.perf_counter(); gpu.copy_(pinned, non_blocking=True); torch.cuda.synchronize()
+h2d_s = time.perf_counter() - start
 print(json.dumps({"pin_memory_s": pin_s, "empty_pinned_s": empty_s, "h2d_gbps": n * 4 / h2d_s / 1e9}))
 """
 
@@ -47,8 +48,6 @@ def main() -> int:
     parser.add_argument("--gib", type=float, default=4.0, help="size of each pinned tensor")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    import torch  # noqa: PLC0415 — only for the machine's description
-
     machine = f"{machine_name()}, {os.cpu_count()} CPU cores, PyTorch {torch.__version__.split('+')[0]}"
     for setting in SETTINGS:
         env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": setting} if setting else dict(os.environ)
@@ -65,7 +64,7 @@ def main() -> int:
             **{k: f"{v:.2f}" for k, v in result.items()},
             "machine": machine,
             "date": dt.date.today().isoformat(),
-            "command": f"python scripts/bench_pinned.py --gib {args.gib:g} --out {args.out}",
+            "command": f"python -m scripts.bench_pinned --gib {args.gib:g} --out {args.out}",
         }
         print(row)
         upsert_row(

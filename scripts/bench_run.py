@@ -4,18 +4,16 @@ Each case runs `python -m memtrain run RECIPE OVERRIDES --no-resume` in a subpro
 metrics.jsonl; rows are appended to a CSV (one row per case, with the command, machine and date)
 and a Markdown view is rewritten from the whole CSV.
 
-    python scripts/bench_run.py --out benchmarks/runs.csv \
+    python -m scripts.bench_run --out benchmarks/runs.csv \
         --case "1.1b-full-opt-offload=recipes/tinyllama-1.1b-full-offload-24gb.yaml train.steps=20"
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import json
 import os
-import re
 import shlex
 import statistics
 import subprocess
@@ -23,12 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from memtrain.train.runtime.distributed import without_rank_variables
+from scripts.bench_common import ROOT, GiB, machine_name, run_dir_for, upsert_row
 
-from memtrain.train.runtime.distributed import without_rank_variables  # noqa: E402
-
-GiB = 1024**3
 COLUMNS = [
     "recipe",
     "tokens_per_s",
@@ -42,35 +37,6 @@ COLUMNS = [
     "date",
     "command",
 ]
-
-
-def machine_name() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return f"{torch.cuda.get_device_name(0)}"
-    except ImportError:
-        pass
-    return f"{cpu_name()} CPU"
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo), else what platform knows of it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
-def run_dir_for(runs: Path, name: str) -> Path:
-    """A directory for a case whose label may hold spaces, colons or commas (an override would misread them)."""
-    return runs / re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
 
 
 def run_case(name: str, spec: str, runs: Path, timeout_s: int, warmup_steps: int) -> dict:
@@ -119,36 +85,7 @@ def run_case(name: str, spec: str, runs: Path, timeout_s: int, warmup_steps: int
     return row
 
 
-def write_markdown(rows: list[dict], path: Path, title: str, columns: list[str] = COLUMNS) -> None:
-    lines = [f"# {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        lines.append("| " + " | ".join(str(row.get(c, "")).replace("|", "\\|") for c in columns) + " |")
-    path.write_text("\n".join(lines) + "\n")
-
-
-def upsert_row(
-    out: Path,
-    row: dict,
-    columns: list[str],
-    title: str,
-    keys: tuple[str, ...] = ("recipe",),
-    defaults: dict | None = None,
-) -> None:
-    """Replace the row with the same `keys` in the CSV (or add it) and rewrite its Markdown view.
-
-    defaults: values for columns that rows written before the column existed lack."""
-    rows = list(csv.DictReader(out.open())) if out.exists() else []
-    rows = [{**(defaults or {}), **{k: v for k, v in r.items() if k is not None and v is not None}} for r in rows]
-    rows = [r for r in rows if any(r.get(k) != row.get(k) for k in keys)] + [row]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    write_markdown(rows, out.with_suffix(".md"), title, columns)
-
-
-def main() -> int:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", action="append", required=True, help="NAME=RECIPE [key=value ...]")
     parser.add_argument("--out", type=Path, required=True)
@@ -156,7 +93,11 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--warmup-steps", type=int, default=3, help="steps left out of tokens/s")
     parser.add_argument("--title", default="memtrain run benchmarks")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments().parse_args(argv)
     for case in args.case:
         name, _, spec = case.partition("=")
         row = run_case(name, spec, args.runs, args.timeout, args.warmup_steps)

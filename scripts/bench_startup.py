@@ -4,7 +4,7 @@ Each run's `startup` record (metrics.jsonl; memtrain.monitor.startup) gives the 
 the process's start to the end of the first optimizer step; the phases sum to first_step_s. One row per
 recipe in benchmarks/startup.csv (rows keyed by recipe and machine state), and its Markdown view.
 
-    python scripts/bench_startup.py --machine-state warm --out benchmarks/startup.csv \\
+    python -m scripts.bench_startup --machine-state warm --out benchmarks/startup.csv \\
         --recipe recipes/llama2-7b-lora-24gb.yaml --recipe "recipes/tinyllama-1.1b-full-offload-24gb.yaml"
 
 --machine-state fresh starts the invocation with empty compiled-op caches (TORCH_EXTENSIONS_DIR for DeepSpeed's
@@ -12,7 +12,7 @@ CPU Adam, TRITON_CACHE_DIR for Triton kernels such as Liger's, TORCHINDUCTOR_CAC
 kept under --runs for the whole invocation:
 the first recipe runs on a fresh machine and is labelled `fresh`, the later ones find what it built and
 are labelled `warm`. --machine-state warm uses the caches as they are and labels every row `warm`.
-The token cache (MEMTRAIN_CACHE) is emptied with them since session 16; earlier fresh rows found the data tokenised.
+The token cache (MEMTRAIN_CACHE) is emptied with them.
 --prepare runs `memtrain prepare` on the first recipe before it (the one-time work done ahead, as in a
 container's set-up) and gives its seconds in the `prepare_s` column, outside first_step_s.
 A recipe may carry overrides after it ("RECIPE key=value ...").
@@ -34,14 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_run import machine_name, upsert_row  # noqa: E402
-
-from memtrain.monitor.startup import PHASES  # noqa: E402
-from memtrain.train.runtime.distributed import without_rank_variables  # noqa: E402
+from memtrain.monitor.startup import PHASES
+from memtrain.train.runtime.distributed import without_rank_variables
+from scripts.bench_common import ROOT, machine_name, upsert_row
 
 COLUMNS = ["recipe", "machine_state", "first_step_s", "prepare_s", *PHASES, "machine", "date", "command"]
 
@@ -124,7 +119,7 @@ def row_of(name: str, state: str, startup: dict, command: str, prepare_s: float 
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", action="append", required=True, help="RECIPE [key=value ...]")
     parser.add_argument("--machine-state", choices=("warm", "fresh"), required=True)
@@ -132,11 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run (the first is the one timed)")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-startup"))
     parser.add_argument("--timeout", type=int, default=600)
-    parser.add_argument(
-        "--label", default="", help="added to each row's recipe name in parentheses (a session, a setting)"
-    )
+    parser.add_argument("--label", default="", help="added to each row's recipe name in parentheses (a setting)")
+    parser.add_argument("--name", default="", help="the rows' name in place of the recipe's file name and overrides")
     parser.add_argument("--prepare", action="store_true", help="run `memtrain prepare` on the first recipe before it")
     parser.add_argument("--jsonl-mb", type=int, default=0, help="generate this many MB of JSONL text for {jsonl}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arguments()
     args = parser.parse_args(argv)
     jsonl = make_jsonl(args.runs / f"plays-{args.jsonl_mb}mb.jsonl", args.jsonl_mb) if args.jsonl_mb else None
     env = without_rank_variables(os.environ)  # each run starts its own process group
@@ -153,12 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for index, spec in enumerate(args.recipe):
         state = "fresh" if args.machine_state == "fresh" and index == 0 else "warm"
-        name = " ".join(Path(part).stem if i == 0 else part for i, part in enumerate(shlex.split(spec)))
+        name = args.name or " ".join(Path(part).stem if i == 0 else part for i, part in enumerate(shlex.split(spec)))
         name += f" ({args.label})" if args.label else ""
         command = (
-            f"python scripts/bench_startup.py --machine-state {args.machine_state} --steps {args.steps} "
+            f"python -m scripts.bench_startup --machine-state {args.machine_state} --steps {args.steps} "
             f"--recipe '{spec}'"
             + (f" --label '{args.label}'" if args.label else "")
+            + (f" --name {shlex.quote(args.name)}" if args.name else "")
             + (" --prepare" if args.prepare and index == 0 else "")
             + (f" --jsonl-mb {args.jsonl_mb}" if jsonl else "")
         )

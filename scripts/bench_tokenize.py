@@ -7,8 +7,8 @@ checkout; another checkout or worktree gives the before of a change), and writes
 with its Markdown view. peak_rss_gib is the largest of the processes' peaks (Linux's RUSAGE_CHILDREN), so with
 worker processes it is one process's, not their sum.
 
-    python scripts/bench_tokenize.py --mb 100 --label "session 20"
-    python scripts/bench_tokenize.py --kind chat --mb 40 --label "session 20"
+    python -m scripts.bench_tokenize --mb 100
+    python -m scripts.bench_tokenize --kind chat --mb 40 --code ../before --label "before the change"
 """
 
 from __future__ import annotations
@@ -25,10 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_run import machine_name, upsert_row  # noqa: E402
+from scripts.bench_common import ROOT, machine_name, upsert_row
 
 COLUMNS = ["case", "file_mb", "tokens", "seconds", "peak_rss_gib", "code", "machine", "date", "command"]
 CHILD = """
@@ -84,7 +81,7 @@ def main() -> int:
     parser.add_argument("--kind", choices=("text", "chat"), default="text")
     parser.add_argument("--mb", type=int, default=100)
     parser.add_argument("--code", type=Path, default=ROOT, help="checkout whose memtrain tokenises")
-    parser.add_argument("--label", default="")
+    parser.add_argument("--label", default="", help="added to the case's name: what the checkout holds")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-tokenize"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "tokenize.csv")
     args = parser.parse_args()
@@ -112,7 +109,7 @@ def main() -> int:
     peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1024**3  # Linux: KiB
     code = commit_of(args.code)
     command = (
-        "python scripts/bench_tokenize.py"
+        "python -m scripts.bench_tokenize"
         + (" --kind chat" if args.kind == "chat" else "")
         + f" --mb {args.mb}"
         + (f" --code {args.code}" if args.code != ROOT else "")

@@ -1,22 +1,24 @@
 """memtrain against Hugging Face Trainer + DeepSpeed, side by side in one invocation.
 
-For each case: `memtrain run` on the recipe, then scripts/hf_baseline.py on the same recipe (same
+For each case: `memtrain run` on the recipe, then each baseline (scripts/hf_baseline.py) on the same recipe (same
 shape, data, global batch, precision, checkpointing, offload tiers, memory cap; for chat data the same
 templated, masked, packed rows in the same order). Tokens/s counts row positions (global batch ×
 seq_len per step) over the steps after the warm-up, for both; target tokens/s counts the positions the
 loss is computed on (for chat data, the responses), also for both, from memtrain's rows.
 Appends to benchmarks/vs_hf.csv and rewrites its Markdown view.
 
-    python scripts/bench_vs_hf.py --out benchmarks/vs_hf.csv --steps 12 --warmup 3 \
+    python -m scripts.bench_vs_hf --out benchmarks/vs_hf.csv --steps 12 --warmup 3 \
         --case "1.1b-full-opt-offload=recipes/tinyllama-1.1b-full-offload-24gb.yaml"
 
 Overrides after a `::` in a case apply to memtrain only (its levers: a planner-chosen micro-batch or
 checkpointing); the global batch must stay the same. Cases with the same recipe and shared overrides
-run the Hugging Face side once per invocation and share its numbers.
+run each baseline once per invocation and share its numbers.
 
 --baseline hf,hf-liger runs memtrain once per case and each baseline after it, one row per baseline
-(the `baseline` column; the hf_* columns are that baseline's): hf is HF Trainer eager, hf-liger the same
-with `use_liger_kernel=True` (Liger's fused linear cross-entropy, RMSNorm, SwiGLU and RoPE).
+(the `baseline` column; the hf_* columns are that baseline's numbers, whichever it is). The baselines are
+those of benchmarks/suites.yaml (`baselines:`): hf is HF Trainer eager, hf-liger the same with
+`use_liger_kernel=True` (Liger's fused linear cross-entropy, RMSNorm, SwiGLU and RoPE); a new one is a few
+lines there, naming its script (the contract: scripts/suites.py, Baseline).
 """
 
 from __future__ import annotations
@@ -30,14 +32,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from memtrain.plan.planner import describe_checkpointing
+from memtrain.recipe.load import load_recipe
+from memtrain.recipe.schema import Checkpointing
+from memtrain.train.runtime.distributed import without_rank_variables
+from scripts.bench_common import ROOT, machine_name, run_dir_for, upsert_row
+from scripts.suites import Baseline, SuitesError, load_suites
 
-from bench_run import machine_name, run_dir_for, upsert_row  # noqa: E402
-
-from memtrain.train.runtime.distributed import without_rank_variables  # noqa: E402
-
-BASELINES = ("hf", "hf-liger")
 COLUMNS = [
     "recipe",
     "baseline",
@@ -98,8 +99,6 @@ def memtrain_side(recipe: str, overrides: list[str], steps: int, warmup: int, ru
     start = next(r for r in records if r["kind"] == "run" and r.get("event") == "start")
     train = [r for r in records if r["kind"] == "train"]
     timed = train[warmup:]
-    from memtrain.recipe.load import load_recipe
-
     recipe_obj = load_recipe(ROOT / recipe, overrides).recipe
     tokens_per_step = recipe_obj.batch.global_batch * recipe_obj.data.seq_len
     seconds = timed[-1]["time"] - timed[0]["time"]
@@ -117,9 +116,6 @@ def memtrain_side(recipe: str, overrides: list[str], steps: int, warmup: int, ru
 
 def _setup(start: dict, recipe: dict) -> str:
     """What memtrain ran with, 'auto' resolved: micro-batch, checkpointing, allocator."""
-    from memtrain.plan.planner import describe_checkpointing
-    from memtrain.recipe.schema import Checkpointing
-
     checkpointing = describe_checkpointing(Checkpointing.model_validate(recipe["checkpointing"]))
     allocator = "expandable" if recipe["hardware"].get("expandable_segments") else "caching"
     compiled = ", compiled layers" if recipe.get("train", {}).get("compile") is True else ""
@@ -127,12 +123,14 @@ def _setup(start: dict, recipe: dict) -> str:
     return f"mb {start.get('micro_batch')}, {checkpointing}, {allocator}{compiled}{liger}"
 
 
-def hf_side(
-    recipe: str, overrides: list[str], steps: int, warmup: int, out: Path, timeout: int, baseline: str = "hf"
+def baseline_side(
+    baseline: Baseline, recipe: str, overrides: list[str], steps: int, warmup: int, out: Path, timeout: int
 ) -> dict:
+    """The baseline's script on the same recipe: the numbers it wrote to `out`."""
     command = [
         sys.executable,
-        str(ROOT / "scripts" / "hf_baseline.py"),
+        "-m",
+        baseline.module,
         recipe,
         *overrides,
         "--steps",
@@ -141,16 +139,13 @@ def hf_side(
         str(warmup),
         "--out",
         str(out),
-        "--baseline",
-        baseline,
+        *baseline.args,
     ]
     _run(command, out.with_suffix(".log"), timeout)
     return json.loads(out.read_text())
 
 
 def _global_batch(recipe: str, overrides: list[str]) -> int:
-    from memtrain.recipe.load import load_recipe
-
     return load_recipe(ROOT / recipe, overrides, check=False).recipe.batch.global_batch
 
 
@@ -171,26 +166,38 @@ def prebuild_cpu_adam() -> None:
 
 
 def baselines(text: str) -> list[str]:
-    """--baseline hf,hf-liger -> ['hf', 'hf-liger']; unknown names are refused."""
+    """--baseline hf,hf-liger -> ['hf', 'hf-liger']; names benchmarks/suites.yaml does not know are refused."""
+    try:
+        known = load_suites().baselines
+    except SuitesError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in BASELINES]
+    unknown = [name for name in names if name not in known]
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"baselines are {', '.join(BASELINES)} (comma-separated), not {text!r}")
+        raise argparse.ArgumentTypeError(f"baselines are {', '.join(known)} (comma-separated), not {text!r}")
     return names
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--case", action="append", required=True, help="NAME=RECIPE [key=value ...]")
+    parser.add_argument("--case", action="append", required=True, help="NAME=RECIPE [key=value ...] [:: key=value]")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--baseline", type=baselines, default=["hf"], help="hf, hf-liger or both: hf,hf-liger")
+    parser.add_argument(
+        "--baseline", type=baselines, default=["hf"], help="baselines of benchmarks/suites.yaml, e.g. hf,hf-liger"
+    )
     parser.add_argument("--runs", type=Path, default=Path("/tmp/memtrain-vs-hf"))
-    parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--timeout", type=int, default=600, help="seconds each run (memtrain's, a baseline's) may take")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arguments()
     args = parser.parse_args(argv)
+    registry = load_suites().baselines
     prebuild_cpu_adam()
-    hf_results: dict[tuple[str, ...], dict] = {}
+    baseline_results: dict[tuple[str, ...], dict] = {}
     for case in args.case:
         name, _, spec = case.partition("=")
         shared, _, ours_only = spec.partition("::")
@@ -200,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"case {name}: the memtrain-only overrides change the global batch")
         args.runs.mkdir(parents=True, exist_ok=True)
         command = (
-            f"python scripts/bench_vs_hf.py --steps {args.steps} --warmup {args.warmup} "
+            f"python -m scripts.bench_vs_hf --steps {args.steps} --warmup {args.warmup} "
             f"--baseline {','.join(args.baseline)} --case '{' '.join(case.split())}'"
         )  # a case over several lines: one line
         base = {"recipe": name, "machine": machine_name(), "date": dt.date.today().isoformat(), "command": command}
@@ -235,17 +242,17 @@ def main(argv: list[str] | None = None) -> int:
                     memtrain_target_tokens_per_s=f"{ours['target_tokens_per_s']:.0f}",
                 )
                 key = (baseline, recipe, *overrides)
-                if key not in hf_results:
-                    hf_results[key] = hf_side(
+                if key not in baseline_results:
+                    baseline_results[key] = baseline_side(
+                        registry[baseline],
                         recipe,
                         overrides,
                         args.steps,
                         args.warmup,
                         args.runs / f"{name}.{baseline}.json",
                         args.timeout,
-                        baseline,
                     )
-                theirs = hf_results[key]
+                theirs = baseline_results[key]
                 row.update(
                     hf_tokens_per_s=f"{theirs['tokens_per_s']:.0f}",
                     ratio=f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}",

@@ -1,7 +1,7 @@
 """Activation-checkpointing sweep on a GPU: peak memory and step time per strategy under a memory cap.
 
-    python scripts/checkpoint_sweep.py --preset tinyllama-1.1b --micro-batch 4 --seq-len 1024 --out sweep.csv
-    python scripts/checkpoint_sweep.py --preset llama2-7b --lora --micro-batch 4 --seq-len 1024 --out sweep.csv
+    python -m scripts.checkpoint_sweep --preset tinyllama-1.1b --micro-batch 4 --seq-len 1024 --out sweep.csv
+    python -m scripts.checkpoint_sweep --preset llama2-7b --lora --micro-batch 4 --seq-len 1024 --out sweep.csv
 
 Each strategy gets a freshly built model (bf16 compute, chunked fp32 loss, the recipe defaults) and
 a plain torch AdamW, runs --steps optimizer steps on Shakespeare tokens, and becomes one CSV row.
@@ -23,14 +23,15 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from memtrain.model.config import model_config  # noqa: E402
-from memtrain.model.precision import apply_precision, compute_dtype  # noqa: E402
-from memtrain.model.recompute import apply_checkpointing  # noqa: E402
-from memtrain.model.wrapper import TrainableLM  # noqa: E402
-from memtrain.recipe.schema import Checkpointing, Lora, Model, Precision  # noqa: E402
+from memtrain.data.read.corpus import read_documents
+from memtrain.model.build import add_lora
+from memtrain.model.config import model_config
+from memtrain.model.precision import apply_precision, compute_dtype
+from memtrain.model.recompute import apply_checkpointing
+from memtrain.model.wrapper import TrainableLM
+from memtrain.recipe.schema import Checkpointing, Lora, Model, Precision
 
 GiB = 1024**3
 COLUMNS = [
@@ -79,10 +80,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def shakespeare_ids(n_tokens: int, vocab_size: int) -> torch.Tensor:
     """The first n_tokens of the bundled corpus with the bundled tokenizer (ids < 4096 fit any preset)."""
-    from transformers import PreTrainedTokenizerFast
-
-    from memtrain.data.read.corpus import read_documents
-
     tokenizer_file = Path(__file__).resolve().parents[1] / "memtrain/assets/tokenizer/shakespeare/tokenizer.json"
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file))
     ids: list[int] = []
@@ -96,15 +93,11 @@ def shakespeare_ids(n_tokens: int, vocab_size: int) -> torch.Tensor:
 
 def build(args, strategy: Checkpointing, precision: Precision, device: torch.device):
     """A fresh model on the device with the strategy and precision applied, and its optimizer."""
-    from transformers import AutoModelForCausalLM
-
     model_section = Model(preset=args.preset, lora=Lora() if args.lora else None)
     config = model_config(model_section)
     with device:  # random init straight on the GPU: a 7B model on the CPU takes minutes
         model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype(precision))
     if args.lora:
-        from memtrain.model.build import add_lora
-
         model = add_lora(model, model_section)  # memtrain's own LoRA wrapping, as a run builds it
     model.train()
     apply_checkpointing(model, strategy)
@@ -168,7 +161,7 @@ def main(argv=None) -> int:
     else:
         machine = f"{platform.machine()} CPU ({platform.node()})"
     recipe = f"{args.preset}{'-lora' if args.lora else '-full'}-mb{args.micro_batch}-seq{args.seq_len}"
-    command = shlex.join(["python", "scripts/checkpoint_sweep.py", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join(["python", "-m", "scripts.checkpoint_sweep", *(argv if argv is not None else sys.argv[1:])])
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     new_file = not args.out.exists()

@@ -4,9 +4,9 @@ Each variant trains the same recipe on the same data, in the same order, for the
 initial weights; the validation loss at the end is compared with the reference (fp32 master weights and
 fp32 AdamW states). Rows go to a CSV (command, machine, date) and a Markdown view beside it.
 
-    python scripts/convergence.py --out benchmarks/convergence.csv --label cpu-quickstart \\
+    python -m scripts.convergence --out benchmarks/convergence.csv --label cpu-quickstart \\
         --recipe recipes/quickstart.yaml --set batch.global_batch=16 batch.micro_batch=16
-    python scripts/convergence.py --out benchmarks/convergence.csv --label gpu-1.1b \\
+    python -m scripts.convergence --out benchmarks/convergence.csv --label gpu-1.1b \\
         --recipe recipes/tinyllama-1.1b-full-offload-24gb.yaml --set train.steps=150 ...
 
 Every variant sets one micro-batch per step and no clipping (optimizer.step_in_backward needs both), so
@@ -25,13 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_run import machine_name, run_dir_for, upsert_row  # noqa: E402
-
-from memtrain.monitor.metrics import METRICS_FILE, read_metrics  # noqa: E402  (bench_run put the project on the path)
-from memtrain.train.runtime.distributed import without_rank_variables  # noqa: E402
+from memtrain.monitor.metrics import METRICS_FILE, read_metrics
+from memtrain.train.runtime.distributed import without_rank_variables
+from scripts.bench_common import ROOT, machine_name, run_dir_for, upsert_row
 
 TOLERANCE = 0.02  # a variant converges alike when its final validation loss is within 2 % of the reference's
 COLUMNS = [

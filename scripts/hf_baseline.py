@@ -11,12 +11,13 @@ model with no attention_mask, so transformers keeps packed samples apart exactly
 (masking_utils.find_packed_sequence_indices for sdpa / eager / flex; for flash attention the rows go
 in end to end, as memtrain's TrainableLM lays them, see model/wrapper.py PACKED_ATTENTION).
 
-Prints one JSON line: tokens/s after the warm-up steps counted as memtrain's side counts them (row
-positions, global batch x seq_len per step) and target tokens/s (the positions the loss is computed on:
-responses only for chat data), peak GPU memory, host peak RSS. Used by scripts/bench_vs_hf.py; runs on
-the CPU too (for its test, tests/scripts/test_hf_baseline.py).
+Prints one JSON line and writes it to --out: tokens/s after the warm-up steps counted as memtrain's side counts
+them (row positions, global batch x seq_len per step) and target tokens/s (the positions the loss is computed on:
+responses only for chat data), time to the first step, peak GPU memory, host peak RSS. That is what
+scripts/bench_vs_hf.py reads from every baseline (the `hf` and `hf-liger` baselines of benchmarks/suites.yaml run
+this script). Runs on the CPU too (for its test, tests/scripts/test_hf_baseline.py).
 
-    python scripts/hf_baseline.py RECIPE [key=value ...] --steps 12 --warmup 3 --out result.json [--baseline hf-liger]
+    python -m scripts.hf_baseline RECIPE [key=value ...] --steps 12 --warmup 3 --out result.json [--baseline hf-liger]
 
 --baseline hf-liger: the same Trainer with `use_liger_kernel=True` (transformers applies Liger's fused linear
 cross-entropy, RMSNorm, SwiGLU and RoPE to the model instance, through the PEFT wrapper, when training starts):
@@ -38,22 +39,20 @@ import psutil
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from memtrain.configs import gpu_profile  # noqa: E402
-from memtrain.data.rows.loader import collate, sample_order  # noqa: E402
-from memtrain.data.rows.row_set import SampleRows  # noqa: E402
-from memtrain.ds_config.compiler import ds_config  # noqa: E402
-from memtrain.errors import UserError  # noqa: E402
-from memtrain.model.build import add_lora  # noqa: E402
-from memtrain.model.config import model_config  # noqa: E402
-from memtrain.model.wrapper import check_packed_attention, needs_one_sequence, one_sequence  # noqa: E402
-from memtrain.plan.planner import resolve_micro_batch  # noqa: E402
-from memtrain.plan.zero import grad_accum_steps  # noqa: E402
-from memtrain.recipe.load import load_recipe  # noqa: E402
-from memtrain.recipe.schema import Recipe  # noqa: E402
-from memtrain.train.runtime.distributed import free_port  # noqa: E402
-from memtrain.train.setup import build_data  # noqa: E402
+from memtrain.configs import gpu_profile
+from memtrain.data.rows.loader import collate, sample_order
+from memtrain.data.rows.row_set import SampleRows
+from memtrain.ds_config.compiler import ds_config
+from memtrain.errors import UserError
+from memtrain.model.build import add_lora
+from memtrain.model.config import model_config
+from memtrain.model.wrapper import check_packed_attention, needs_one_sequence, one_sequence
+from memtrain.plan.planner import resolve_micro_batch
+from memtrain.plan.zero import grad_accum_steps
+from memtrain.recipe.load import load_recipe
+from memtrain.recipe.schema import Recipe
+from memtrain.train.runtime.distributed import free_port
+from memtrain.train.setup import build_data
 
 
 class RowIndices(torch.utils.data.Dataset):

@@ -6,7 +6,7 @@ allocations over the run, plus the ten largest allocations per stream. Reserved 
 peak allocated usually means blocks cached by one stream that another could not reuse; this shows
 which stream, and how big its blocks are, so the planner's terms can be checked against it.
 
-    python scripts/memory_segments.py recipes/llama2-7b-nvme-24gb.yaml model.preset=tinyllama-1.1b \\
+    python -m scripts.memory_segments recipes/llama2-7b-nvme-24gb.yaml model.preset=tinyllama-1.1b \\
         train.steps=3 --out /tmp/segments.json
 """
 
@@ -18,8 +18,6 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 GiB = 2**30
 HISTORY_ENTRIES = 2_000_000  # alloc/free events kept: enough for a few steps of a 7B model
 SITE_PACKAGES = ("memtrain/", "transformers/", "deepspeed/", "peft/")  # frames that name who allocated
@@ -126,7 +124,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    import torch
+    import torch  # here and below: summarise() above is read (and tested) without a run's imports
 
     if not torch.cuda.is_available():
         print("memory_segments.py reads CUDA allocator segments; this machine has no GPU", file=sys.stderr)

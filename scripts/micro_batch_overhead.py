@@ -7,7 +7,7 @@ Each engine's micro-batch is timed in --rounds rounds of --repeats calls, the en
 (so a busy machine slows them alike); the row is the median round. One row per (checkpointing, engine) in --out
 (default benchmarks/micro_batch_overhead.csv), with the extra milliseconds over plain PEFT, and its Markdown view.
 
-    python scripts/micro_batch_overhead.py --stages 0,1,2 --checkpointing none,every_layer
+    python -m scripts.micro_batch_overhead --stages 0,1,2 --checkpointing none,every_layer
 """
 
 from __future__ import annotations
@@ -16,22 +16,18 @@ import argparse
 import datetime as dt
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_run import machine_name, upsert_row  # noqa: E402
-
-from memtrain.model.build import add_lora  # noqa: E402
-from memtrain.model.recompute import apply_checkpointing  # noqa: E402
-from memtrain.model.wrapper import TrainableLM  # noqa: E402
-from memtrain.recipe.schema import Checkpointing, Lora, Model, Precision  # noqa: E402
+from memtrain.model.build import add_lora
+from memtrain.model.recompute import apply_checkpointing
+from memtrain.model.wrapper import TrainableLM
+from memtrain.recipe.schema import Checkpointing, Lora, Model, Precision
+from memtrain.train.runtime.distributed import setup_process
+from scripts.bench_common import ROOT, machine_name, upsert_row
 
 COLUMNS = [
     "checkpointing",
@@ -47,8 +43,6 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def model(strategy: str) -> TrainableLM:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(
         hidden_size=64,
         intermediate_size=172,
@@ -83,15 +77,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "micro_batch_overhead.csv")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-
-    from memtrain.train.runtime.distributed import setup_process
+    import deepspeed  # here: after choosing its CPU accelerator, which DeepSpeed reads at import
 
     setup_process("rtx3090", cap_memory=False)  # the process group as a run sets it up (gloo on the CPU)
     torch.set_num_threads(1)
     ids = torch.randint(0, 512, (1, 16))
     command = (
-        f"python scripts/micro_batch_overhead.py --stages {args.stages} --checkpointing {args.checkpointing} "
+        f"python -m scripts.micro_batch_overhead --stages {args.stages} --checkpointing {args.checkpointing} "
         f"--repeats {args.repeats} --rounds {args.rounds}"
     )
     for strategy in args.checkpointing.split(","):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -74,8 +75,6 @@ def write_task_texts(path: Path = TASKS, count: int = TASK_RECORDS, seed: int = 
 def store(run_dir: Path, out: Path, tasks: int) -> None:
     """The run's final model in bf16 with the chat tokenizer and its special-token ids (a base model: it stops at
     <|endoftext|> only), written to `out` whole or not at all."""
-    import math
-
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final", local_files_only=True).to(torch.bfloat16)
     tokenizer = load_tokenizer(Model(preset="mini", tokenizer="builtin:shakespeare-chat"))
     set_inference_config(model, tokenizer)  # the preset's default ids (bos 1, eos 2) are not this tokenizer's

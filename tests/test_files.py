@@ -55,7 +55,7 @@ def test_a_temporary_that_cannot_be_made_says_why_and_leaves_no_folders(tmp_path
 
 def test_errors_while_writing_are_not_rewritten(tmp_path):
     with pytest.raises(OSError, match="disk full"):
-        with atomic_path(tmp_path / "f.json") as tmp:
+        with atomic_path(tmp_path / "f.json"):
             raise OSError("disk full")
     assert os.listdir(tmp_path) == []
 

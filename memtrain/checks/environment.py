@@ -152,7 +152,7 @@ def _check_template_name(loaded: LoadedRecipe, env: Environment) -> list[Problem
 @reads("data", "model")
 def _check_chat_template(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
     """Chat, instruction and completion data without data.template need the tokenizer's own chat template: said
-    by validate too, not first by the command that tokenises (audit 18a). Read from its files, not loaded."""
+    by validate too, not first by the command that tokenises. Read from its files, not loaded."""
     data, model = loaded.recipe.data, loaded.recipe.model
     if data.template is not None or not needs_template(data):
         return []
@@ -252,7 +252,10 @@ def relative_paths_start(loaded: LoadedRecipe, key: tuple[str, ...]) -> str:
         return f"a relative path given on the command line starts at the directory memtrain runs in ({Path.cwd()})"
     if not Path(file).is_file():
         return f"a relative path starts at the directory memtrain runs in ({Path.cwd()})"
-    return f"a relative path in a recipe starts at the directory of the recipe file that names it ({Path(file).resolve().parent})"
+    return (
+        "a relative path in a recipe starts at the directory of the recipe file that names it "
+        f"({Path(file).resolve().parent})"
+    )
 
 
 @reads("data", "model")

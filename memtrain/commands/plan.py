@@ -211,7 +211,7 @@ def data_per_step(recipe, train_set, micro_batch: int) -> dict:
     per_row = 1 / max(stats.rows, 1)
     slots_per_step, padding_share = rows * stats.seq_len, stats.padding_share
     tokens_per_step, targets_per_step = rows * stats.tokens * per_row, rows * stats.target_tokens * per_row
-    if recipe.data.groups_by_length:  # every column over the same priced steps (audit 18c: padding was not)
+    if recipe.data.groups_by_length:  # every column over the same priced steps (padding too)
         order = sample_order(recipe.data, train_set, recipe.train.seed, rows)
         steps = max(1, min(len(train_set) // rows, PRICED_STEPS))
         per_rank = rows // recipe.hardware.gpus

@@ -122,7 +122,8 @@ def add_lora(lm: PreTrainedModel, model: Model) -> torch.nn.Module:
             Problem(
                 f"LoRA target modules {missing} are not in this model",
                 key="model.lora.target_modules",
-                hint=f"modules it has include: {', '.join(sorted(n for n in present if n.endswith('proj'))) or 'see model.named_modules()'}",
+                hint="modules it has include: "
+                f"{', '.join(sorted(n for n in present if n.endswith('proj'))) or 'see model.named_modules()'}",
             )
         )
     unsaved = [m for m in lora.modules_to_save if m not in present]

@@ -6,7 +6,7 @@ addition — fused into a few kernels, in forward, in backward and in checkpoint
 All decoder layers share one code object, so one compilation serves them all. Activation
 checkpointing stays outside: transformers' checkpoint wrapper calls the compiled layer.
 
-`auto` compiles where it was measured to win (docs/BENCHMARKS.md, session 14: the 7B LoRA recipe 11,583
+`auto` compiles where it was measured to win (docs/BENCHMARKS.md, "7B LoRA": the 7B LoRA recipe 11,583
 tokens/s compiled against 7,701 for HF eager and 8,268 for HF + Liger in one invocation; Mistral-7B and
 Qwen2.5-7B LoRA 1.17x and 1.21x their eager runs): LoRA on an unquantised base of a measured family, on a
 CUDA GPU. A quantised base cannot be compiled (memtrain.recipe.rules.compile_unsupported). Compiled

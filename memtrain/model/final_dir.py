@@ -74,7 +74,7 @@ def final_model_dir(run_dir: Path) -> Path:
         )
         hint = "resume the run with `memtrain run RECIPE` until it ends; it writes final/ at the end"
         last = checkpoints[-1].removeprefix("step-") if checkpoints else ""
-        if last.isdigit():  # an interrupted run can end where it stopped (audit 21: users export a checkpoint)
+        if last.isdigit():  # an interrupted run can end where it stopped (users export a checkpoint)
             hint += (
                 f", or end it at its last checkpoint now: `memtrain run RECIPE train.steps={int(last)}` writes "
                 "final/ from it without training more"
@@ -104,7 +104,8 @@ def base_model_dir(recipe: Recipe, run_dir: Path) -> Path:
                 f"the run trained LoRA on the preset '{model.preset}', whose base weights are random and were never "
                 "saved, so there is nothing to merge the adapter into",
                 key="model.preset",
-                hint=f"export without --merge (the adapter in {run_dir / 'final'}), or train on a model directory (model.path)",
+                hint=f"export without --merge (the adapter in {run_dir / 'final'}), or train on a model directory "
+                "(model.path)",
             )
         )
     base_dir = Path(model.path).expanduser()

@@ -119,7 +119,7 @@ def _ids(value) -> list[int]:
 def _end_tokens(tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """Ids that may end generation: the tokenizer's special tokens other than its bos (unless bos is also eos).
     The pad is one of them: Qwen2.5-Instruct's and Qwen3's configs list <|endoftext|>, their pad, beside
-    <|im_end|> (audit 18a: the export dropped it)."""
+    <|im_end|>; an export that keeps only <|im_end|> never stops at the base's document end."""
     special = set(tokenizer.all_special_ids)
     special.update(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
     if tokenizer.bos_token_id != tokenizer.eos_token_id:

@@ -2,7 +2,7 @@
 
 PEFT reads `model.is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning at each read, so
 every LoRA run, `plan` of a LoRA recipe, `eval` and `export --merge` printed a warning about two libraries' versions
-that a user cannot act on (audit 21). It is silenced around PEFT's calls, and nothing else is.
+that a user cannot act on. It is silenced around PEFT's calls, and nothing else is.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ from memtrain.model.loss import causal_lm_loss, fused_causal_lm_loss
 from memtrain.recipe.schema import Precision
 
 # How each attention kernel keeps the samples of a packed row apart, given position_ids that restart at 0 for
-# every sample (data/rows/row_set.py). "mask": with no attention_mask and no cache, transformers' create_causal_mask reads
-# the restarts as sample boundaries and builds a block-diagonal causal mask (masking_utils.
+# every sample (data/rows/row_set.py). "mask": with no attention_mask and no cache, transformers' create_causal_mask
+# reads the restarts as sample boundaries and builds a block-diagonal causal mask (masking_utils.
 # find_packed_sequence_indices, transformers 5.x). "flatten": flash attention reads the restarts only for a batch
 # of one (modeling_flash_attention_utils._is_packed_sequence), so the rows go in end to end as one sequence and
 # its variable-length kernel keeps every sample to itself.

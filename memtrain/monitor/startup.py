@@ -87,7 +87,8 @@ class StartupClock:
 
 
 # Measured on the GPU machine, whose image sets PYTHONDONTWRITEBYTECODE=1 and ships no bytecode: `import
-# memtrain.commands.run` took 27.3 s compiling, 6.2-6.8 s once bytecode was kept (docs/BENCHMARKS.md, session 15).
+# memtrain.commands.run` took 27.3 s compiling, 6.2-6.8 s once bytecode was kept
+# (benchmarks/startup/imports-bytecode-gpu.txt).
 HEAVY_PACKAGES = ("torch", "transformers")
 
 

@@ -269,10 +269,11 @@ def _rule_blocks(
 
 
 # Compiled layers (train.compile): the recomputed layer's backward holds this share of the layer's eager keeps on top of
-# them (inductor's fused backward kernels write their intermediates at once). Fitted on the two Llama-2-7B LoRA rows of
-# session 14 (0.41 and 0.46 GiB over the eager pricing at 4,096 tokens: 0.45 and 0.50 of a layer's 0.91 GiB); the
-# Mistral-7B and Qwen2.5-7B rows of the same session were not used (0.51 and 0.61). Layers kept whole are priced as
-# eager, an upper bound (session 5: a compiled run with 3 of 32 layers kept peaked 0.8 GiB under the eager run).
+# them (inductor's fused backward kernels write their intermediates at once). Fitted on the two compiled Llama-2-7B
+# LoRA runs of benchmarks/vs_hf.csv (0.41 and 0.46 GiB over the eager pricing at 4,096 tokens: 0.45 and 0.50 of a
+# layer's 0.91 GiB); the compiled Mistral-7B and Qwen2.5-7B runs were not used (0.51 and 0.61). Layers kept whole are
+# priced as eager, an upper bound (measured: a compiled run with 3 of 32 layers kept peaked 0.8 GiB under the eager
+# run).
 COMPILED_RECOMPUTE_SHARE = 0.5
 
 

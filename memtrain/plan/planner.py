@@ -154,7 +154,7 @@ def _head_bytes(counts: ParamCounts, compute_bytes: int, tokens: int) -> int:
 # Measured on the H200 (benchmarks/segments/*.json, bf16 compute, fp32 master): 0.61 and 0.95 GiB for the 1.1B
 # and 3B embeddings, 10 bytes per element = 2 (bf16 copy) + max(8 (fp64 chunk), 4 (fp32 cast)). Qwen2.5-7B's
 # 545M-element embedding with bf16 master weights is where the chunk and the missing cast matter (priced at
-# 10 bytes per element it was over-predicted by 25.7 %: docs/BENCHMARKS.md).
+# 10 bytes per element it was over-predicted by 25.7 %).
 NORM_CHUNK_ELEMENTS = 250_000_000
 NORM_BYTES = 8  # fp64 on CUDA (deepspeed.runtime.zero.utils.get_norm_dtype)
 
@@ -219,7 +219,7 @@ def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) 
     elif whole_on_one_gpu(recipe):
         # only the layer in use and the largest tensor are gathered beside their partitions at the peak
         # (measured on the H200: 3B and 7B held 1.90 and 1.68 GiB less than the max_live_parameters term
-        # below; fitted on those three rows, session 12)
+        # below; fitted on those three rows, benchmarks/plan_accuracy.csv)
         live = counts.largest_layer + counts.largest_tensor
     else:
         # DeepSpeed releases gathered parameters only once more than max_live_parameters are resident,

@@ -288,8 +288,8 @@ def resolve_input_paths(data: dict, sources: Sources) -> None:
     """Make every relative input path (see `input_paths`) absolute: against the directory of the recipe file
     that wrote it (the recipe, or a file it extends), as `extends:` is, and one given on the command line
     against the working directory, where it was typed. A recipe then runs the same from any directory, and the
-    run's record names the files it read, wherever `eval` or `export` runs later (audit 21: a path typed
-    relative was recorded as typed, so `memtrain eval RUN_DIR` from another directory could not find it)."""
+    run's record names the files it read, wherever `eval` or `export` runs later (a path recorded as typed,
+    relative, would not be found by `memtrain eval RUN_DIR` run from another directory)."""
     for holder, key, path in input_paths(data):
         file, _ = sources.where(path)
         if not is_relative_path(holder.get(key)):

@@ -194,8 +194,8 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-# What users of HF TrainingArguments, Axolotl and LLaMA-Factory write, and memtrain's key for it (audit 21:
-# optimizer.learning_rate was answered with the list of the section's keys).
+# What users of HF TrainingArguments, Axolotl and LLaMA-Factory write, and memtrain's key for it, so that
+# optimizer.learning_rate is answered with memtrain's name, not with the list of the section's keys.
 FAMILIAR_KEYS = {
     "learning_rate": "optimizer.lr",
     "max_grad_norm": "optimizer.grad_clip",

@@ -519,8 +519,8 @@ def _check_client_optimizer(loaded: LoadedRecipe) -> list[Problem]:
             src.problem(
                 ("optimizer", "name"),
                 f"{name} is bitsandbytes' optimizer, which steps on the device that holds the "
-                f"parameters; with offload.optimizer={r.offload.optimizer} DeepSpeed steps its own CPU Adam on the host "
-                "and refuses any other optimizer",
+                f"parameters; with offload.optimizer={r.offload.optimizer} DeepSpeed steps its own CPU Adam on the "
+                "host and refuses any other optimizer",
                 f"set offload.optimizer=none to use {name}, or optimizer.name=adamw to offload",
             )
         )

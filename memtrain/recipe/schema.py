@@ -146,7 +146,7 @@ class Lora(Section):
 
 
 class Quantize(Section):
-    """Base weights stored quantised by bitsandbytes (QLoRA): only with LoRA, whose adapters stay in precision.compute."""
+    """Base weights stored quantised by bitsandbytes (QLoRA): only with LoRA, whose adapters stay in precision.compute."""  # noqa: E501 (one line: it is the section's description in docs/RECIPES.md and the JSON schema)
 
     type: Literal["nf4", "fp4", "int8", "none"] = Field(
         "nf4",
@@ -237,8 +237,8 @@ class DatasetSpec(Section):
     path: str = Field(
         ...,
         min_length=1,
-        description="A .jsonl, .json (a list of records), .parquet or .txt file (.jsonl and .json also gzipped: .gz), a "
-        "directory written by Hugging Face datasets' save_to_disk, or 'builtin:chat' "
+        description="A .jsonl, .json (a list of records), .parquet or .txt file (.jsonl and .json also gzipped: .gz), "
+        "a directory written by Hugging Face datasets' save_to_disk, or 'builtin:chat' "
         "('builtin:chat/validation') for the bundled synthetic chat data.",
     )
     type: Literal["text", "completion", "instruction", "chat"] = Field(
@@ -348,7 +348,8 @@ class Data(Section):
         0.05,
         gt=0,
         lt=1,
-        description="Share of the training data held out when no validation is given: the last windows of text, the last samples of each dataset of a list (at least one; give data.validation to train on every sample).",
+        description="Share of the training data held out when no validation is given: the last windows of text, the "
+        "last samples of each dataset of a list (at least one; give data.validation to train on every sample).",
     )
     format: Literal["auto", "text", "jsonl"] = Field("auto", description="File format; 'auto' decides by extension.")
     field: str = Field("text", min_length=1, description="JSONL field holding the text.")
@@ -356,8 +357,8 @@ class Data(Section):
     packing: bool = Field(
         True,
         description="Text: pack documents end to end into seq_len windows (else each "
-        "document starts its own windows, its last one padded). Datasets: pack whole samples into seq_len rows, each attending only to itself "
-        "(position ids restart per sample); else one sample per row, padded.",
+        "document starts its own windows, its last one padded). Datasets: pack whole samples into seq_len rows, each "
+        "attending only to itself (position ids restart per sample); else one sample per row, padded.",
     )
     group_by_length: bool | None = Field(
         None,
@@ -489,8 +490,8 @@ CheckpointAction = Literal["save", "recompute", "offload"]
 class Checkpointing(Section):
     strategy: Literal["none", "every_layer", "every_n_layers", "first_n_layers", "auto", "selective", "rules"] = Field(
         "every_layer",
-        description="none: keep all activations; every_layer / every_n_layers / first_n_layers: recompute whole decoder "
-        "layers; auto: the planner recomputes the fewest whole layers (from the first) that fit the card; "
+        description="none: keep all activations; every_layer / every_n_layers / first_n_layers: recompute whole "
+        "decoder layers; auto: the planner recomputes the fewest whole layers (from the first) that fit the card; "
         "selective: the article's default (embeddings saved, attention and MLP blocks recomputed); rules: use `rules`.",
     )
     every_n_layers: int = Field(1, ge=1, description="With every_n_layers: checkpoint one layer in N.")
@@ -563,17 +564,17 @@ class Offload(Section):
         le=1,
         description=(
             "Share of optimizer states offloaded (ZeRO-3 partial offload): the first (1 - ratio) of the optimizer's "
-            "sub-groups (1e8 elements each) keep master weights, moments and gradients on the GPU and are updated there; "
-            "memtrain checkpoints their moments, which DeepSpeed's own checkpoint leaves out."
+            "sub-groups (1e8 elements each) keep master weights, moments and gradients on the GPU and are updated "
+            "there; memtrain checkpoints their moments, which DeepSpeed's own checkpoint leaves out."
         ),
     )
     pin_memory: bool = Field(True, description="Page-locked host buffers for faster transfers.")
     cpu_adam: Literal["deepspeed", "torch"] = Field(
         "deepspeed",
         description=(
-            "The AdamW that steps an optimizer offloaded to the CPU: deepspeed, DeepSpeed's CPU Adam (a C++ op built with "
-            "the machine's compiler on first use); torch, PyTorch's fused AdamW on the CPU (nothing to build; fp32 master "
-            "weights only, offload.optimizer=cpu)."
+            "The AdamW that steps an optimizer offloaded to the CPU: deepspeed, DeepSpeed's CPU Adam (a C++ op built "
+            "with the machine's compiler on first use); torch, PyTorch's fused AdamW on the CPU (nothing to build; "
+            "fp32 master weights only, offload.optimizer=cpu)."
         ),
     )
     overlap_comm: bool = Field(True, description="Overlap gradient reduction / transfers with backward.")
@@ -648,9 +649,9 @@ class Optimizer(Section):
         False,
         description="Update each parameter as soon as backward has its gradient, and free the gradient "
         "(torchtune's optimizer-in-backward): a full fine-tune never holds the model's gradients. Needs one "
-        "micro-batch per step (batch.micro_batch = batch.global_batch, which 'auto' gives it), optimizer.grad_clip=0, one GPU, "
-        "offload.zero_stage=0, batch.policy=fixed, precision.mode=cast and the weights as their own master copy "
-        "(precision.master=bf16, or fp32 with compute fp32); with "
+        "micro-batch per step (batch.micro_batch = batch.global_batch, which 'auto' gives it), optimizer.grad_clip=0, "
+        "one GPU, offload.zero_stage=0, batch.policy=fixed, precision.mode=cast and the weights as their own master "
+        "copy (precision.master=bf16, or fp32 with compute fp32); with "
         "paged_adamw_8bit the states page between the card and the host.",
     )
 

@@ -75,8 +75,8 @@ class ResolvedRun:
     # The data as built, {recipe key: digest} (memtrain.data.rows.identity): what a resume compares, as it compares the
     # recipe. None: not recorded (a run.json from before memtrain recorded it).
     data_fingerprint: dict[str, str] | None = None
-    # The fingerprint of each file each data key names (memtrain.data.rows.identity.data_files): a changed file is refused
-    # before the data is tokenised again. None: not recorded (a run.json from before memtrain recorded it).
+    # The fingerprint of each file each data key names (memtrain.data.rows.identity.data_files): a changed file is
+    # refused before the data is tokenised again. None: not recorded (a run.json from before memtrain recorded it).
     data_files: dict[str, list[str]] | None = None
 
     @property
@@ -139,8 +139,8 @@ def max_steps_left(stop_at: int | None, resume_step: int) -> int | None:
 
 def total_steps(recipe: Recipe, n_train_samples: int) -> int:
     """train.steps, or the optimizer steps of train.epochs over the training samples. A warmup longer than the
-    run is refused, as the recipe's rules refuse one longer than train.steps (audit 21: with train.epochs it was
-    cut to the run's length, and the schedule's decay never came)."""
+    run is refused, as the recipe's rules refuse one longer than train.steps (cut to the run's length, the
+    schedule's decay would never come)."""
     if recipe.train.steps is not None:
         return recipe.train.steps
     steps = max(1, math.ceil(recipe.train.epochs * n_train_samples / recipe.batch.global_batch))

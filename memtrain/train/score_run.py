@@ -156,11 +156,11 @@ def _run_settings(run_dir: Path) -> tuple[Recipe, int, int]:
 def _refuse_changed_held_out(run_dir: Path, recipe: Recipe) -> None:
     """The held-out records are found again from the files the run read: its validation files, or the tail of its
     training files. Files with other bytes than the run recorded would be scored as held out when they are not
-    (audit 21: a shuffled training file put trained records in the tail, and the score rose without a word)."""
+    (a shuffled training file puts trained records in the tail, and the score would rise without a word)."""
     key = TRAIN_KEY if recipe.data.validation is None else VALIDATION_KEY
     recorded = (recorded_data_files(run_dir) or {}).get(key)
     if recorded is None:
-        return  # a run.json from before session 20: nothing to compare with
+        return  # a run.json written before data files were recorded: nothing to compare with
     if data_files(recipe.data, keys=(key,)).get(key) != recorded:
         raise UserError(
             Problem(

@@ -102,7 +102,8 @@ def build_data(recipe: Recipe) -> RunData:
             Problem(
                 f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab_size}",
                 key="model.tokenizer",
-                hint=f"use the model's own tokenizer, or a preset whose vocab_size is at least the tokenizer's{presets}",
+                hint="use the model's own tokenizer, or a preset whose vocab_size is at least the tokenizer's"
+                f"{presets}",
             )
         )
     train_set, val_set = build_datasets(recipe.data, tokenizer, recipe.train.seed)
@@ -143,7 +144,8 @@ def check_new_rows_train(recipe: Recipe, added: tuple[str, ...]) -> None:
     if missing:
         raise UserError(
             Problem(
-                f"{', '.join(added)} are added to the tokenizer, but LoRA would leave their new embedding rows untrained",
+                f"{', '.join(added)} are added to the tokenizer, but LoRA would leave their new embedding rows "
+                "untrained",
                 key="model.lora.modules_to_save",
                 hint=f"add {missing} to model.lora.modules_to_save, or use a tokenizer that has the template's markers",
             )

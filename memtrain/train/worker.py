@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     try:
         with stop_on_signals():
             # torch, transformers and DeepSpeed import for seconds: under the handlers, a Ctrl-C then is one line
-            # (imported at the top, it was a KeyboardInterrupt traceback from each worker, audit 18d)
+            # (imported at the top, a Ctrl-C there is a KeyboardInterrupt traceback from each worker)
             from memtrain.monitor.startup import CLOCK_ENV, StartupClock  # noqa: PLC0415
             from memtrain.train.launch import train_here  # noqa: PLC0415
             from memtrain.train.resolve import ResolvedRun  # noqa: PLC0415

@@ -148,7 +148,7 @@ def test_validate_refuses_what_plan_and_run_would_before_reading_any_data(tmp_pa
 
 
 def test_chat_data_whose_tokenizer_has_no_chat_template_is_refused_at_validate(tmp_path):
-    """Audit 18a: validate said "valid", and the first command that tokenised refused it. The tokenizer's files are
+    """`validate` said "valid", and the first command that tokenised refused it. The tokenizer's files are
     read, not loaded; a tokenizer directory without a chat_template (here a copy of the plain bundled one) too."""
     chat = CHAT.replace("    - {path: %s, type: instruction}\n", "")
     [said] = problems(chat.replace("builtin:shakespeare-chat", "builtin:shakespeare"))
@@ -168,7 +168,7 @@ def test_chat_data_whose_tokenizer_has_no_chat_template_is_refused_at_validate(t
 
 @pytest.mark.parametrize("name", ["pairs.json", "pairs.csv", "pairs.parquet", "pairs.json.gz"])
 def test_a_file_of_records_given_as_a_data_path_is_refused_not_trained_on_as_text(tmp_path, name):
-    """Audit 18c: `data.train: my_alpaca.json` trained on the JSON's brackets and keys; validate passed it."""
+    """`data.train: my_alpaca.json` trained on the JSON's brackets and keys; validate passed it."""
     from memtrain.data.rows.dataset import build_datasets
     from memtrain.data.tokens.tokenizer import load_tokenizer
     from memtrain.errors import DataError
@@ -186,7 +186,7 @@ def test_a_file_of_records_given_as_a_data_path_is_refused_not_trained_on_as_tex
 
 
 def test_a_recipe_named_relatively_says_the_absolute_directory_paths_start_at(tmp_path, monkeypatch):
-    """Audit 18c F16: 'starts at the directory of the recipe file that names it (.)'."""
+    """'starts at the directory of the recipe file that names it (.)'."""
     (tmp_path / "r.yaml").write_text(CHAT % "missing.jsonl")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RecipeError) as caught:

@@ -120,7 +120,7 @@ def test_the_table_shows_exact_match_and_samples(tmp_path, cache):
 
 
 def test_held_out_data_with_other_bytes_is_refused_not_scored(tmp_path, cache):
-    """Audit 21: the training file whose tail is held out, shuffled after the run, put trained records among the
+    """The training file whose tail is held out, shuffled after the run, put trained records among the
     held-out ones, and eval scored them without a word."""
     path = tmp_path / "chat.jsonl"
     records = [
@@ -150,7 +150,7 @@ def test_held_out_data_with_other_bytes_is_refused_not_scored(tmp_path, cache):
 
 
 def test_a_run_with_its_own_validation_file_is_scored_without_its_training_file(tmp_path, cache):
-    """Audit 21: eval read the training file too, and failed when it had moved, though it scores none of it."""
+    """`eval` read the training file too, and failed when it had moved, though it scores none of it."""
 
     def conversations(start: int) -> str:
         return "".join(

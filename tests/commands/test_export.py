@@ -1,4 +1,5 @@
-"""`memtrain export`: the command around memtrain.model.final_dir (whose merge is proven in tests/model/test_merge.py)."""
+"""`memtrain export`: the command around memtrain.model.final_dir (whose merge is proven in
+tests/model/test_merge.py)."""
 
 from __future__ import annotations
 

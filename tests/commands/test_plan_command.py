@@ -327,7 +327,7 @@ train: {{steps: 4}}
 
 
 def test_data_option_gives_every_column_over_the_same_steps(tmp_path):
-    """Audit 18c: with length bucketing the padding share was of the priced steps, the tokens of all rows, so
+    """With length bucketing the padding share was of the priced steps, the tokens of all rows, so
     1 - tokens / slots disagreed with the padding column (15.6 % shown, 21.4 % implied). 13 conversations of
     growing length, 8 rows a step: one step is priced, 5 rows are left over."""
     lines = [
@@ -498,7 +498,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def test_a_recipe_fitted_for_another_card_names_that_card_and_plans_the_same_without_the_flag(tmp_path):
-    """Audit 17b, finding 2: `plan R --gpu X --fit -o F` wrote F with R's own card, so `plan F` and `run F`
+    """`plan R --gpu X --fit -o F` wrote F with R's own card, so `plan F` and `run F`
     (which resolves batch.micro_batch: auto against hardware.gpu) planned for the 24 GB card."""
     recipe, card = RECIPES / "llama2-7b-lora-24gb.yaml", "rtx4060ti-16gb"
     output = tmp_path / "fitted.yaml"
@@ -538,11 +538,11 @@ def test_a_card_given_as_a_size_is_written_as_given(tmp_path, card):
 
 
 def test_advice_ranks_changes_with_margin_before_tight_ones_and_says_which_are_tight(tmp_path):
-    """Audit 17b, finding 3: Gemma-2-9B LoRA on 24 GB misses by 0.86 GiB; bf16 master + micro-batch 2 and
+    """Gemma-2-9B LoRA on 24 GB misses by 0.86 GiB; bf16 master + micro-batch 2 and
     micro-batch 1 fit with 0.1 GiB, tight, while nf4 fits with 10 GiB. --fit wrote the tight one."""
     preset = ["model.preset=gemma2-9b"]
     tight = plan_recipe(load_recipe(RECIPES / "llama2-7b-lora-24gb.yaml", preset + ["batch.micro_batch=1"]).recipe)
-    assert tight.fits and tight.tight  # the case the audit saw
+    assert tight.fits and tight.tight  # the case --fit wrote
     advice = advise(load_recipe(RECIPES / "llama2-7b-lora-24gb.yaml", preset))
     assert advice and not advice[0].tight and advice[0].plan.fits
     flags = [a.tight for a in advice]
@@ -575,7 +575,7 @@ def test_fit_says_when_the_only_change_it_could_write_is_tight(tmp_path, monkeyp
 
 
 def test_a_smaller_micro_batch_costs_by_the_parameter_offload_of_its_own_combination():
-    """Audit 17b, finding 5: TinyLlama with the optimizer on the CPU, on a 3 GiB card. An option that adds
+    """TinyLlama with the optimizer on the CPU, on a 3 GiB card. An option that adds
     parameter offload and halves the micro-batch re-gathers every parameter twice as often: +50 % per halving
     (docs/PLAN.md), not the +5 % of the recipe's own parameters on the GPU."""
     advice = advise(

@@ -258,7 +258,7 @@ def test_the_latest_start_up_is_reported_with_its_longest_phases(tiny_run, tmp_p
 
 
 def test_the_held_out_exact_match_is_reported_from_its_first_to_its_last_score(tiny_run, tmp_path):
-    """Audit 21: the generation evaluation's records (train.eval_generate) were in metrics.jsonl, not in the report."""
+    """The generation evaluation's records (train.eval_generate) were in metrics.jsonl, not in the report."""
     run_dir = _copy(tiny_run, tmp_path)
     [line] = [line for line in _report(run_dir).splitlines() if "held-out exact match" in line]
     assert summarize(run_dir)["final_exact_match"] is None and "train.eval_generate is off" in line

@@ -44,7 +44,7 @@ def test_a_multimodal_model_is_refused_and_pointed_at_its_text_model():
 
 
 def test_a_multimodal_model_whose_text_model_has_no_causal_lm_class_is_not_pointed_at_it():
-    """Audit 18a F3: Qwen2-VL was pointed at 'qwen2_vl_text', which memtrain then refused (no AutoModelForCausalLM)."""
+    """Qwen2-VL was pointed at 'qwen2_vl_text', which memtrain then refused (no AutoModelForCausalLM)."""
     text = _refusal(AutoConfig.for_model("qwen2_vl"))
     assert "multimodal" in text and "qwen2_vl_text" not in text and "text-only causal LM" in text
 

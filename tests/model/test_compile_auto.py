@@ -59,7 +59,7 @@ def test_compiled_layers_on_a_quantised_base_are_refused_with_the_reason(tmp_pat
 
 
 def test_the_plan_prices_the_compiled_recompute_on_top_of_the_eager_layer():
-    """Compiled layers' backward holds half a layer's eager keeps more (fitted on the two 7B LoRA rows of session 14)."""
+    """Compiled layers' backward holds half a layer's eager keeps more (fitted on two 7B LoRA runs)."""
     from memtrain.plan.activations import COMPILED_RECOMPUTE_SHARE, trace_layer
     from memtrain.plan.planner import plan_recipe
 

@@ -178,7 +178,7 @@ def test_a_lora_chat_run_merged_into_the_shipped_base_stops_at_the_end_of_a_turn
 
 def test_an_end_token_the_base_lists_stays_when_it_is_also_the_pad():
     """Qwen3's and Qwen2.5-Instruct's layout: eos <|im_end|>, pad <|endoftext|>, and generation_config.json's eos
-    [<|im_end|>, <|endoftext|>]. The export kept only <|im_end|> (audit 18a F6): the base's document end stopped
+    [<|im_end|>, <|endoftext|>]. The export kept only <|im_end|>: the base's document end stopped
     nothing."""
     tokenizer = family_tokenizer("qwen2")
     im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])

@@ -177,7 +177,7 @@ def test_export_run_says_what_is_missing(tmp_path):
         export_run(run_dir, merge=True)
     assert "has no final model" in str(caught.value) and "step-000005" in str(caught.value)
     assert "memtrain run" in caught.value.problems[0].hint
-    assert caught.value.problems[0].hint.endswith(  # audit 21: how to end an interrupted run where it stopped
+    assert caught.value.problems[0].hint.endswith(  # how to end an interrupted run where it stopped
         "or end it at its last checkpoint now: `memtrain run RECIPE train.steps=5` writes final/ from it without "
         "training more"
     )

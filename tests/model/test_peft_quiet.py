@@ -1,5 +1,5 @@
 """PEFT's read of `is_gradient_checkpointing` makes transformers 5 warn at every LoRA build; memtrain's builds do not
-show it (audit 21: every LoRA run, plan, eval and merge printed it)."""
+show it (every LoRA run, plan, eval and merge printed it)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One perplexity cap for the metrics, the progress line, `memtrain eval` and the plots (audit 17c, L6)."""
+"""One perplexity cap for the metrics, the progress line, `memtrain eval` and the plots."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_under_the_cap_it_is_exp_of_the_loss():
 
 def test_over_the_cap_says_so_instead_of_a_capped_number():
     assert OVER_CAP_TEXT == "> 5.2e21"
-    for loss in (75.88, 800.0, math.inf):  # audit 17c's lr 0.9 run: validation loss 75.88
+    for loss in (75.88, 800.0, math.inf):  # a run at lr 0.9: validation loss 75.88
         assert perplexity(loss) is None  # JSON null; the record keeps the loss
         assert perplexity_text(loss) == OVER_CAP_TEXT and plot_tick(loss) == OVER_CAP_TEXT
     assert perplexity(None) is None and perplexity_text(math.nan) == "nan"

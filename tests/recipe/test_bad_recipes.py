@@ -95,7 +95,7 @@ def test_unknown_keys_suggest_the_key_meant():
 
 
 def test_another_tools_key_names_memtrains_own():
-    """Audit 21: optimizer.learning_rate listed the section's keys; seq_length already suggested seq_len."""
+    """optimizer.learning_rate listed the section's keys; seq_length already suggested seq_len."""
     text = "model: {preset: tiny}\ndata: {train: 'builtin:shakespeare'}\ntrain: {steps: 4}\n"
     with pytest.raises(RecipeError) as refused:
         load_recipe_text(text, overrides=["optimizer.learning_rate=1e-4", "num_train_epochs=2"])
@@ -174,7 +174,7 @@ def test_a_recipe_dumped_whole_with_datasets_of_every_type_reads_back():
 
 
 def test_stepping_in_backward_takes_the_default_micro_batch_as_the_whole_batch(tmp_path):
-    """Audit 19 F6: with batch.micro_batch 'auto' (the default, never written) step_in_backward was refused for a
+    """With batch.micro_batch 'auto' (the default, never written) step_in_backward was refused for a
     micro-batch other than the global batch; auto is the global batch there, the only size it can run."""
     from memtrain.plan.planner import plan_recipe
     from memtrain.recipe.load import load_recipe

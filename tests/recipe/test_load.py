@@ -100,7 +100,7 @@ def test_overrides_win_over_the_file_and_report_the_command_line(tmp_path):
 
 def test_model_path_on_the_command_line_replaces_the_recipes_preset_and_the_other_way_round(tmp_path):
     """README's `memtrain run recipes/llama2-7b-lora-24gb.yaml model.path=/models/llama-2-7b` was refused: the
-    recipe's model.preset stayed beside the override (audit 18b). Both on the command line stay a conflict."""
+    recipe's model.preset stayed beside the override. Both on the command line stay a conflict."""
     shipped = Path(__file__).parents[2] / "recipes" / "llama2-7b-lora-24gb.yaml"
     model_dir = tmp_path / "llama"
     model_dir.mkdir()
@@ -114,7 +114,7 @@ def test_model_path_on_the_command_line_replaces_the_recipes_preset_and_the_othe
 
 
 def test_an_override_reaches_into_a_list_by_index(tmp_path):
-    """Audit 20 F11: `data.train.1.weight=2` was refused ('data.train' is a value, not a section), so changing one
+    """`data.train.1.weight=2` was refused ('data.train' is a value, not a section), so changing one
     dataset of a list meant copying the recipe."""
     recipe = write(
         tmp_path / "r.yaml",
@@ -376,7 +376,7 @@ def test_a_pair_given_the_wrong_number_of_values_is_one_problem_at_its_own_key(t
 def test_a_card_of_no_memory_is_refused_at_hardware_gpu():
     """'0GiB' looks like a size, and was planned against until its weights failed to fit a 0-byte card."""
     for size in ("0GiB", "0"):
-        [problem] = problems_of(lambda: load_recipe_text(BASE + f"hardware:\n  gpu: '{size}'\n"))
+        [problem] = problems_of(lambda size=size: load_recipe_text(BASE + f"hardware:\n  gpu: '{size}'\n"))
         assert problem.key == "hardware.gpu" and problem.line == 12  # the gpu: line
         assert f"a card of '{size}' has no memory to plan against: the size must be positive" in problem.message
     assert load_recipe_text(BASE + "hardware:\n  gpu: 16GiB\n").recipe.hardware.gpu == "16GiB"
@@ -384,7 +384,7 @@ def test_a_card_of_no_memory_is_refused_at_hardware_gpu():
 
 @pytest.mark.parametrize("global_batch, gpus, micro_batch", [(15, 2, 8), (16, 3, 8), (12, 2, 4), (18, 2, 8), (6, 4, 2)])
 def test_a_batch_hint_leads_to_a_recipe_that_validates(global_batch, gpus, micro_batch):
-    """Audit 18d: 'lower batch.micro_batch to at most 7' for a global batch of 15 on 2 GPUs led to the next error
+    """'lower batch.micro_batch to at most 7' for a global batch of 15 on 2 GPUs led to the next error
     ('not divisible by 2 × 7'). Whatever the hint says to set, set, validates."""
     overrides = [f"batch.global_batch={global_batch}", f"hardware.gpus={gpus}", f"batch.micro_batch={micro_batch}"]
     problems = problems_of(lambda: load_recipe_text(BASE, "r.yaml", overrides))

@@ -4,25 +4,13 @@ the columns are there and the phases add up to the time to the first step)."""
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("bench_startup", ROOT / "scripts" / "bench_startup.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from scripts import bench_startup as bench
 
 
 def test_a_row_per_recipe_whose_phases_sum_to_the_first_step(tmp_path):
-    bench = _script()
     out = tmp_path / "startup.csv"
     tiny = (
         "recipes/quickstart.yaml data.seq_len=32 batch.global_batch=2 batch.micro_batch=1 "
@@ -79,7 +67,6 @@ def test_a_row_per_recipe_whose_phases_sum_to_the_first_step(tmp_path):
 
 @pytest.mark.slow
 def test_a_fresh_start_after_prepare_gives_its_seconds_apart_and_finds_what_it_built(tmp_path):
-    bench = _script()
     out = tmp_path / "startup.csv"
     tiny = (
         "recipes/quickstart.yaml data.seq_len=32 batch.global_batch=2 batch.micro_batch=1 "

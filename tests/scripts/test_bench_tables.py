@@ -1,30 +1,20 @@
 """The committed accuracy table says what the current planner predicts: its predicted columns are
 recomputed here (as `scripts/plan_accuracy.py --replan` does) and must match, so a planner change
-that moves a prediction cannot land without the table (and its view in docs/) moving with it."""
+that moves a prediction cannot land without the table (and its Markdown view beside it) moving with it."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _harness():
-    spec = importlib.util.spec_from_file_location("plan_accuracy", ROOT / "scripts" / "plan_accuracy.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
+from scripts import plan_accuracy as harness
+from scripts.bench_common import ROOT
 
 TABLES = [
-    (True, "plan_accuracy.csv", "PLAN_ACCURACY.md"),
-    (False, "plan_accuracy_caching.csv", "PLAN_ACCURACY_CACHING.md"),
+    (True, "plan_accuracy.csv", "plan_accuracy.md"),
+    (False, "plan_accuracy_caching.csv", "plan_accuracy_caching.md"),
 ]
 
 
@@ -36,7 +26,6 @@ def _rows(table: str) -> list[dict]:
 @pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
 @pytest.mark.parametrize("expandable, table, view", TABLES)
 def test_accuracy_table_predictions_are_the_current_planners(expandable, table, view):
-    harness = _harness()
     cases = {case.name: case for case in harness.CASES}
     checked = 0
     for row in _rows(table):
@@ -55,19 +44,17 @@ def test_accuracy_table_predictions_are_the_current_planners(expandable, table, 
 
 
 @pytest.mark.parametrize("expandable, table, view", TABLES)
-def test_accuracy_view_in_docs_is_rendered_from_the_csv(expandable, table, view):
-    harness = _harness()
-    assert (ROOT / "docs" / view).read_text() == harness.markdown(_rows(table), expandable)
+def test_accuracy_view_beside_its_csv_is_rendered_from_the_csv(expandable, table, view):
+    assert (ROOT / "benchmarks" / view).read_text() == harness.markdown(_rows(table), expandable)
 
 
 def test_side_by_side_runs_keep_nvme_cases_alone(monkeypatch):
     """The accuracy harness runs cases in parallel within a host budget, but an NVMe case never shares the
-    machine (in session 4 one failed beside four others and trained alone later)."""
+    machine (one failed beside four others, a swap file missing at its read, and trained alone)."""
     import threading
     import time
     from types import SimpleNamespace
 
-    harness = _harness()
     lock, running, overlaps = threading.Lock(), set(), []
 
     def fake_measure(case, overrides, run_dir, timeout):  # the scheduling under test, not a GPU run

@@ -4,28 +4,18 @@ baseline, rows keyed by case and baseline, rows from before the `baseline` colum
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("bench_vs_hf", ROOT / "scripts" / "bench_vs_hf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from scripts import bench_vs_hf as bench
+from scripts.bench_common import ROOT
+from scripts.suites import load_suites
 
 
 def test_the_committed_table_says_which_baseline_each_row_ran_against():
     rows = list(csv.DictReader((ROOT / "benchmarks" / "vs_hf.csv").open()))
-    assert rows and all(r["baseline"] in ("hf", "hf-liger") for r in rows)
+    assert rows and all(r["baseline"] in load_suites().baselines for r in rows)
 
 
 def test_one_memtrain_run_and_a_row_per_baseline(tmp_path, monkeypatch):
-    bench = _script()
     out = tmp_path / "vs_hf.csv"
     old = {c: "" for c in bench.COLUMNS if c != "baseline"} | {"recipe": "old-case", "ratio": "0.98"}
     with out.open("w", newline="") as stream:  # a table from before the baseline column
@@ -45,10 +35,12 @@ def test_one_memtrain_run_and_a_row_per_baseline(tmp_path, monkeypatch):
             "setup": "mb 4, every_layer, expandable, liger kernels",
         }
 
-    def hf_side(recipe, overrides, steps, warmup, result, timeout, baseline="hf"):
-        theirs_runs.append(baseline)
+    names = {baseline: name for name, baseline in load_suites().baselines.items()}
+
+    def baseline_side(baseline, recipe, overrides, steps, warmup, result, timeout):
+        theirs_runs.append(names[baseline])
         return {
-            "tokens_per_s": {"hf": 6000.0, "hf-liger": 8000.0}[baseline],
+            "tokens_per_s": {"hf": 6000.0, "hf-liger": 8000.0}[names[baseline]],
             "target_tokens_per_s": 2000.0,
             "peak_reserved_gib": 16.0,
             "host_peak_rss_gib": 2.2,
@@ -56,7 +48,7 @@ def test_one_memtrain_run_and_a_row_per_baseline(tmp_path, monkeypatch):
         }
 
     monkeypatch.setattr(bench, "memtrain_side", memtrain_side)
-    monkeypatch.setattr(bench, "hf_side", hf_side)
+    monkeypatch.setattr(bench, "baseline_side", baseline_side)
     monkeypatch.setattr(bench, "prebuild_cpu_adam", lambda: None)
     argv = [
         "--out",

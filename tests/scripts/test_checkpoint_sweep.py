@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
-from pathlib import Path
 
 import pytest
 
+from scripts import checkpoint_sweep as sweep
 from tests.model.test_support import one_torch_thread  # noqa: F401
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts/checkpoint_sweep.py"
-
-
-@pytest.fixture(scope="module")
-def sweep():
-    spec = importlib.util.spec_from_file_location("checkpoint_sweep", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow  # 5-20 s on two cores: plain pytest stays under 2 minutes; scripts/test.sh (CI) runs it
-def test_cpu_sweep_writes_one_row_per_strategy_and_appends(sweep, tmp_path):
+def test_cpu_sweep_writes_one_row_per_strategy_and_appends(tmp_path):
     out = tmp_path / "sweep.csv"
     argv = [
         "--device",
@@ -51,10 +40,10 @@ def test_cpu_sweep_writes_one_row_per_strategy_and_appends(sweep, tmp_path):
         step_s = float(row["step_time_s"])  # written to 4 decimals: that rounding bounds the agreement
         assert float(row["tokens_per_s"]) == pytest.approx(64 / step_s, rel=1e-3 + 0.5e-4 / step_s)
         assert row["peak_allocated_gib"] == "n/a"
-        assert row["command"].startswith("python scripts/checkpoint_sweep.py --device cpu")
+        assert row["command"].startswith("python -m scripts.checkpoint_sweep --device cpu")
 
 
-def test_unknown_strategy_is_refused(sweep, tmp_path, capsys):
+def test_unknown_strategy_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sweep.parse_args(["--preset", "tiny", "--strategies", "every_3", "--out", str(tmp_path / "x.csv")])
     assert "every_3" in capsys.readouterr().err

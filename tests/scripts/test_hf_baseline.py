@@ -3,7 +3,6 @@ micro-batches, and transformers keeps the packed samples apart on the HF side as
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,8 +20,9 @@ from memtrain.model.wrapper import one_sequence
 from memtrain.recipe.load import load_recipe
 from memtrain.train.runtime.distributed import without_rank_variables
 from memtrain.train.setup import build_data
+from scripts import hf_baseline
+from scripts.bench_common import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 CHAT_RECIPE = """\
 model: {{preset: mini, tokenizer: "builtin:shakespeare-chat"}}
 data:
@@ -39,14 +39,6 @@ train: {{steps: 3, output_dir: {runs}}}
 """
 
 
-@pytest.fixture(scope="module")
-def hf_baseline():
-    spec = importlib.util.spec_from_file_location("hf_baseline", ROOT / "scripts" / "hf_baseline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def chat_recipe(tmp_path: Path, packing: bool = True) -> Path:
     path = tmp_path / f"chat-{packing}.yaml"
     path.write_text(CHAT_RECIPE.format(packing=str(packing).lower(), cache=tmp_path / "cache", runs=tmp_path / "runs"))
@@ -54,7 +46,7 @@ def chat_recipe(tmp_path: Path, packing: bool = True) -> Path:
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_the_trainer_gets_memtrains_micro_batches_in_memtrains_order(hf_baseline, tmp_path, packing):
+def test_the_trainer_gets_memtrains_micro_batches_in_memtrains_order(tmp_path, packing):
     recipe = load_recipe(chat_recipe(tmp_path, packing)).recipe
     rows = build_data(recipe).train_set
     steps = 3
@@ -87,7 +79,7 @@ def test_the_trainer_gets_memtrains_micro_batches_in_memtrains_order(hf_baseline
     ]
 
 
-def test_flash_attention_gets_the_rows_end_to_end_as_memtrain_lays_them(hf_baseline, tmp_path):
+def test_flash_attention_gets_the_rows_end_to_end_as_memtrain_lays_them(tmp_path):
     recipe = load_recipe(chat_recipe(tmp_path)).recipe
     rows = build_data(recipe).train_set
     batch = hf_baseline.MemtrainBatches(rows, False, "flash_attention_2")([0, 1])
@@ -117,7 +109,7 @@ def test_the_hf_model_keeps_packed_samples_apart_given_only_position_ids(tmp_pat
             torch.testing.assert_close(packed[start:end], alone, atol=1e-5, rtol=1e-5)
 
 
-def test_tokens_per_second_leave_the_warm_up_out(hf_baseline):
+def test_tokens_per_second_leave_the_warm_up_out():
     assert hf_baseline.per_second([10, 20, 30, 40], [1.0, 2.0, 3.0, 5.0], warmup=1) == pytest.approx((30 + 40) / 3)
     assert hf_baseline.per_second([10, 20], [1.0, 2.0], warmup=1) is None
 
@@ -128,7 +120,8 @@ def test_the_script_trains_a_tiny_chat_recipe_on_the_cpu(tmp_path):
     done = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "scripts" / "hf_baseline.py"),
+            "-m",
+            "scripts.hf_baseline",
             str(chat_recipe(tmp_path)),
             "--steps",
             "4",
@@ -141,7 +134,7 @@ def test_the_script_trains_a_tiny_chat_recipe_on_the_cpu(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env=without_rank_variables(os.environ),
+        env={**without_rank_variables(os.environ), "PYTHONPATH": str(ROOT)},  # `scripts` from another folder
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())

@@ -4,26 +4,26 @@ machine may take or free some meanwhile, so only half of it is asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from scripts.bench_common import ROOT
+from scripts.sample_host_memory import used_bytes
+
 MiB = 1024**2
 
 
 def test_the_sampler_sees_memory_another_process_takes(tmp_path):
     out = tmp_path / "host.json"
-    sampler = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "sample_host_memory.py"), str(out)])
+    sampler = subprocess.Popen([sys.executable, "-m", "scripts.sample_host_memory", str(out)], cwd=ROOT)
     try:
         deadline = time.time() + 30
         while not out.exists() and time.time() < deadline:
             time.sleep(0.1)
-        before = _used_bytes()
+        before = used_bytes()
         # 2 GiB written (so resident), held for 2 s, in another process
         subprocess.run(
             [
@@ -39,10 +39,3 @@ def test_the_sampler_sees_memory_another_process_takes(tmp_path):
     record = json.loads(out.read_text())
     assert record["peak_bytes"] - record["baseline_bytes"] == record["run_bytes"]
     assert record["peak_bytes"] - before >= 1024 * MiB
-
-
-def _used_bytes() -> int:
-    spec = importlib.util.spec_from_file_location("sample_host_memory", ROOT / "scripts" / "sample_host_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.used_bytes()

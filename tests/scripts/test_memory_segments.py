@@ -1,27 +1,17 @@
 """scripts/memory_segments.py's summary of an allocator snapshot: per-stream peaks, init told apart from training."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from scripts import memory_segments as segments
+
 MiB = 2**20
-
-
-@pytest.fixture(scope="module")
-def segments():
-    spec = importlib.util.spec_from_file_location("memory_segments", ROOT / "scripts" / "memory_segments.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _event(action, size_mib, stream=0):
     return {"action": action, "size": size_mib * MiB, "stream": stream}
 
 
-def test_peaks_per_stream_and_during_training(segments):
+def test_peaks_per_stream_and_during_training():
     side = 7
     trace = [
         _event("segment_map", 300),
@@ -65,7 +55,7 @@ def _at(action, size_mib, addr, filename="", line=0):
     return {"action": action, "size": size_mib * MiB, "stream": 0, "addr": addr, "frames": frames}
 
 
-def test_live_at_training_peak_groups_blocks_by_who_allocated_them(segments):
+def test_live_at_training_peak_groups_blocks_by_who_allocated_them():
     layer = "/venv/site-packages/transformers/models/llama/modeling_llama.py"
     trace = [
         _at("alloc", 500, 1, layer, 10),

@@ -87,7 +87,7 @@ def test_two_nodes_train_as_one_process_with_the_same_global_batch(tmp_path):
     assert run(QUICKSTART, *shrunk(tmp_path, "one-process", "hardware.gpus=1")) == 0
     two, one = tmp_path / "runs" / "two-nodes", tmp_path / "runs" / "one-process"
     assert sorted(train_losses(two)) == list(range(1, 7))
-    a, b = train_losses(one), train_losses(two)  # the whole batch's loss on both (audit 17c L5)
+    a, b = train_losses(one), train_losses(two)  # the whole batch's loss on both
     assert all(b[step] == pytest.approx(a[step], abs=1e-4) for step in a), (a, b)
     assert final_eval_loss(two) == pytest.approx(final_eval_loss(one), abs=1e-4)
     assert [p.name for p in complete_checkpoints(two)][-1] == "step-000006"  # written once, into the shared dir
@@ -123,7 +123,7 @@ def test_two_nodes_stopped_by_sigterm_resume_exactly(tmp_path):
 
 
 def test_sigterm_to_one_node_stops_both_with_its_code(tmp_path):
-    """Audit 17c L1: node 0 got no signal, yet it stopped because node 1 did: it reports SIGTERM (143), not 130."""
+    """Node 0 got no signal, yet it stopped because node 1 did: it reports SIGTERM (143), not 130."""
     overrides = shrunk(tmp_path, "one-term", "train.steps=200", "train.save_every=100")
     run_dir = tmp_path / "runs" / "one-term"
     nodes = started_nodes(overrides, until=lambda: train_losses_or_none(run_dir))

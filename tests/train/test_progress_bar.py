@@ -30,7 +30,7 @@ def last_line(width: int, steps: int) -> str:
 
 @pytest.mark.parametrize("width", [60, 80, 100])
 def test_a_narrow_console_keeps_the_step_its_total_and_the_eta(width):
-    line = last_line(width, 61234)  # one epoch of a large dataset (audit 20 F12: "2/61…" at 80 columns)
+    line = last_line(width, 61234)  # one epoch of a large dataset ("2/61…" at 80 columns)
     assert "2/61234" in line and "eta" in line and len(line) <= width
     assert line.index("loss 8.") > line.index("2/61234") and "…" in line  # the stats gave way
 

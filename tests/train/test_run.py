@@ -222,7 +222,7 @@ def test_two_processes_match_one_process_with_twice_the_accumulation(write_recip
     assert run(one) == 0
     a, b = train_losses(run_dir_of(one)), train_losses(run_dir_of(two))
     assert sorted(b) == list(range(1, 7))
-    # the logged loss is the whole global batch's mean on either (audit 17c L5: it was rank 0's half)
+    # the logged loss is the whole global batch's mean on either (it was rank 0's half)
     for step in range(1, 7):
         assert b[step] == pytest.approx(a[step], abs=1e-4), (step, a, b)
     # and the weights after 6 steps agree, so the evaluation losses agree
@@ -451,7 +451,7 @@ def test_an_oom_in_one_ranks_backward_restarts_every_process_from_the_last_check
 def test_an_oom_in_one_ranks_backward_at_the_smallest_size_ends_both_ranks_with_one_line(
     write_recipe, monkeypatch, capfd
 ):
-    """Audit 19 F3, F4: rank 1 stopped with its problem said (exit 2) and rank 0, whose collective broke, added a gloo
+    """Rank 1 stopped with its problem said (exit 2) and rank 0, whose collective broke, added a gloo
     traceback and no end record, so `report` said "running or killed". Rank 0 now ends quietly with the same code and
     records how the run ended."""
     recipe = write_recipe(
@@ -476,7 +476,7 @@ def test_an_oom_in_one_ranks_backward_at_the_smallest_size_ends_both_ranks_with_
 
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_max_steps_stops_at_the_same_step_through_an_oom_restart(write_recipe, monkeypatch, gpus):
-    """Audit 19 F2: each attempt counted --max-steps from where it resumed, so a run asked for 3 steps whose
+    """Each attempt counted --max-steps from where it resumed, so a run asked for 3 steps whose
     backward ran out of memory in step 3 stopped at step 5, saying "as asked". One process saves the step before
     and starts again there; two start again from the last checkpoint (step 2)."""
     from memtrain.train.state.checkpoint import complete_checkpoints

@@ -10,7 +10,7 @@ from memtrain.train.setup import build_data
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_names_presets_that_hold_it(tmp_path):
-    """Audit 21: the hint said 'a preset whose vocab_size is at least the tokenizer's' and named none."""
+    """The hint said 'a preset whose vocab_size is at least the tokenizer's' and named none."""
     recipe = Recipe.model_validate(
         {
             "model": {"preset": "tiny", "tokenizer": "builtin:shakespeare-chat"},

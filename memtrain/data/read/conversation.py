@@ -132,7 +132,7 @@ SYSTEM_FIELDS = ("system", "system_prompt")
 
 def unread_system_field(record: dict, spec: DatasetSpec) -> str | None:
     """The field of SYSTEM_FIELDS where an instruction or chat record holds text that its dataset does not read (it
-    names no system_field): the model trains without that prompt (audit 21). None when there is none."""
+    names no system_field): the model trains without that prompt. None when there is none."""
     if spec.type not in ("instruction", "chat") or spec.system_field is not None:
         return None
     return next((name for name in SYSTEM_FIELDS if isinstance(record.get(name), str) and record[name].strip()), None)
@@ -189,7 +189,7 @@ def _chat_field(record: dict, spec: DatasetSpec, where: _Where) -> tuple[str, st
     )
 
 
-# The default fields of the other record types: a chat dataset whose records have them is of that type (audit 21).
+# The default fields of the other record types: a chat dataset whose records have them is of that type.
 _OTHER_TYPES = {"instruction": ("instruction", "output"), "completion": ("prompt", "completion")}
 
 

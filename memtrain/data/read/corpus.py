@@ -83,7 +83,7 @@ def resolve_format(spec: str, fmt: str = "auto") -> str:
     return "jsonl" if name.endswith((".jsonl", ".ndjson")) else "text"
 
 
-# Files of records that a path in data.train / data.validation would read as plain text, syntax and all (audit 18c)
+# Files of records that a path in data.train / data.validation would read as plain text, syntax and all
 RECORD_FILES = (".json", ".csv", ".tsv", ".parquet", ".arrow")
 
 

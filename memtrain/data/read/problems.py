@@ -48,7 +48,7 @@ class FileProblems:
             return
         problems = sorted(self.kept, key=lambda p: p.line if p.line is not None else 0)
         total = len(self.kept) + self.more
-        count = None  # the headline's: the problems listed, unless there are more (audit 21: "11 problems" for 400)
+        count = None  # the headline's: the problems listed, unless there are more (not "11 problems" for 400)
         if self.more or self.stopped_after is not None:
             count = (
                 f"{'at least ' if self.stopped_after is not None else ''}{total} problems, the first "

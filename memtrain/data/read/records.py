@@ -1,4 +1,5 @@
-"""Reading records (one JSON-like mapping per sample) from .jsonl, .json, .parquet and Hugging Face datasets directories.
+"""Reading records (one JSON-like mapping per sample) from .jsonl, .json, .parquet and Hugging Face datasets
+directories.
 
 Every reader yields `(number, record)`: `number` is where a person finds the record — the line of a JSONL
 file, else the record's 1-based position (the JSON list's item, the parquet or datasets row + 1). Problems

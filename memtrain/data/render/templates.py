@@ -124,7 +124,8 @@ def ensure_template_tokens(data: Data, tokenizer: PreTrainedTokenizerBase) -> li
     if not data.add_special_tokens:
         raise DataError(
             Problem(
-                f"chat template {template.name} writes {', '.join(missing)}, which the tokenizer lacks as special tokens",
+                f"chat template {template.name} writes {', '.join(missing)}, which the tokenizer lacks as special "
+                "tokens",
                 key="data.template",
                 hint="set data.add_special_tokens: true to add them (the model's embeddings grow and are trained), "
                 "use a tokenizer that has them, or a template written with tokens it has",

@@ -89,8 +89,8 @@ def packed_windows(tokens: np.ndarray, seq_len: int, pad_id: int) -> TokenWindow
 
 def document_windows(tokens: np.ndarray, doc_ends: np.ndarray, seq_len: int, pad_id: int) -> TokenWindows:
     """Each document (with its eos) cut into windows of `seq_len` tokens, the last one padded, as a text dataset
-    of a list cuts it: nothing is dropped (one window per document, cut to seq_len, trained a .txt file's first
-    seq_len tokens alone; audit 18c). A last piece of one token, which holds no target, is left out."""
+    of a list cuts it: nothing is dropped (one window per document, cut to seq_len, would train a .txt file's
+    first seq_len tokens alone). A last piece of one token, which holds no target, is left out."""
     ends = np.asarray(doc_ends, dtype=np.int64)
     starts = np.concatenate([np.zeros(1, dtype=np.int64), ends[:-1]]) if len(ends) else ends
     lengths = ends - starts
@@ -138,7 +138,7 @@ def build_datasets(
 
 def build_validation(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> TokenWindows | SampleRows:
     """build_datasets' validation samples; where data.validation names files of its own, data.train's are not read
-    (audit 21: `memtrain eval` of a run failed when its training file had moved, though it scores none of it)."""
+    (`memtrain eval` of a run must not fail when its training file has moved: it scores none of it)."""
     if data.validation is None:
         return build_datasets(data, tokenizer, seed)[1]
     if isinstance(data.train, str):

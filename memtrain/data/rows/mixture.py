@@ -93,7 +93,8 @@ def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tup
         if len(part.views) and not len(kept.views):  # round(weight * n) is 0: the dataset would take no part
             raise DataError(
                 Problem(
-                    f"weight {spec.weight:g} of {len(part.views)} samples is round({spec.weight:g} × {len(part.views)}) "
+                    f"weight {spec.weight:g} of {len(part.views)} samples is "
+                    f"round({spec.weight:g} × {len(part.views)}) "
                     "= 0 samples: this dataset would take no part in training",
                     key=f"data.train.{i}.weight",
                     file=spec.path,
@@ -205,7 +206,7 @@ def unread_system_warning(
     data: Data, tokenizer: PreTrainedTokenizerBase, noted: list[tuple[DatasetSpec, Tokenized]] | None = None
 ) -> str | None:
     """A warning for people when records hold a system prompt in a field their dataset does not read
-    (conversation.unread_system_field): the model trains without it, and nothing else says so (audit 21). None when
+    (conversation.unread_system_field): the model trains without it, and nothing else says so. None when
     no record does. noted: `noted_datasets` (read here when not given)."""
     noted = noted_datasets(data, tokenizer) if noted is None else noted
     said = [

@@ -8,8 +8,8 @@ there byte-level BPE (GPT-2, Llama 3, Qwen) starts a new pre-token, and Metaspac
 before a space, so the pieces' tokens end to end are the whole's. Each cut is checked with the tokenizer itself:
 the CHECK_CHARS on either side must tokenise the same together as apart, else the next candidate is tried. Where
 none of CANDIDATES passes, the rest of the document goes in one call, as before: a normalizer that prepends "▁" to
-every call (older Llama 2 conversions), and Metaspace on text without spaces (Chinese, Japanese; audit 20b G4: a
-36 MB Chinese file took 4.2 GB). Memory still grows with a file, by about 20 bytes per byte (audit 20b G5: 200 MB
+every call (older Llama 2 conversions), and Metaspace on text without spaces (Chinese, Japanese; measured: a
+36 MB Chinese file took 4.2 GB). Memory still grows with a file, by about 20 bytes per byte (measured: 200 MB
 of text, 4.1 GB): the text, its pieces and their ids are all held until the entry is written.
 Pieces also let the tokenizer's threads share one long document.
 """

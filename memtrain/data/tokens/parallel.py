@@ -1,7 +1,7 @@
 """Encoding batches of records in several processes at once.
 
 A chat template renders in Python, one conversation at a time, so tokenising chat or instruction data used one core
-(audit 20: 1.3-2.4 MB/s, about 100 % CPU, on a machine with more). `map_batches` hands the batches to forked worker
+(measured: 1.3-2.4 MB/s, about 100 % CPU, on a machine with more). `map_batches` hands the batches to forked worker
 processes, one per core up to MAX_WORKERS, and yields their results in order, so the samples, their order and the
 problems found are those of one process, reading the batches only a few ahead of the one it yields, so a stream of
 records is never all in memory. The workers inherit what encodes (the tokenizer and the template) from the

@@ -1,6 +1,6 @@
 """How far the data's first tokenisation has got, for a command to show: the data layer reports, a command listens.
 
-Tokenising 1 GB of chat data takes minutes (audit 20: 1.3-2.4 MB/s on one core), deep below the command that asked
+Tokenising 1 GB of chat data takes minutes (1.3-2.4 MB/s on one core, measured), deep below the command that asked
 for it, so the reports go to whoever listens in this process (`listening`), not through every builder between.
 Nothing is reported when the data comes from the token cache.
 """

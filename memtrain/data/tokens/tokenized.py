@@ -80,7 +80,7 @@ class Tokenized:
     # empty sample, so that sample i is still record i
     skipped: list[int] = field(default_factory=list)
     # records with a system prompt in a field the dataset does not read (conversation.unread_system_field), by that
-    # field: {"system": [count, the first one's line]}; entries written before session 21 have none
+    # field: {"system": [count, the first one's line]}; entries written before it was counted have none
     unread_system: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -227,7 +227,7 @@ def _conversation_samples(
 
     # Two reads: the first checks every record and keeps none, so a bad field anywhere is said before any
     # tokenising; the second streams batches to the encoders, so the parsed records (about 8 bytes of Python
-    # objects per byte of the file: audit 20 F3, benchmarks/tokenize.csv) are never all in memory at once.
+    # objects per byte of the file: benchmarks/tokenize.csv) are never all in memory at once.
     records = _check(spec, check)
     dtype = token_dtype(encoder.tokenizer)
     out: list[Piece] = []

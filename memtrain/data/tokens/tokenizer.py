@@ -30,10 +30,11 @@ def load_tokenizer(model: Model) -> PreTrainedTokenizerBase:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(
             Problem(
-                f"cannot load a tokenizer from {directory}: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
+                f"cannot load a tokenizer from {directory}: "
+                f"{str(err).splitlines()[0] if str(err) else type(err).__name__}",
                 key=key,
-                hint="the directory needs tokenizer.json (or the tokenizer files of its model) and tokenizer_config.json; "
-                "set model.tokenizer to another directory or to builtin:shakespeare",
+                hint="the directory needs tokenizer.json (or the tokenizer files of its model) and "
+                "tokenizer_config.json; set model.tokenizer to another directory or to builtin:shakespeare",
             )
         ) from None
     if tokenizer.eos_token_id is None:

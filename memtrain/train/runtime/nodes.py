@@ -240,12 +240,12 @@ def _check_shared_run_dir(run_dir: Path, place: Place) -> None:
         which = ", ".join(map(str, blind))
         raise UserError(
             Problem(
-                f"node{'s' if len(blind) > 1 else ''} {which} cannot see the run directory {run_dir} that rank 0 writes "
-                f"(a file rank 0 wrote there did not appear within {SHARED_DIR_WAIT_S:.0f} s); every rank writes its "
-                "part of each checkpoint into that one directory, so it must be on storage that every node mounts at "
-                "the same path",
+                f"node{'s' if len(blind) > 1 else ''} {which} cannot see the run directory {run_dir} that rank 0 "
+                f"writes (a file rank 0 wrote there did not appear within {SHARED_DIR_WAIT_S:.0f} s); every rank "
+                "writes its part of each checkpoint into that one directory, so it must be on storage that every node "
+                "mounts at the same path",
                 key="train.output_dir",
-                hint="set train.output_dir to a shared file system (NFS, Lustre, ...) mounted at the same path on every "
-                "node, with absolute paths",
+                hint="set train.output_dir to a shared file system (NFS, Lustre, ...) mounted at the same path on "
+                "every node, with absolute paths",
             )
         )

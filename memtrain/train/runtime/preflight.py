@@ -45,7 +45,8 @@ def check_memory(loaded: LoadedRecipe, exact_pinned: bool) -> list[str]:
         raise UserError(
             loaded.sources.problem(
                 ("offload",),
-                f"the run needs about {gib(plan.host_bytes):.1f} GiB of host memory{' on each node' if loaded.recipe.hardware.nodes > 1 else ''} "
+                f"the run needs about {gib(plan.host_bytes):.1f} GiB of host memory"
+                f"{' on each node' if loaded.recipe.hardware.nodes > 1 else ''} "
                 f"({', '.join(f'{k} {gib(v):.1f}' for k, v in plan.host_breakdown.items() if v)} GiB), "
                 f"more than the {gib(capacity):.1f} GiB available",
                 _cheapest_host_change(loaded, capacity, exact_pinned),

@@ -142,7 +142,7 @@ def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
     """Run `command` (torchrun) in its own process group, forwarding SIGINT/SIGTERM to it, and wait.
 
     Returns its exit code, or 128 + the first signal forwarded when it did not succeed (a run that finished
-    anyway, its final model written, is a success: audit 18d saw 130 there).
+    anyway, its final model written, is a success, not 130).
     """
     env = dict(env, **{LAUNCHER_PID_ENV: str(os.getpid())})
     env.setdefault(SHUTDOWN_TIMEOUT_ENV, str(SHUTDOWN_TIMEOUT_S))
@@ -191,8 +191,8 @@ class QuietExitBarrier(logging.Filter):
 class QuietWorkerEnds(logging.Filter):
     """torchrun's lines about its workers' ends that say nothing more to a person than memtrain's own line does: a
     worker that ended with a UserError (exit 2) printed its problem, one that asks every process to start again
-    (exit 75, memtrain.train.runtime.result.EXIT_RESTART) said why; on Ctrl-C or SIGTERM, "■ interrupted at step N" follows
-    its "Received 2 death signal, shutting down workers" and "Sending process N closing signal SIGINT"."""
+    (exit 75, memtrain.train.runtime.result.EXIT_RESTART) said why; on Ctrl-C or SIGTERM, "■ interrupted at step N"
+    follows its "Received 2 death signal, shutting down workers" and "Sending process N closing signal SIGINT"."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         said = record.getMessage()

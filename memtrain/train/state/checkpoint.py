@@ -224,8 +224,8 @@ def _doomed(checkpoint: Path) -> Path:
 def _loaded_to_host(engine):
     """With optimizer.step_in_backward (ZeRO stage 0), DeepSpeed loads the saved weights and optimizer states back
     onto the device they were saved from, beside the model's own weights: a second copy of a 7B model does not fit
-    a 24 GB card (measured: out of memory at 22.8 GiB on resume). Loaded on the host instead (measured on the GPU
-    in session 14: the 7B run resumed and went on), memory-mapped, the weights are
+    a 24 GB card (measured: out of memory at 22.8 GiB on resume). Loaded on the host instead (measured on the GPU:
+    the 7B run resumed and went on, benchmarks/host_memory.csv), memory-mapped, the weights are
     copied into the model's parameters and the per-parameter optimizers place their states (train/optim/in_backward.py).
     Every other run loads as DeepSpeed does (ZeRO stages load their partitions their own way)."""
     if not isinstance(engine.optimizer, StepInBackward):

@@ -107,7 +107,7 @@ class ResumePlan:
 def differences(old: dict, new: dict) -> tuple[list[Change], list[Change]]:
     """(changes that break exactness, changes safe to apply) between two recipes as JSON dicts, each at the
     deepest key where they differ: a list of datasets item by item (data.train.0.path), a section that was not
-    set as one change (model.lora (unset) → {...}, not one per field of it; audit 21)."""
+    set as one change (model.lora (unset) → {...}, not one per field of it)."""
     breaking, safe = [], []
     for change in sorted(_changes(old, new, ""), key=lambda change: change.key):
         (safe if _matches(change.key, SAFE_TO_CHANGE) else breaking).append(change)
@@ -143,7 +143,7 @@ def recorded_recipe(checkpoint: Path) -> dict:
 
 def recorded_data_files(run_dir: Path) -> dict[str, list[str]] | None:
     """The fingerprints of the data files the run in `run_dir` read (identity.data_files); None when its run.json
-    has none (written before session 20)."""
+    has none (written before data files were recorded)."""
     return _recorded(run_dir, "data_files")
 
 

@@ -212,7 +212,8 @@ class BatchPolicy:
 
     def restarted_after_oom(self, failed_micro_batch: int, micro_batch: int) -> None:
         """A new attempt after another process of the run ran out of memory in backward at `failed_micro_batch`
-        (memtrain.train.state.restart_note): start at `micro_batch` at most, and never grow back to the size that failed."""
+        (memtrain.train.state.restart_note): start at `micro_batch` at most, and never grow back to the size that
+        failed."""
         self.oom_ceiling = failed_micro_batch if self.oom_ceiling is None else min(self.oom_ceiling, failed_micro_batch)
         self.stable_sizes = {size for size in self.stable_sizes if size < failed_micro_batch}
         self.micro_batch = min(self.micro_batch, micro_batch)

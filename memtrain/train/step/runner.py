@@ -145,9 +145,11 @@ class StepRunner:
                     batches=batches,
                     normaliser=self.place.world_size / targets,
                     loss_sum=loss_sum,
-                    before=lambda i, size: injector.maybe_raise(step, micro_batches + i, size),
+                    before=lambda i, size, done=micro_batches: injector.maybe_raise(step, done + i, size),
                     after=self.hooks.sample_trace.add,
-                    in_backward=(lambda i, size: backward_injector.maybe_raise(step, micro_batches + i, size))
+                    in_backward=(
+                        lambda i, size, done=micro_batches: backward_injector.maybe_raise(step, done + i, size)
+                    )
                     if backward_injector
                     else None,
                     any_rank=(lambda flag: any_rank(flag, device)) if self.place.world_size > 1 else None,
@@ -203,11 +205,13 @@ class StepRunner:
         where = "backward (part of the model was already updated)" if oom.in_backward else "forward"
         return UserError(
             Problem(
-                f"out of memory in the {where} of step {step + 1} at micro-batch {self.policy.micro_batch} ({said}); with "
-                "optimizer.step_in_backward each micro-batch is an optimizer step, so memtrain cannot retry it smaller",
+                f"out of memory in the {where} of step {step + 1} at micro-batch {self.policy.micro_batch} ({said}); "
+                "with optimizer.step_in_backward each micro-batch is an optimizer step, so memtrain cannot retry it "
+                "smaller",
                 key="batch.global_batch",
                 hint="lower batch.global_batch and batch.micro_batch together, or recompute "
-                "more layers (checkpointing); `memtrain plan` prices them, and a new run resumes from the last checkpoint",
+                "more layers (checkpointing); `memtrain plan` prices them, and a new run resumes from the last "
+                "checkpoint",
             )
         )
 

@@ -203,7 +203,7 @@ def test_past_ten_problems_the_first_ten_in_file_order_and_a_count_of_the_rest(c
     assert "invalid JSON" in problems[0].message
     assert problems[10].message == "… and 3 more problems in this file" and problems[10].file == path
     assert len(problems) == 11
-    assert err.value.count == "13 problems, the first 10 listed"  # the headline said "11 problems" (audit 21)
+    assert err.value.count == "13 problems, the first 10 listed"  # the headline said "11 problems"
 
 
 def test_instruction_records_read_as_chat_say_which_type_they_are(chat_tokenizer, write_jsonl, make_data):
@@ -267,7 +267,7 @@ def test_when_every_sample_is_dropped_the_error_says_why(chat_tokenizer, write_j
 
 
 def test_a_weight_that_gives_a_dataset_no_sample_is_refused_at_its_key(chat_tokenizer, write_jsonl, make_data):
-    """Audit 18c F7: round(0.01 × 8) = 0 left the dataset out of the mixture without a word."""
+    """round(0.01 × 8) = 0 left the dataset out of the mixture without a word."""
     tiny = write_jsonl("tiny.jsonl", [GOOD] * 8)
     other = write_jsonl("other.jsonl", [GOOD] * 20)
     [problem] = problems_of(
@@ -327,7 +327,7 @@ def test_a_columnar_file_mixing_both_chat_layouts(kind, chat_tokenizer, make_dat
 
 
 def test_llama_factory_system_prompts_optional_or_empty_become_a_system_message_or_none():
-    """Audit 18c F3-F5: system_field was required in every instruction record (a missing key, or parquet's null,
+    """system_field was required in every instruction record (a missing key, or parquet's null,
     failed the dataset) and ignored on chat data (LLaMA-Factory's sharegpt 'system' column was dropped silently);
     an empty system message in a chat record failed it."""
     from memtrain.data.read.conversation import to_conversation
@@ -354,7 +354,7 @@ def test_llama_factory_system_prompts_optional_or_empty_become_a_system_message_
 
 
 def test_a_missing_field_names_the_setting_to_change_and_a_close_field():
-    """Audit 18c F8: every missing field's hint said '(e.g. prompt_field)'; a typo'd 'ouptut' was not pointed at."""
+    """Every missing field's hint said '(e.g. prompt_field)'; a typo'd 'ouptut' was not pointed at."""
     from memtrain.data.read.conversation import to_conversation
     from memtrain.recipe.schema import DatasetSpec
 

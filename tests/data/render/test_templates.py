@@ -140,7 +140,7 @@ def test_encode_raises_render_error_and_prompt_of_skips_the_conversation():
     encoder = ConversationEncoder(tokenizer, resolve_template(None, tokenizer), train_on="last_turn")
     messages = [{"role": "system", "content": "Be brief."}] + CHAT[:2]
     with pytest.raises(RenderError, match="^the tokenizer's chat_template cannot render the conversation: System role"):
-        encoder.encode(messages)  # not "template tokenizer cannot ...": the internal name (audit 18a)
+        encoder.encode(messages)  # not "template tokenizer cannot ...": the internal name
     assert isinstance(encoder.encode_many([messages])[0], RenderError)
     assert prompt_of(encoder, messages) is None
     assert prompt_of(encoder, CHAT[:2]) is not None
@@ -155,7 +155,7 @@ LLAMA2 = (
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma2", "phi3", "mistral", "plain", "llama2"])
 def test_training_ids_are_the_tokenizers_own_ids_of_the_rendered_conversation(family):
-    """Audit 18a: the template's text and the messages' were tokenised apart, so "[INST] What" became "[INST]", "Ġ",
+    """The template's text and the messages' were tokenised apart, so "[INST] What" became "[INST]", "Ġ",
     "What" where the tokenizer (and every inference server) writes "[INST]", "ĠWhat": the model trained on
     boundaries it is never prompted with. The ids are now apply_chat_template's, and the targets still decode to
     exactly the answers and what closes them."""
@@ -193,7 +193,7 @@ MISTRAL_V03 = (
 
 
 def test_a_message_the_template_leaves_out_is_counted_and_warned_about(make_data, write_jsonl, tmp_path):
-    """Audit 18a F2: Mistral v0.3's template writes the system message only into the last user turn, so a training
+    """Mistral v0.3's template writes the system message only into the last user turn, so a training
     conversation (ending with its answer) loses it silently. The count survives the token cache (a second build
     reads it back), and conversations without a system message are not counted."""
     from memtrain.data.rows.dataset import build_datasets
@@ -236,7 +236,7 @@ def test_a_template_that_prompts_as_it_trains_is_not_warned_about(family, make_d
 
 
 def test_a_template_whose_generation_prompt_differs_from_training_is_warned_about(make_data, write_jsonl):
-    """Audit 18a F5: Qwen3's template writes an empty think block before the last (trained) answer, its default
+    """Qwen3's template writes an empty think block before the last (trained) answer, its default
     generation prompt does not: the merged model is prompted without it. A 'user: …\\nassistant: ' prompt ends with
     a space that training never ends a prompt with."""
     tokenizer = family_tokenizer("qwen2")

@@ -40,7 +40,7 @@ def test_packed_windows_cover_the_stream_exactly():
 
 def test_document_windows_pad_and_mask():
     """A document longer than seq_len goes on in the next window: nothing is dropped (it was cut to seq_len, so a
-    .txt file trained its first seq_len tokens alone, audit 18c); a last piece is padded and its padding masked."""
+    .txt file trained its first seq_len tokens alone); a last piece is padded and its padding masked."""
     tokens = np.array([5, 6, 0] + list(range(10, 19)) + [0] + [7, 0], dtype=np.uint16)  # docs of 3, 10, 2 tokens
     windows = document_windows(tokens, doc_ends=np.array([3, 13, 15]), seq_len=8, pad_id=1)
     assert len(windows) == 4 and windows.n_tokens == len(tokens)
@@ -129,5 +129,5 @@ def test_one_window_cannot_be_split(tokenizer, tmp_path):
         build_datasets(data, tokenizer, seed=0)
     train, validation = build_datasets(data.model_copy(update={"seq_len": n_tokens // 2}), tokenizer, seed=0)
     assert (len(train), len(validation)) == (1, 1)  # a fraction of 2 windows still holds one out
-    with pytest.raises(ValueError, match="greater than 0"):  # 0 read as "hold nothing out" (audit 18c F6)
+    with pytest.raises(ValueError, match="greater than 0"):  # 0 read as "hold nothing out"
         Data(train=str(path), validation_fraction=0)

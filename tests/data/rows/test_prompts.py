@@ -96,7 +96,7 @@ def qa(question: str, answer: str) -> dict:
 
 
 def leaky_records(n: int = 100, dropped: int = 10, secret_at: int = 95) -> list[dict]:
-    """The audit's leak.jsonl: the first `dropped` records are dropped by training (prompt longer than seq_len),
+    """A leaky data file: the first `dropped` records are dropped by training (prompt longer than seq_len),
     and one unique question sits where a tail counted in records (not in usable samples) would hold it out."""
     records = [qa(f"Question {i}: what follows {i}?", str(i + 1)) for i in range(n)]
     for i in range(dropped):

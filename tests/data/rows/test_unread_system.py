@@ -1,6 +1,6 @@
 """A system prompt in a field the dataset does not read (LLaMA-Factory's "system" column, OpenOrca's "system_prompt")
 is counted as the records are read and warned about, the count surviving the token cache as the other data
-warnings' counts do; naming the field reads it and the warning goes (audit 21: it was dropped without a word)."""
+warnings' counts do; naming the field reads it and the warning goes (it was dropped without a word)."""
 
 from __future__ import annotations
 

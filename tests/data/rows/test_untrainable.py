@@ -101,7 +101,7 @@ def test_skip_untrainable_with_no_record_left_is_an_error(chat_tokenizer, write_
 
 
 def test_a_left_out_last_record_counts_no_targets_and_breaks_nothing(chat_tokenizer, write_jsonl, make_data):
-    """Audit 19 F1: the empty sample of a last record left out starts past the file's last token; counting its
+    """The empty sample of a last record left out starts past the file's last token; counting its
     targets read past the end (IndexError in preview, plan --data and run alike)."""
     path = write_jsonl("ends-bad.jsonl", [*GOOD, NO_ANSWER])
     train, _ = build_datasets(

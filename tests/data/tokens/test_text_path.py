@@ -21,8 +21,8 @@ VALIDATION = "builtin:shakespeare/validation"
 GOLDEN = {  # (packing, validation): (train windows, validation windows, sha256)
     (True, None): (4914, 259, "810512bafc5aef46a46458c3f377f3a4fa88a5fb18c4b8dbbbfaf4e17039d09d"),
     (True, VALIDATION): (5173, 633, "3ddda9ba4902f4f6c1eb2cec0573330f380299adbf259e8bd33c5712b4a76da3"),
-    # Unpacked, the corpus (one document) was cut to its first window: 1 and 1, digest 6e69ad96e7c5... at the branch
-    # base. Since session 18 a document goes on in further windows (audit 18c): the packed windows and the tail.
+    # Unpacked, a document goes on in further windows, as packed: the packed windows and the tail (cut to its
+    # first window, the corpus would give 1 and 1).
     (False, VALIDATION): (5174, 634, "e2d6f662a9aea21fb9ac04349d9a3825f21a80275de57440e4cc5c801bd86515"),
 }
 CACHE_KEY = "7e8aa4e9b868809d5edc9f92b169eb74e927545c3db35e78cd283c2fe3bbf643"

@@ -58,7 +58,7 @@ def test_the_factory_drives_a_torch_optimizer_and_survives_a_state_dict_round_tr
 
 
 def test_a_warmup_longer_than_an_epochs_run_is_refused_as_with_steps():
-    """Audit 21: `train.steps=2` with 20 warmup steps is refused by the recipe's rules, but with train.epochs the
+    """`train.steps=2` with 20 warmup steps is refused by the recipe's rules, but with train.epochs the
     warmup was cut to the run's 7 steps and the decay never came, without a word."""
     recipe = Recipe.model_validate(
         {

@@ -92,7 +92,7 @@ def test_oom_wrapped_in_another_error_is_found_through_the_chain():
         try:
             raise real_shape_error()
         except RuntimeError:
-            raise ValueError("while handling")  # implicit __context__, not an OOM
+            raise ValueError("while handling")  # noqa: B904 (the implicit __context__ under test, not an OOM)
     except ValueError as outer:
         assert not is_oom(outer)
 

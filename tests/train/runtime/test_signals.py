@@ -41,7 +41,7 @@ def test_a_broken_exit_barrier_after_a_finished_run_is_one_warning_line_not_a_tr
 
 
 def test_a_launcher_that_forwarded_a_signal_to_a_run_that_finished_anyway_exits_0():
-    """Audit 18d: a Ctrl-C forwarded to a run that then finished (its final model written) exited 130."""
+    """A Ctrl-C forwarded to a run that then finished (its final model written) exited 130."""
     import os
     import signal
     import sys
@@ -86,7 +86,7 @@ main()
 
 @pytest.mark.slow
 def test_a_stop_whose_exception_a_finaliser_swallowed_still_stops_the_run(tmp_path):
-    """Audit 18d: the start-up handler's Stopped, raised inside a regex finaliser, became 'Exception ignored in' and
+    """The start-up handler's Stopped, raised inside a regex finaliser, became 'Exception ignored in' and
     the run trained to its end. The loop now finds the stop noted and stops after its first step, saved."""
     import json
     import subprocess
@@ -124,7 +124,7 @@ runpy.run_module("memtrain.train.worker", run_name="__main__")
 
 
 def test_ctrl_c_while_a_worker_imports_is_one_line_not_a_traceback():
-    """Audit 18d: the worker imported torch, transformers and DeepSpeed before its handlers were set, so a Ctrl-C
+    """The worker imported torch, transformers and DeepSpeed before its handlers were set, so a Ctrl-C
     then was a KeyboardInterrupt traceback from each worker."""
     import subprocess
     import sys

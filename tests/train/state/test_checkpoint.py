@@ -53,7 +53,7 @@ def test_a_save_needs_room_for_max_keep_last_2_checkpoints_not_keep_last_plus_on
 
 
 def test_a_lower_keep_last_frees_room_before_the_save_that_ran_out_of_it(tmp_path):
-    """The audit's M2: keep_last 2 left step-2 and step-4, and the save of step 6 found no room; the run resumed with
+    """keep_last 2 left step-2 and step-4, and the save of step 6 found no room; the run resumed with
     keep_last=1 must delete step-2 before it writes step 6, and a failed save keeps step 4 to resume from."""
     for step in (2, 4):
         save_checkpoint(FilesEngine(), tmp_path, LoopState(step=step), rank=0, keep_last=3)

@@ -104,7 +104,7 @@ def test_one_changed_record_of_the_training_file_is_refused_at_data_train(tmp_pa
     said = refusal(resolved(chat_recipe(tmp_path)))
     assert f"data.train: changed since the checkpoint: the samples built from {tmp_path / 'train.jsonl'} differ" in said
     assert "a file's contents changed" in said and "put back the data" in said
-    assert "the tokenizer or its chat template changed" in said  # audit 18a: an edited template, not the files
+    assert "the tokenizer or its chat template changed" in said  # an edited template, not the files
     assert "--no-resume --overwrite" in said and "train.output_dir=runs/NEW" in said
 
 
@@ -185,13 +185,13 @@ def test_a_changed_file_is_refused_before_the_data_is_built_and_an_unchanged_one
     assert "cannot resume" in closing.message
     refuse_changed_files(run.run_dir, RunOptions(resume=False), recipe, data_files(recipe.data))  # a new run
     recorded = json.loads((run.run_dir / RUN_FILE).read_text())
-    del recorded["data_files"]  # run.json as memtrain wrote it before session 20: check_resume compares it later
+    del recorded["data_files"]  # a run.json written before data files were recorded: check_resume compares it later
     (run.run_dir / RUN_FILE).write_text(json.dumps(recorded))
     refuse_changed_files(run.run_dir, RunOptions(), recipe, data_files(recipe.data))
 
 
 def test_a_recipe_that_names_other_data_is_left_to_the_recipe_comparison(tmp_path):
-    """Audit 20b G6: a changed data spec (a split, a dropped validation set) is no changed bytes: check_resume says it."""
+    """A changed data spec (a split, a dropped validation set) is no changed bytes: check_resume says it."""
     run = resolved(chat_recipe(tmp_path, validation=True))
     trained(run)
     changed = chat_recipe(tmp_path, validation=True).model_copy(deep=True)
@@ -202,7 +202,7 @@ def test_a_recipe_that_names_other_data_is_left_to_the_recipe_comparison(tmp_pat
 
 
 def test_a_path_recorded_as_typed_resumes_as_the_same_file(tmp_path, monkeypatch):
-    """Before audit 21 a data path typed relative on the command line was recorded as typed; today's recipe has it
+    """A run.json may hold a data path typed relative on the command line, recorded as typed; today's recipe has it
     absolute (so `eval` finds it from any directory). Resuming from where the run started is no recipe change."""
     monkeypatch.chdir(tmp_path)
     run = resolved(chat_recipe(tmp_path))

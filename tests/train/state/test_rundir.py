@@ -133,7 +133,7 @@ def test_recipe_changes_are_split_into_breaking_and_safe():
         "precision.compute",
         "train.seed",
     ]
-    assert str(breaking[2]) == 'model.lora (unset) → {"r": 4}'  # one change, not one per field (audit 21)
+    assert str(breaking[2]) == 'model.lora (unset) → {"r": 4}'  # one change, not one per field
     assert [c.key for c in safe] == [
         "batch.micro_batch",
         "data.cache_dir",
@@ -145,7 +145,7 @@ def test_recipe_changes_are_split_into_breaking_and_safe():
 
 
 def test_a_list_of_datasets_is_compared_item_by_item():
-    """Audit 21: a changed data path was said as the whole list of dataset specs, one JSON line."""
+    """A changed data path was said as the whole list of dataset specs, one JSON line."""
     old = {
         "data": {
             "train": [{"path": "a.jsonl", "type": "chat"}, {"path": "b.jsonl", "type": "chat"}],
@@ -283,7 +283,7 @@ def test_the_validation_set_does_not_depend_on_the_card_the_auto_micro_batch_is_
 
 
 def test_a_run_says_the_micro_batch_auto_chose_and_why(tmp_path):
-    """Audit 19 F10: with the default 'auto' nothing said which micro-batch the run trains at."""
+    """With the default 'auto' nothing said which micro-batch the run trains at."""
     from memtrain.checks.load import load_checked
     from memtrain.train.launch import prepare
     from memtrain.train.step.hooks import Hooks

@@ -33,7 +33,7 @@ def test_the_first_checkpoint_is_priced_by_the_optimizer_s_states(tmp_path):
 
 
 def test_the_32gb_host_recipe_checkpoint_is_priced_near_what_it_took():
-    """Measured on the GPU (session 14): its 7B checkpoint took 26 GiB; fp32 Adam's 12 bytes per parameter said ~94 GB."""
+    """Measured on the GPU: its 7B checkpoint took 26 GiB; fp32 Adam's 12 bytes per parameter said ~94 GB."""
     per_param = _per_param("llama2-7b-full-32gb-host.yaml")  # bf16 weights their own master, 8-bit moments
     assert 2.0 < per_param < 2.1
     params = 6.74e9

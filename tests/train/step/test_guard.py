@@ -43,7 +43,7 @@ def divergences(path: Path) -> list[dict]:
 
 
 def test_a_loss_that_blows_up_from_the_first_steps_is_reported_once_after_the_grace(tmp_path):
-    """optimizer.lr=0.9 on the quickstart (audit 17c, M1): 8.4 at step 1, far above from step 2 on."""
+    """optimizer.lr=0.9 on the quickstart: 8.4 at step 1, far above from step 2 on."""
     guard, path = guard_for(tmp_path)
     feed(guard, [8.4, 69.3, 150.0, 259.7, 200.0, 120.0, 95.0, 82.2, 90.0, 85.0])
     guard.metrics.flush()
@@ -120,7 +120,7 @@ def _agree_on_two_ranks(rank: int, port: int, out: str) -> None:
 
 
 def test_two_ranks_agree_on_the_stop_signal_and_log_the_global_batch_loss(tmp_path):
-    """Audit 17c L1 and L5: a rank that got no signal stops with the other's SIGTERM (exit 143 everywhere), and
+    """A rank that got no signal stops with the other's SIGTERM (exit 143 everywhere), and
     the loss is the whole batch's mean, not rank 0's share."""
     import torch.multiprocessing as mp
 
