@@ -27,7 +27,7 @@ BUCKET_STEPS = 50
 # this. 8 keeps matmuls tensor-core friendly and pads at most 7 positions a row; it also allows up to seq_len / 8
 # distinct widths, each a new shape for the caching allocator, the attention kernels' autotuning and compiled
 # layers (a recompile per new width until dynamo marks the dimension dynamic). Whether a coarser rounding (fewer
-# shapes, more padding) pays is for a GPU profile to say: see the width counts `step_positions` callers can log.
+# shapes, more padding) pays is for a GPU profile over enough steps that every width has been seen to say.
 WIDTH_MULTIPLE_TOKENS = 8
 # Mixed into the seed for the shuffle of the groups, independent of the other seeded streams.
 BUCKET_STREAM = 0x62756B
