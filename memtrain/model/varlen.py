@@ -58,18 +58,19 @@ def varlen_available(device: torch.device | None = None) -> bool:
 def packed_sequences(position_ids: torch.Tensor) -> dict[str, torch.Tensor | int]:
     """The sequence kwargs of rows (batch, seq) laid end to end: every position id 0 starts a sample.
 
-    cu_seq_lens_q / _k: int32 (samples + 1,) cumulative lengths, from 0 to batch × seq; max_length_q / _k: the
-    longest sample, as a Python int (the kernel's launch grid; one device sync per forward, not one per layer).
+    cu_seq_lens_q / _k: int32 (samples + 1,) cumulative lengths, from 0 to batch × seq, on position_ids' device;
+    max_length_q / _k: the longest sample, as a Python int (the kernel's launch grid). Built on the host from one
+    copy of the position ids (one device sync per forward, not one per layer as transformers' own derivation).
     Padding continues the last sample's positions, so it is counted into that sample: real tokens never attend to
     the padding after them under the causal mask, and the loss ignores the padding's outputs.
     """
-    flat = position_ids.reshape(-1)
+    flat = position_ids.reshape(-1).cpu()
     starts = torch.nonzero(flat == 0).reshape(-1).to(torch.int32)
     if starts.numel() == 0 or int(starts[0]) != 0:
         raise ValueError("packed rows must start with position id 0 (every row starts a sample)")
-    end = torch.tensor([flat.numel()], dtype=torch.int32, device=flat.device)
-    cu_seqlens = torch.cat((starts, end))
+    cu_seqlens = torch.cat((starts, torch.tensor([flat.numel()], dtype=torch.int32)))
     longest = int(cu_seqlens.diff().max())
+    cu_seqlens = cu_seqlens.to(position_ids.device, non_blocking=True)
     return {
         "cu_seq_lens_q": cu_seqlens,
         "cu_seq_lens_k": cu_seqlens,
