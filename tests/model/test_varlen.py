@@ -214,3 +214,13 @@ def test_packed_rows_through_the_kernel_equal_their_samples_one_by_one_in_bf16()
     for name, grad in packed_grads.items():
         error = (grad - grads[name]).norm() / grads[name].norm().clamp_min(1e-12)
         assert error < 3e-2, f"{name}: relative gradient error {error:.3g}"
+
+
+def test_a_kernel_that_would_mix_packed_samples_is_refused_naming_the_recipe_values():
+    from memtrain.model.wrapper import check_packed_attention
+
+    check_packed_attention(ATTN_NAME)  # varlen keeps them apart
+    with pytest.raises(UserError) as caught:
+        check_packed_attention("paged|eager")
+    problem = caught.value.problems[0]
+    assert problem.key == "model.attn_implementation" and "varlen" in problem.hint and ATTN_NAME not in problem.hint
