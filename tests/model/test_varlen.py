@@ -18,7 +18,7 @@ from memtrain.model.architecture import check_attention_kernel
 from memtrain.model.attention import resolve_attention
 from memtrain.model.config import model_config
 from memtrain.model.varlen import ATTN_NAME, attend_by_sample, packed_sequences, varlen_available
-from memtrain.model.wrapper import TrainableLM
+from memtrain.model.wrapper import TrainableLM, check_packed_attention
 from memtrain.recipe.load import load_recipe_text
 from memtrain.recipe.schema import Model, Precision
 
@@ -217,8 +217,6 @@ def test_packed_rows_through_the_kernel_equal_their_samples_one_by_one_in_bf16()
 
 
 def test_a_kernel_that_would_mix_packed_samples_is_refused_naming_the_recipe_values():
-    from memtrain.model.wrapper import check_packed_attention
-
     check_packed_attention(ATTN_NAME)  # varlen keeps them apart
     with pytest.raises(UserError) as caught:
         check_packed_attention("paged|eager")
