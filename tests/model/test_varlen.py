@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from memtrain.errors import UserError
 from memtrain.model.architecture import check_attention_kernel
@@ -21,6 +21,7 @@ from memtrain.model.varlen import ATTN_NAME, attend_by_sample, packed_sequences,
 from memtrain.model.wrapper import TrainableLM, check_packed_attention
 from memtrain.recipe.load import load_recipe_text
 from memtrain.recipe.schema import Model, Precision
+from tests.model.families import tiny_config
 
 IGNORE = -100
 
@@ -222,3 +223,57 @@ def test_a_kernel_that_would_mix_packed_samples_is_refused_naming_the_recipe_val
         check_packed_attention("paged|eager")
     problem = caught.value.problems[0]
     assert problem.key == "model.attn_implementation" and "varlen" in problem.hint and ATTN_NAME not in problem.hint
+
+
+# Every shipped family but Gemma-2 (soft-capped scores: eager); phi3 with a window shorter than its samples, so the
+# sliding-window bound (window_size (W - 1, 0)) is checked against transformers' own sliding mask
+FAMILIES = [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {}), ("phi3", {"sliding_window": 24})]
+
+
+def _family_model(family: str, overrides: dict, dtype: torch.dtype, device: str) -> TrainableLM:
+    torch.manual_seed(0)
+    config = tiny_config(family, attn_implementation=ATTN_NAME, **overrides)
+    model = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype)
+    return TrainableLM(model, Precision(compute="bf16" if dtype == torch.bfloat16 else "fp32"))
+
+
+def _packed_against_samples(model: TrainableLM, device: str):
+    batch, samples = _packed_batch([[37, 50, 41], [128], [7, 100, 20]], seq_len=128, device=device)
+    batch["input_ids"] = batch["input_ids"] % 4096  # the families' tiny vocabulary
+    for sample in samples:
+        sample["input_ids"] = sample["input_ids"] % 4096
+        sample["labels"] = torch.where(sample["labels"] == IGNORE, IGNORE, sample["labels"] % 4096)
+    batch["labels"] = torch.where(batch["labels"] == IGNORE, IGNORE, batch["labels"] % 4096)
+    packed = _loss_and_grads(model, batch)
+    total, grads = None, None
+    model.model.config._attn_implementation = "sdpa"
+    try:
+        for sample in samples:
+            loss, _, g = _loss_and_grads(model, sample)
+            total = loss if total is None else total + loss
+            grads = g if grads is None else {k: grads[k] + g[k] for k in grads}
+    finally:
+        model.model.config._attn_implementation = ATTN_NAME
+    return packed, (total, grads)
+
+
+@pytest.mark.parametrize("family, overrides", FAMILIES)
+def test_every_family_passes_the_bounds_to_its_attention_in_fp32(family, overrides):
+    """On the CPU the same attention function attends sample by sample: each family's layers hand it the bounds
+    (and phi3 its window), and the packed loss and gradients are the samples' one by one."""
+    model = _family_model(family, overrides, torch.float32, "cpu")
+    (packed_loss, _, packed_grads), (loss, grads) = _packed_against_samples(model, "cpu")
+    torch.testing.assert_close(packed_loss, loss, rtol=1e-5, atol=1e-5)
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(grad, grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(not varlen_available(), reason="needs a CUDA GPU of compute capability 8.0+ with varlen_attn")
+@pytest.mark.parametrize("family, overrides", FAMILIES)
+def test_every_family_through_the_kernel_equals_its_samples_in_bf16(family, overrides):
+    model = _family_model(family, overrides, torch.bfloat16, "cuda")
+    (packed_loss, _, packed_grads), (loss, grads) = _packed_against_samples(model, "cuda")
+    torch.testing.assert_close(packed_loss, loss, rtol=1e-2, atol=0.0)
+    for name, grad in packed_grads.items():
+        error = (grad - grads[name]).norm() / grads[name].norm().clamp_min(1e-12)
+        assert error < 3e-2, f"{family} {name}: relative gradient error {error:.3g}"
