@@ -38,8 +38,8 @@ def check_packed_attention(attn_implementation: str) -> None:
             Problem(
                 f"attention {attn_implementation!r} cannot keep packed samples apart",
                 key="model.attn_implementation",
-                hint="set model.attn_implementation to auto, sdpa, varlen, eager or flash_attention_2, or data.packing: "
-                "false",
+                hint="set model.attn_implementation to auto, sdpa, varlen, eager or flash_attention_2, "
+                "or data.packing: false",
             )
         )
 
