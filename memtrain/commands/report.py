@@ -28,6 +28,34 @@ def report_command(run_dir: Path, as_json: bool, console: Console) -> int:
     return 0
 
 
+def _token_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """Real tokens (padding left out), the loss's target tokens (with chat data and its prompts masked, a fraction
+    of them) and the padding computed. A run from before the three counts recorded its target tokens alone."""
+
+    def count(value):
+        return f"{value:,}" if value is not None else "-"
+
+    if summary["tokens_are_targets"]:
+        return [("target tokens (the loss's)", count(summary["tokens"]))]
+    share = summary["padding_share"]
+    padding = f"{share:.1%} of {summary['padded_tokens']:,} positions computed" if share is not None else "-"
+    return [
+        ("tokens (real, no padding)", count(summary["tokens"])),
+        ("target tokens (the loss's)", count(summary["target_tokens"])),
+        ("padding", padding),
+    ]
+
+
+def _speed(summary: dict[str, Any]) -> str:
+    """The median real tokens/s and target tokens/s (target tokens/s alone for a run from before the counts)."""
+    if not summary["median_tokens_per_s"]:
+        return "-"
+    if summary["tokens_are_targets"]:
+        return f"{summary['median_tokens_per_s']:,.0f} target tokens/s"
+    targets = summary["median_target_tokens_per_s"]
+    return f"{summary['median_tokens_per_s']:,.0f} tokens/s" + (f" ({targets:,.0f} target tokens/s)" if targets else "")
+
+
 def _print_summary(summary: dict[str, Any], console: Console) -> None:
     title = f"Run {summary['name']}" if summary["name"] else "Run"
     table = Table(title=f"{title} — {summary['run_dir']}", show_header=False, title_justify="left")
@@ -38,15 +66,11 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
     )
     table.add_row("device", str(summary["device"] or "?"))
     table.add_row("steps", f"{summary['steps']:,}")
-    # the loop counts the positions the loss is computed on: with chat data and its prompts masked, a fraction of
-    # the tokens the model reads (`memtrain plan --data` gives both per step)
-    table.add_row("target tokens (the loss's)", f"{summary['tokens']:,}" if summary["tokens"] is not None else "-")
+    for what, value in _token_rows(summary):
+        table.add_row(what, value)
     table.add_row("wall time", _duration(summary["wall_time_s"]))
     table.add_row("command to first step", _startup(summary))
-    table.add_row(
-        "speed (median)",
-        f"{summary['median_tokens_per_s']:,.0f} target tokens/s" if summary["median_tokens_per_s"] else "-",
-    )
+    table.add_row("speed (median)", _speed(summary))
     table.add_row("final train loss", _number(summary["final_loss"], "{:.4f}", f" (step {summary['final_loss_step']})"))
     table.add_row(
         "best validation perplexity",

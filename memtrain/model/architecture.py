@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from memtrain.errors import Problem, UserError
+from memtrain.model.varlen import ATTN_NAME as VARLEN
+from memtrain.model.varlen import varlen_available
 
 DECODER_EXAMPLES = "Llama, Qwen2/Qwen3, Mistral, Gemma-2, Phi-3"
 
@@ -152,6 +154,9 @@ def _attention(config: PretrainedConfig, class_name: str, requested: str) -> tup
     cap, so the model would train with different attention than it was pretrained with. flash_attention_2
     applies the cap; eager does too, at the cost of materialising the batch × heads × seq² scores,
     which `memtrain plan` counts because it traces the kernel the model is built with.
+
+    auto (not yet made concrete for a machine: memtrain.model.attention) is sdpa here. varlen is sdpa for
+    everything but packed rows, so it falls back to eager where sdpa does, and is built as its registered name.
     """
     import transformers
 
@@ -168,8 +173,11 @@ def _attention(config: PretrainedConfig, class_name: str, requested: str) -> tup
                 hint="set model.attn_implementation: sdpa (or eager)",
             )
         )
+    varlen = requested == "varlen"
+    if requested in ("auto", "varlen"):
+        requested = "sdpa"
     if requested != "sdpa" or (supports_sdpa and not softcap):
-        return requested, ()
+        return (VARLEN if varlen else requested), ()
     why = (
         f"its attention scores are soft-capped (attn_logit_softcapping={softcap:g}), which sdpa ignores"
         if softcap
@@ -186,11 +194,24 @@ def _attention(config: PretrainedConfig, class_name: str, requested: str) -> tup
     )
 
 
-def check_attention_kernel(attn_implementation: str, on_gpu: bool, flash_installed: bool | None = None) -> None:
-    """Before a run builds anything: FlashAttention-2 needs a CUDA GPU and the flash-attn package. `plan` and
-    `compile` take it anywhere (they price and configure a run elsewhere); `run` refuses it where it cannot run
-    instead of failing inside transformers after the data and the model are built. flash_installed: None asks
-    this machine."""
+def check_attention_kernel(
+    attn_implementation: str, on_gpu: bool, flash_installed: bool | None = None, varlen_runs: bool | None = None
+) -> None:
+    """Before a run builds anything: FlashAttention-2 needs a CUDA GPU and the flash-attn package, varlen a CUDA GPU
+    of compute capability 8.0 or newer. `plan` and `compile` take them anywhere (they price and configure a run
+    elsewhere); `run` refuses them where they cannot run instead of failing inside transformers after the data and
+    the model are built. flash_installed, varlen_runs: None asks this machine."""
+    if attn_implementation == "varlen":
+        if not (varlen_available() if varlen_runs is None else varlen_runs):
+            raise UserError(
+                Problem(
+                    "model.attn_implementation: varlen runs PyTorch's flash kernel, which needs a CUDA GPU of compute "
+                    "capability 8.0 or newer (Ampere, Ada, Hopper) and PyTorch 2.10 or newer; this machine has none",
+                    key="model.attn_implementation",
+                    hint="set model.attn_implementation: auto (it takes varlen where it runs, sdpa elsewhere)",
+                )
+            )
+        return
     if attn_implementation != "flash_attention_2":
         return
     if flash_installed is None:

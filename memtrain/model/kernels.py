@@ -23,6 +23,7 @@ import torch
 from memtrain.errors import Problem, UserError
 from memtrain.model.config import model_architecture
 from memtrain.model.recompute import name_matches
+from memtrain.model.varlen import varlen_available
 from memtrain.recipe.schema import Model, Precision
 
 # model_type -> (Liger's apply function, its keyword for the gated MLP). Each of these families names its
@@ -44,10 +45,15 @@ class KernelSupport:
 
     liger: bool  # liger_kernel can be imported
     cuda: bool  # a CUDA device is present
+    varlen: bool = False  # PyTorch's variable-length flash kernel runs here (memtrain.model.varlen)
 
     @classmethod
     def current(cls) -> "KernelSupport":
-        return cls(liger=importlib.util.find_spec("liger_kernel") is not None, cuda=torch.cuda.is_available())
+        return cls(
+            liger=importlib.util.find_spec("liger_kernel") is not None,
+            cuda=torch.cuda.is_available(),
+            varlen=varlen_available(),
+        )
 
 
 def liger_family(model: Model) -> str | None:

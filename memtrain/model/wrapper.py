@@ -10,6 +10,8 @@ from memtrain.labels import IGNORE_INDEX
 from memtrain.model.architecture import logit_softcap
 from memtrain.model.layers import hf_model
 from memtrain.model.loss import causal_lm_loss, fused_causal_lm_loss
+from memtrain.model.varlen import ATTN_NAME as VARLEN
+from memtrain.model.varlen import packed_sequences
 from memtrain.recipe.schema import Precision
 
 # How each attention kernel keeps the samples of a packed row apart, given position_ids that restart at 0 for
@@ -17,8 +19,10 @@ from memtrain.recipe.schema import Precision
 # reads the restarts as sample boundaries and builds a block-diagonal causal mask (masking_utils.
 # find_packed_sequence_indices, transformers 5.x). "flatten": flash attention reads the restarts only for a batch
 # of one (modeling_flash_attention_utils._is_packed_sequence), so the rows go in end to end as one sequence and
-# its variable-length kernel keeps every sample to itself.
+# its variable-length kernel keeps every sample to itself. "cu_seqlens": PyTorch's variable-length flash kernel
+# (model/varlen.py) takes the samples' bounds, built here once per forward from the restarts, and no mask.
 PACKED_ATTENTION = {
+    VARLEN: "cu_seqlens",
     "sdpa": "mask",
     "eager": "mask",
     "flex_attention": "mask",
@@ -34,7 +38,8 @@ def check_packed_attention(attn_implementation: str) -> None:
             Problem(
                 f"attention {attn_implementation!r} cannot keep packed samples apart",
                 key="model.attn_implementation",
-                hint="use " + ", ".join(PACKED_ATTENTION) + ", or set data.packing: false",
+                hint="set model.attn_implementation to auto, sdpa, varlen, eager or flash_attention_2, "
+                "or data.packing: false",
             )
         )
 
@@ -67,13 +72,16 @@ class TrainableLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         base = hf_model(self.model)
         body = base.get_decoder()
+        sequences = {}
         if position_ids is not None and attention_mask is None:
             attn = base.config._attn_implementation
             check_packed_attention(attn)
             if needs_one_sequence(attn, input_ids.shape[0]):
                 input_ids, labels, position_ids = one_sequence(input_ids, labels, position_ids)
+            if PACKED_ATTENTION[attn] == "cu_seqlens":
+                sequences = packed_sequences(position_ids)
         hidden = body(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **sequences
         ).last_hidden_state
         if self.fused_loss:
             return fused_causal_lm_loss(base.get_output_embeddings().weight, hidden, labels, softcap=self.logit_softcap)

@@ -16,7 +16,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from memtrain.files import atomic_path
 from memtrain.monitor.perplexity import perplexity, perplexity_text
-from memtrain.monitor.series import series, steady_speeds, throughput
+from memtrain.monitor.series import series, steady_speeds, throughput, tokens_are_targets
 from memtrain.units import GiB
 
 FIGURE_SIZE_INCHES = (9.0, 4.8)
@@ -84,13 +84,15 @@ def plot_loss(figure: Figure, records: list[dict]) -> None:
 
 
 def plot_speed(figure: Figure, records: list[dict]) -> None:
-    """Training throughput in tokens per second by step, with the median as a reference line."""
-    axes = _step_axes(figure, "throughput (target tokens/s)", "Training speed")
+    """Training throughput in real tokens per second by step (padding left out), with the median as a reference
+    line."""
+    unit = "target tokens/s" if tokens_are_targets(records) else "tokens/s"  # older runs counted targets alone
+    axes = _step_axes(figure, f"throughput ({unit})", "Training speed")
     steps, speeds = throughput(records)
     if not steps:
         _no_data(axes, "no throughput recorded yet")
         return
-    axes.plot(steps, speeds, color=TRAIN_COLOR, linewidth=1.2, label="target tokens/s")
+    axes.plot(steps, speeds, color=TRAIN_COLOR, linewidth=1.2, label=unit)
     middle = median(steady_speeds(records))  # each start's first step carries its warm-up
     axes.axhline(middle, color="gray", linestyle="--", linewidth=1, label=f"median {middle:,.0f} tokens/s")
     axes.set_ylim(0, max(speeds) * 1.15)

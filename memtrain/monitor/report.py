@@ -11,7 +11,7 @@ from typing import Any
 
 from memtrain.errors import Problem, UserError
 from memtrain.monitor.metrics import GENERATION_KIND, METRICS_FILE, read_metrics_counted
-from memtrain.monitor.series import is_start, series, steady_speeds
+from memtrain.monitor.series import is_start, series, steady_speeds, target_field, tokens_are_targets
 
 MEMORY_VIEWER_URL = "https://pytorch.org/memory_viz"
 
@@ -37,8 +37,12 @@ def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int 
     starts = [r for r in records if is_start(r)]
     last_run = next((r for r in reversed(records) if r["kind"] == "run"), None)
     loss_steps, losses = series(records, "train", "loss")
-    token_steps, tokens = series(records, "train", "tokens")
+    token_steps, tokens = series(records, "train", "tokens")  # real input tokens; targets in older records
+    _, targets = series(records, "train", target_field(records))
+    _, padded = series(records, "train", "padded_tokens")
     speeds = steady_speeds(records)
+    target_speeds = steady_speeds(records, target_field(records))
+    old_counts = tokens_are_targets(records)
     ppl_steps, perplexities = series(records, "eval", "perplexity")
     _, micro_batches = series(records, "train", "micro_batch")
     _, skipped = series(records, "train", "skipped_steps")
@@ -62,11 +66,17 @@ def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int 
         "starts": len(starts),
         "steps": max(train_steps) if train_steps else 0,
         "tokens": int(tokens[-1]) if tokens else None,
+        "tokens_are_targets": old_counts,  # a run from before the three counts: `tokens` are its target tokens
+        "target_tokens": int(targets[-1]) if targets else None,
+        "padded_tokens": int(padded[-1]) if padded else None,
+        # of the positions computed: what padding cost
+        "padding_share": 1 - tokens[-1] / padded[-1] if padded and tokens and not old_counts else None,
         "tokens_step": token_steps[-1] if token_steps else None,
         "wall_time_s": _wall_time_s(records),
         "final_loss": losses[-1] if losses else None,
         "final_loss_step": loss_steps[-1] if loss_steps else None,
         "median_tokens_per_s": median(speeds) if speeds else None,
+        "median_target_tokens_per_s": median(target_speeds) if target_speeds else None,
         "best_eval_perplexity": perplexities[best_index] if best_index is not None else None,
         "best_eval_step": ppl_steps[best_index] if best_index is not None else None,
         "first_exact_match": matches[0] if matches else None,

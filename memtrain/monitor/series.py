@@ -22,12 +22,25 @@ def series(records: list[dict], kind: str, field: str) -> tuple[list[int], list[
     return steps, [by_step[step] for step in steps]
 
 
-def throughput(records: list[dict]) -> tuple[list[int], list[float]]:
-    """(steps, tokens/s): the recorded tokens_per_s, else the step's new tokens over its step_time_s."""
-    steps, speeds = series(records, "train", "tokens_per_s")
+def tokens_are_targets(records: list[dict]) -> bool:
+    """Whether these train records come from before the three token counts: they carry only `tokens`, and it
+    counted target tokens. Since, `tokens` counts real input tokens (padding left out), `target_tokens` the
+    loss's and `padded_tokens` the positions computed, padding included; all three cumulative."""
+    return not any(record.get("kind") == "train" and "target_tokens" in record for record in records)
+
+
+def target_field(records: list[dict]) -> str:
+    """The records' field of cumulative target tokens: `target_tokens`, or `tokens` in older records."""
+    return "tokens" if tokens_are_targets(records) else "target_tokens"
+
+
+def throughput(records: list[dict], field: str = "tokens") -> tuple[list[int], list[float]]:
+    """(steps, tokens/s) of a cumulative token count: for `tokens` the recorded tokens_per_s, else the step's new
+    count over its step_time_s."""
+    steps, speeds = series(records, "train", "tokens_per_s") if field == "tokens" else ([], [])
     if steps:
         return steps, speeds
-    token_steps, tokens = series(records, "train", "tokens")
+    token_steps, tokens = series(records, "train", field)
     time_steps, step_times = series(records, "train", "step_time_s")
     seconds_at = dict(zip(time_steps, step_times))
     steps, speeds = [], []
@@ -43,11 +56,11 @@ def is_start(record: dict) -> bool:
     return record.get("kind") == "run" and record.get("event") in ("start", "resume")
 
 
-def steady_speeds(records: list[dict]) -> list[float]:
+def steady_speeds(records: list[dict], field: str = "tokens") -> list[float]:
     """`throughput`'s speeds without the first step of each start, fresh or resumed, which carries that start's
     warm-up (compilation, the allocator's first growth, a checkpoint's state loading): what a median of the
     run's speed should be over. All of them when nothing else is left."""
     first_steps = {int(record["step"]) + 1 for record in records if is_start(record)}
-    steps, speeds = throughput(records)
+    steps, speeds = throughput(records, field)
     steady = [speed for step, speed in zip(steps, speeds) if step not in first_steps]
     return steady or speeds

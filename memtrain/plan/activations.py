@@ -24,6 +24,7 @@ from memtrain.model.build import add_lora
 from memtrain.model.config import model_config
 from memtrain.model.kernels import patches_layers
 from memtrain.model.layers import decoder_layers, hf_model
+from memtrain.model.varlen import ATTN_NAME as VARLEN
 from memtrain.recipe.schema import Checkpointing, Model
 
 
@@ -97,14 +98,16 @@ def one_layer_model(model: Model, dtype: torch.dtype) -> torch.nn.Module:
     """The recipe's model class with a single decoder layer, on the meta device.
 
     FlashAttention-2 is traced as sdpa, whose flash-style kernel keeps what flash-attn keeps for backward (q, k,
-    v, out, a logsumexp): the trace runs on the CPU, where flash-attn cannot, and need not be installed."""
+    v, out, a logsumexp): the trace runs on the CPU, where flash-attn cannot, and need not be installed. PyTorch's
+    varlen kernel is the same FlashAttention-2 and keeps the same tensors (q, k, v, out, a (heads, tokens) fp32
+    logsumexp), so it is traced as sdpa too: one row with no restart, as the layer sees a packed row's tokens."""
     from transformers import AutoModelForCausalLM
 
     config = model_config(model)
     config.num_hidden_layers = 1
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:1]
-    kernel = "sdpa" if config._attn_implementation == "flash_attention_2" else config._attn_implementation
+    kernel = "sdpa" if config._attn_implementation in ("flash_attention_2", VARLEN) else config._attn_implementation
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=kernel)
 

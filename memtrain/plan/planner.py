@@ -17,9 +17,11 @@ from dataclasses import asdict, dataclass, field
 from memtrain.configs import allocator_budget_bytes
 from memtrain.dtypes import DTYPE_BYTES
 from memtrain.errors import Problem, RecipeError
+from memtrain.model.attention import packs_samples, resolve_attention, with_attention
 from memtrain.model.compiled import resolve_compile
 from memtrain.model.config import model_architecture
 from memtrain.model.kernels import uses_fused_loss
+from memtrain.model.varlen import ATTN_NAME as VARLEN
 from memtrain.plan.activations import estimate_activations
 from memtrain.plan.calibration import Calibration, calibration
 from memtrain.plan.host import offload_host_bytes
@@ -127,16 +129,17 @@ class Plan:
 def packed_attention_mask_bytes(recipe: Recipe, micro_batch: int) -> int:
     """Packed instruction and chat rows: transformers builds one (micro_batch, 1, seq, seq) mask that keeps each
     sample's attention to itself, shared by every layer and kept for backward (masking_utils, from the restarting
-    position ids): bool for sdpa and flex attention, the compute dtype for eager. Flash attention takes the
-    sample boundaries instead, and text windows need no mask."""
-    d = recipe.data
-    if d.is_text or not d.packing:
+    position ids): bool for sdpa and flex attention, the compute dtype for eager. Flash attention and PyTorch's
+    varlen kernel take the sample boundaries instead (model.attn_implementation auto resolved as on the recipe's
+    CUDA card), and text windows need no mask."""
+    if not packs_samples(recipe):
         return 0
-    attention = model_architecture(recipe.model).attn_implementation
-    if attention.startswith("flash"):
+    resolved = with_attention(recipe, resolve_attention(recipe, varlen=True))
+    attention = model_architecture(resolved.model).attn_implementation
+    if attention.startswith("flash") or attention == VARLEN:
         return 0
     element_bytes = DTYPE_BYTES[recipe.precision.compute] if attention == "eager" else 1
-    return micro_batch * d.seq_len * d.seq_len * element_bytes
+    return micro_batch * recipe.data.seq_len * recipe.data.seq_len * element_bytes
 
 
 def _head_bytes(counts: ParamCounts, compute_bytes: int, tokens: int) -> int:

@@ -294,6 +294,22 @@ def _check_precision(loaded: LoadedRecipe) -> list[Problem]:
     return problems
 
 
+@reads("model", "precision")
+def _check_varlen_precision(loaded: LoadedRecipe) -> list[Problem]:
+    """PyTorch's variable-length flash kernel (model.attn_implementation: varlen) takes fp16 and bf16 tensors only
+    (auto leaves it out in fp32: memtrain.model.attention)."""
+    r, src = loaded.recipe, loaded.sources
+    if r.model.attn_implementation != "varlen" or r.precision.compute != "fp32":
+        return []
+    return [
+        src.problem(
+            ("model", "attn_implementation"),
+            "varlen attention runs in fp16 or bf16, and precision.compute is fp32",
+            "set model.attn_implementation: auto (sdpa in fp32), or precision.compute: bf16",
+        )
+    ]
+
+
 @reads("batch", "hardware")
 def _check_batch_split(loaded: LoadedRecipe) -> list[Problem]:
     b, hw, src = loaded.recipe.batch, loaded.recipe.hardware, loaded.sources

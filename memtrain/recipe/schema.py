@@ -173,10 +173,15 @@ class Model(Section):
         "('builtin:shakespeare-chat': the same with ChatML's markers and template). "
         "Defaults to the model directory, or the builtin tokenizer for presets.",
     )
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa",
-        description="Attention kernel; sdpa has no seq_len^2 activation term. Where an architecture "
-        "cannot run sdpa correctly (Gemma-2's soft-capped attention) memtrain uses eager and says so.",
+    attn_implementation: Literal["auto", "sdpa", "varlen", "eager", "flash_attention_2"] = Field(
+        "auto",
+        description="Attention kernel. sdpa: PyTorch's scaled_dot_product_attention, no seq_len^2 activation term "
+        "for plain rows; packed rows get a block-diagonal mask (micro_batch x seq_len^2 bytes), which keeps PyTorch "
+        "off its flash kernel. varlen: PyTorch's variable-length flash kernel (torch.nn.attention.varlen) for packed "
+        "rows, given the samples' bounds instead of a mask (sdpa for plain rows); a CUDA GPU of compute capability "
+        "8.0+ (RTX 3090 / 4090, A100, H100) and fp16 / bf16 only. auto: varlen for packed instruction and chat rows "
+        "where it runs, else sdpa (the CPU keeps sdpa). Where an architecture cannot run sdpa correctly (Gemma-2's "
+        "soft-capped attention) memtrain uses eager for sdpa, varlen and auto, and says so.",
     )
     kernels: Literal["auto", "liger", "liger_loss", "none"] = Field(
         "auto",

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import psutil
 import torch
 
+from memtrain.data.rows.loader import step_positions, token_slots
 from memtrain.errors import UserError
 from memtrain.monitor.perplexity import perplexity
 from memtrain.monitor.profiler import phase
@@ -29,6 +30,9 @@ from memtrain.train.setup import Training
 from memtrain.train.state.final_model import export_model
 from memtrain.train.state.restart_note import NOTE_FILE
 from memtrain.train.step.guard import Guard
+
+# Steps the start record's padding share is priced over, as `memtrain plan --data` prices it (commands/plan.py).
+PADDING_PRICED_STEPS = 1000
 
 
 class Interrupted:
@@ -110,17 +114,27 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                 t.hooks.sample_trace.commit(state.step, rank)
                 state.divergence = guard.state_dict()  # what any save from here on carries
                 state.step += 1
-                state.tokens += targets
+                step_tokens = int(t.data.train_set.lengths[samples].sum())  # padding left out
+                state.tokens += step_tokens
+                state.target_tokens += targets
+                # as split at the step's last micro-batch size (an OOM mid-step ran its first micro-batches larger)
+                state.padded_tokens += step_positions(
+                    t.data.train_set, samples, per_rank_batch, stepper.policy.micro_batch, t.loader.trim
+                )
                 stepper.adapt_batch()
                 _mark_first_step(t)
+                step_time_s = time.perf_counter() - step_start
                 # loss: the global batch's mean (the guard's all-reduce summed the ranks' shares), as one process logs
                 t.metrics.record(
                     "train",
                     state.step,
                     loss=verdict.loss,
                     lr=t.scheduler.get_last_lr()[0],
-                    tokens=state.tokens,
-                    step_time_s=time.perf_counter() - step_start,
+                    tokens=state.tokens,  # real input tokens, cumulative (before the three counts: targets)
+                    target_tokens=state.target_tokens,
+                    padded_tokens=state.padded_tokens,
+                    tokens_per_s=step_tokens / step_time_s,
+                    step_time_s=step_time_s,
                     micro_batch=stepper.policy.micro_batch,
                     grad_accum=micro_batches,
                     ooms=ooms,
@@ -173,7 +187,7 @@ def _announce_start(t: Training) -> None:
         plan_peak_reserved_bytes=run.plan_peak_reserved_bytes,
         process_started=psutil.Process().create_time(),  # the origin of "time to first step"
         pinned_sizes="exact" if place.on_cuda and run.exact_pinned else "power_of_two",
-        **_data_fields(t.data.train_set),
+        **_data_fields(t),
     )
     if t.startup is not None:
         t.startup.mark("loop_start")  # the run's start record
@@ -265,10 +279,25 @@ def _finish(t: Training, status: str, interrupted: Interrupted, progress: Progre
     return status, exported
 
 
-def _data_fields(train_set) -> dict:
-    """What became of the training data (samples, truncations, padding share), for the run's record."""
+def _data_fields(t: Training) -> dict:
+    """What became of the training data (samples, truncations), for the run's record, with the padding share of the
+    micro-batches as computed: cut to their longest row when the recipe groups by length, over the run's first
+    steps (PADDING_PRICED_STEPS at most) at its starting micro-batch. row_padding_share: that of rows of seq_len."""
+    train_set, run = t.data.train_set, t.run
     stats = train_set.stats
-    return {"data": {**dataclasses.asdict(stats), "padding_share": stats.padding_share}}
+    global_batch = t.recipe.batch.global_batch
+    steps = max(1, min(run.total_steps, PADDING_PRICED_STEPS, len(train_set) // global_batch or 1))
+    slots = token_slots(
+        t.order, train_set, global_batch, run.per_rank_batch, t.stepper.policy.micro_batch, t.loader.trim, steps
+    )
+    tokens = int(train_set.lengths[t.order.indices(0, steps * global_batch)].sum())
+    return {
+        "data": {
+            **dataclasses.asdict(stats),
+            "padding_share": 1 - tokens / slots if slots else 0.0,
+            "row_padding_share": stats.padding_share,
+        }
+    }
 
 
 def _loss_scale_fields(engine, r) -> dict:

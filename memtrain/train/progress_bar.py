@@ -103,8 +103,10 @@ class Progress:
         if record:
             loss = record.get("loss")  # None: not finite (JSON has no NaN); the guard counts it
             parts = [f"loss {loss:.3f}" if loss is not None else "loss nan"]
-            if record.get("tokens_per_s"):
+            if record.get("tokens_per_s"):  # real tokens, padding left out
                 parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+            if record.get("padded_tokens"):  # of the positions computed so far
+                parts.append(f"pad {1 - record['tokens'] / record['padded_tokens']:.0%}")
             if record.get("gpu_peak_reserved_bytes"):
                 parts.append(
                     f"gpu {gib(record['gpu_peak_reserved_bytes']):.1f}/{gib(record.get('gpu_cap_bytes', 0)):.0f} GiB"

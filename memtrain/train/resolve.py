@@ -16,6 +16,7 @@ from pathlib import Path
 
 from memtrain.errors import Problem, UserError
 from memtrain.files import write_atomically
+from memtrain.model.attention import resolve_attention, with_attention
 from memtrain.model.compiled import resolve_compile
 from memtrain.model.kernels import KernelSupport, resolve_kernels
 from memtrain.plan.planner import plan_recipe, resolve_checkpointing, resolve_micro_batch
@@ -174,7 +175,8 @@ def resolve_run(
     data_fingerprint: dict[str, str] | None = None,
     data_files: dict[str, list[str]] | None = None,
 ) -> ResolvedRun:
-    """Resolve a validated recipe for this machine: kernels, micro-batch, recomputed layers, steps, the plan's figures.
+    """Resolve a validated recipe for this machine: attention and kernels, micro-batch, recomputed layers, steps, the
+    plan's figures.
 
     kernels: what this machine offers Liger's kernels and compilation (default: asked of this machine). Compiled
     layers, then the kernels (which depend on them) are resolved first, so the planner prices the loss and layers
@@ -182,6 +184,7 @@ def resolve_run(
     (memtrain.data.rows.identity), kept in run.json.
     """
     support = kernels or KernelSupport.current()
+    recipe = with_attention(recipe, resolve_attention(recipe, support.varlen))
     recipe = with_compile(recipe, resolve_compile(recipe, support.cuda))
     recipe = with_kernels(recipe, resolve_kernels(recipe.model, support, compiled=recipe.train.compile))
     recipe_micro_batch = resolve_micro_batch_of(recipe, exact_pinned)

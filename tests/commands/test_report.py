@@ -60,7 +60,7 @@ def _train_tiny_run(run_dir: Path) -> None:
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     train_ids, val_ids = _token_ids("train", 40_000), _token_ids("validation", 8_000)
-    micro_batch, cursor, tokens = 2, 0, 0
+    micro_batch, cursor, tokens, targets = 2, 0, 0, 0
     with MetricsLog(run_dir / "metrics.jsonl", flush_every=3) as log:
         log.event(
             "run", 0, event="start", recipe="tiny-test", plan_peak_reserved_bytes=None, gpu_cap_bytes=0, device="cpu"
@@ -74,7 +74,8 @@ def _train_tiny_run(run_dir: Path) -> None:
                 loss = model(input_ids=batch, labels=batch).loss / GRAD_ACCUM
                 loss.backward()
                 loss_sum += loss.detach()
-                tokens += batch.numel() - batch.shape[0]  # targets: every position but the first of each row
+                tokens += batch.numel()  # text windows: every position a real token, no padding
+                targets += batch.numel() - batch.shape[0]  # every position but the first of each row
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -87,7 +88,9 @@ def _train_tiny_run(run_dir: Path) -> None:
                 lr=3e-3,
                 grad_norm=grad_norm,
                 tokens=tokens,
-                tokens_per_s=(GRAD_ACCUM * micro_batch * (SEQ_LEN - 1)) / step_time_s,
+                target_tokens=targets,
+                padded_tokens=tokens,
+                tokens_per_s=(GRAD_ACCUM * micro_batch * SEQ_LEN) / step_time_s,
                 step_time_s=step_time_s,
                 micro_batch=micro_batch,
                 grad_accum=GRAD_ACCUM,
@@ -162,7 +165,9 @@ def test_summary_numbers_equal_those_in_the_metrics_file(tiny_run):
     summary = summarize(tiny_run)
 
     assert summary["steps"] == STEPS == train[-1]["step"]
-    assert summary["tokens"] == train[-1]["tokens"] == GRAD_ACCUM * (SEQ_LEN - 1) * (2 * 5 + 3 * 3)
+    assert summary["tokens"] == train[-1]["tokens"] == GRAD_ACCUM * SEQ_LEN * (2 * 5 + 3 * 3)
+    assert summary["target_tokens"] == train[-1]["target_tokens"] == GRAD_ACCUM * (SEQ_LEN - 1) * (2 * 5 + 3 * 3)
+    assert summary["padding_share"] == 0.0 and not summary["tokens_are_targets"]
     assert summary["final_loss"] == train[-1]["loss"]
     assert summary["best_eval_perplexity"] == best["perplexity"]
     assert summary["best_eval_step"] == best["step"]
@@ -329,6 +334,41 @@ def test_the_median_speed_leaves_out_each_starts_first_step_and_nothing_else(tmp
     assert throughput(records) == ([2, 3, 4, 5], [100.0, 100.0, 10.0, 90.0])
     assert steady_speeds(records) == [100.0, 100.0, 90.0]
     assert summarize(tmp_path)["median_tokens_per_s"] == 100.0  # was 90: step 2 left out, step 4 kept
+
+
+def _chat_like_run(run_dir: Path, with_counts: bool) -> None:
+    """Train records as the loop writes them for packed chat rows (real tokens, targets, positions computed), or as
+    it wrote them before the three counts (`tokens` alone, counting targets)."""
+    with MetricsLog(run_dir / "metrics.jsonl", flush_every=1) as log:
+        log.event("run", 0, event="start", recipe="chat")
+        for step in range(1, 5):
+            counts = {"tokens": 900 * step, "target_tokens": 300 * step, "padded_tokens": 1000 * step}
+            if with_counts:
+                log.record("train", step, tokens_per_s=900.0, step_time_s=1.0, **counts)
+            else:
+                log.record("train", step, tokens=counts["target_tokens"], step_time_s=1.0)
+
+
+def test_the_report_gives_real_tokens_targets_and_padding(tmp_path):
+    _chat_like_run(tmp_path, with_counts=True)
+    summary = summarize(tmp_path)
+    assert (summary["tokens"], summary["target_tokens"], summary["padded_tokens"]) == (3600, 1200, 4000)
+    assert summary["padding_share"] == pytest.approx(0.1)
+    assert summary["median_tokens_per_s"] == 900.0 and summary["median_target_tokens_per_s"] == 300.0
+    text = _report(tmp_path)
+    assert "tokens (real, no padding)" in text and "3,600" in text and "1,200" in text
+    assert "10.0% of 4,000 positions computed" in text
+    assert "900 tokens/s (300 target tokens/s)" in text
+
+
+def test_a_metrics_file_from_before_the_three_counts_still_reads_as_targets(tmp_path):
+    _chat_like_run(tmp_path, with_counts=False)
+    summary = summarize(tmp_path)
+    assert summary["tokens_are_targets"] and summary["tokens"] == summary["target_tokens"] == 1200
+    assert summary["padding_share"] is None and summary["padded_tokens"] is None
+    assert summary["median_tokens_per_s"] == summary["median_target_tokens_per_s"] == 300.0
+    text = _report(tmp_path)
+    assert "target tokens (the loss's)" in text and "300 target tokens/s" in text and "real" not in text
 
 
 def test_checkpoints_that_keep_last_removed_are_not_listed(tiny_run, tmp_path):

@@ -376,10 +376,14 @@ def test_unknown_card_is_a_recipe_error():
         plan_recipe(tiny().recipe, gpu="potato")
 
 
-@pytest.mark.parametrize("attention, element_bytes", [("sdpa", 1), ("eager", 2), ("flash_attention_2", 0)])
+@pytest.mark.parametrize(
+    "attention, element_bytes",
+    [("sdpa", 1), ("eager", 2), ("flash_attention_2", 0), ("varlen", 0), ("auto", 0)],
+)
 def test_packed_chat_rows_add_one_attention_mask_shared_by_every_layer(attention, element_bytes):
     """Packed instruction rows get a (micro_batch, 1, seq, seq) mask from transformers (bool for sdpa, the
-    compute dtype for eager); flash attention takes the boundaries instead; text windows need none."""
+    compute dtype for eager); flash attention and PyTorch's varlen kernel (what auto takes for packed rows on the
+    recipe's CUDA card) take the boundaries instead; text windows need none."""
     from memtrain.plan.planner import packed_attention_mask_bytes
 
     text = f"""

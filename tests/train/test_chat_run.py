@@ -63,9 +63,20 @@ def test_a_mixed_packed_chat_run_resumed_mid_epoch_equals_the_straight_run(write
     assert weights_a["model.embed_tokens.weight"].shape[0] == 4098
     start = read_records(tmp_path / "runs" / "straight", "run")[0]
     assert start["data"]["target_tokens"] < start["data"]["tokens"] < start["data"]["rows"] * 64
-    # targets per step are the rows' target tokens (responses only), not every token of the rows
+    # targets per step are the rows' target tokens (responses only), not every token of the rows; tokens are the
+    # rows' real tokens; the positions computed are the whole rows (packed rows are not cut): 8 steps of 8 rows
     records = read_records(tmp_path / "runs" / "straight", "train")
-    assert records[-1]["tokens"] < 8 * 8 * 63 * 0.5
+    last = records[-1]
+    assert last["target_tokens"] < 8 * 8 * 63 * 0.5
+    assert last["target_tokens"] < last["tokens"] < last["padded_tokens"] == 8 * 8 * 64
+    assert all(r["tokens_per_s"] > 0 for r in records)
+    # the counts go through the checkpoint: the resumed run ends where the straight one does
+    resumed = read_records(tmp_path / "runs" / "halves", "train")[-1]
+    assert [resumed[k] for k in ("tokens", "target_tokens", "padded_tokens")] == [
+        last[k] for k in ("tokens", "target_tokens", "padded_tokens")
+    ]
+    # packed rows are seq_len wide as computed: the start record's padding share is the rows'
+    assert start["data"]["padding_share"] == pytest.approx(1 - last["tokens"] / last["padded_tokens"], abs=0.05)
 
 
 def test_an_unpacked_length_bucketed_chat_run_resumed_mid_epoch_equals_the_straight_run(write_recipe, tmp_path):
@@ -86,6 +97,13 @@ def test_an_unpacked_length_bucketed_chat_run_resumed_mid_epoch_equals_the_strai
     weights_a = load_file(tmp_path / "runs" / "straight" / "final" / "model.safetensors")
     weights_b = load_file(tmp_path / "runs" / "halves" / "final" / "model.safetensors")
     assert all(torch.allclose(weights_a[k], weights_b[k], atol=1e-6) for k in weights_a)
+    # micro-batches cut to their longest row: fewer positions computed than rows of seq_len, and the start record's
+    # padding share is that of the cut micro-batches, well under the rows' (one conversation in a 64-token row)
+    start = read_records(tmp_path / "runs" / "straight", "run")[0]
+    last = read_records(tmp_path / "runs" / "straight", "train")[-1]
+    assert last["target_tokens"] < last["tokens"] < last["padded_tokens"] < 8 * 12 * 64
+    assert start["data"]["padding_share"] < start["data"]["row_padding_share"]
+    assert start["data"]["padding_share"] == pytest.approx(1 - last["tokens"] / last["padded_tokens"], abs=0.05)
 
 
 def test_lora_with_added_tokens_needs_the_embeddings_in_modules_to_save(write_recipe, tmp_path):

@@ -13,6 +13,8 @@ from memtrain.train.progress_bar import Progress
 RECORD = {
     "loss": 8.245,
     "tokens_per_s": 12345.0,
+    "tokens": 9000,  # real tokens of the 10,000 positions computed so far: 10 % padding
+    "padded_tokens": 10000,
     "gpu_peak_reserved_bytes": 20.1 * 2**30,
     "gpu_cap_bytes": 24 * 2**30,
     "micro_batch": 8,
@@ -37,4 +39,4 @@ def test_a_narrow_console_keeps_the_step_its_total_and_the_eta(width):
 
 def test_a_wide_console_shows_every_stat_and_the_validation_perplexity():
     line = last_line(160, 300)
-    assert "loss 8.245 · 12,345 tok/s · gpu 20.1/24 GiB · mb 8 · val ppl 3261.7" in line and "…" not in line
+    assert "loss 8.245 · 12,345 tok/s · pad 10% · gpu 20.1/24 GiB · mb 8 · val ppl 3261.7" in line and "…" not in line

@@ -23,15 +23,19 @@ from memtrain.recipe.schema import Data
 # Steps whose rows are sorted together: larger gives groups of more alike lengths, smaller keeps more of the
 # shuffle in which rows meet in a step (Hugging Face's group_by_length sorts 50 batches at a time).
 BUCKET_STEPS = 50
-# A cut micro-batch is as wide as its longest row rounded up to this: tensor-core friendly, and at most
-# seq_len / 8 distinct shapes for the caching allocator and compiled layers.
+# The width policy of cut micro-batches (`batch_width`, its one owner): as wide as the longest row, rounded up to
+# this. 8 keeps matmuls tensor-core friendly and pads at most 7 positions a row; it also allows up to seq_len / 8
+# distinct widths, each a new shape for the caching allocator, the attention kernels' autotuning and compiled
+# layers (a recompile per new width until dynamo marks the dimension dynamic). Whether a coarser rounding (fewer
+# shapes, more padding) pays is for a GPU profile over enough steps that every width has been seen to say.
 WIDTH_MULTIPLE_TOKENS = 8
 # Mixed into the seed for the shuffle of the groups, independent of the other seeded streams.
 BUCKET_STREAM = 0x62756B
 
 
 def batch_width(lengths: np.ndarray, seq_len: int) -> int:
-    """Token positions a micro-batch of rows with these real lengths is cut to (rows are right-padded)."""
+    """Token positions a micro-batch of rows with these real lengths is cut to (rows are right-padded): the
+    longest row rounded up to WIDTH_MULTIPLE_TOKENS, at most seq_len (the width policy, module constants)."""
     longest = int(np.max(lengths)) if len(lengths) else 1
     return min(seq_len, -(-longest // WIDTH_MULTIPLE_TOKENS) * WIDTH_MULTIPLE_TOKENS)
 
@@ -139,18 +143,25 @@ def sample_order(data: Data, train_set, seed: int, global_batch: int) -> SampleO
 def token_slots(
     order: SampleOrder, dataset, global_batch: int, per_rank_batch: int, micro_batch: int, trim: bool, steps: int
 ) -> int:
-    """Token positions the first `steps` optimizer steps compute, over all ranks: rows × width per micro-batch
-    (the width `batch_width` when micro-batches are cut, else seq_len); the planner prices padding with it."""
-    slots = 0
-    for step in range(steps):
-        samples = order.indices(step * global_batch, global_batch)
-        for rank_start in range(0, global_batch, per_rank_batch):
-            mine = samples[rank_start : rank_start + per_rank_batch]
-            for start in range(0, len(mine), micro_batch):
-                rows = mine[start : start + micro_batch]
-                width = batch_width(dataset.lengths[rows], dataset.seq_len) if trim else dataset.seq_len
-                slots += len(rows) * width
-    return slots
+    """Token positions the first `steps` optimizer steps compute, over all ranks (`step_positions` of each); the
+    planner prices padding with it, and the run's start record says the padding share it gives."""
+    return sum(
+        step_positions(dataset, order.indices(step * global_batch, global_batch), per_rank_batch, micro_batch, trim)
+        for step in range(steps)
+    )
+
+
+def step_positions(dataset, samples: list[int], per_rank_batch: int, micro_batch: int, trim: bool) -> int:
+    """Token positions one optimizer step over `samples` (the global batch, rank after rank) computes: rows × width
+    per micro-batch, the width `batch_width` when micro-batches are cut, else seq_len. Padding included."""
+    positions = 0
+    for rank_start in range(0, len(samples), per_rank_batch):
+        mine = samples[rank_start : rank_start + per_rank_batch]
+        for start in range(0, len(mine), micro_batch):
+            rows = mine[start : start + micro_batch]
+            width = batch_width(dataset.lengths[rows], dataset.seq_len) if trim else dataset.seq_len
+            positions += len(rows) * width
+    return positions
 
 
 def collate(dataset, indices: list[int], trim: bool = False) -> dict[str, torch.Tensor]:

@@ -43,7 +43,9 @@ class LoopState:
     """Everything the loop needs besides DeepSpeed's state to continue exactly."""
 
     step: int = 0  # optimizer steps done
-    tokens: int = 0  # target tokens trained on (all ranks)
+    tokens: int = 0  # real input tokens trained on, padding left out (all ranks)
+    target_tokens: int = 0  # tokens the loss was computed on (all ranks)
+    padded_tokens: int = 0  # token positions computed, padding included (all ranks)
     best_eval_loss: float | None = None
     batch_policy: dict = field(default_factory=dict)
     recipe: dict = field(default_factory=dict)  # the resolved recipe trained with (JSON); {} in older checkpoints
@@ -255,4 +257,14 @@ def load_checkpoint(engine, path: Path, rank: int) -> LoopState:
     rng = path / f"rng-rank{rank}.pt"
     if rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))
-    return LoopState(**json.loads((path / STATE_FILE).read_text()))
+    return loop_state((path / STATE_FILE).read_text())
+
+
+def loop_state(text: str) -> LoopState:
+    """The loop state a checkpoint's STATE_FILE holds. One from before the three token counts kept only `tokens`,
+    which counted targets: it becomes target_tokens, and real tokens go on from it (a low count, never a wrong
+    target count)."""
+    saved = json.loads(text)
+    if "target_tokens" not in saved:
+        saved["target_tokens"] = saved.get("tokens", 0)
+    return LoopState(**saved)

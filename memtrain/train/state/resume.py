@@ -74,6 +74,7 @@ SAFE_TO_CHANGE = (
     "offload.aio.*",
     "data.cache_dir",
     "model.kernels",  # Liger's kernels compute the same functions; the weights and optimizer states are alike
+    "model.attn_implementation",  # every kernel computes the same attention (auto resolves per machine)
     "precision.loss_scale.*",
 )
 # Changes whose new value the batch policy must start from (its saved state would restore the old one).

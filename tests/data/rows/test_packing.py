@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from memtrain.data.rows.dataset import build_datasets
 from memtrain.data.rows.packing import pack_rows
 from memtrain.model import wrapper
+from memtrain.model.varlen import ATTN_NAME as VARLEN
 from memtrain.model.wrapper import TrainableLM
 from memtrain.recipe.schema import Precision
 
@@ -73,7 +74,9 @@ def one_by_one(model: TrainableLM, rows, indices: list[int]) -> tuple[torch.Tens
     return total, count, grads
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+# VARLEN on the CPU: the wrapper's sample bounds and the attention function's flattening, each sample attended
+# alone (memtrain.model.varlen.attend_by_sample); the CUDA kernel itself is tested in tests/model/test_varlen.py
+@pytest.mark.parametrize("attn", ["sdpa", "eager", VARLEN])
 def test_packed_micro_batch_equals_its_samples_one_by_one(packed_rows, chat_tokenizer, attn):
     indices = [i for i in range(len(packed_rows)) if len(packed_rows.row(i)) >= 3][:3]
     assert len(indices) == 3
@@ -100,7 +103,7 @@ def test_flattened_rows_for_flash_attention_give_the_same_loss(packed_rows, chat
     torch.testing.assert_close(flattened[0], reference[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", VARLEN])
 def test_attention_does_not_cross_a_sample_boundary(packed_rows, chat_tokenizer, attn):
     index = next(i for i in range(len(packed_rows)) if len(packed_rows.row(i)) >= 2)
     item = packed_rows[index]

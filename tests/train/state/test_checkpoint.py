@@ -4,6 +4,7 @@ what DeepSpeed writes does not matter to the order of renames and deletions."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -93,3 +94,10 @@ def test_saving_a_step_again_keeps_a_complete_copy_of_it_at_every_moment(tmp_pat
     found = latest_checkpoint(tmp_path)
     assert found is not None and found.name == "step-000004"
     assert json.loads((found / checkpoint.STATE_FILE).read_text())["tokens"] in (1, 2)  # the old copy or the new
+
+
+def test_a_state_from_before_the_three_token_counts_keeps_its_count_as_targets():
+    old = checkpoint.loop_state(json.dumps({"step": 3, "tokens": 700}))
+    assert (old.step, old.target_tokens, old.tokens, old.padded_tokens) == (3, 700, 700, 0)
+    state = checkpoint.LoopState(step=3, tokens=900, target_tokens=300, padded_tokens=1000)
+    assert checkpoint.loop_state(json.dumps(dataclasses.asdict(state))) == state

@@ -1,0 +1,49 @@
+"""`model.attn_implementation` made concrete for this machine and this data.
+
+auto: packed instruction and chat rows on a CUDA GPU that runs PyTorch's variable-length flash kernel
+(memtrain.model.varlen: compute capability 8.0 or newer, a PyTorch that has it) go through it, in fp16 or bf16;
+everything else keeps sdpa. A plain row needs no sample bounds, and sdpa already runs PyTorch's flash kernel on it;
+on the CPU, and in fp32, the kernel cannot run, so packed rows keep sdpa's block-diagonal mask there. Models whose
+attention sdpa cannot run (Gemma-2's soft-capped scores) keep eager either way (memtrain.model.architecture).
+"""
+
+from __future__ import annotations
+
+from memtrain.dtypes import DTYPES
+from memtrain.errors import Problem, UserError
+from memtrain.model.varlen import HALF_DTYPES
+from memtrain.recipe.schema import Recipe
+
+
+def packs_samples(recipe: Recipe) -> bool:
+    """Whether the rows hold several samples each (instruction and chat data with data.packing)."""
+    return not recipe.data.is_text and recipe.data.packing
+
+
+def resolve_attention(recipe: Recipe, varlen: bool) -> str:
+    """The kernel the run builds its model with. `varlen`: this machine can run the variable-length kernel
+    (memtrain.model.varlen.varlen_available; the planner passes True, pricing the recipe's CUDA card).
+
+    Raises UserError (key model.attn_implementation) for varlen asked where it cannot run."""
+    asked = recipe.model.attn_implementation
+    half = DTYPES[recipe.precision.compute] in HALF_DTYPES
+    if asked == "auto":
+        return "varlen" if varlen and half and packs_samples(recipe) else "sdpa"
+    if asked == "varlen" and not half:
+        raise UserError(
+            Problem(
+                f"varlen attention runs in fp16 or bf16, and precision.compute is {recipe.precision.compute}",
+                key="model.attn_implementation",
+                hint="set model.attn_implementation: auto (sdpa here), or precision.compute: bf16",
+            )
+        )
+    return asked
+
+
+def with_attention(recipe: Recipe, attn_implementation: str) -> Recipe:
+    """The recipe with model.attn_implementation set (the same object when it already says so)."""
+    if recipe.model.attn_implementation == attn_implementation:
+        return recipe
+    return recipe.model_copy(
+        update={"model": recipe.model.model_copy(update={"attn_implementation": attn_implementation})}
+    )
