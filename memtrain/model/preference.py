@@ -30,12 +30,17 @@ from memtrain.model.preference_loss import (
     simpo,
 )
 from memtrain.model.sequence_logps import sequence_logps, target_mask, token_logps
-from memtrain.recipe.schema import Precision
+from memtrain.recipe.schema import Precision, Recipe
 
 REFERENCES = ("adapters_off", "precomputed", "none")
 # The metrics each micro-batch adds to (sum, count); the margin is their difference of means (TRL's names in
 # metrics.jsonl without the slash: rewards/chosen -> reward_chosen, ...).
 METRIC_SUMS = ("reward_chosen", "reward_rejected", "reward_accuracy", "logp_chosen", "logp_rejected")
+
+
+def reference_of(recipe: Recipe) -> str:
+    """The reference the recipe's run uses (preference.reference with auto resolved): REFERENCES."""
+    return recipe.preference_settings.reference_for(recipe.train.objective, recipe.model.lora is not None)
 
 
 def preference_metrics(sums: torch.Tensor | list) -> dict[str, float]:
@@ -124,14 +129,15 @@ class PreferenceLM(nn.Module):
         s = self.settings
         input_ids, labels, attention_mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
         n = input_ids.shape[0] // 2
+        # The reference's no-grad forward first, while none of this micro-batch's activations are held for backward
+        ref = self._reference(batch, ref_logps) if s.objective == "dpo" else None
         targets = labels
         if s.objective == "orpo":  # its SFT term reads the chosen prompt too: every real token is a target
             real = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
             targets = input_ids.masked_fill(~real, IGNORE_INDEX)
         per_token = self.token_logps(input_ids, attention_mask, targets)
         sums, counts = sequence_logps(per_token, target_mask(labels))
-        if s.objective == "dpo":
-            ref = self._reference(batch, ref_logps)
+        if ref is not None:
             logratios = sums - ref
             if s.loss_type == "ipo":
                 out = ipo(logratios[:n], logratios[n:], counts[:n], counts[n:], beta=s.beta)
@@ -166,11 +172,13 @@ class PreferenceLM(nn.Module):
         input_ids, labels, attention_mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
         n = input_ids.shape[0] // 2
         mask = attention_mask[:n] if attention_mask is not None else None
-        logps = self.sequence_logps(input_ids[:n], labels[:n], mask)
-        with torch.no_grad():  # the KL rows only set the reference point, which is detached (as TRL computes them)
+        # the no-grad forwards first, while none of this micro-batch's activations are held for backward: the KL
+        # rows only set the reference point, which is detached (as TRL computes them), and the reference
+        ref = self._reference(batch, ref_logps)
+        with torch.no_grad():
             kl_mask = attention_mask[n:] if attention_mask is not None else None
             kl_logps = self.sequence_logps(input_ids[n:], labels[n:], kl_mask)
-        ref = self._reference(batch, ref_logps)
+        logps = self.sequence_logps(input_ids[:n], labels[:n], mask)
         desirable = kto_label.to(device=input_ids.device, dtype=torch.bool)
         z = kl_reference_point(kl_logps, ref[n:])
         losses = kto(

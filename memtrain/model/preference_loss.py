@@ -19,10 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-OBJECTIVES = ("dpo", "orpo", "simpo", "kto")
-# The objective's usual beta when the recipe leaves preference.beta unset (TRL's defaults: DPOConfig, CPOConfig
-# for SimPO's 2.0, KTOConfig, and ORPO's weight of the odds-ratio term).
-DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "kto": 0.1, "orpo": 0.1}
+from memtrain.recipe.schema import Recipe
 
 
 @dataclass(frozen=True)
@@ -38,10 +35,20 @@ class PreferenceSettings:
     kto_desirable_weight: float = 1.0
     kto_undesirable_weight: float = 1.0
 
-    @property
-    def needs_reference(self) -> bool:
-        """DPO and KTO compare the policy with a reference; ORPO and SimPO need none."""
-        return self.objective in ("dpo", "kto")
+    @classmethod
+    def of(cls, recipe: Recipe) -> PreferenceSettings:
+        """The recipe's train.objective with its preference section (its defaults where the section is absent)."""
+        p, objective = recipe.preference_settings, recipe.train.objective
+        return cls(
+            objective=objective,
+            beta=p.beta_for(objective),
+            loss_type=p.loss_type,
+            label_smoothing=p.label_smoothing,
+            simpo_gamma=p.simpo_gamma,
+            orpo_lambda=p.orpo_lambda,
+            kto_desirable_weight=p.kto_desirable_weight,
+            kto_undesirable_weight=p.kto_undesirable_weight,
+        )
 
 
 @dataclass

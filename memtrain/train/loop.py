@@ -17,12 +17,13 @@ import psutil
 import torch
 
 from memtrain.errors import UserError
+from memtrain.model.preference import PreferenceLM, preference_metrics
 from memtrain.monitor.perplexity import perplexity
 from memtrain.monitor.profiler import phase
 from memtrain.train.eval.validation_loss import evaluate
 from memtrain.train.progress_bar import Progress
 from memtrain.train.resolve import max_steps_left
-from memtrain.train.runtime.distributed import Place, sum_by_node
+from memtrain.train.runtime.distributed import Place, all_reduce_sum, sum_by_node
 from memtrain.train.runtime.result import RunResult
 from memtrain.train.runtime.signals import note_stop, received_stop
 from memtrain.train.setup import Training
@@ -126,6 +127,7 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                     ooms=ooms,
                     **_memory_fields(place, t.cap_bytes, r.hardware.nodes),
                     **_loss_scale_fields(t.engine, r),
+                    **_preference_fields(t),
                 )
                 progress.update(state.step, t.metrics.last_flushed)
                 t.profiler.step()
@@ -230,8 +232,10 @@ def _evaluate(t: Training, progress: Progress) -> float:
         before=lambda i, n: t.hooks.oom_eval.maybe_raise(state.step, i, n),
         on_oom=lambda n: t.metrics.event("oom", state.step, micro_batch=n, phase="eval"),
     )
-    t.metrics.event("eval", state.step, loss=eval_loss, perplexity=perplexity(eval_loss))
-    progress.note_eval(state.step, eval_loss)
+    pairs = _preference_fields(t)  # of the validation pairs, summed during evaluate's forwards
+    scores = pairs or {"perplexity": perplexity(eval_loss)}  # a preference loss is no token NLL: no perplexity
+    t.metrics.event("eval", state.step, loss=eval_loss, **scores)
+    progress.note_eval(state.step, eval_loss, pairs.get("reward_accuracy"))
     if state.best_eval_loss is None or eval_loss < state.best_eval_loss:
         state.best_eval_loss = eval_loss
     return eval_loss
@@ -269,6 +273,18 @@ def _data_fields(train_set) -> dict:
     """What became of the training data (samples, truncations, padding share), for the run's record."""
     stats = train_set.stats
     return {"data": {**dataclasses.asdict(stats), "padding_share": stats.padding_share}}
+
+
+def _preference_fields(t: Training) -> dict:
+    """A preference objective's rewards, reward accuracy and log-probabilities since the last call (the step's
+    micro-batches, or an evaluation's), summed over the ranks (every rank calls this: a collective); {} for SFT."""
+    module = t.engine.module
+    if not isinstance(module, PreferenceLM):
+        return {}
+    sums = module.take_metric_sums()
+    if sums is None:
+        return {}
+    return preference_metrics(all_reduce_sum(sums))
 
 
 def _loss_scale_fields(engine, r) -> dict:

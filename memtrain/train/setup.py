@@ -41,6 +41,8 @@ from memtrain.model.config import meta_model, model_config
 from memtrain.model.kernels import apply_liger_kernels, patches_layers, uses_fused_loss
 from memtrain.model.loraplus import lora_param_groups
 from memtrain.model.precision import apply_precision
+from memtrain.model.preference import PreferenceLM, reference_of
+from memtrain.model.preference_loss import PreferenceSettings
 from memtrain.model.quantize import require_bitsandbytes
 from memtrain.model.recompute import apply_checkpointing
 from memtrain.model.wrapper import TrainableLM
@@ -58,6 +60,7 @@ from memtrain.train.runtime.distributed import Place, setup_process
 from memtrain.train.runtime.nodes import agree_on_run
 from memtrain.train.runtime.oom import start_memory_history
 from memtrain.train.state.checkpoint import LoopState, latest_checkpoint, load_checkpoint
+from memtrain.train.state.reference import load_or_compute
 from memtrain.train.state.restart_note import RestartNote, read_note
 from memtrain.train.state.resume import follow_recipe, optimizer_settings
 from memtrain.train.state.rundir import start_metrics
@@ -102,7 +105,8 @@ def build_data(recipe: Recipe) -> RunData:
             Problem(
                 f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab_size}",
                 key="model.tokenizer",
-                hint=f"use the model's own tokenizer, or a preset whose vocab_size is at least the tokenizer's{presets}",
+                hint="use the model's own tokenizer, or a preset whose vocab_size is at least the tokenizer's"
+                f"{presets}",
             )
         )
     train_set, val_set = build_datasets(recipe.data, tokenizer, recipe.train.seed)
@@ -143,7 +147,8 @@ def check_new_rows_train(recipe: Recipe, added: tuple[str, ...]) -> None:
     if missing:
         raise UserError(
             Problem(
-                f"{', '.join(added)} are added to the tokenizer, but LoRA would leave their new embedding rows untrained",
+                f"{', '.join(added)} are added to the tokenizer, but LoRA would leave their new embedding rows "
+                "untrained",
                 key="model.lora.modules_to_save",
                 hint=f"add {missing} to model.lora.modules_to_save, or use a tokenizer that has the template's markers",
             )
@@ -170,9 +175,7 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, ds_config: dict, total_
     """(DeepSpeed engine, LR scheduler) around the model with memtrain's loss."""
     import deepspeed  # noqa: PLC0415 — heavy (and it sets up its accelerator on import): only where an engine is built
 
-    lm = TrainableLM(
-        model, recipe.precision, fused_loss=uses_fused_loss(recipe.model, recipe.precision, recipe.offload.stage)
-    )
+    lm = training_module(recipe, model)
     trainable = [p for p in lm.parameters() if p.requires_grad]
     lora, o = recipe.model.lora, recipe.optimizer
     # LoRA+: the B matrices at lr × ratio, as parameter groups that every optimizer (and the schedule) keeps apart
@@ -193,6 +196,37 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, ds_config: dict, total_
         # whole model's gradients, which the hooks had just freed (measured: 7B at 22.6 GiB allocated, 16.8 planned)
         engine.enable_backward_allreduce = False
     return engine, scheduler
+
+
+def training_module(recipe: Recipe, model: torch.nn.Module) -> torch.nn.Module:
+    """What DeepSpeed trains: the causal LM with memtrain's loss, TrainableLM for SFT, PreferenceLM for a preference
+    objective (train.objective), both returning (loss sum, what the step divides it by)."""
+    if recipe.train.objective != "sft":
+        return PreferenceLM(model, recipe.precision, PreferenceSettings.of(recipe), reference_of(recipe))
+    return TrainableLM(
+        model, recipe.precision, fused_loss=uses_fused_loss(recipe.model, recipe.precision, recipe.offload.stage)
+    )
+
+
+def attach_reference(recipe: Recipe, module: PreferenceLM, data: RunData, place, micro_batch: int) -> None:
+    """preference.reference precomputed: the initial model's log-probabilities of the training and validation
+    pairs, read from beside the token cache or computed now (train/state/reference.py), carried by the sets'
+    batches from here on. Called before any checkpoint is loaded: the pass must see the initial weights."""
+    if recipe.train.objective == "kto":
+        raise UserError(
+            Problem(
+                "kto with a precomputed reference is not supported: its KL rows pair each record with another "
+                "record of its micro-batch, which changes from step to step",
+                key="preference.reference",
+                hint="train kto with LoRA (model.lora, reference adapters_off)",
+            )
+        )
+    trim = recipe.data.groups_by_length
+    for name in ("train_set", "val_set"):
+        dataset = getattr(data, name)
+        with BatchLoader(dataset, place.device, trim=trim) as loader:
+            table = load_or_compute(recipe, module, loader, dataset, micro_batch=micro_batch, place=place)
+        setattr(data, name, dataset.with_reference(table))
 
 
 def client_optimizer(recipe: Recipe, trainable: list[torch.nn.Parameter] | list[dict]):
@@ -277,6 +311,9 @@ def setup(
     clock.mark("deepspeed_init")  # includes the pinned host buffers of an offloaded optimizer
     hooks.wait_slow_start()  # MEMTRAIN_INJECT_SLOW_START: this rank still starting while the others train
 
+    if isinstance(engine.module, PreferenceLM) and engine.module.reference == "precomputed":
+        attach_reference(r, engine.module, data, place, run.micro_batch)
+        clock.mark("reference")  # the reference pass, or reading its stored log-probabilities
     state, checkpoint = LoopState(), latest_checkpoint(run.run_dir) if options.resume else None
     if checkpoint is not None:
         built = optimizer_settings(engine, scheduler)  # the recipe's; the checkpoint brings the old ones
