@@ -37,9 +37,13 @@ class PairEncoder:
         RenderError in its place."""
         out: list[Encoded | RenderError | None] = [None] * len(sequences)
         chats = [at for at, (prompt, _) in enumerate(sequences) if isinstance(prompt, list)]
-        if chats:
-            if self.chat is None:
-                raise ValueError("conversations need a chat template")
+        if chats and self.chat is None:
+            for at in chats:
+                out[at] = RenderError(
+                    "the record is a conversation, and neither data.template nor the tokenizer names a chat template "
+                    "to write it with"
+                )
+        elif chats:
             conversations = [sequences[at][0] + sequences[at][1] for at in chats]
             encoded = self.chat.encode_many(conversations, [len(sequences[at][0]) for at in chats])
             for at, result in zip(chats, encoded):

@@ -149,7 +149,8 @@ def token_slots(
             for start in range(0, len(mine), micro_batch):
                 rows = mine[start : start + micro_batch]
                 width = batch_width(dataset.lengths[rows], dataset.seq_len) if trim else dataset.seq_len
-                slots += len(rows) * width
+                # a pair set's item is two rows (pairs.py)
+                slots += len(rows) * getattr(dataset, "sequences_per_item", 1) * width
     return slots
 
 
@@ -158,7 +159,10 @@ def collate(dataset, indices: list[int], trim: bool = False) -> dict[str, torch.
 
     `trim`: cut the batch to `batch_width` of its rows' lengths (`dataset.lengths`, `dataset.seq_len`); rows
     are right-padded and labels are -100 on padding, so the loss is the same, on fewer positions.
+    A set that makes its own batches (pairs.PairRows, KtoRows: several rows per item) is asked for them.
     """
+    if hasattr(dataset, "collate"):
+        return dataset.collate(indices, trim)
     items = [dataset[i] for i in indices]
     batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
     if trim:
