@@ -9,7 +9,7 @@ import torch
 
 from memtrain.data.rows.dataset import build_datasets, build_validation
 from memtrain.data.rows.identity import dataset_digest
-from memtrain.data.rows.loader import BatchLoader, collate, token_slots, SampleOrder
+from memtrain.data.rows.loader import BatchLoader, SampleOrder, collate, token_slots
 from memtrain.data.rows.pairs import KtoRows, PairRows, fit
 from memtrain.errors import DataError
 
