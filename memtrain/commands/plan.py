@@ -28,7 +28,8 @@ from memtrain.train.runtime.allocator import exact_pinned_supported
 from memtrain.train.setup import build_data
 from memtrain.units import gib
 
-# Steps `plan --data` walks through to price bucketed batches (seconds for a million rows would be too slow to wait for).
+# Steps `plan --data` walks through to price bucketed batches (seconds for a million rows would be too slow to
+# wait for).
 PRICED_STEPS = 1000
 
 LABELS = {
@@ -94,6 +95,8 @@ def plan_table(plan: Plan, auto_micro_batch: bool = False) -> Table:
     )
     table.add_column("per GPU", style="bold")
     table.add_column("GiB", justify="right")
+    if plan.preference:  # the micro-batch counts pairs: say what its rows are and what the reference costs
+        table.add_row(f"[dim]{plan.preference}[/]", "", end_section=True)
     for term in TERMS:
         if term == "reduce_stream" and not plan.terms[term]:
             continue  # only ZeRO-3 with an offloaded optimizer has one; the article's rows always show
