@@ -242,7 +242,8 @@ class DatasetSpec(Section):
         min_length=1,
         description="A .jsonl, .json (a list of records), .parquet or .txt file (.jsonl and .json also gzipped: .gz), a "
         "directory written by Hugging Face datasets' save_to_disk, or 'builtin:chat' "
-        "('builtin:chat/validation') for the bundled synthetic chat data.",
+        "('builtin:chat/validation') for the bundled synthetic chat data, 'builtin:preference' "
+        "('builtin:preference/validation') for its preference pairs.",
     )
     type: Literal["text", "completion", "instruction", "chat", "preference", "kto"] = Field(
         ...,
