@@ -30,6 +30,7 @@ from memtrain.data.rows.mixture import (
     untrainable_records_warning,
     unwritten_messages_warning,
 )
+from memtrain.data.rows.pairs import identical_pairs_warning, pair_truncation_warning
 from memtrain.data.tokens.tokenizer import load_tokenizer
 from memtrain.ds_config.compiler import ds_config as compile_ds_config
 from memtrain.ds_config.compiler import uses_client_optimizer
@@ -126,8 +127,10 @@ def build_data(recipe: Recipe) -> RunData:
         unwritten_messages_warning(recipe.data, tokenizer, noted),  # or leaves messages out,
         trailing_turns_warning(recipe.data, tokenizer, noted),  # conversations that go on past their answer,
         untrainable_records_warning(recipe.data, tokenizer, noted),  # records left out with nothing to train on,
-        unread_system_warning(recipe.data, tokenizer, noted),
-    )  # or a system prompt the dataset does not read
+        unread_system_warning(recipe.data, tokenizer, noted),  # or a system prompt the dataset does not read;
+        pair_truncation_warning(train_set),  # preference pairs cut to seq_len or left out for it,
+        identical_pairs_warning(noted),  # or with the same answer on both sides
+    )
     return RunData(tokenizer, train_set, val_set, added, vocab_size, tuple(w for w in warnings if w))
 
 

@@ -209,3 +209,22 @@ def test_kto_records_come_with_their_kl_rows_and_labels(chat_tokenizer, make_dat
         build_datasets(make_data(train=[{"path": bad, "type": "kto"}], seq_len=64), chat_tokenizer, seed=0)
     [problem] = caught.value.problems
     assert (problem.line, problem.key) == (1, "label") and "not true or false" in problem.message
+
+
+def test_people_are_told_of_cut_and_identical_pairs(chat_tokenizer, make_data, write_jsonl):
+    from memtrain.data.rows.mixture import noted_datasets
+    from memtrain.data.rows.pairs import identical_pairs_warning, pair_truncation_warning
+
+    records = pair_records(6) + [
+        {"prompt": user(" ".join(["word"] * 80)), "chosen": answer("a"), "rejected": answer("b")}
+    ]
+    records[3]["rejected"] = records[3]["chosen"]
+    data = pairs_data(make_data, write_jsonl, records, seq_len=48)
+    train, _ = build_datasets(data, chat_tokenizer, seed=0)
+    said = pair_truncation_warning(train)
+    assert said.startswith("of 6 training pairs, 1 cut to data.seq_len 48 (the prompt's start, then the answer's end)")
+    said = identical_pairs_warning(noted_datasets(data, chat_tokenizer))
+    assert said.startswith(f"1 pair of {data.train[0].path} (the first at line 4): the chosen and the rejected answer")
+    fine = pairs_data(make_data, write_jsonl, pair_records(4))
+    assert pair_truncation_warning(build_datasets(fine, chat_tokenizer, seed=0)[0]) is None
+    assert identical_pairs_warning(noted_datasets(fine, chat_tokenizer)) is None

@@ -29,8 +29,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from memtrain.data.render.templates import ensure_template_tokens, needs_template, pair_template, resolve_template
+from memtrain.data.render.templates import ensure_template_tokens
 from memtrain.data.rows.loader import batch_width
+from memtrain.data.rows.mixture import sample_rules
 from memtrain.data.rows.row_set import DataStats, SampleViews
 from memtrain.data.rows.weights import held_out_tail, weighted_indices
 from memtrain.data.tokens.tokenized import SampleRules, Tokenized, tokenized_dataset
@@ -221,7 +222,7 @@ def build_pair_sets(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int):
     """(train, validation) sets of a recipe whose datasets are preference or kto records (PairRows or KtoRows).
     Raises DataError for bad records, a dataset with no usable pair, or too few to hold a validation tail out."""
     ensure_template_tokens(data, tokenizer)
-    rules = pair_rules(data, tokenizer)
+    rules = sample_rules(data, tokenizer)
     parts = [_prepare(spec, tokenizer, rules, data, f"data.train.{i}", seed, i) for i, spec in enumerate(data.train)]
     if data.validation is not None:
         validation = pair_validation_set(data, tokenizer, seed)
@@ -248,18 +249,12 @@ def build_pair_sets(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int):
 def pair_validation_set(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int):
     """build_pair_sets' validation set where data.validation names datasets of its own (data.train is not read)."""
     ensure_template_tokens(data, tokenizer)
-    rules = pair_rules(data, tokenizer)
+    rules = sample_rules(data, tokenizer)
     held_out = [
         _prepare(spec, tokenizer, rules, data, f"data.validation.{i}", seed, i)
         for i, spec in enumerate(data.validation)
     ]
     return _set(held_out, data, tokenizer.pad_token_id, seed)
-
-
-def pair_rules(data: Data, tokenizer: PreTrainedTokenizerBase) -> SampleRules:
-    """How the pair datasets' records become samples: data.template, else the tokenizer's own, else none (text)."""
-    template = resolve_template(data.template, tokenizer) if needs_template(data) else pair_template(data, tokenizer)
-    return SampleRules(template=template)
 
 
 def prompt_lengths(views: SampleViews) -> np.ndarray:
@@ -438,3 +433,47 @@ def _set(parts: list[_Part], data: Data, pad_id: int, seed: int):
         kind="kto records" if kto else "pairs",
     )
     return out
+
+
+# ---------------------------------------------------------------- warnings for people
+
+
+def pair_truncation_warning(train_set) -> str | None:
+    """A warning for people when training pairs (KTO records) were cut to data.seq_len, or left out for their length
+    or for an answer with no token left (PairStats); None when none were, or the set is not one of pairs."""
+    stats = getattr(train_set, "stats", None)
+    if not isinstance(stats, PairStats) or not (stats.truncated or stats.dropped_too_long or stats.dropped_no_targets):
+        return None
+    total = stats.samples + stats.dropped_too_long + stats.dropped_no_targets
+    said = []
+    if stats.truncated:
+        said.append(
+            f"{stats.truncated} cut to data.seq_len {stats.seq_len} (the prompt's start, then the answer's end)"
+        )
+    if stats.dropped_too_long:
+        said.append(f"{stats.dropped_too_long} longer than {stats.seq_len} tokens left out (data.truncation: drop)")
+    if stats.dropped_no_targets:
+        said.append(f"{stats.dropped_no_targets} left out with no answer token within {stats.seq_len} tokens")
+    return (
+        f"of {total} training {stats.kind}, {'; '.join(said)} — raise data.seq_len to train on them whole, or "
+        "shorten the prompts"
+    )
+
+
+def identical_pairs_warning(noted: list[tuple[DatasetSpec, Tokenized]]) -> str | None:
+    """A warning for people when preference records have the same chosen and rejected answer: nothing to prefer,
+    so they are left out of training; how many per dataset, the first one's line. noted: mixture.noted_datasets."""
+    said = list(
+        dict.fromkeys(  # a file that is both data.train and data.validation said once
+            f"{count} pair{'s' if count != 1 else ''} of {spec.path} (the first at line {line})"
+            for spec, tokenized in noted
+            if spec.type == "preference" and tokenized.identical
+            for count, line in [tokenized.identical]
+        )
+    )
+    if not said:
+        return None
+    return (
+        f"{'; '.join(said)}: the chosen and the rejected answer are the same, nothing to prefer, so those pairs are "
+        "left out of training — fix or remove those records"
+    )
