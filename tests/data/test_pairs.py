@@ -228,3 +228,31 @@ def test_people_are_told_of_cut_and_identical_pairs(chat_tokenizer, make_data, w
     fine = pairs_data(make_data, write_jsonl, pair_records(4))
     assert pair_truncation_warning(build_datasets(fine, chat_tokenizer, seed=0)[0]) is None
     assert identical_pairs_warning(noted_datasets(fine, chat_tokenizer)) is None
+
+
+def test_held_out_pairs_are_asked_as_their_chat_questions(chat_tokenizer, make_data):
+    from memtrain.data.rows.prompts import held_out_prompts
+
+    pairs = make_data(
+        train=[{"path": "builtin:preference/validation", "type": "preference"}],
+        validation=[{"path": "builtin:preference/validation", "type": "preference"}],
+        template="chatml",
+        seq_len=128,
+    )
+    chat = make_data(
+        train=[{"path": "builtin:chat/validation", "type": "chat"}],
+        validation=[{"path": "builtin:chat/validation", "type": "chat"}],
+        template="chatml",
+        seq_len=128,
+    )
+    asked, skipped = held_out_prompts(pairs, chat_tokenizer, limit=40)
+    expected, _ = held_out_prompts(chat, chat_tokenizer, limit=40)
+    assert skipped == 0 and len(asked) == 40
+    assert [(p.prompt_ids, p.expected, p.line, p.task) for p in asked] == [
+        (p.prompt_ids, p.expected, p.line, p.task) for p in expected
+    ]
+    # without data.validation: the held-out tail of the training pairs, none of them trained on
+    tail = pairs.model_copy(update={"validation": None})
+    train, validation = build_datasets(tail, chat_tokenizer, seed=0)
+    asked, _ = held_out_prompts(tail, chat_tokenizer)
+    assert len(asked) == len(validation) == 15 and [p.line for p in asked] == list(range(286, 301))

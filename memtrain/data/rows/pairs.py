@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.render.templates import ensure_template_tokens
 from memtrain.data.rows.loader import batch_width
-from memtrain.data.rows.mixture import sample_rules
+from memtrain.data.rows.mixture import HeldOutRecords, sample_rules
 from memtrain.data.rows.row_set import DataStats, SampleViews
 from memtrain.data.rows.weights import held_out_tail, weighted_indices
 from memtrain.data.tokens.tokenized import SampleRules, Tokenized, tokenized_dataset
@@ -202,6 +202,7 @@ class _Part:
     views: dict[str, SampleViews]
     cut: np.ndarray  # bool per item
     desirable: np.ndarray  # bool per item (kto), empty for pairs
+    records: np.ndarray  # int64 per item: its record's position in the dataset's read order
     dropped_too_long: int = 0
     dropped_no_targets: int = 0
     identical: int = 0
@@ -214,6 +215,7 @@ class _Part:
             self,
             views={k: v.take(indices) for k, v in self.views.items()},
             cut=self.cut[indices],
+            records=self.records[indices],
             desirable=self.desirable[indices] if len(self.desirable) else self.desirable,
         )
 
@@ -244,6 +246,23 @@ def build_pair_sets(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int):
             )
         chosen.append(kept)
     return _set(chosen, data, tokenizer.pad_token_id, seed), validation
+
+
+def held_out_pair_records(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[HeldOutRecords]:
+    """For each dataset validation draws from (data.validation's, else data.train's), the records its validation
+    pairs (KTO records) come from, as `build_pair_sets` splits them (mixture.held_out_records for pairs): a training
+    pair is never among them. `tokenizer` as the sets were built with; reads the token cache they filled."""
+    rules = sample_rules(data, tokenizer)
+    if data.validation is not None:
+        return [
+            HeldOutRecords(spec, 0, _prepare(spec, tokenizer, rules, data, f"data.validation.{i}", 0, i).records)
+            for i, spec in enumerate(data.validation)
+        ]
+    held_out = []
+    for i, spec in enumerate(data.train):
+        _, tail = _split_tail(_prepare(spec, tokenizer, rules, data, f"data.train.{i}", 0, i), spec, data)
+        held_out.append(HeldOutRecords(spec, int(tail.records.min()), np.sort(tail.records)))
+    return held_out
 
 
 def pair_validation_set(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int):
@@ -343,6 +362,7 @@ def _pairs(tokenized: Tokenized, data: Data) -> _Part:
         {"chosen": chosen, "rejected": rejected},
         too_long,
         np.zeros(0, dtype=bool),
+        np.arange(n, dtype=np.int64),
         dropped_too_long=dropped,
         dropped_no_targets=int((~useful & ~same).sum()),
         identical=int(same.sum()),
@@ -386,6 +406,7 @@ def _kto(tokenized: Tokenized, data: Data, seed: int, index: int) -> _Part:
         {"record": record, "prompt": prompt_views, "kl_answer": kl_answer},
         too_long[rows],
         desirable[rows],
+        rows.astype(np.int64),
         dropped_too_long=dropped,
         dropped_no_targets=int((~useful).sum()),
     )
