@@ -215,15 +215,6 @@ def attach_reference(recipe: Recipe, module: PreferenceLM, data: RunData, place,
     """preference.reference precomputed: the initial model's log-probabilities of the training and validation
     pairs, read from beside the token cache or computed now (train/state/reference.py), carried by the sets'
     batches from here on. Called before any checkpoint is loaded: the pass must see the initial weights."""
-    if recipe.train.objective == "kto":
-        raise UserError(
-            Problem(
-                "kto with a precomputed reference is not supported: its KL rows pair each record with another "
-                "record of its micro-batch, which changes from step to step",
-                key="preference.reference",
-                hint="train kto with LoRA (model.lora, reference adapters_off)",
-            )
-        )
     trim = recipe.data.groups_by_length
     for name in ("train_set", "val_set"):
         dataset = getattr(data, name)
