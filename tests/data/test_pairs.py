@@ -256,3 +256,37 @@ def test_held_out_pairs_are_asked_as_their_chat_questions(chat_tokenizer, make_d
     train, validation = build_datasets(tail, chat_tokenizer, seed=0)
     asked, _ = held_out_prompts(tail, chat_tokenizer)
     assert len(asked) == len(validation) == 15 and [p.line for p in asked] == list(range(286, 301))
+
+
+def test_datasets_of_pairs_mix_by_weight_as_sft_datasets_do(chat_tokenizer, make_data, write_jsonl):
+    first = write_jsonl("a.jsonl", pair_records(10))
+    second = write_jsonl(
+        "b.jsonl", [{**r, "prompt": user("Other " + r["prompt"][0]["content"])} for r in pair_records(8)]
+    )
+    data = make_data(
+        train=[
+            {"path": first, "type": "preference", "weight": 0.5},
+            {"path": second, "type": "preference", "weight": 2},
+        ],
+        template="chatml",
+        seq_len=64,
+        validation_fraction=0.25,
+    )
+    train, validation = build_datasets(data, chat_tokenizer, seed=0)
+    # tails of 2 + 2 held out (round(0.25 × n)); then 8 × 0.5 = 4 and 6 × 2 = 12 training pairs
+    assert len(validation) == 4 and len(train) == 16
+    prompts = [chat_tokenizer.decode(collate(train, [i])["input_ids"][0].tolist()) for i in range(len(train))]
+    assert sum("Other" in p for p in prompts) == 12
+    again, _ = build_datasets(data, chat_tokenizer, seed=0)
+    assert dataset_digest(again) == dataset_digest(train)
+
+
+def test_kto_text_records_and_a_held_out_tail(text_tokenizer, make_data, write_jsonl):
+    records = [{"prompt": f"Q{i}: ", "completion": f"A{i}", "label": bool(i % 3)} for i in range(20)]
+    data = make_data(train=[{"path": write_jsonl("kto.jsonl", records), "type": "kto"}], seq_len=32)
+    train, validation = build_datasets(data, text_tokenizer, seed=0)
+    assert isinstance(train, KtoRows) and len(train) == 19 and len(validation) == 1
+    batch = collate(validation, [0])
+    assert text_tokenizer.decode(batch["input_ids"][0][batch["attention_mask"][0] == 1].tolist()).startswith("Q19: A19")
+    assert batch["kto_label"].tolist() == [bool(19 % 3)]
+    assert train.desirable.sum() == sum(bool(i % 3) for i in range(19))
