@@ -337,21 +337,20 @@ def _pairs(tokenized: Tokenized, data: Data) -> _Part:
     n = len(tokenized.ends) // 2
     chosen, rejected = _sequences(tokenized, np.arange(n) * 2), _sequences(tokenized, np.arange(n) * 2 + 1)
     too_long = np.maximum(chosen.length, rejected.length) > data.seq_len
-    pc, pr = prompt_lengths(chosen), prompt_lengths(rejected)
+    # prompt lengths matter only where a pair is cut (a Python loop over the pairs: only those)
+    pc, pr = chosen.length.copy(), rejected.length.copy()
+    long_pairs = np.flatnonzero(too_long)
+    pc[long_pairs] = prompt_lengths(chosen.take(long_pairs))
+    pr[long_pairs] = prompt_lengths(rejected.take(long_pairs))
     # both answers are cut against the longer one, so the two keep the same prompt
     (kept_c, kept_r), (ans_c, ans_r) = fit([pc, pr], [chosen.length - pc, rejected.length - pr], data.seq_len)
     chosen, rejected = _cut(chosen, pc, kept_c, ans_c), _cut(rejected, pr, kept_r, ans_r)
-    same = np.array(
-        [
-            chosen.length[i] == rejected.length[i]
-            and np.array_equal(
-                tokenized.tokens[chosen.start[i] : chosen.start[i] + chosen.length[i]],
-                tokenized.tokens[rejected.start[i] : rejected.start[i] + rejected.length[i]],
-            )
-            for i in range(n)
-        ],
-        dtype=bool,
-    ).reshape(n)
+    same = np.zeros(n, dtype=bool)
+    for i in np.flatnonzero(chosen.length == rejected.length):  # only pairs of equal length can be the same
+        c, r = chosen.start[i], rejected.start[i]
+        same[i] = np.array_equal(
+            tokenized.tokens[c : c + chosen.length[i]], tokenized.tokens[r : r + rejected.length[i]]
+        )
     useful = (chosen.target_counts() > 0) & (rejected.target_counts() > 0)
     keep = useful & ~same
     dropped = 0
