@@ -671,6 +671,21 @@ def _check_objective_data(loaded: LoadedRecipe) -> list[Problem]:
                         hint_of[spec.type],
                     )
                 )
+    if objective != "sft":
+        # which tokens are targets is the objective's: the answers of each pair (KTO: of each record)
+        for name, value, default in (
+            ("train_on_inputs", r.data.train_on_inputs, False),
+            ("train_on", r.data.train_on, "all_turns"),
+        ):
+            if value != default:
+                problems.append(
+                    src.problem(
+                        ("data", name),
+                        f"is read only for SFT; train.objective={objective} trains on the answer after each prompt "
+                        "(every assistant turn after the prompt), so it would do nothing",
+                        f"remove data.{name}",
+                    )
+                )
     return problems
 
 

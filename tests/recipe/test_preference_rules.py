@@ -85,3 +85,10 @@ def test_ipo_has_no_label_smoothing_and_a_dumped_recipe_reads_back():
     dumped = recipe.model_dump(mode="json")  # run.json spells every default out, simpo_gamma of a dpo run too
     assert type(recipe).model_validate(dumped) == recipe
     assert Preference.model_validate(dumped["preference"]).label_smoothing == 0.1
+
+
+def test_sft_target_keys_do_nothing_for_pairs():
+    assert keys(PAIRS, "data.train_on_inputs=true", "data.train_on=last_turn") == [
+        "data.train_on_inputs",
+        "data.train_on",
+    ]
