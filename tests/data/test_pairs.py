@@ -80,6 +80,8 @@ def test_a_batch_of_pairs_is_chosen_rows_then_rejected_rows_with_labels_on_the_a
         first_c = int((batch["labels"][i] != IGNORE).nonzero()[0])
         assert torch.equal(c[:first_c], r[:first_c])
     assert train.targets([0, 1, 2]) == 3  # the loss is normalised by pairs
+    assert train.tokens_of([0, 1, 2]) == int(batch["attention_mask"].sum())
+    assert train.target_tokens([0, 1, 2]) == int((batch["labels"] != IGNORE).sum())
 
 
 def test_trim_cuts_to_the_longest_row_and_the_loader_and_reference_log_probs_go_along(

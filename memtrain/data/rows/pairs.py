@@ -93,9 +93,16 @@ class _Rows:
         """What the loss is normalised by: one per pair (record), so len(indices)."""
         return len(np.asarray(indices).reshape(-1))
 
-    def target_tokens(self) -> int:
-        """Target tokens over every row (for the stats)."""
-        return int(sum(self.views[role].target_counts().sum() for role in self.roles))
+    def target_tokens(self, indices=None) -> int:
+        """Target tokens over every row of the items at `indices` (all: None), for the stats and the planner's
+        data per step (the loss is normalised by `targets`, the pairs)."""
+        picked = slice(None) if indices is None else np.asarray(indices, dtype=np.int64)
+        return int(sum(self.views[role].target_counts()[picked].sum() for role in self.roles))
+
+    def tokens_of(self, indices) -> int:
+        """Real tokens over every row of the items at `indices` (`lengths` is each item's longest row only)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        return int(sum(lengths[indices].sum() for lengths in self._row_lengths()))
 
     def select(self, indices):
         """The items at `indices` (in that order), their reference log-probs with them; stats are not carried over."""
