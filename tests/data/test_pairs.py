@@ -292,3 +292,31 @@ def test_kto_text_records_and_a_held_out_tail(text_tokenizer, make_data, write_j
     assert text_tokenizer.decode(batch["input_ids"][0][batch["attention_mask"][0] == 1].tolist()).startswith("Q19: A19")
     assert batch["kto_label"].tolist() == [bool(19 % 3)]
     assert train.desirable.sum() == sum(bool(i % 3) for i in range(19))
+
+
+def test_ultrafeedback_binarized_layout_from_a_datasets_directory(chat_tokenizer, make_data, tmp_path):
+    """HuggingFaceH4/ultrafeedback_binarized's columns: a prompt string, chosen and rejected as whole conversations,
+    scores beside them; read from a save_to_disk directory, the prompt is the conversations' shared user turn."""
+    import datasets
+
+    rows = [
+        {
+            "prompt": f"What is {i} + {i}?",
+            "chosen": user(f"What is {i} + {i}?") + answer(str(2 * i)),
+            "rejected": user(f"What is {i} + {i}?") + answer(str(2 * i + 1)),
+            "score_chosen": 9.0,
+            "score_rejected": 2.0,
+        }
+        for i in range(6)
+    ]
+    directory = tmp_path / "ultrafeedback"
+    datasets.DatasetDict({"train_prefs": datasets.Dataset.from_list(rows)}).save_to_disk(str(directory))
+    spec = {"path": str(directory), "type": "preference", "split": "train_prefs"}
+    train, _ = build_datasets(
+        make_data(train=[spec], validation=[spec], template="chatml", seq_len=64), chat_tokenizer, 0
+    )
+    assert len(train) == 6
+    batch = collate(train, list(range(6)))
+    texts = [chat_tokenizer.decode([t for t in row.tolist() if t != IGNORE]) for row in batch["labels"]]
+    assert sorted(texts[:6]) == sorted(f"{2 * i}<|im_end|>" for i in range(6))
+    assert sorted(texts[6:]) == sorted(f"{2 * i + 1}<|im_end|>" for i in range(6))
