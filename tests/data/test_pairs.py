@@ -320,3 +320,27 @@ def test_ultrafeedback_binarized_layout_from_a_datasets_directory(chat_tokenizer
     texts = [chat_tokenizer.decode([t for t in row.tolist() if t != IGNORE]) for row in batch["labels"]]
     assert sorted(texts[:6]) == sorted(f"{2 * i}<|im_end|>" for i in range(6))
     assert sorted(texts[6:]) == sorted(f"{2 * i + 1}<|im_end|>" for i in range(6))
+
+
+def test_forked_workers_build_the_pairs_one_process_builds(
+    chat_tokenizer, make_data, write_jsonl, tmp_path, monkeypatch
+):
+    import memtrain.data.tokens.tokenized as tokenized
+    from memtrain.data.tokens import parallel
+
+    records = pair_records(120)
+    records[50]["rejected"] = records[50]["chosen"]
+    path = write_jsonl("many.jsonl", records)
+    monkeypatch.setattr(parallel, "MAX_WORKERS", 2)
+    monkeypatch.setattr(tokenized, "BATCH_RECORDS", 8)
+
+    def build(min_batches: int):
+        monkeypatch.setattr(parallel, "MIN_BATCHES", min_batches)
+        spec = {"path": path, "type": "preference"}
+        data = make_data(train=[spec], template="chatml", seq_len=64, cache_dir=str(tmp_path / f"cache-{min_batches}"))
+        train, validation = build_datasets(data, chat_tokenizer, seed=0)
+        return [collate(s, list(range(len(s)))) for s in (train, validation)], train.stats
+
+    (serial, serial_stats), (forked, forked_stats) = build(10**9), build(1)
+    assert serial_stats == forked_stats and serial_stats.identical == 1
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(serial, forked) for k in a)
