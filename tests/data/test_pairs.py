@@ -344,3 +344,25 @@ def test_forked_workers_build_the_pairs_one_process_builds(
     (serial, serial_stats), (forked, forked_stats) = build(10**9), build(1)
     assert serial_stats == forked_stats and serial_stats.identical == 1
     assert all(torch.equal(a[k], b[k]) for a, b in zip(serial, forked) for k in a)
+
+
+def test_pairs_written_with_the_tokenizers_own_template_are_warned_about_as_chat_data_is(make_data, write_jsonl):
+    from memtrain.data.render.chat import generation_prompt_warning, unclosed_turn_warning
+    from memtrain.data.tokens.tokenizer import load_tokenizer
+    from memtrain.recipe.schema import Model
+
+    tokenizer = load_tokenizer(Model(preset="tiny", tokenizer="builtin:shakespeare"))
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    data = make_data(train=[{"path": write_jsonl("p.jsonl", pair_records(4)), "type": "preference"}], seq_len=64)
+    assert "writes no special token after an assistant's answer" in unclosed_turn_warning(data, tokenizer)
+    train, _ = build_datasets(data.model_copy(update={"validation_fraction": 0.25}), tokenizer, seed=0)
+    text = tokenizer.decode(collate(train, [0])["input_ids"][0].tolist())
+    assert text.startswith("user: What is") and "\nassistant: " in text
+    tokenizer.chat_template = None  # text pairs need none; a conversation is said at its line
+    with pytest.raises(DataError) as caught:
+        build_datasets(data, tokenizer, seed=0)
+    assert (
+        caught.value.problems[0].line == 1
+        and "neither data.template nor the tokenizer" in caught.value.problems[0].message
+    )
+    assert generation_prompt_warning(data, tokenizer) is None

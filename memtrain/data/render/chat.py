@@ -39,9 +39,8 @@ from memtrain.data.read.conversation import PART_KEYS, Message
 from memtrain.data.render.templates import (
     TOKENIZER_TEMPLATE,
     ChatTemplate,
+    conversation_template,
     end_of_turn_id,
-    needs_template,
-    resolve_template,
 )
 from memtrain.recipe.schema import Data
 
@@ -374,9 +373,10 @@ def unclosed_turn_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> str
     answer (e.g. "user: ...\\nassistant: ...\\n"): the model then has no end-of-turn token to learn, and
     generation (eval, an export) runs on past the answer. None when it does, or the data needs no template.
     `tokenizer`: the run's, after `ensure_template_tokens`."""
-    if not needs_template(data):
+    template = conversation_template(data, tokenizer)
+    if template is None:
         return None
-    encoder = ConversationEncoder(tokenizer, resolve_template(data.template, tokenizer))
+    encoder = ConversationEncoder(tokenizer, template)
     closing = encoder.probe_closing()
     if closing is None or encoder._closing_length(closing):  # one that cannot render: the data's errors say so
         return None
@@ -399,9 +399,10 @@ def generation_prompt_warning(data: Data, tokenizer: PreTrainedTokenizerBase) ->
     "user: …\\nassistant: " template prompts with a trailing space training never ends a prompt with. The model
     is then prompted with tokens it never saw before an answer. None when the two agree, or the template cannot
     render the probe. `tokenizer`: the run's, after `ensure_template_tokens`."""
-    if not needs_template(data):
+    template = conversation_template(data, tokenizer)
+    if template is None:
         return None
-    encoder = ConversationEncoder(tokenizer, resolve_template(data.template, tokenizer))
+    encoder = ConversationEncoder(tokenizer, template)
     try:
         ids, targets = encoder.encode(_PROBE)
         prompt_text = tokenizer.apply_chat_template(

@@ -157,3 +157,12 @@ def pair_template(data: Data, tokenizer: PreTrainedTokenizerBase) -> ChatTemplat
     if isinstance(own, dict):
         own = own.get("default")
     return ChatTemplate(name=TOKENIZER_TEMPLATE, source=own, special_tokens=(), end_of_turn=None) if own else None
+
+
+def conversation_template(data: Data, tokenizer: PreTrainedTokenizerBase) -> ChatTemplate | None:
+    """The template the recipe's conversations are written with: data.template or the tokenizer's own for completion,
+    instruction and chat data (DataError when there is none); for preference and kto data, `pair_template`; None when
+    the data has no conversations to write (text)."""
+    if needs_template(data):
+        return resolve_template(data.template, tokenizer)
+    return pair_template(data, tokenizer) if data.holds_pairs else None

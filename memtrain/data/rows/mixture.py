@@ -21,7 +21,10 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.render.chat import template_where
-from memtrain.data.render.templates import ensure_template_tokens, needs_template, pair_template, resolve_template
+from memtrain.data.render.templates import (
+    conversation_template,
+    ensure_template_tokens,
+)
 from memtrain.data.rows.packing import pack_rows
 from memtrain.data.rows.row_set import DataStats, SampleRows, SampleViews
 from memtrain.data.rows.weights import held_out_tail, weighted_indices
@@ -259,12 +262,8 @@ def sample_rules(data: Data, tokenizer: PreTrainedTokenizerBase) -> SampleRules:
     """How the recipe's records become samples: the same for the rows and for `held_out_records`, so both read
     the same cached samples (and for preference and kto pairs, pairs.py). Pairs without data.template are written
     with the tokenizer's own template where it has one, and need none when they are text (pair_template)."""
-    if needs_template(data):
-        template = resolve_template(data.template, tokenizer)
-    else:
-        template = pair_template(data, tokenizer) if data.holds_pairs else None
     return SampleRules(
-        template=template,
+        template=conversation_template(data, tokenizer),
         train_on_inputs=data.train_on_inputs,
         train_on=data.train_on,
         skip_untrainable=data.skip_untrainable,
