@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from memtrain.commands.run import run_command
 from memtrain.train.resolve import RunOptions
+from memtrain.train.score_run import evaluate_run
 from tests.conftest import read_records, train_losses
 
 pytestmark = pytest.mark.slow
@@ -90,3 +91,11 @@ def test_full_dpo_precomputes_its_reference_once_and_resumes_exactly(write_recip
     weights_a = load_file(tmp_path / "runs" / "straight" / "final" / "model.safetensors")
     weights_b = load_file(tmp_path / "runs" / "halves" / "final" / "model.safetensors")
     assert all(torch.allclose(weights_a[k], weights_b[k], atol=1e-6) for k in weights_a)
+
+    # memtrain eval RUN_DIR scores the held-out pairs again against the stored reference: the run's last eval
+    scored = evaluate_run(tmp_path / "runs" / "straight").as_json()
+    last = read_records(tmp_path / "runs" / "straight", "eval")[-1]
+    assert scored["loss"] == pytest.approx(last["loss"], abs=1e-5)
+    assert scored["reward_accuracy"] == pytest.approx(last["reward_accuracy"])
+    assert scored["reward_margin"] == pytest.approx(last["reward_margin"], abs=1e-5)
+    assert scored["perplexity"] is None and scored["exact_match"] is None  # text pairs: no conversation to ask
