@@ -1,5 +1,6 @@
-"""`memtrain eval RUN_DIR`: a finished run's held-out loss and the exact match of its greedy answers, for people
-(a table and a few samples) or machines (--json). The numbers come from memtrain.train.score_run."""
+"""`memtrain eval RUN_DIR`: a finished run's held-out loss and the exact match of its greedy answers (a preference
+run: the held-out pairs' reward accuracy and margin too), for people (a table and a few samples) or machines
+(--json). The numbers come from memtrain.train.score_run."""
 
 from __future__ import annotations
 
@@ -43,11 +44,22 @@ def _print(result: RunEvaluation, console: Console) -> None:
     table = Table(title=f"Evaluation — {result.run_dir}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
-    table.add_row(
-        "validation loss",
-        f"{result.loss:.4f} (perplexity {perplexity_text(result.loss)}; over "
-        f"{result.validation_target_tokens} target tokens in {result.validation_rows} rows)",
-    )
+    if result.pairs is None:
+        table.add_row(
+            "validation loss",
+            f"{result.loss:.4f} (perplexity {perplexity_text(result.loss)}; over "
+            f"{result.validation_target_tokens} target tokens in {result.validation_rows} rows)",
+        )
+    else:  # a preference run: its loss over held-out pairs, and how often the chosen answer wins
+        p = result.pairs
+        table.add_row("validation loss", f"{result.loss:.4f} (preference loss over {result.validation_rows} pairs)")
+        if "reward_accuracy" in p:
+            table.add_row("reward accuracy", f"{p['reward_accuracy']:.3f} (chosen rewarded above rejected)")
+        if "reward_margin" in p:
+            table.add_row(
+                "reward margin",
+                f"{p['reward_margin']:.4f} (chosen {p['reward_chosen']:.4f}, rejected {p['reward_rejected']:.4f})",
+            )
     g = result.generation
     if g is not None:
         table.add_row(

@@ -88,6 +88,8 @@ def plan_table(plan: Plan, auto_micro_batch: bool = False) -> Table:
     )
     table.add_column("per GPU", style="bold")
     table.add_column("GiB", justify="right")
+    if plan.preference:  # the micro-batch counts pairs: say what its rows are and what the reference costs
+        table.add_row(f"[dim]{plan.preference}[/]", "", end_section=True)
     for term in TERMS:
         if term == "reduce_stream" and not plan.terms[term]:
             continue  # only ZeRO-3 with an offloaded optimizer has one; the article's rows always show
@@ -208,20 +210,22 @@ def data_per_step(recipe, train_set, micro_batch: int) -> dict:
     PRICED_STEPS of them). The memory plan still prices seq_len: the widest micro-batch reaches it."""
     stats: DataStats = train_set.stats
     rows = recipe.batch.global_batch
-    per_row = 1 / max(stats.rows, 1)
-    slots_per_step, padding_share = rows * stats.seq_len, stats.padding_share
-    tokens_per_step, targets_per_step = rows * stats.tokens * per_row, rows * stats.target_tokens * per_row
+    sequences = rows * getattr(train_set, "sequences_per_item", 1)  # a pair set's item is two sequences
+    per_sequence = 1 / max(stats.rows, 1)
+    slots_per_step, padding_share = sequences * stats.seq_len, stats.padding_share
+    tokens_per_step = sequences * stats.tokens * per_sequence
+    targets_per_step = sequences * stats.target_tokens * per_sequence
     if recipe.data.groups_by_length:  # every column over the same priced steps (padding too)
         order = sample_order(recipe.data, train_set, recipe.train.seed, rows)
         steps = max(1, min(len(train_set) // rows, PRICED_STEPS))
         per_rank = rows // recipe.hardware.gpus
         slots = token_slots(order, train_set, rows, per_rank, min(micro_batch, per_rank), True, steps)
         priced = order.indices(0, steps * rows)
-        tokens = int(train_set.lengths[priced].sum())
+        tokens = train_set.tokens_of(priced)  # a pair's two sequences
         slots_per_step, padding_share = round(slots / steps), 1 - tokens / slots
-        tokens_per_step, targets_per_step = tokens / steps, train_set.targets(priced) / steps
+        tokens_per_step, targets_per_step = tokens / steps, train_set.target_tokens(priced) / steps
     return {
-        "rows_per_step": rows,
+        "rows_per_step": sequences,
         "token_slots_per_step": slots_per_step,
         "tokens_per_step": round(tokens_per_step),
         "target_tokens_per_step": round(targets_per_step),

@@ -62,7 +62,10 @@ def preview_command(
     console.print(f"{split} data of {loaded.name}: {dataset.stats.describe()}", highlight=False, soft_wrap=True)
     marks = console.color_system is None
     legend = "⟦targets⟧" if marks else f"[{TARGET_STYLE}]targets[/]"
-    packed = "; the samples of one row attend only to themselves" if any(len(v.samples) > 1 for v in views) else ""
+    if data_section.holds_pairs:  # a pair is two rows, each its own sequence
+        packed = "; each item is a pair's two sequences, computed as rows of their own"
+    else:
+        packed = "; the samples of one row attend only to themselves" if any(len(v.samples) > 1 for v in views) else ""
     console.print(
         f"{legend}: what the loss trains the model to write; the rest is context it only reads; ↵ a newline{packed}",
         highlight=False,

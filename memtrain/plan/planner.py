@@ -8,6 +8,8 @@ The peak is the largest of four phases, not a sum of maxima:
   backward_start the same + the larger of one recomputed block with its gradient transients and the loss
                  backward (ZeRO-3 per stream: the loss backward with the head's gradient copies);
   optimizer_step model states + the step's transient (fp32 gradients, or buckets copied back).
+A preference objective prices its micro-batch of pairs as twice the rows, and its reference's forward without
+gradient as a fifth phase, reference_forward (plan/preference.py).
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from memtrain.model.compiled import resolve_compile
 from memtrain.model.config import model_architecture
 from memtrain.model.kernels import uses_fused_loss
 from memtrain.model.varlen import ATTN_NAME as VARLEN
-from memtrain.plan.activations import estimate_activations
+from memtrain.plan.activations import estimate_activations, trace_layer
 from memtrain.plan.calibration import Calibration, calibration
 from memtrain.plan.host import offload_host_bytes
 from memtrain.plan.logits import estimate_fused_logits, estimate_logits
 from memtrain.plan.model_states import StateBytes, master_bytes, place_model_states
 from memtrain.plan.params import ParamCounts, count_parameters
+from memtrain.plan.preference import describe, preference_shape
 from memtrain.plan.quantized import with_quantized_params
 from memtrain.plan.zero import bucket_elements, grad_accum_steps
 from memtrain.recipe.schema import Checkpointing, Recipe
@@ -76,6 +79,7 @@ class Plan:
     checkpointing: str = "every_layer"  # the strategy planned ('auto' shows as the first_n_layers it resolved to)
     recomputed_layers: int = 0  # whole decoder layers recomputed in backward
     compiled_layers: bool = False  # the decoder layers are compiled on a GPU (train.compile, auto resolved)
+    preference: str = ""  # a preference objective's rows and reference, said (plan/preference.py); "" for SFT
 
     @property
     def gpu_required_bytes(self) -> int:
@@ -341,7 +345,8 @@ def _plan(
     states = _placed_states(recipe, counts)
     # compiled layers as the run would build them on a CUDA GPU (train.compile auto resolved for the plan's card)
     compiled = resolve_compile(recipe, cuda=True)
-    acts, head, logits = _forward_terms(recipe, counts, micro_batch, compiled=compiled)
+    shape = preference_shape(recipe)  # a preference objective's micro-batch of pairs is twice as many rows
+    acts, head, logits = _forward_terms(recipe, counts, micro_batch, shape.rows_per_sample, compiled=compiled)
     buffers = _buffers(recipe, counts, stage, cal)
     model_states = states.gpu_params + states.gpu_gradients + states.gpu_optimizer_states
     saved = acts.saved_bytes + head
@@ -354,13 +359,18 @@ def _plan(
         + _backward_extra_bytes(recipe, counts, acts, logits, compute_bytes),
         "optimizer_step": model_states + _step_transient_bytes(recipe, counts, buffers, compute_bytes),
     }
+    if shape.no_grad_rows_per_sample:  # the reference's forward without gradient, before the policy's
+        ref_rows = micro_batch * shape.no_grad_rows_per_sample
+        phases["reference_forward"] = (
+            model_states + buffers.resident_bytes + _no_grad_forward_bytes(recipe, counts, ref_rows)
+        )
     pattern, expandable = allocation_pattern(recipe, stage), hw.expandable_segments
     init_slack = cal.init_slack(expandable)
     side = _side_streams(recipe, buffers, logits, cal)
     reserved = _reserved(
         phases, init_slack, cal.slack_ratio(pattern, expandable), side, cal.expandable_side_stream_slack_ratio
     )
-    peak_phase = max(PHASES, key=lambda name: reserved[name])
+    peak_phase = max(phases, key=lambda name: reserved[name])
     peak_allocated, peak_reserved = phases[peak_phase], reserved[peak_phase]
     peak_reserved_high = max(
         _reserved(
@@ -413,6 +423,7 @@ def _plan(
         checkpointing=describe_checkpointing(recipe.checkpointing),
         recomputed_layers=recomputed_layers(recipe.checkpointing, counts.num_layers),
         compiled_layers=compiled,
+        preference=describe(shape, recipe.train.objective),
     )
 
 
@@ -438,25 +449,28 @@ def _placed_states(recipe: Recipe, counts: ParamCounts) -> StateBytes:
     return with_quantized_params(states, counts, DTYPE_BYTES[p.storage])
 
 
-def _forward_terms(recipe: Recipe, counts: ParamCounts, micro_batch: int, *, compiled: bool):
+def _forward_terms(recipe: Recipe, counts: ParamCounts, micro_batch: int, rows_per_sample: int, *, compiled: bool):
     """What the forward leaves for backward: the decoder layers' activations, the head's input (and a packed
     attention mask), and the logits and loss. With model.kernels resolved to liger the trace is edited by what
-    Liger's RMSNorm and SwiGLU keep (activations.py)."""
+    Liger's RMSNorm and SwiGLU keep (activations.py). rows_per_sample: a preference objective's micro-batch of
+    pairs is twice as many rows (plan/preference.py)."""
     p, seq_len = recipe.precision, recipe.data.seq_len
+    rows = micro_batch * rows_per_sample
     acts = estimate_activations(
         recipe.model,
         recipe.checkpointing,
         p.compute,
-        micro_batch,
+        rows,
         seq_len,
         counts.num_layers,
         counts.layers_name,
         compiled=compiled,
     )
-    head = _head_bytes(counts, DTYPE_BYTES[p.compute], micro_batch * seq_len) + packed_attention_mask_bytes(
+    head = _head_bytes(counts, DTYPE_BYTES[p.compute], rows * seq_len) + packed_attention_mask_bytes(
         recipe, micro_batch
     )
-    if uses_fused_loss(recipe.model, p, recipe.offload.stage):  # Liger's fused linear cross-entropy
+    # Liger's fused linear cross-entropy (model.kernels resolved to liger); a preference loss is always chunked
+    if uses_fused_loss(recipe.model, p, recipe.offload.stage) and recipe.train.objective == "sft":
         logits = estimate_fused_logits(
             counts.hidden_size,
             counts.vocab_size,
@@ -466,17 +480,7 @@ def _forward_terms(recipe: Recipe, counts: ParamCounts, micro_batch: int, *, com
             head_trainable=recipe.model.lora is None,
         )
     else:
-        logits = estimate_logits(
-            counts.hidden_size,
-            counts.vocab_size,
-            p.compute,
-            micro_batch,
-            seq_len,
-            p.chunked_loss,
-            p.loss_chunk_tokens,
-            p.fp32_loss,
-            softcap=model_architecture(recipe.model).logit_softcap is not None,
-        )
+        logits = _chunked_logits(recipe, counts, rows)
     return acts, head, logits
 
 
@@ -574,6 +578,30 @@ def _host_breakdown(
         # A local model's weights pass through host memory once while loading.
         "model_copy_at_load": counts.weight_bytes(DTYPE_BYTES[p.compute]) if recipe.model.path else 0,
     }
+
+
+def _chunked_logits(recipe: Recipe, counts: ParamCounts, rows: int):
+    p = recipe.precision
+    return estimate_logits(
+        counts.hidden_size,
+        counts.vocab_size,
+        p.compute,
+        rows,
+        recipe.data.seq_len,
+        p.chunked_loss,
+        p.loss_chunk_tokens,
+        p.fp32_loss,
+        softcap=model_architecture(recipe.model).logit_softcap is not None,
+    )
+
+
+def _no_grad_forward_bytes(recipe: Recipe, counts: ParamCounts, rows: int) -> int:
+    """A forward of `rows` without gradient (the preference reference's): nothing is kept for backward, so it holds
+    one decoder layer's working set, the final norm's output and the loss forward's logits (a chunk when chunked)."""
+    seq_len, compute = recipe.data.seq_len, recipe.precision.compute
+    layer = trace_layer(recipe.model, compute, rows, seq_len).full_bytes
+    head = _head_bytes(counts, DTYPE_BYTES[compute], rows * seq_len)
+    return layer + head + _chunked_logits(recipe, counts, rows).forward_bytes
 
 
 def recomputed_layers(checkpointing: Checkpointing, num_layers: int) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from memtrain.configs import gpu_profile, model_preset_names
 from memtrain.errors import Problem
 from memtrain.recipe.recompute_rules import rule_problems
+from memtrain.recipe.schema import PREFERENCE_KEYS, Preference
 from memtrain.recipe.sources import LoadedRecipe
 
 
@@ -626,6 +627,151 @@ def _check_eval_generate(loaded: LoadedRecipe) -> list[Problem]:
                 ("train", "eval_generate"),
                 "ZeRO-3 partitions the weights over the ranks, so rank 0 cannot generate alone during the run",
                 "set train.eval_generate=0 and score the finished run with `memtrain eval RUN_DIR`",
+            )
+        ]
+    return []
+
+
+# The dataset types each objective trains on (schema.PAIR_TYPES are the preference objectives').
+OBJECTIVE_TYPES = {
+    "sft": ("text", "completion", "instruction", "chat"),
+    "dpo": ("preference",),
+    "orpo": ("preference",),
+    "simpo": ("preference",),
+    "kto": ("kto",),
+}
+
+
+@reads("train", "data")
+def _check_objective_data(loaded: LoadedRecipe) -> list[Problem]:
+    """Each dataset's type is one the objective trains on: a preference dataset has no single answer to train SFT on,
+    and chat data has no rejected answer to prefer the chosen one over."""
+    r, src = loaded.recipe, loaded.sources
+    objective = r.train.objective
+    wanted = OBJECTIVE_TYPES[objective]
+    if objective == "sft":
+        hint_of = {
+            "preference": "set train.objective to dpo, orpo or simpo to train on the pairs, or use a completion or "
+            "chat dataset",
+            "kto": "set train.objective=kto to train on the labelled records, or use a completion or chat dataset",
+        }
+    else:
+        said = " or ".join(f"type: {kind}" for kind in wanted)
+        hint_of = {
+            kind: f"train.objective={objective} trains on {said} datasets (a prompt with "
+            + ("a chosen and a rejected answer" if objective != "kto" else "an answer and a true/false label")
+            + "); give such data, or set train.objective to one that trains on this type"
+            for kind in ("text", "completion", "instruction", "chat", "preference", "kto")
+        }
+    problems = []
+    for key in ("train", "validation"):
+        source = getattr(r.data, key)
+        if source is None:
+            continue
+        if isinstance(source, str):
+            if objective != "sft":
+                problems.append(
+                    src.problem(
+                        ("data", key),
+                        f"is a path, trained on as text, and train.objective={objective} trains on pairs",
+                        hint_of["text"],
+                    )
+                )
+            continue
+        for i, spec in enumerate(source):
+            if spec.type not in wanted:
+                problems.append(
+                    src.problem(
+                        ("data", key, str(i), "type"),
+                        f"a {spec.type} dataset cannot train train.objective={objective}",
+                        hint_of[spec.type],
+                    )
+                )
+    if objective != "sft":
+        # which tokens are targets is the objective's: the answers of each pair (KTO: of each record)
+        for name, value, default in (
+            ("train_on_inputs", r.data.train_on_inputs, False),
+            ("train_on", r.data.train_on, "all_turns"),
+        ):
+            if value != default:
+                problems.append(
+                    src.problem(
+                        ("data", name),
+                        f"is read only for SFT; train.objective={objective} trains on the answer after each prompt "
+                        "(every assistant turn after the prompt), so it would do nothing",
+                        f"remove data.{name}",
+                    )
+                )
+    return problems
+
+
+@reads("train", "model", "preference")
+def _check_preference(loaded: LoadedRecipe) -> list[Problem]:
+    """The preference section goes with a preference objective, each key with the objective that reads it, and the
+    reference with what the objective and the model can have."""
+    r, src = loaded.recipe, loaded.sources
+    objective, p = r.train.objective, r.preference
+    if p is None:
+        return _reference_problems(loaded, objective, Preference())
+    if objective == "sft":
+        return [
+            src.problem(
+                ("preference",),
+                "is read only by a preference objective, and train.objective is sft, so it would do nothing",
+                "set train.objective to dpo, orpo, simpo or kto, or remove the preference section",
+            )
+        ]
+    problems = []
+    for name, objectives in PREFERENCE_KEYS.items():
+        value = getattr(p, name)
+        if objective not in objectives and value != Preference.model_fields[name].get_default():
+            problems.append(
+                src.problem(
+                    ("preference", name),
+                    f"is read only by train.objective {' and '.join(objectives)}, and this recipe's is {objective}, so "
+                    "it would do nothing",
+                    "remove the key, or set train.objective to the one it is for",
+                )
+            )
+    if objective == "dpo" and p.loss_type == "ipo" and p.label_smoothing:
+        problems.append(
+            src.problem(
+                ("preference", "label_smoothing"),
+                "label smoothing is for DPO's sigmoid loss; IPO has none",
+                "remove preference.label_smoothing, or set preference.loss_type=sigmoid",
+            )
+        )
+    return problems + _reference_problems(loaded, objective, p)
+
+
+def _reference_problems(loaded: LoadedRecipe, objective: str, p: Preference) -> list[Problem]:
+    src, lora = loaded.sources, loaded.recipe.model.lora is not None
+    at = ("preference", "reference")
+    if objective in ("orpo", "simpo") and p.reference not in ("auto", "none"):
+        return [
+            src.problem(
+                at,
+                f"{objective} needs no reference model, so preference.reference={p.reference} would load or compute "
+                "one for nothing",
+                "remove preference.reference (auto), or set it to none",
+            )
+        ]
+    if objective in ("dpo", "kto") and p.reference == "none":
+        return [
+            src.problem(
+                at,
+                f"{objective} measures the policy against a reference model, and preference.reference is none",
+                "remove preference.reference (auto: adapters_off under LoRA, precomputed for a full fine-tune), or use "
+                "train.objective orpo or simpo, which need no reference",
+            )
+        ]
+    if objective in ("dpo", "kto") and p.reference == "adapters_off" and not lora:
+        return [
+            src.problem(
+                at,
+                "adapters_off uses the model with its LoRA adapters disabled as the reference, and this recipe has no "
+                "model.lora",
+                "set preference.reference=precomputed for a full fine-tune (or auto), or add model.lora",
             )
         ]
     return []

@@ -222,8 +222,11 @@ def _one_dataset_as_list(value: object) -> object:
 # The keys of a DatasetSpec that only some types of dataset read, with those types.
 TYPE_KEYS = {
     "field": ("text",),
-    "prompt_field": ("completion",),
-    "completion_field": ("completion",),
+    "prompt_field": ("completion", "preference", "kto"),
+    "completion_field": ("completion", "kto"),
+    "chosen_field": ("preference",),
+    "rejected_field": ("preference",),
+    "label_field": ("kto",),
     "instruction_field": ("instruction",),
     "input_field": ("instruction",),
     "output_field": ("instruction",),
@@ -244,13 +247,15 @@ class DatasetSpec(Section):
         min_length=1,
         description="A .jsonl, .json (a list of records), .parquet or .txt file (.jsonl and .json also gzipped: .gz), "
         "a directory written by Hugging Face datasets' save_to_disk, or 'builtin:chat' "
-        "('builtin:chat/validation') for the bundled synthetic chat data.",
+        "('builtin:chat/validation') for the bundled synthetic chat data, 'builtin:preference' "
+        "('builtin:preference/validation') for its preference pairs.",
     )
-    type: Literal["text", "completion", "instruction", "chat"] = Field(
+    type: Literal["text", "completion", "instruction", "chat", "preference", "kto"] = Field(
         ...,
         description="text: documents trained on whole (cut into seq_len pieces); completion: a prompt and its "
         "completion; instruction: alpaca-style instruction / input / output; chat: a list of messages (OpenAI "
-        "role/content or sharegpt from/value).",
+        "role/content or sharegpt from/value); preference: a prompt with a chosen and a rejected answer "
+        "(train.objective dpo, orpo or simpo); kto: a prompt, one answer and a true/false label (train.objective kto).",
     )
     weight: float = Field(
         1.0,
@@ -267,9 +272,33 @@ class DatasetSpec(Section):
     field: str = Field(
         "text", min_length=1, description="text: the field holding the document (JSONL, JSON, parquet, datasets)."
     )
-    prompt_field: str = Field("prompt", min_length=1, description="completion: the field holding the prompt.")
+    prompt_field: str = Field(
+        "prompt",
+        min_length=1,
+        description="completion, preference and kto: the field holding the prompt, a string or a list of chat "
+        "messages. preference: a record without it is in the implicit form, whole chosen and rejected "
+        "conversations whose shared beginning is the prompt (Anthropic HH).",
+    )
     completion_field: str = Field(
-        "completion", min_length=1, description="completion: the field holding the completion."
+        "completion",
+        min_length=1,
+        description="completion and kto: the field holding the completion (kto: a string or the assistant's messages).",
+    )
+    chosen_field: str = Field(
+        "chosen",
+        min_length=1,
+        description="preference: the field holding the preferred answer, a string or the assistant's messages "
+        "(TRL's preference format), or the whole conversation in the implicit form.",
+    )
+    rejected_field: str = Field(
+        "rejected",
+        min_length=1,
+        description="preference: the field holding the dispreferred answer, in the chosen answer's form.",
+    )
+    label_field: str = Field(
+        "label",
+        min_length=1,
+        description="kto: the field holding whether the completion is desirable, a JSON true or false.",
     )
     instruction_field: str = Field(
         "instruction", min_length=1, description="instruction: the field holding the instruction."
@@ -315,10 +344,19 @@ class DatasetSpec(Section):
         default = cls.model_fields[info.field_name].get_default(call_default_factory=True)
         if value is not None and value != default and kind is not None and kind not in types:
             raise ValueError(
-                f"is read only for {' and '.join(types)} datasets, and this dataset's type is {kind}, so "
+                f"is read only for {_and(types)} datasets, and this dataset's type is {kind}, so "
                 "it would do nothing — remove the key, or correct the dataset's type if it is wrong"
             )
         return value
+
+
+# The dataset types a preference objective trains on (recipe/rules.py pairs them with train.objective).
+PAIR_TYPES = ("preference", "kto")
+
+
+def _and(words: tuple[str, ...]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return " and ".join([", ".join(words[:-1]), words[-1]] if len(words) > 2 else words)
 
 
 DatasetList = Annotated[list[DatasetSpec], Len(min_length=1)]
@@ -363,14 +401,16 @@ class Data(Section):
         True,
         description="Text: pack documents end to end into seq_len windows (else each "
         "document starts its own windows, its last one padded). Datasets: pack whole samples into seq_len rows, each "
-        "attending only to itself (position ids restart per sample); else one sample per row, padded.",
+        "attending only to itself (position ids restart per sample); else one sample per row, padded. Preference and "
+        "kto data are never packed: each pair is its own rows.",
     )
     group_by_length: bool | None = Field(
         None,
         description="Length bucketing: each optimizer step takes rows of similar length (sorted within a "
         "seeded mega-batch of 50 steps, the step groups shuffled) and each micro-batch is cut to its longest row "
         "(rounded up to 8 tokens), so padding is not computed; every row is still seen once per epoch and a "
-        "resumed run sees the same batches. null: on when packing is off, off when it is on.",
+        "resumed run sees the same batches. null: on when packing is off or the data is preference or kto pairs, off "
+        "otherwise.",
     )
     cache_dir: str | None = Field(
         None,
@@ -422,8 +462,17 @@ class Data(Section):
 
     @property
     def groups_by_length(self) -> bool:
-        """Whether steps are length-bucketed and micro-batches cut to their longest row (group_by_length resolved)."""
-        return self.group_by_length if self.group_by_length is not None else not self.packing
+        """Whether steps are length-bucketed and micro-batches cut to their longest row (group_by_length resolved):
+        by default on when rows are not packed, which pairs never are."""
+        if self.group_by_length is not None:
+            return self.group_by_length
+        return not self.packing or self.holds_pairs
+
+    @property
+    def holds_pairs(self) -> bool:
+        """True when the datasets are preference or kto records (a preference objective's data), which become
+        pairs of sequences (or KTO records with their KL rows), never packed rows."""
+        return not isinstance(self.train, str) and any(spec.type in PAIR_TYPES for spec in self.train)
 
     @property
     def is_text(self) -> bool:
@@ -677,7 +726,17 @@ class Schedule(Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a share of the peak LR.")
 
 
+Objective = Literal["sft", "dpo", "orpo", "simpo", "kto"]
+
+
 class Train(Section):
+    objective: Objective = Field(
+        "sft",
+        description="What the loss trains: sft, the next token of the targets (supervised fine-tuning); dpo, "
+        "orpo, simpo: the chosen answer over the rejected one of preference pairs (data of type preference); kto: "
+        "desirable answers up and undesirable ones down, unpaired (data of type kto). The settings of the preference "
+        "objectives are the `preference` section. batch.global_batch and micro_batch then count pairs (kto: records).",
+    )
     steps: int | None = Field(None, ge=1, description="Optimizer steps; give exactly one of steps and epochs.")
     epochs: float | None = Field(None, gt=0, description="Passes over the training data, instead of steps.")
     eval_every: int = Field(100, ge=1, description="Evaluate every N optimizer steps (and at the end).")
@@ -720,6 +779,73 @@ class Train(Section):
     )
 
 
+# The usual beta of each preference objective (TRL's defaults: DPOConfig, CPOConfig for SimPO, ORPOConfig, KTOConfig),
+# used when preference.beta is not set.
+DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0, "kto": 0.1}
+# The preference keys each objective reads; a key set for another objective does nothing (recipe/rules.py).
+PREFERENCE_KEYS = {
+    "loss_type": ("dpo",),
+    "label_smoothing": ("dpo",),
+    "simpo_gamma": ("simpo",),
+    "orpo_lambda": ("orpo",),
+    "kto_desirable_weight": ("kto",),
+    "kto_undesirable_weight": ("kto",),
+}
+
+
+class Preference(Section):
+    """The settings of a preference objective (train.objective dpo, orpo, simpo or kto)."""
+
+    beta: float | None = Field(
+        None,
+        gt=0,
+        description="Temperature of the implicit reward (DPO, IPO, KTO: how far the policy may move from the "
+        "reference; SimPO: the reward scale; ORPO: unused, its weight is orpo_lambda). null: the objective's usual "
+        "value, dpo 0.1 (ipo too), simpo 2.0, kto 0.1.",
+    )
+    loss_type: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid",
+        description="dpo: sigmoid, DPO's -log sigmoid(beta × margin); ipo, IPO's squared distance of the margin "
+        "from 1 / (2 beta).",
+    )
+    label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="dpo with loss_type sigmoid: the share of pairs assumed mislabelled (conservative DPO); 0: none.",
+    )
+    simpo_gamma: float = Field(
+        0.5, ge=0, description="simpo: the target reward margin gamma (TRL's simpo_gamma), in units of beta's reward."
+    )
+    orpo_lambda: float = Field(
+        0.1,
+        gt=0,
+        description="orpo: the weight of the odds-ratio term beside the chosen answer's NLL (TRL's ORPO beta).",
+    )
+    kto_desirable_weight: float = Field(1.0, gt=0, description="kto: the weight of the desirable records' losses.")
+    kto_undesirable_weight: float = Field(1.0, gt=0, description="kto: the weight of the undesirable records' losses.")
+    reference: Literal["auto", "adapters_off", "precomputed", "none"] = Field(
+        "auto",
+        description="The reference model of dpo and kto: adapters_off, the model itself with its LoRA adapters "
+        "disabled (no second copy; needs model.lora); precomputed, the initial model's log-probabilities of every pair "
+        "computed in one pass before training and stored beside the token cache (one model in memory); none: no "
+        "reference (orpo and simpo, which need none). auto: none for orpo and simpo, adapters_off under LoRA, "
+        "precomputed for a full fine-tune.",
+    )
+
+    def beta_for(self, objective: str) -> float:
+        """beta, or the objective's usual value when it is not set."""
+        return self.beta if self.beta is not None else DEFAULT_BETA.get(objective, 0.1)
+
+    def reference_for(self, objective: str, lora: bool) -> str:
+        """The reference the run uses: 'adapters_off' | 'precomputed' | 'none' (auto resolved)."""
+        if self.reference != "auto":
+            return self.reference
+        if objective in ("orpo", "simpo", "sft"):
+            return "none"
+        return "adapters_off" if lora else "precomputed"
+
+
 class Recipe(Section):
     """A memtrain recipe. Every section has defaults; `model` and `data` must say what to train on."""
 
@@ -749,3 +875,13 @@ class Recipe(Section):
         default_factory=Train,
         description="Run length, evaluation, checkpoint and logging cadence, seed, output directory.",
     )
+    preference: Preference | None = Field(
+        None,
+        description="Settings of a preference objective (train.objective dpo, orpo, simpo or kto): beta, the loss "
+        "variant, the reference model. Read only with such an objective; absent: the objective's defaults.",
+    )
+
+    @property
+    def preference_settings(self) -> Preference:
+        """The preference section, or its defaults when the recipe has none."""
+        return self.preference if self.preference is not None else Preference()

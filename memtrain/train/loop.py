@@ -18,12 +18,13 @@ import torch
 
 from memtrain.data.rows.loader import step_positions, token_slots
 from memtrain.errors import UserError
+from memtrain.model.preference import PreferenceLM, preference_metrics
 from memtrain.monitor.perplexity import perplexity
 from memtrain.monitor.profiler import phase
 from memtrain.train.eval.validation_loss import evaluate
 from memtrain.train.progress_bar import Progress
 from memtrain.train.resolve import max_steps_left
-from memtrain.train.runtime.distributed import Place, sum_by_node
+from memtrain.train.runtime.distributed import Place, all_reduce_sum, sum_by_node
 from memtrain.train.runtime.result import RunResult
 from memtrain.train.runtime.signals import note_stop, received_stop
 from memtrain.train.setup import Training
@@ -114,9 +115,9 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                 t.hooks.sample_trace.commit(state.step, rank)
                 state.divergence = guard.state_dict()  # what any save from here on carries
                 state.step += 1
-                step_tokens = int(t.data.train_set.lengths[samples].sum())  # padding left out
+                step_tokens = t.data.train_set.tokens_of(samples)  # padding left out; a pair's two sequences
                 state.tokens += step_tokens
-                state.target_tokens += targets
+                state.target_tokens += t.data.train_set.target_tokens(samples)  # `targets` counts pairs
                 # as split at the step's last micro-batch size (an OOM mid-step ran its first micro-batches larger)
                 state.padded_tokens += step_positions(
                     t.data.train_set, samples, per_rank_batch, stepper.policy.micro_batch, t.loader.trim
@@ -140,6 +141,7 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                     ooms=ooms,
                     **_memory_fields(place, t.cap_bytes, r.hardware.nodes),
                     **_loss_scale_fields(t.engine, r),
+                    **_preference_fields(t),
                 )
                 progress.update(state.step, t.metrics.last_flushed)
                 t.profiler.step()
@@ -244,8 +246,10 @@ def _evaluate(t: Training, progress: Progress) -> float:
         before=lambda i, n: t.hooks.oom_eval.maybe_raise(state.step, i, n),
         on_oom=lambda n: t.metrics.event("oom", state.step, micro_batch=n, phase="eval"),
     )
-    t.metrics.event("eval", state.step, loss=eval_loss, perplexity=perplexity(eval_loss))
-    progress.note_eval(state.step, eval_loss)
+    pairs = _preference_fields(t)  # of the validation pairs, summed during evaluate's forwards
+    scores = pairs or {"perplexity": perplexity(eval_loss)}  # a preference loss is no token NLL: no perplexity
+    t.metrics.event("eval", state.step, loss=eval_loss, **scores)
+    progress.note_eval(state.step, eval_loss, pairs.get("reward_accuracy"))
     if state.best_eval_loss is None or eval_loss < state.best_eval_loss:
         state.best_eval_loss = eval_loss
     return eval_loss
@@ -290,7 +294,7 @@ def _data_fields(t: Training) -> dict:
     slots = token_slots(
         t.order, train_set, global_batch, run.per_rank_batch, t.stepper.policy.micro_batch, t.loader.trim, steps
     )
-    tokens = int(train_set.lengths[t.order.indices(0, steps * global_batch)].sum())
+    tokens = train_set.tokens_of(t.order.indices(0, steps * global_batch))
     return {
         "data": {
             **dataclasses.asdict(stats),
@@ -298,6 +302,18 @@ def _data_fields(t: Training) -> dict:
             "row_padding_share": stats.padding_share,
         }
     }
+
+
+def _preference_fields(t: Training) -> dict:
+    """A preference objective's rewards, reward accuracy and log-probabilities since the last call (the step's
+    micro-batches, or an evaluation's), summed over the ranks (every rank calls this: a collective); {} for SFT."""
+    module = t.engine.module
+    if not isinstance(module, PreferenceLM):
+        return {}
+    sums = module.take_metric_sums()
+    if sums is None:
+        return {}
+    return preference_metrics(all_reduce_sum(sums))
 
 
 def _loss_scale_fields(engine, r) -> dict:

@@ -103,6 +103,8 @@ class Progress:
         if record:
             loss = record.get("loss")  # None: not finite (JSON has no NaN); the guard counts it
             parts = [f"loss {loss:.3f}" if loss is not None else "loss nan"]
+            if record.get("reward_accuracy") is not None:  # a preference objective: how often chosen wins
+                parts.append(f"reward acc {record['reward_accuracy']:.2f}")
             if record.get("tokens_per_s"):  # real tokens, padding left out
                 parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
             if record.get("padded_tokens"):  # of the positions computed so far
@@ -124,11 +126,17 @@ class Progress:
         )  # 6: the spaces between the columns
         return text if len(text) <= room else text[: max(room - 1, 0)] + "…"
 
-    def note_eval(self, step: int, loss: float) -> None:
-        self._eval = f" · val ppl {perplexity_text(loss, 1)}"  # replaces the previous one
+    def note_eval(self, step: int, loss: float, reward_accuracy: float | None = None) -> None:
+        """The validation loss (and, for a preference objective, the held-out pairs' reward accuracy)."""
+        if reward_accuracy is None:
+            self._eval = f" · val ppl {perplexity_text(loss, 1)}"  # replaces the previous one
+            said = f"step {step}: validation loss {loss:.4f}, perplexity {perplexity_text(loss)}"
+        else:  # a preference loss has no perplexity
+            self._eval = f" · val reward acc {reward_accuracy:.2f}"
+            said = f"step {step}: validation loss {loss:.4f}, reward accuracy {reward_accuracy:.3f}"
         if self._bar is not None:
             self._bar.update(self._task, stats=self._fitted())
-            self._bar.console.print(f"step {step}: validation loss {loss:.4f}, perplexity {perplexity_text(loss)}")
+            self._bar.console.print(said)
 
     def note(self, text: str) -> None:
         """Print one line above the bar (e.g. the generation evaluation's score)."""

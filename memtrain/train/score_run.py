@@ -1,4 +1,5 @@
 """A finished run scored again: held-out loss and exact match of greedy answers, from RUN_DIR alone.
+A preference run's held-out pairs are scored too: their reward accuracy and margin against the run's reference.
 
     result = evaluate_run(run_dir, limit=100, keep_samples=5)
 
@@ -7,6 +8,11 @@ tokenizer the one saved beside it, the recipe RUN_DIR/run.json's (recipe.json wh
 the run's own evaluation (memtrain.train.eval.validation_loss.evaluate) over the same validation samples; exact match is
 memtrain.train.eval.generation over the recipe's held-out conversations. Text-only data has no answers: the
 result then has a loss and a note saying why there is no exact match.
+
+A preference run (train.objective dpo, orpo, simpo, kto): the loss is its preference loss over the same held-out
+pairs, through memtrain.model.preference.PreferenceLM, with its rewards. The reference is the run's: under LoRA the
+base with the adapter disabled; a precomputed one read from beside the token cache where the run stored it, else
+computed again from the run's model.path; none for ORPO and SimPO.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -28,6 +35,8 @@ from memtrain.errors import Problem, UserError
 from memtrain.model.final_dir import base_model_dir, final_model_dir, run_recipe
 from memtrain.model.merge import load_base
 from memtrain.model.peft_quiet import peft_quietly
+from memtrain.model.preference import PreferenceLM, preference_metrics, reference_of
+from memtrain.model.preference_loss import PreferenceSettings
 from memtrain.model.wrapper import TrainableLM
 from memtrain.monitor.perplexity import perplexity
 from memtrain.recipe.schema import Recipe
@@ -40,11 +49,17 @@ from memtrain.train.eval.generation import (
 from memtrain.train.eval.validation_loss import evaluate
 from memtrain.train.resolve import RUN_FILE, ResolvedRun, eval_batch_samples
 from memtrain.train.runtime.distributed import Place
+from memtrain.train.state.reference import compute_reference, reference_path
 from memtrain.train.state.resume import named_files, recorded_data_files
 
 TEXT_ONLY_NOTE = (
     "the run's held-out data is text, which has no answers to check: exact match needs completion, "
     "instruction or chat data; the loss is reported alone"
+)
+
+TEXT_PAIRS_NOTE = (
+    "the run's held-out pairs are plain text, which has no conversation to ask: exact match needs conversational "
+    "pairs; the loss and the rewards are reported alone"
 )
 
 
@@ -56,11 +71,13 @@ class RunEvaluation:
     validation_target_tokens: int  # the positions the loss is the mean over
     generation: GenerationScore | None  # None for text-only data (see note)
     note: str | None = None
+    pairs: dict[str, float] | None = None  # a preference run's held-out rewards (preference_metrics); None for SFT
 
     @property
     def perplexity(self) -> float | None:
-        """exp(loss); None (JSON null) past the cap of monitor/perplexity.py, where the loss alone says it."""
-        return perplexity(self.loss)
+        """exp(loss); None (JSON null) past the cap of monitor/perplexity.py, or for a preference loss (no token
+        NLL)."""
+        return perplexity(self.loss) if self.pairs is None else None
 
     def as_json(self) -> dict:
         """loss, perplexity, validation rows and target tokens, exact_match, correct, total, skipped, by_task,
@@ -81,6 +98,8 @@ class RunEvaluation:
         }
         if self.generation is not None:
             out.update(self.generation.as_record())
+        if self.pairs is not None:  # a preference run: the held-out pairs' rewards (TRL's names without the slash)
+            out.update(self.pairs)
         return out
 
 
@@ -110,18 +129,22 @@ def evaluate_run(
     val_set = build_validation(recipe.data, tokenizer, recipe.train.seed)
     samples = min(eval_samples, len(val_set))
     targets = val_set.targets(range(samples))
+    pairs = None
+    if recipe.train.objective == "sft":
+        module = TrainableLM(model, recipe.precision)
+    else:
+        module = PreferenceLM(model, recipe.precision, PreferenceSettings.of(recipe), reference_of(recipe))
+        if module.reference == "precomputed":
+            val_set = val_set.with_reference(_stored_reference(recipe, run_dir, val_set, micro_batch, device, dtype))
     with BatchLoader(val_set, device, trim=recipe.data.groups_by_length) as loader:
-        loss = evaluate(
-            TrainableLM(model, recipe.precision),
-            loader,
-            val_set,
-            samples=samples,
-            micro_batch=micro_batch,
-            place=Place.single(device),
-        )
+        loss = evaluate(module, loader, val_set, samples=samples, micro_batch=micro_batch, place=Place.single(device))
+    if isinstance(module, PreferenceLM):
+        pairs = preference_metrics(module.take_metric_sums())
     if not has_answers(recipe.data):
-        return RunEvaluation(run_dir, loss, samples, targets, None, TEXT_ONLY_NOTE)
+        return RunEvaluation(run_dir, loss, samples, targets, None, TEXT_ONLY_NOTE, pairs)
     prompts, skipped = held_out_prompts(recipe.data, tokenizer, limit=limit)
+    if recipe.data.holds_pairs and not prompts and not skipped:  # text pairs: no conversation to ask
+        return RunEvaluation(run_dir, loss, samples, targets, None, TEXT_PAIRS_NOTE, pairs)
     score = generation_eval(
         model,
         tokenizer,
@@ -131,7 +154,19 @@ def evaluate_run(
         keep_samples=keep_samples,
         on_batch=on_answers,
     )
-    return RunEvaluation(run_dir, loss, samples, targets, score)
+    return RunEvaluation(run_dir, loss, samples, targets, score, pairs=pairs)
+
+
+def _stored_reference(recipe: Recipe, run_dir: Path, val_set, micro_batch: int, device, dtype) -> object:
+    """The held-out pairs' precomputed reference log-probabilities: as the run stored them beside the token cache,
+    else computed again from the run's initial model (model.path; a preset's random start was never saved)."""
+    path = reference_path(recipe, val_set)
+    if path.is_file():
+        return np.load(path)
+    base = load_base(base_model_dir(recipe, run_dir), dtype, recipe.model.quantize).to(device)
+    reference = PreferenceLM(base, recipe.precision, PreferenceSettings.of(recipe), "precomputed")
+    with BatchLoader(val_set, device, trim=recipe.data.groups_by_length) as loader:
+        return compute_reference(reference, loader, val_set, micro_batch=micro_batch, place=Place.single(device))
 
 
 def _run_settings(run_dir: Path) -> tuple[Recipe, int, int]:

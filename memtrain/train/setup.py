@@ -30,6 +30,7 @@ from memtrain.data.rows.mixture import (
     untrainable_records_warning,
     unwritten_messages_warning,
 )
+from memtrain.data.rows.pairs import identical_pairs_warning, pair_truncation_warning
 from memtrain.data.tokens.tokenizer import load_tokenizer
 from memtrain.ds_config.compiler import ds_config as compile_ds_config
 from memtrain.ds_config.compiler import uses_client_optimizer
@@ -41,6 +42,8 @@ from memtrain.model.config import meta_model, model_config
 from memtrain.model.kernels import apply_liger_kernels, patches_layers, uses_fused_loss
 from memtrain.model.loraplus import lora_param_groups
 from memtrain.model.precision import apply_precision
+from memtrain.model.preference import PreferenceLM, reference_of
+from memtrain.model.preference_loss import PreferenceSettings
 from memtrain.model.quantize import require_bitsandbytes
 from memtrain.model.recompute import apply_checkpointing
 from memtrain.model.wrapper import TrainableLM
@@ -58,6 +61,7 @@ from memtrain.train.runtime.distributed import Place, setup_process
 from memtrain.train.runtime.nodes import agree_on_run
 from memtrain.train.runtime.oom import start_memory_history
 from memtrain.train.state.checkpoint import LoopState, latest_checkpoint, load_checkpoint
+from memtrain.train.state.reference import load_or_compute
 from memtrain.train.state.restart_note import RestartNote, read_note
 from memtrain.train.state.resume import follow_recipe, optimizer_settings
 from memtrain.train.state.rundir import start_metrics
@@ -123,8 +127,10 @@ def build_data(recipe: Recipe) -> RunData:
         unwritten_messages_warning(recipe.data, tokenizer, noted),  # or leaves messages out,
         trailing_turns_warning(recipe.data, tokenizer, noted),  # conversations that go on past their answer,
         untrainable_records_warning(recipe.data, tokenizer, noted),  # records left out with nothing to train on,
-        unread_system_warning(recipe.data, tokenizer, noted),
-    )  # or a system prompt the dataset does not read
+        unread_system_warning(recipe.data, tokenizer, noted),  # or a system prompt the dataset does not read;
+        pair_truncation_warning(train_set),  # preference pairs cut to seq_len or left out for it,
+        identical_pairs_warning(noted),  # or with the same answer on both sides
+    )
     return RunData(tokenizer, train_set, val_set, added, vocab_size, tuple(w for w in warnings if w))
 
 
@@ -172,9 +178,7 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, ds_config: dict, total_
     """(DeepSpeed engine, LR scheduler) around the model with memtrain's loss."""
     import deepspeed  # noqa: PLC0415 — heavy (and it sets up its accelerator on import): only where an engine is built
 
-    lm = TrainableLM(
-        model, recipe.precision, fused_loss=uses_fused_loss(recipe.model, recipe.precision, recipe.offload.stage)
-    )
+    lm = training_module(recipe, model)
     trainable = [p for p in lm.parameters() if p.requires_grad]
     lora, o = recipe.model.lora, recipe.optimizer
     # LoRA+: the B matrices at lr × ratio, as parameter groups that every optimizer (and the schedule) keeps apart
@@ -195,6 +199,28 @@ def build_engine(recipe: Recipe, model: torch.nn.Module, ds_config: dict, total_
         # whole model's gradients, which the hooks had just freed (measured: 7B at 22.6 GiB allocated, 16.8 planned)
         engine.enable_backward_allreduce = False
     return engine, scheduler
+
+
+def training_module(recipe: Recipe, model: torch.nn.Module) -> torch.nn.Module:
+    """What DeepSpeed trains: the causal LM with memtrain's loss, TrainableLM for SFT, PreferenceLM for a preference
+    objective (train.objective), both returning (loss sum, what the step divides it by)."""
+    if recipe.train.objective != "sft":
+        return PreferenceLM(model, recipe.precision, PreferenceSettings.of(recipe), reference_of(recipe))
+    return TrainableLM(
+        model, recipe.precision, fused_loss=uses_fused_loss(recipe.model, recipe.precision, recipe.offload.stage)
+    )
+
+
+def attach_reference(recipe: Recipe, module: PreferenceLM, data: RunData, place, micro_batch: int) -> None:
+    """preference.reference precomputed: the initial model's log-probabilities of the training and validation
+    pairs, read from beside the token cache or computed now (train/state/reference.py), carried by the sets'
+    batches from here on. Called before any checkpoint is loaded: the pass must see the initial weights."""
+    trim = recipe.data.groups_by_length
+    for name in ("train_set", "val_set"):
+        dataset = getattr(data, name)
+        with BatchLoader(dataset, place.device, trim=trim) as loader:
+            table = load_or_compute(recipe, module, loader, dataset, micro_batch=micro_batch, place=place)
+        setattr(data, name, dataset.with_reference(table))
 
 
 def client_optimizer(recipe: Recipe, trainable: list[torch.nn.Parameter] | list[dict]):
@@ -279,6 +305,9 @@ def setup(
     clock.mark("deepspeed_init")  # includes the pinned host buffers of an offloaded optimizer
     hooks.wait_slow_start()  # MEMTRAIN_INJECT_SLOW_START: this rank still starting while the others train
 
+    if isinstance(engine.module, PreferenceLM) and engine.module.reference == "precomputed":
+        attach_reference(r, engine.module, data, place, run.micro_batch)
+        clock.mark("reference")  # the reference pass, or reading its stored log-probabilities
     state, checkpoint = LoopState(), latest_checkpoint(run.run_dir) if options.resume else None
     if checkpoint is not None:
         built = optimizer_settings(engine, scheduler)  # the recipe's; the checkpoint brings the old ones

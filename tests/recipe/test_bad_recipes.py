@@ -154,7 +154,8 @@ def test_a_dataset_key_of_another_type_names_the_types_it_applies_to_and_this_on
     result = CliRunner().invoke(app, ["validate", str(BAD_DIR / "35_dataset_keys_of_another_type.yaml")])
     lines = {line.split(": ", 2)[1]: line.split(": ", 2)[2] for line in problem_lines(result.output)}
     assert lines["data.train.0.prompt_field"].startswith(
-        "is read only for completion datasets, and this dataset's type is chat, so it would do nothing — remove"
+        "is read only for completion, preference and kto datasets, and this dataset's type is chat, so it would do "
+        "nothing — remove"
     )
     assert lines["data.validation.0.system_field"].startswith(
         "is read only for instruction and chat datasets, and this dataset's type is completion"

@@ -80,15 +80,19 @@ class _Where:
     def text(self, record: dict, field: str, setting: str, *, allow_empty: bool = False, answer: bool = False) -> str:
         """The string in `field`, which the dataset's `setting` (output_field, ...) names."""
         if field not in record:
-            fields = ", ".join(record) or "none"
-            close = difflib.get_close_matches(field, [str(k) for k in record], n=1)
-            hint = (
-                f"set the dataset's {setting}: {close[0]} if that field holds it"
-                if close
-                else f"set the dataset's {setting} to the field that holds it"
-            )
-            raise self.fail(f"no field {field!r}; fields here: {fields}", field, hint)
+            raise self.missing(record, field, setting)
         return self.content(record[field], field, allow_empty=allow_empty, answer=answer)
+
+    def missing(self, record: dict, field: str, setting: str) -> DataError:
+        """The error for a record without `field`, naming the fields it has and the one meant, if close."""
+        fields = ", ".join(record) or "none"
+        close = difflib.get_close_matches(field, [str(k) for k in record], n=1)
+        hint = (
+            f"set the dataset's {setting}: {close[0]} if that field holds it"
+            if close
+            else f"set the dataset's {setting} to the field that holds it"
+        )
+        return self.fail(f"no field {field!r}; fields here: {fields}", field, hint)
 
     def optional_text(self, record: dict, field: str) -> str:
         """The string in `field`, or "" where the record has no such field or null there (columnar files)."""
@@ -229,3 +233,27 @@ def _message(turn: object, key: str, layout: str, role_names: dict[str, str], wh
             turn[content_key], f"{key}.{content_key}", allow_empty=role == "system", answer=role == "assistant"
         ),
     }
+
+
+def read_messages(value: object, key: str, roles: dict[str, str], file: str, line: int) -> list[Message]:
+    """A field's list of chat messages (each OpenAI role/content or sharegpt from/value, `roles` mapped on top of the
+    defaults), empty system messages left out: a preference or kto record's prompt or answer. DataError naming file,
+    line and the field (with the message's index) when it is not such a list."""
+    where = _Where(file, line)
+    if not isinstance(value, list) or not value:
+        shown = "an empty list" if isinstance(value, list) else json_kind(value)
+        raise where.fail(f"is {shown}, not a list of messages", key, "give it text, or a list of chat messages")
+    role_names = {**DEFAULT_ROLE_NAMES, **roles}
+    messages = [_message(turn, f"{key}[{i}]", "auto", role_names, where) for i, turn in enumerate(value)]
+    return [m for m in messages if m["role"] != "system" or m["content"].strip()]
+
+
+def field_text(record: dict, field: str, setting: str, file: str, line: int) -> str:
+    """The non-empty string in `field`, which the dataset's `setting` (chosen_field, ...) names; DataError naming file,
+    line and field when it is missing or not such a string."""
+    return _Where(file, line).text(record, field, setting)
+
+
+def missing_field(record: dict, field: str, setting: str, file: str, line: int) -> DataError:
+    """The error for a record without `field` (which the dataset's `setting` names), with the fields it has."""
+    return _Where(file, line).missing(record, field, setting)

@@ -26,6 +26,9 @@ from memtrain.files import digest_file
 from memtrain.recipe.schema import BUILTIN_PREFIX
 
 BUILTIN_DIR = ASSETS / "chat"
+# The bundled record datasets by name: the synthetic chat data (synthetic.py) and its preference pairs
+# (synthetic_pairs.py); each directory holds train.jsonl and its other splits.
+BUILTIN_DATASETS = {"chat": BUILTIN_DIR, "preference": ASSETS / "preference"}
 # Record files by extension (after an optional .gz); a directory is a datasets save_to_disk directory.
 RECORD_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
 TEXT_SUFFIXES = (".txt", ".text", ".md")  # also the bundled corpora, .txt.gz
@@ -36,10 +39,12 @@ Record = tuple[int, dict]
 
 
 def builtin_dataset_names() -> list[str]:
-    """'chat' (its train split) and 'chat/validation': the bundled synthetic chat data."""
+    """'chat' (its train split) and 'chat/validation': the bundled synthetic chat data; 'preference' and
+    'preference/validation': its preference pairs."""
     names = []
-    for split in sorted(BUILTIN_DIR.glob("*.jsonl")):
-        names.append("chat" if split.stem == "train" else f"chat/{split.stem}")
+    for name, directory in BUILTIN_DATASETS.items():
+        for split in sorted(directory.glob("*.jsonl")):
+            names.append(name if split.stem == "train" else f"{name}/{split.stem}")
     return names
 
 
@@ -61,8 +66,8 @@ def resolve_dataset_path(spec: str) -> Path:
                 + ", or a path",
             )
         )
-    _, _, split = name.partition("/")
-    return BUILTIN_DIR / f"{split or 'train'}.jsonl"
+    dataset, _, split = name.partition("/")
+    return BUILTIN_DATASETS[dataset] / f"{split or 'train'}.jsonl"
 
 
 def record_format(spec: str) -> str:

@@ -39,9 +39,8 @@ from memtrain.data.read.conversation import PART_KEYS, Message
 from memtrain.data.render.templates import (
     TOKENIZER_TEMPLATE,
     ChatTemplate,
+    conversation_template,
     end_of_turn_id,
-    needs_template,
-    resolve_template,
 )
 from memtrain.recipe.schema import Data
 
@@ -157,9 +156,13 @@ class ConversationEncoder:
             raise encoded
         return encoded.ids, encoded.targets
 
-    def encode_many(self, conversations: list[list[Message]]) -> list[Encoded | RenderError]:
+    def encode_many(
+        self, conversations: list[list[Message]], trained_from: list[int] | None = None
+    ) -> list[Encoded | RenderError]:
         """`encode` for many conversations with a few tokenizer calls in all, each with the messages its template
-        did not write; a failure is returned in its place."""
+        did not write; a failure is returned in its place. `trained_from`: per conversation, the first message whose
+        assistant turns may be targets (a preference pair's answer after its prompt); none: every message."""
+        firsts = trained_from if trained_from is not None else [0] * len(conversations)
         out: list[Encoded | RenderError | None] = []
         rendered: list[tuple[int, Rendered]] = []
         for messages in conversations:
@@ -179,7 +182,7 @@ class ConversationEncoder:
                 whole[k] = tokenized
             by_pieces = []
             for (at, r), (ids, offsets) in zip(rendered, whole):
-                assembled = self._assemble_whole(conversations[at], r, ids, offsets)
+                assembled = self._assemble_whole(conversations[at], r, ids, offsets, firsts[at])
                 if assembled is None:  # content that spells a special token
                     by_pieces.append((at, r))
                 else:
@@ -189,7 +192,7 @@ class ConversationEncoder:
         for at, r in by_pieces:
             pieces_t = [next(template_ids) for _ in r.template_pieces]
             pieces_c = [next(content_ids) for _ in r.content_pieces]
-            out[at] = Encoded(*self._assemble(conversations[at], r, pieces_t, pieces_c), r.unwritten)
+            out[at] = Encoded(*self._assemble(conversations[at], r, pieces_t, pieces_c, firsts[at]), r.unwritten)
         return out
 
     def turn_end_id(self) -> int | None:
@@ -283,9 +286,14 @@ class ConversationEncoder:
         return cuts
 
     def _assemble(
-        self, messages: list[Message], r: Rendered, template_ids: list[list[int]], content_ids: list[list[int]]
+        self,
+        messages: list[Message],
+        r: Rendered,
+        template_ids: list[list[int]],
+        content_ids: list[list[int]],
+        first: int = 0,
     ) -> tuple[list[int], list[bool]]:
-        trained = self._trained_messages(messages)
+        trained = self._trained_messages(messages, first)
         ids: list[int] = list(template_ids[0])
         targets: list[bool] = [self.train_on_inputs] * len(ids)
         for content, message, closing in zip(content_ids, r.content_messages, template_ids[1:]):
@@ -298,11 +306,11 @@ class ConversationEncoder:
         return ids, targets
 
     def _assemble_whole(
-        self, messages: list[Message], r: Rendered, ids: list[int], offsets: list[tuple[int, int]]
+        self, messages: list[Message], r: Rendered, ids: list[int], offsets: list[tuple[int, int]], first: int = 0
     ) -> tuple[list[int], list[bool]] | None:
         """Targets of the whole text's tokens, by their character offsets (`_assemble`'s rule); None when a special
         token lies inside a message's content (that conversation is tokenised by pieces)."""
-        trained = self._trained_messages(messages)
+        trained = self._trained_messages(messages, first)
         targets = [self.train_on_inputs] * len(ids)
         spans = r.content_spans()
         i = 0
@@ -328,8 +336,8 @@ class ConversationEncoder:
                 targets[i : i + closed] = [True] * closed
         return list(ids), targets
 
-    def _trained_messages(self, messages: list[Message]) -> set[int]:
-        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    def _trained_messages(self, messages: list[Message], first: int = 0) -> set[int]:
+        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first]
         return set(assistant[-1:] if self.last_turn_only else assistant)
 
     def _closing_length(self, closing: list[int]) -> int:
@@ -365,9 +373,10 @@ def unclosed_turn_warning(data: Data, tokenizer: PreTrainedTokenizerBase) -> str
     answer (e.g. "user: ...\\nassistant: ...\\n"): the model then has no end-of-turn token to learn, and
     generation (eval, an export) runs on past the answer. None when it does, or the data needs no template.
     `tokenizer`: the run's, after `ensure_template_tokens`."""
-    if not needs_template(data):
+    template = conversation_template(data, tokenizer)
+    if template is None:
         return None
-    encoder = ConversationEncoder(tokenizer, resolve_template(data.template, tokenizer))
+    encoder = ConversationEncoder(tokenizer, template)
     closing = encoder.probe_closing()
     if closing is None or encoder._closing_length(closing):  # one that cannot render: the data's errors say so
         return None
@@ -390,9 +399,10 @@ def generation_prompt_warning(data: Data, tokenizer: PreTrainedTokenizerBase) ->
     "user: …\\nassistant: " template prompts with a trailing space training never ends a prompt with. The model
     is then prompted with tokens it never saw before an answer. None when the two agree, or the template cannot
     render the probe. `tokenizer`: the run's, after `ensure_template_tokens`."""
-    if not needs_template(data):
+    template = conversation_template(data, tokenizer)
+    if template is None:
         return None
-    encoder = ConversationEncoder(tokenizer, resolve_template(data.template, tokenizer))
+    encoder = ConversationEncoder(tokenizer, template)
     try:
         ids, targets = encoder.encode(_PROBE)
         prompt_text = tokenizer.apply_chat_template(

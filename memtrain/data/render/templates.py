@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.read.corpus import ASSETS
 from memtrain.errors import DataError, Problem
-from memtrain.recipe.schema import Data
+from memtrain.recipe.schema import PAIR_TYPES, Data
 
 TEMPLATES_DIR = ASSETS / "templates"
 INDEX = TEMPLATES_DIR / "templates.json"
@@ -138,6 +138,32 @@ def ensure_template_tokens(data: Data, tokenizer: PreTrainedTokenizerBase) -> li
 
 
 def needs_template(data: Data) -> bool:
-    """True when some dataset of the recipe is a completion, instruction or chat dataset."""
+    """True when some dataset of the recipe is a completion, instruction or chat dataset, or preference or kto data
+    with data.template set (text pairs need no template; conversational pairs without data.template use the
+    tokenizer's own: `pair_template`)."""
     sources = [data.train] + ([data.validation] if data.validation is not None else [])
-    return any(not isinstance(source, str) and any(spec.type != "text" for spec in source) for source in sources)
+    return any(
+        not isinstance(source, str)
+        and any(spec.type != "text" and (spec.type not in PAIR_TYPES or data.template is not None) for spec in source)
+        for source in sources
+    )
+
+
+def pair_template(data: Data, tokenizer: PreTrainedTokenizerBase) -> ChatTemplate | None:
+    """The template preference and kto conversations are written with: data.template, else the tokenizer's own
+    chat_template, else None (then only text records can be written; a conversation is an error at its line)."""
+    if data.template is not None:
+        return shipped_template(data.template)
+    own = tokenizer.chat_template
+    if isinstance(own, dict):
+        own = own.get("default")
+    return ChatTemplate(name=TOKENIZER_TEMPLATE, source=own, special_tokens=(), end_of_turn=None) if own else None
+
+
+def conversation_template(data: Data, tokenizer: PreTrainedTokenizerBase) -> ChatTemplate | None:
+    """The template the recipe's conversations are written with: data.template or the tokenizer's own for completion,
+    instruction and chat data (DataError when there is none); for preference and kto data, `pair_template`; None when
+    the data has no conversations to write (text)."""
+    if needs_template(data):
+        return resolve_template(data.template, tokenizer)
+    return pair_template(data, tokenizer) if data.holds_pairs else None

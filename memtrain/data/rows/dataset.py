@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.rows.mixture import build_rows, validation_rows
+from memtrain.data.rows.pairs import KtoRows, PairRows, build_pair_sets, pair_validation_set
 from memtrain.data.rows.row_set import DataStats, SampleRows
 from memtrain.data.tokens.cache import cached_documents
 from memtrain.errors import DataError, Problem
@@ -64,6 +65,14 @@ class TokenWindows(torch.utils.data.Dataset):
         """Target tokens the loss sees for the windows at `indices`: labels[1:] != -100, i.e. length - 1 each."""
         return int((self.lengths[np.asarray(indices, dtype=np.int64)] - 1).sum())
 
+    def target_tokens(self, indices) -> int:
+        """Target tokens of the items at `indices`: what `targets` normalises the loss by (pair sets differ)."""
+        return self.targets(indices)
+
+    def tokens_of(self, indices) -> int:
+        """Real (non-padding) tokens of the items at `indices`, as pair sets count theirs."""
+        return int(self.lengths[np.asarray(indices, dtype=np.int64)].sum())
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not -len(self) <= index < len(self):
             raise IndexError(f"window {index} out of range for {len(self)} windows")
@@ -104,8 +113,16 @@ def document_windows(tokens: np.ndarray, doc_ends: np.ndarray, seq_len: int, pad
 
 def build_datasets(
     data: Data, tokenizer: PreTrainedTokenizerBase, seed: int
-) -> tuple[TokenWindows, TokenWindows] | tuple[SampleRows, SampleRows]:
+) -> (
+    tuple[TokenWindows, TokenWindows]
+    | tuple[SampleRows, SampleRows]
+    | tuple[PairRows, PairRows]
+    | tuple[KtoRows, KtoRows]
+):
     """(train, validation) samples for the recipe's data section.
+
+    Preference and kto datasets give `PairRows` / `KtoRows` (pairs.build_pair_sets): what a preference objective
+    trains on, a pair being one sample.
 
     A list of datasets in data.train gives `SampleRows` (see mixture.build_rows; `seed` chooses the
     weighted subsets and the row order). A path gives text windows, as follows.
@@ -115,6 +132,8 @@ def build_datasets(
     `seed` therefore does not change the split (`SampleOrder` shuffles the training order).
     Raises `DataError` when the data gives no window or too few to hold one out.
     """
+    if data.holds_pairs:  # preference or kto records: pairs of sequences (pairs.py)
+        return build_pair_sets(data, tokenizer, seed)
     if not isinstance(data.train, str):
         return build_rows(data, tokenizer, seed)
     windows = _windows(data, data.train, "data.train", tokenizer)
@@ -143,6 +162,8 @@ def build_validation(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) 
         return build_datasets(data, tokenizer, seed)[1]
     if isinstance(data.train, str):
         return _windows(data, data.validation, "data.validation", tokenizer)
+    if data.holds_pairs:
+        return pair_validation_set(data, tokenizer, seed)
     return validation_rows(data, tokenizer, seed)
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from memtrain.data.read.corpus import source_fingerprint
 from memtrain.data.read.records import dataset_fingerprint
 from memtrain.data.rows.dataset import TokenWindows
+from memtrain.data.rows.pairs import KtoRows, PairRows
 from memtrain.data.rows.row_set import SampleRows
 from memtrain.data.tokens.cache import cache_dir_of
 from memtrain.recipe.schema import Data
@@ -59,7 +60,7 @@ def data_fingerprint(data: Data, train_set, val_set) -> dict[str, str]:
     return {TRAIN_KEY: dataset_digest(train_set), VALIDATION_KEY: dataset_digest(val_set)}
 
 
-def dataset_digest(*datasets: TokenWindows | SampleRows) -> str:
+def dataset_digest(*datasets: TokenWindows | SampleRows | PairRows | KtoRows) -> str:
     """sha256 over what makes the items of `datasets` (see the module doc), in order."""
     digest = hashlib.sha256()
     for dataset in datasets:
@@ -96,6 +97,14 @@ def _parts(dataset) -> list:
             dataset.row_starts,
             dataset.row_samples,
         ]
+    if isinstance(dataset, (PairRows, KtoRows)):
+        parts = []
+        for role, views in sorted(dataset.views.items()):
+            parts += [role.encode(), *map(array_identity, views.tokens), *map(array_identity, views.targets)]
+            parts += [views.source, views.start, views.length]
+        if isinstance(dataset, KtoRows):
+            parts.append(dataset.desirable)
+        return parts
     raise TypeError(f"no fingerprint for {type(dataset).__name__}")
 
 

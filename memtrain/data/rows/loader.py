@@ -160,7 +160,7 @@ def step_positions(dataset, samples: list[int], per_rank_batch: int, micro_batch
         for start in range(0, len(mine), micro_batch):
             rows = mine[start : start + micro_batch]
             width = batch_width(dataset.lengths[rows], dataset.seq_len) if trim else dataset.seq_len
-            positions += len(rows) * width
+            positions += len(rows) * getattr(dataset, "sequences_per_item", 1) * width  # a pair is two rows
     return positions
 
 
@@ -169,7 +169,10 @@ def collate(dataset, indices: list[int], trim: bool = False) -> dict[str, torch.
 
     `trim`: cut the batch to `batch_width` of its rows' lengths (`dataset.lengths`, `dataset.seq_len`); rows
     are right-padded and labels are -100 on padding, so the loss is the same, on fewer positions.
+    A set that makes its own batches (pairs.PairRows, KtoRows: several rows per item) is asked for them.
     """
+    if hasattr(dataset, "collate"):
+        return dataset.collate(indices, trim)
     items = [dataset[i] for i in indices]
     batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
     if trim:

@@ -21,7 +21,10 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.render.chat import template_where
-from memtrain.data.render.templates import ensure_template_tokens, needs_template, resolve_template
+from memtrain.data.render.templates import (
+    conversation_template,
+    ensure_template_tokens,
+)
 from memtrain.data.rows.packing import pack_rows
 from memtrain.data.rows.row_set import DataStats, SampleRows, SampleViews
 from memtrain.data.rows.weights import held_out_tail, weighted_indices
@@ -76,7 +79,7 @@ def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tup
     if isinstance(data.train, str):
         raise ValueError("build_rows takes a list of datasets; a path is the text path (build_datasets)")
     ensure_template_tokens(data, tokenizer)
-    rules = _sample_rules(data, tokenizer)
+    rules = sample_rules(data, tokenizer)
     parts = [_prepare(spec, tokenizer, rules, data, "data.train") for spec in data.train]
     if data.validation is not None:
         validation = validation_rows(data, tokenizer, seed)
@@ -109,7 +112,7 @@ def validation_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -
     """build_rows' validation rows where data.validation names datasets of its own, built without reading
     data.train's (`memtrain eval` of a run whose training files are gone)."""
     ensure_template_tokens(data, tokenizer)
-    rules = _sample_rules(data, tokenizer)
+    rules = sample_rules(data, tokenizer)
     held_out = [_prepare(spec, tokenizer, rules, data, "data.validation") for spec in data.validation]
     return _rows(held_out, data, tokenizer.pad_token_id, seed)
 
@@ -121,7 +124,7 @@ def noted_datasets(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[tuple
     that building the rows filled (`tokenizer` as for `held_out_records`)."""
     if isinstance(data.train, str):
         return []
-    rules = _sample_rules(data, tokenizer)
+    rules = sample_rules(data, tokenizer)
     return [
         (spec, tokenized_dataset(spec, tokenizer, rules, data.cache_dir))
         for spec in [*data.train, *(data.validation or [])]
@@ -144,7 +147,7 @@ def unwritten_messages_warning(
     ]
     if not said:
         return None
-    template = template_where(_sample_rules(data, tokenizer).template)
+    template = template_where(sample_rules(data, tokenizer).template)
     return (
         f"{template} did not write {'; '.join(said)}: the model trains without those messages, though a "
         "prompt may hold them (a template that writes the system message only before the last user turn, as "
@@ -237,7 +240,7 @@ def held_out_records(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[Hel
     """
     if isinstance(data.train, str):
         return []
-    rules = _sample_rules(data, tokenizer)
+    rules = sample_rules(data, tokenizer)
     if data.validation is not None:
         parts = [
             (spec, _prepare(spec, tokenizer, rules, data, "data.validation"))
@@ -256,11 +259,12 @@ def held_out_records(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[Hel
     return held_out
 
 
-def _sample_rules(data: Data, tokenizer: PreTrainedTokenizerBase) -> SampleRules:
+def sample_rules(data: Data, tokenizer: PreTrainedTokenizerBase) -> SampleRules:
     """How the recipe's records become samples: the same for the rows and for `held_out_records`, so both read
-    the same cached samples."""
+    the same cached samples (and for preference and kto pairs, pairs.py). Pairs without data.template are written
+    with the tokenizer's own template where it has one, and need none when they are text (pair_template)."""
     return SampleRules(
-        template=resolve_template(data.template, tokenizer) if needs_template(data) else None,
+        template=conversation_template(data, tokenizer),
         train_on_inputs=data.train_on_inputs,
         train_on=data.train_on,
         skip_untrainable=data.skip_untrainable,

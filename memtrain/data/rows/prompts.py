@@ -23,10 +23,12 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.read.conversation import Message, to_conversation
+from memtrain.data.read.preference import to_kto, to_pair
 from memtrain.data.read.records import read_records
 from memtrain.data.render.chat import ConversationEncoder, RenderError
 from memtrain.data.render.templates import resolve_template
-from memtrain.data.rows.mixture import HeldOutRecords, held_out_records
+from memtrain.data.rows.mixture import HeldOutRecords, held_out_records, sample_rules
+from memtrain.data.rows.pairs import held_out_pair_records
 from memtrain.recipe.schema import Data, DatasetSpec
 
 
@@ -61,8 +63,14 @@ def held_out_prompts(
     """
     if not has_answers(data):
         return [], 0
-    held_out = held_out_records(data, tokenizer)
-    template = resolve_template(data.template, tokenizer)
+    if data.holds_pairs:  # a pair's prompt with its chosen answer (a KTO record's with its desirable one)
+        held_out = held_out_pair_records(data, tokenizer)
+        template = sample_rules(data, tokenizer).template
+        if template is None:  # text pairs: no conversation to prompt
+            return [], 0
+    else:
+        held_out = held_out_records(data, tokenizer)
+        template = resolve_template(data.template, tokenizer)
     encoder = ConversationEncoder(tokenizer, template, train_on_inputs=False, train_on="last_turn")
     max_prompt_tokens = data.seq_len if max_prompt_tokens is None else max_prompt_tokens
     prompts: list[HeldOutPrompt] = []
@@ -116,4 +124,16 @@ def _conversations(held_out: HeldOutRecords) -> Iterator[tuple[int, dict, list[M
     for position, (line, record) in enumerate(read_records(spec.path, spec.split)):
         if position < held_out.first:
             continue  # the training side's records (and what training dropped among them)
-        yield line, record, (to_conversation(record, spec, spec.path, line) if position in in_validation else None)
+        yield line, record, (_conversation(record, spec, line) if position in in_validation else None)
+
+
+def _conversation(record: dict, spec: DatasetSpec, line: int) -> list[Message] | None:
+    """The conversation a held-out record asks and answers: a preference pair's prompt with its chosen answer, a KTO
+    record's prompt with its answer when that is desirable; None for text pairs and undesirable answers (skipped)."""
+    if spec.type == "preference":
+        pair = to_pair(record, spec, spec.path, line)
+        return pair.prompt + pair.chosen if pair.conversational else None
+    if spec.type == "kto":
+        kto = to_kto(record, spec, spec.path, line)
+        return kto.prompt + kto.completion if kto.conversational and kto.desirable else None
+    return to_conversation(record, spec, spec.path, line)

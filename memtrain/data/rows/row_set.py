@@ -159,6 +159,14 @@ class SampleRows(torch.utils.data.Dataset):
         """Target tokens the loss sees for the rows at `indices` (labels[1:] != -100 per row, summed)."""
         return int(self.row_targets[np.asarray(indices, dtype=np.int64)].sum())
 
+    def target_tokens(self, indices) -> int:
+        """Target tokens of the items at `indices`: what `targets` normalises the loss by (pair sets differ)."""
+        return self.targets(indices)
+
+    def tokens_of(self, indices) -> int:
+        """Real (non-padding) tokens of the items at `indices`, as pair sets count theirs."""
+        return int(self.lengths[np.asarray(indices, dtype=np.int64)].sum())
+
     def row(self, index: int) -> list[int]:
         """The sample indices in row `index`."""
         return self.row_samples[self.row_starts[index] : self.row_starts[index + 1]].tolist()

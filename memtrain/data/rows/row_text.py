@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.rows.dataset import TokenWindows
+from memtrain.data.rows.pairs import KtoRows, PairRows
 from memtrain.data.rows.row_set import SampleRows
 from memtrain.labels import IGNORE_INDEX
 
@@ -90,7 +91,10 @@ def row_view(
     source_names: list[str] | None = None,
 ) -> RowView:
     """Row `index` of `dataset` as text spans. `source_names`: the path of each dataset a SampleRows draws from,
-    in the order of its sources (the recipe's data list)."""
+    in the order of its sources (the recipe's data list). A pair set's item is its two rows (pairs.py), each shown
+    as a sample named by its role (chosen, rejected; a KTO record and its KL row)."""
+    if isinstance(dataset, (PairRows, KtoRows)):
+        return _pair_view(dataset, index, tokenizer, source_names)
     item, length = dataset[index], int(dataset.lengths[index])
     input_ids = item["input_ids"][:length].tolist()
     labels = item["labels"][:length].tolist()
@@ -107,6 +111,21 @@ def row_view(
         targets = [at > start and labels[at] != IGNORE_INDEX for at in range(start, end)]
         samples.append(SampleView(source, tuple(_spans(input_ids[start:end], targets, tokenizer))))
     return RowView(index=index, seq_len=len(item["input_ids"]), samples=tuple(samples))
+
+
+def _pair_view(dataset, index: int, tokenizer: PreTrainedTokenizerBase, source_names: list[str] | None) -> RowView:
+    batch = dataset.collate([index])
+    roles = ("chosen", "rejected") if isinstance(dataset, PairRows) else ("record", "KL row")
+    views = dataset.views["chosen" if isinstance(dataset, PairRows) else "record"]
+    path = source_names[int(views.source[index])] if source_names else None
+    samples = []
+    for row, role in enumerate(roles):
+        length = int(batch["attention_mask"][row].sum())
+        ids, labels = batch["input_ids"][row, :length].tolist(), batch["labels"][row, :length].tolist()
+        targets = [label != IGNORE_INDEX for label in labels]
+        source = f"{role} of {path}" if path else role
+        samples.append(SampleView(source, tuple(_spans(ids, targets, tokenizer))))
+    return RowView(index=index, seq_len=2 * dataset.seq_len, samples=tuple(samples))
 
 
 def _spans(ids: list[int], targets: list[bool], tokenizer: PreTrainedTokenizerBase) -> list[Span]:

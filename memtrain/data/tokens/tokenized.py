@@ -29,9 +29,11 @@ from memtrain.data.read.conversation import (
     unread_system_field,
 )
 from memtrain.data.read.corpus import read_documents
+from memtrain.data.read.preference import to_kto, to_pair
 from memtrain.data.read.problems import FileProblems
 from memtrain.data.read.records import dataset_fingerprint, read_records, record_format
 from memtrain.data.render.chat import CHAT_ENCODING_VERSION, ConversationEncoder
+from memtrain.data.render.pairs import PairEncoder
 from memtrain.data.render.templates import ChatTemplate
 from memtrain.data.tokens.cache import cache_dir_of, token_dtype, write_entry
 from memtrain.data.tokens.long_text import encode_documents
@@ -39,7 +41,7 @@ from memtrain.data.tokens.parallel import map_batches
 from memtrain.data.tokens.progress import report
 from memtrain.data.tokens.tokenizer import tokenizer_fingerprint
 from memtrain.errors import DataError, Problem
-from memtrain.recipe.schema import DatasetSpec
+from memtrain.recipe.schema import PAIR_TYPES, DatasetSpec
 
 # Bump when the layout or the rules that make samples change, so old entries are not reused.
 TOKENIZED_VERSION = "1"
@@ -59,7 +61,12 @@ SAMPLE_OPTIONS = (
     "messages_field",
     "chat_format",
     "roles",
+    "chosen_field",
+    "rejected_field",
+    "label_field",
 )
+# How preference and kto records become samples (render/pairs.py); part of their cache key.
+PAIR_ENCODING_VERSION = "1"
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,10 @@ class Tokenized:
     # records with a system prompt in a field the dataset does not read (conversation.unread_system_field), by that
     # field: {"system": [count, the first one's line]}; entries written before it was counted have none
     unread_system: dict[str, list[int]] = field(default_factory=dict)
+    # preference records whose chosen and rejected answers are the same tokens, as [count, the first one's line]
+    identical: list[int] = field(default_factory=list)
+    # kto: uint8 per record (= per sample), 1 where the completion is desirable; None for other types
+    desirable: np.ndarray | None = None
 
     @property
     def starts(self) -> np.ndarray:
@@ -89,7 +100,10 @@ class Tokenized:
 
 
 # The notes of an entry (Tokenized's fields after its arrays), kept beside it in `<key>.notes.json`.
-NOTES = ("unwritten", "trailing", "skipped", "unread_system")
+NOTES = ("unwritten", "trailing", "skipped", "unread_system", "identical")
+# The arrays of an entry, in the order they are written: tokens last, its presence marking a complete entry.
+ARRAYS = ("ends", "targets", "tokens")
+KTO_ARRAYS = ("ends", "targets", "desirable", "tokens")
 
 
 @dataclass(frozen=True)
@@ -129,7 +143,7 @@ def tokenized_dataset(
     """
     directory = cache_dir_of(cache_dir)
     key = _cache_key(spec, tokenizer, rules, directory)
-    paths = {name: directory / f"{key}.{name}.npy" for name in ("ends", "targets", "tokens")}
+    paths = {name: directory / f"{key}.{name}.npy" for name in (KTO_ARRAYS if spec.type == "kto" else ARRAYS)}
     notes = directory / f"{key}.notes.json"
     cached = _load(paths, notes)
     if cached is not None:
@@ -140,7 +154,7 @@ def tokenized_dataset(
     write_entry(
         [
             *([(notes, json.dumps(said))] if said else []),
-            *[(paths[name], getattr(samples, name)) for name in ("ends", "targets", "tokens")],
+            *[(path, getattr(samples, name)) for name, path in paths.items()],
         ]
     )
     return _load(paths, notes) or samples
@@ -150,6 +164,8 @@ def tokenize_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rule
     """Tokenise every record of `spec` (no cache): documents for text, rendered conversations otherwise."""
     if spec.type == "text":
         pieces, said = _document_samples(spec, tokenizer), {}
+    elif spec.type in PAIR_TYPES:
+        pieces, said = pair_samples(spec, PairEncoder(tokenizer, rules.template))
     else:
         if rules.template is None:
             raise ValueError(f"{spec.type} datasets need a chat template")
@@ -175,6 +191,72 @@ def tokenize_dataset(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rule
     tokens = np.concatenate([ids for ids, _ in pieces])  # already token_dtype's: no whole uint32 copy
     targets = np.concatenate([flags for _, flags in pieces])
     return Tokenized(tokens=tokens, targets=targets, ends=np.cumsum(lengths), **said)
+
+
+def pair_samples(spec: DatasetSpec, encoder: PairEncoder) -> tuple[list[Piece], dict]:
+    """The samples of a preference dataset (record i: sample 2i its prompt with the chosen answer, 2i + 1 with the
+    rejected one) or a kto dataset (record i: sample i), with their notes: the preference records whose two answers
+    are the same tokens (identical) and the kto labels (desirable). Bad records are problems at their line, said
+    together before any is tokenised, as for conversations."""
+    read = to_pair if spec.type == "preference" else to_kto
+    records = _check(spec, lambda record, line: read(record, spec, spec.path, line))
+
+    def sequences(record) -> list:
+        if spec.type == "preference":
+            return [(record.prompt, record.chosen), (record.prompt, record.rejected)]
+        return [(record.prompt, record.completion)]
+
+    dtype = token_dtype(encoder.tokenizer)
+    out: list[Piece] = []
+    identical: list[int] = []
+    desirable: list[int] = []
+    unwritten: dict[str, list[int]] = {}
+    problems = FileProblems(spec.path)
+    what = f"tokenising {Path(spec.path).name}"
+    converted = _converted(spec, lambda record, line: (line, read(record, spec, spec.path, line)), problems)
+    done = 0
+    report(what, done, records)
+    with contextlib.closing(
+        map_batches(
+            lambda batch: encoder.encode_many([s for _, record in batch for s in sequences(record)]),
+            _batched(converted, BATCH_RECORDS),
+            -(-records // BATCH_RECORDS),
+        )
+    ) as encoded_batches:
+        for batch, encoded in encoded_batches:
+            results = iter(encoded)
+            for line, record in batch:
+                mine = [next(results) for _ in sequences(record)]
+                failed = next((r for r in mine if isinstance(r, Exception)), None)
+                if failed is not None:
+                    problems.add(
+                        Problem(
+                            str(failed),
+                            file=spec.path,
+                            line=line,
+                            key="data.template",
+                            hint="fix the record, or pick a template that can write it",
+                        )
+                    )
+                    continue
+                out += [_piece(r.ids, r.targets, dtype) for r in mine]
+                if spec.type == "preference" and mine[0].ids == mine[1].ids:
+                    _count(identical, line)
+                if spec.type == "kto":
+                    desirable.append(int(record.desirable))
+                prompt = record.prompt
+                for role in {prompt[i]["role"] for r in mine for i in r.unwritten if i < len(prompt)}:
+                    _count(unwritten.setdefault(role, []), line)
+            done += len(batch)
+            report(what, done, records)
+            if problems.full and done < records:
+                problems.stop_after(batch[-1][0])
+                break
+    problems.raise_if_any()
+    said: dict = {"identical": identical, "unwritten": unwritten}
+    if spec.type == "kto":
+        said["desirable"] = np.asarray(desirable, dtype=np.uint8)
+    return out, said
 
 
 # ---------------------------------------------------------------- documents and conversations
@@ -328,6 +410,8 @@ def _batched(items: Iterator, size: int) -> Iterator[list]:
 def _cache_key(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: SampleRules, directory: Path) -> str:
     options = json.dumps({name: getattr(spec, name) for name in SAMPLE_OPTIONS}, sort_keys=True)
     template = rules.fingerprint() if spec.type != "text" else "text"
+    if spec.type in PAIR_TYPES:
+        template += f"\0pairs:{PAIR_ENCODING_VERSION}"
     parts = (
         TOKENIZED_VERSION,
         dataset_fingerprint(spec.path, spec.split, directory),
@@ -344,6 +428,12 @@ def _load(paths: dict[str, Path], notes: Path) -> Tokenized | None:
         return None
     try:
         arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
+        if "desirable" in arrays:  # one label per kto record
+            said_desirable = {"desirable": np.asarray(arrays.pop("desirable"))}
+            if len(said_desirable["desirable"]) != len(arrays["ends"]):
+                return None
+        else:
+            said_desirable = {}
         said = json.loads(notes.read_text()) if notes.exists() else {}
         said = {name: said[name] for name in NOTES if name in said}
     except (OSError, ValueError, AttributeError, TypeError):
@@ -351,4 +441,6 @@ def _load(paths: dict[str, Path], notes: Path) -> Tokenized | None:
     ends = arrays["ends"]
     if not len(ends) or int(ends[-1]) != len(arrays["tokens"]) or len(arrays["targets"]) != len(arrays["tokens"]):
         return None
-    return Tokenized(tokens=arrays["tokens"], targets=arrays["targets"], ends=np.asarray(ends), **said)
+    return Tokenized(
+        tokens=arrays["tokens"], targets=arrays["targets"], ends=np.asarray(ends), **said, **said_desirable
+    )

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from memtrain.data.render.templates import needs_template, resolve_template
+from memtrain.data.render.templates import conversation_template
 from memtrain.files import atomic_path
 from memtrain.model.merge import set_inference_config
 from memtrain.recipe.schema import Data
@@ -29,8 +29,8 @@ def export_model(
     state_dict = _without_wrapper_prefix(engine._zero3_consolidated_16bit_state_dict()) if zero3 else None
     if rank == 0:
         stop_ids = []
-        if needs_template(data):
-            template = resolve_template(data.template, tokenizer)
+        template = conversation_template(data, tokenizer)  # preference pairs may use the tokenizer's own
+        if template is not None:
             tokenizer.chat_template = template.source  # the template trained with (a shipped one replaces the own)
             stop_ids = stop_token_ids(data.template, tokenizer)
         generation = set_inference_config(model, tokenizer, stop_ids)
