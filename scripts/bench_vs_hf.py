@@ -99,13 +99,12 @@ def memtrain_side(recipe: str, overrides: list[str], steps: int, warmup: int, ru
     start = next(r for r in records if r["kind"] == "run" and r.get("event") == "start")
     train = [r for r in records if r["kind"] == "train"]
     timed = train[warmup:]
-    recipe_obj = load_recipe(ROOT / recipe, overrides).recipe
-    tokens_per_step = recipe_obj.batch.global_batch * recipe_obj.data.seq_len
     seconds = timed[-1]["time"] - timed[0]["time"]
+    # the train records' cumulative counts: real input tokens (padding left out; both sequences of a pair) and the
+    # loss's target tokens, as the baselines count theirs
     return {
-        "tokens_per_s": tokens_per_step * (len(timed) - 1) / seconds,
-        # the train records' tokens: target tokens so far (memtrain's loop adds each step's dataset.targets)
-        "target_tokens_per_s": (timed[-1]["tokens"] - timed[0]["tokens"]) / seconds,
+        "tokens_per_s": (timed[-1]["tokens"] - timed[0]["tokens"]) / seconds,
+        "target_tokens_per_s": (timed[-1]["target_tokens"] - timed[0]["target_tokens"]) / seconds,
         "peak_reserved_gib": max(r.get("gpu_peak_reserved_bytes", 0) for r in train) / GiB,
         "host_peak_rss_gib": max(r.get("host_peak_rss_bytes", 0) for r in train) / GiB,
         "first_step_s": train[0]["time"] - start["process_started"],

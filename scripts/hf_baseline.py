@@ -11,9 +11,8 @@ model with no attention_mask, so transformers keeps packed samples apart exactly
 (masking_utils.find_packed_sequence_indices for sdpa / eager / flex; for flash attention the rows go
 in end to end, as memtrain's TrainableLM lays them, see model/wrapper.py PACKED_ATTENTION).
 
-Prints one JSON line and writes it to --out: tokens/s after the warm-up steps counted as memtrain's side counts
-them (row positions, global batch x seq_len per step) and target tokens/s (the positions the loss is computed on:
-responses only for chat data), time to the first step, peak GPU memory, host peak RSS. That is what
+Prints one JSON line and writes it to --out: real tokens/s after the warm-up steps (padding left out, as memtrain's
+train records count them) and target tokens/s (the positions the loss is computed on: responses only for chat data), time to the first step, peak GPU memory, host peak RSS. That is what
 scripts/bench_vs_hf.py reads from every baseline (the `hf` and `hf-liger` baselines of benchmarks/suites.yaml run
 this script). Runs on the CPU too (for its test, tests/scripts/test_hf_baseline.py).
 
@@ -102,6 +101,13 @@ def target_tokens_per_step(recipe: Recipe, rows, steps: int) -> list[int]:
     order = sample_order(recipe.data, rows, recipe.train.seed, recipe.batch.global_batch)
     batch = recipe.batch.global_batch
     return [rows.targets(order.indices(step * batch, batch)) for step in range(steps)]
+
+
+def real_tokens_per_step(recipe: Recipe, rows, steps: int) -> list[int]:
+    """Real (non-padding) tokens of each step's global batch, as memtrain's loop counts them (dataset.tokens_of)."""
+    order = sample_order(recipe.data, rows, recipe.train.seed, recipe.batch.global_batch)
+    batch = recipe.batch.global_batch
+    return [rows.tokens_of(order.indices(step * batch, batch)) for step in range(steps)]
 
 
 def per_second(counts: list[int], marks: list[float], warmup: int) -> float | None:
@@ -216,10 +222,10 @@ def main() -> int:
             data_collator=MemtrainBatches(rows, recipe.data.groups_by_length, attn),
         )
         trainer.train()
-    positions = [recipe.batch.global_batch * recipe.data.seq_len] * len(marks)  # as bench_vs_hf counts memtrain's
     result = {
         "baseline": args.baseline,
-        "tokens_per_s": per_second(positions, marks, args.warmup),
+        # real tokens (padding left out), as memtrain's train records count them
+        "tokens_per_s": per_second(real_tokens_per_step(recipe, rows, len(marks)), marks, args.warmup),
         "target_tokens_per_s": per_second(target_tokens_per_step(recipe, rows, len(marks)), marks, args.warmup),
         "steps": len(marks),
         # from the launch of this process, as memtrain's side measures it
