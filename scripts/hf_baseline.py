@@ -12,9 +12,10 @@ model with no attention_mask, so transformers keeps packed samples apart exactly
 in end to end, as memtrain's TrainableLM lays them, see model/wrapper.py PACKED_ATTENTION).
 
 Prints one JSON line and writes it to --out: real tokens/s after the warm-up steps (padding left out, as memtrain's
-train records count them) and target tokens/s (the positions the loss is computed on: responses only for chat
-data), time to the first step, peak GPU memory, host peak RSS. That is what scripts/bench_vs_hf.py reads from every baseline (the `hf` and `hf-liger` baselines of benchmarks/suites.yaml run
-this script). Runs on the CPU too (for its test, tests/scripts/test_hf_baseline.py).
+train records count them) and target tokens/s (the positions the loss is computed on: responses only for chat data),
+time to the first step, peak GPU memory, host peak RSS. That is what scripts/bench_vs_hf.py reads from every
+baseline (the `hf` and `hf-liger` baselines of benchmarks/suites.yaml run this script). Runs on the CPU too (for its
+test, tests/scripts/test_hf_baseline.py).
 
     python -m scripts.hf_baseline RECIPE [key=value ...] --steps 12 --warmup 3 --out result.json [--baseline hf-liger]
 
