@@ -166,7 +166,17 @@ class Model(Section):
     preset: str | None = Field(
         None, description="Name of a shape preset in configs/models (random initialisation), e.g. 'llama2-7b'."
     )
-    path: str | None = Field(None, description="Local Hugging Face model directory (config.json, weights, tokenizer).")
+    path: str | None = Field(
+        None,
+        description="A local Hugging Face model directory (config.json, safetensors weights, tokenizer), or a Hub id "
+        "('org/name', read into huggingface_hub's cache: HF_HUB_CACHE, HF_TOKEN and HF_HUB_OFFLINE apply). A path "
+        "that exists wins over an id; 'hub:org/name' forces the Hub, './org/name' a local directory.",
+    )
+    revision: str | None = Field(
+        None,
+        description="For a Hub id in model.path: the branch, tag or commit to read (default main). A run records the "
+        "commit it trained (run.json's recipe) and refuses to resume on another one.",
+    )
     tokenizer: str | None = Field(
         None,
         description="Tokenizer directory, or 'builtin:shakespeare' for the bundled offline BPE tokenizer "

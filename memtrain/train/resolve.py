@@ -16,6 +16,7 @@ from pathlib import Path
 
 from memtrain.errors import Problem, UserError
 from memtrain.files import write_atomically
+from memtrain.hub import hub_repo, pinned_revision
 from memtrain.model.compiled import resolve_compile
 from memtrain.model.kernels import KernelSupport, resolve_kernels
 from memtrain.plan.planner import plan_recipe, resolve_checkpointing, resolve_micro_batch
@@ -208,6 +209,17 @@ def with_compile(recipe: Recipe, compiled: bool) -> Recipe:
     if recipe.train.compile is compiled:
         return recipe
     return recipe.model_copy(update={"train": recipe.train.model_copy(update={"compile": compiled})})
+
+
+def with_model_commit(recipe: Recipe) -> Recipe:
+    """The recipe with a Hub model's revision made the commit it names now, its files downloaded (the same object for
+    a local model or a preset): the run, its workers and its resume then read those weights whatever the branch does
+    later, and a resume on a moved branch is refused as a change of model.revision."""
+    model = recipe.model
+    if not hub_repo(model.path):
+        return recipe
+    commit = pinned_revision(model.path, model.revision)
+    return recipe.model_copy(update={"model": model.model_copy(update={"revision": commit})})
 
 
 def with_kernels(recipe: Recipe, kernels: str) -> Recipe:

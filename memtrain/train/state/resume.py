@@ -211,7 +211,10 @@ def check_resume(run: ResolvedRun, options: RunOptions) -> ResumePlan | None:
     step = checkpoint_step(checkpoint)
     old = recorded_recipe(checkpoint)
     breaking, safe = differences(old, recipe_json(run.recipe)) if old else ([], [])
-    problems = [Problem(f"changed since the checkpoint: {change}", key=change.key) for change in breaking]
+    problems = [
+        Problem(f"changed since the checkpoint: {change}", key=change.key, hint=_change_hint(change))
+        for change in breaking
+    ]
     recorded, notes = recorded_data_fingerprint(run.run_dir), ()
     if recorded is None or run.data_fingerprint is None:
         notes = (UNCOMPARED_DATA_NOTE,)
@@ -252,6 +255,16 @@ def _changed_files_problem(key: str, recipe: Recipe) -> Problem:
         key=key,
         hint="put back the data files the run was trained on to resume it",
     )
+
+
+def _change_hint(change: Change) -> str:
+    """The way back for a change with one: a Hub model whose branch moved is resumed on the commit it trained."""
+    if change.key == "model.revision" and isinstance(change.old, str):
+        return (
+            f"the Hub repo's revision now names another commit: pin model.revision={change.old} to resume on the "
+            "weights the checkpoint was trained on"
+        )
+    return ""
 
 
 def _cannot_resume(checkpoint: Path) -> Problem:
