@@ -722,6 +722,13 @@ class Train(Section):
     output_dir: str = Field(
         "runs/{name}", description="Run directory; {name} is the run name (the recipe's name, else its file's stem)."
     )
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
+        None,
+        description="Experiment trackers that receive every metric metrics.jsonl receives, and the recipe and the "
+        "plan's figures: tensorboard (RUN_DIR/tensorboard), wandb (pip install 'memtrain[wandb]'; WANDB_MODE=offline "
+        "works offline), mlflow ('memtrain[mlflow]'; MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns). A "
+        "resumed run continues the same tracker run. Default: tensorboard where its package is installed; []: none.",
+    )
 
 
 class Recipe(Section):

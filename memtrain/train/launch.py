@@ -27,6 +27,7 @@ from memtrain.errors import Problem, UserError
 from memtrain.model.architecture import check_attention_kernel
 from memtrain.model.config import model_architecture
 from memtrain.monitor.startup import CLOCK_ENV, StartupClock, bytecode_note
+from memtrain.monitor.trackers import tracker_problems
 from memtrain.plan.params import count_parameters
 from memtrain.recipe.sources import LoadedRecipe
 from memtrain.train.loop import train
@@ -63,6 +64,9 @@ def prepare(
     r = loaded.recipe
     clock = clock or StartupClock()
     check_dtype(loaded)
+    trackers = tracker_problems(r.train.report_to)  # not installed, not logged in, out of reach: said now
+    if trackers:
+        raise loaded.sources.locate(UserError(trackers))
     with loaded.sources.located():
         r = with_model_commit(r)  # a model by Hub id: downloaded (what is missing) and pinned to its commit
     with loaded.sources.located():

@@ -91,6 +91,15 @@ class ResolvedRun:
         card (see eval_batch_samples)."""
         return self.recipe.train.eval_batches * eval_batch_samples(self.recipe)
 
+    def figures(self) -> dict[str, object]:
+        """The plan's figures for this run, as trackers record them beside the recipe."""
+        return {
+            "micro_batch": self.micro_batch,
+            "total_steps": self.total_steps,
+            "peak_reserved_bytes": self.plan_peak_reserved_bytes,
+            "world_size": self.recipe.hardware.world_size,
+        }
+
     def to_json(self) -> str:
         data = asdict(self)
         data.update(recipe=self.recipe.model_dump(mode="json"), run_dir=str(self.run_dir))

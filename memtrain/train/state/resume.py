@@ -53,6 +53,7 @@ SAFE_TO_CHANGE = (
     "train.output_dir",
     "train.compile",
     "train.max_bad_steps",
+    "train.report_to",  # where the metrics go, not what is trained
     # held-out questions answered at step 0 and at the end, greedily and with the RNG states restored around it
     # (train/eval/generation.py): which and how many never reach the training math or the sample order
     "train.eval_generate",
