@@ -19,6 +19,7 @@ from rich.markup import escape
 
 from memtrain import __version__
 from memtrain.checks.load import load_checked
+from memtrain.commands.chat import chat_command
 from memtrain.commands.compile import compile_command
 from memtrain.commands.eval import eval_command
 from memtrain.commands.export import export_command
@@ -347,6 +348,36 @@ def eval_(
     Example: [bold]memtrain eval runs/quickstart-chat[/]
     """
     raise typer.Exit(code=eval_command(run_dir, as_json=as_json, samples=samples, limit=limit, console=console))
+
+
+@app.command("chat")
+@report_user_errors
+def chat(
+    run_dir: Path = typer.Argument(
+        ..., help="A run directory (final/, or checkpoints/ with --checkpoint).", show_default=False
+    ),
+    checkpoint: Optional[str] = typer.Option(
+        None, "--checkpoint", help="Talk to a checkpoint instead of the final model: its step, or its directory."
+    ),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="Answer this once and exit (for scripts)."),
+    system: Optional[str] = typer.Option(None, "--system", help="A system message before the conversation."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="The longest answer, in tokens."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature; 0 answers greedily."),
+):
+    """Talk to a run's model through its chat template, the answer streamed as it is written.
+
+    Example: [bold]memtrain chat runs/quickstart-chat[/]  (or --prompt "What is 3 + 4?" to answer once)
+    """
+    code = chat_command(
+        run_dir,
+        checkpoint=checkpoint,
+        prompt=prompt,
+        system=system,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        console=console,
+    )
+    raise typer.Exit(code=code)
 
 
 if __name__ == "__main__":
