@@ -211,7 +211,7 @@ class Model(Section):
         return self.quantize.type if self.quantize is not None and self.quantize.type != "none" else None
 
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 
 
 def _dataset_source(value: object) -> str:
@@ -305,8 +305,10 @@ class DatasetSpec(Section):
     )
     roles: dict[str, Role] = Field(
         default_factory=dict,
-        description="chat: extra role names mapped to system / user / assistant, on top of the "
-        "defaults (human, user -> user; gpt, assistant -> assistant; system -> system).",
+        description="chat: extra role names mapped to system / user / assistant / tool, on top of the "
+        "defaults (human, user -> user; gpt, assistant -> assistant; system -> system; tool, observation -> tool). "
+        "Tool calling: an assistant message's tool_calls are targets as its text is, tool messages are inputs, and "
+        "a record's 'tools' (function schemas) go to the chat template (apply_chat_template(tools=...)).",
     )
 
     @field_validator(*TYPE_KEYS, mode="after")
