@@ -1,4 +1,7 @@
-"""Models by Hugging Face Hub id: `model.path: org/name` read from huggingface_hub's cache, downloaded into it once.
+"""Models and datasets by Hugging Face Hub id, read from huggingface_hub's cache, downloaded into it once.
+
+Datasets are always written `hub:org/name` (a dataset's path is too often a relative `dir/file`): `dataset_dir` gives
+the repo's snapshot, which memtrain.data.read.records hands to datasets.load_dataset; the commit is its fingerprint.
 
 A recipe's `model.path` names a local directory or a Hub repo. A path that exists wins; an `org/name` that is no
 existing path is a Hub id, written `hub:org/name` once the recipe is read (memtrain.recipe.load), so a run's record
@@ -108,6 +111,26 @@ def pinned_revision(path: str, revision: str | None, key: str = "model.path") ->
     return _download(repo, revision, "model", key, force=True).name
 
 
+def dataset_dir(path: str, key: str = "path") -> Path:
+    """The local snapshot of a dataset repo (`hub:org/name`): from the cache when there (no network), else downloaded
+    into it, unless offline. Its directory name is the commit (`commit_of`). UserError as `model_dir` says it."""
+    repo = hub_repo(path)
+    assert repo is not None, path
+    try:
+        return Path(snapshot_download(repo, repo_type="dataset", local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        if offline():
+            raise UserError(_not_cached(repo, None, "dataset", key)) from None
+    try:
+        return Path(snapshot_download(repo, repo_type="dataset"))
+    except GatedRepoError:
+        raise UserError(_gated(repo, key)) from None
+    except RepositoryNotFoundError:
+        raise UserError(_missing(repo, key, "dataset")) from None
+    except (LocalEntryNotFoundError, HfHubHTTPError) as error:
+        raise UserError(_not_cached(repo, None, "dataset", key, str(error).splitlines()[0])) from None
+
+
 def commit_of(directory: Path) -> str | None:
     """The commit of a snapshot directory of the cache (snapshots/<commit>), or None for another directory."""
     return directory.name if directory.parent.name == "snapshots" else None
@@ -178,10 +201,10 @@ def _gated(repo: str, key: str) -> Problem:
     )
 
 
-def _missing(repo: str, key: str) -> Problem:
+def _missing(repo: str, key: str, kind: str = "model") -> Problem:
     return Problem(
-        f"'{repo}' is neither a local directory nor a Hub repo you can read (the Hub answers: no such repo, or it "
-        "is private)",
+        f"'{repo}' is neither a local directory nor a Hub {kind} repo you can read (the Hub answers: no such repo, "
+        "or it is private)",
         key=key,
         hint="check the id; for a private repo log in (`hf auth login`) or set HF_TOKEN; for a local directory give a "
         f"path that exists (./{repo} or an absolute path)",
@@ -189,14 +212,15 @@ def _missing(repo: str, key: str) -> Problem:
 
 
 def _not_cached(repo: str, revision: str | None, need: str, key: str, why: str = "") -> Problem:
-    files = {"config": "config.json", "tokenizer": "tokenizer files", "model": "weights"}[need]
+    files = {"config": "config.json", "tokenizer": "tokenizer files", "model": "weights", "dataset": "files"}[need]
+    kind = "dataset" if need == "dataset" else "model"
     at = f" at revision '{revision}'" if revision else ""
     reason = "HF_HUB_OFFLINE is set" if offline() else f"the Hub cannot be reached{f' ({why})' if why else ''}"
     return Problem(
-        f"the {files} of Hub model '{repo}'{at} are not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+        f"the {files} of Hub {kind} '{repo}'{at} are not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
         f"{reason}",
         key=key,
         hint="run once with network to fill the cache (unset HF_HUB_OFFLINE; gated or private repos need "
         "`hf auth login` or HF_TOKEN), point HF_HUB_CACHE / HF_HOME at a cache that holds it, or give a local "
-        "model directory",
+        f"{'file or directory' if kind == 'dataset' else 'model directory'}",
     )

@@ -14,6 +14,7 @@ import hashlib
 import os
 from pathlib import Path
 
+import datasets
 import pytest
 from huggingface_hub import constants
 
@@ -47,6 +48,26 @@ def add_snapshot(
     return commit
 
 
+def add_dataset_snapshot(cache: Path, repo: str, files: dict[str, bytes], ref: str = "main") -> str:
+    """Put `files` ({path in the repo: bytes}) into the cache as a commit of dataset `repo` that `ref` names."""
+    repo_dir = cache / f"datasets--{repo.replace('/', '--')}"
+    (repo_dir / "blobs").mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha1(b"dataset")
+    for name, data in sorted(files.items()):
+        digest.update(name.encode() + hashlib.sha256(data).hexdigest().encode())
+    commit = digest.hexdigest()
+    for name, data in files.items():
+        blob = hashlib.sha256(data).hexdigest()
+        (repo_dir / "blobs" / blob).write_bytes(data)
+        link = repo_dir / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.exists():
+            link.symlink_to(Path(os.path.relpath(repo_dir / "blobs" / blob, link.parent)))
+    (repo_dir / "refs").mkdir(exist_ok=True)
+    (repo_dir / "refs" / ref).write_text(commit)
+    return commit
+
+
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch) -> Path:
     """An empty Hub cache that this process and its children read offline."""
@@ -56,5 +77,8 @@ def hub_cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    # datasets' own cache (the Arrow files load_dataset converts a Hub dataset to), private to the test too
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     return cache

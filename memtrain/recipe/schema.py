@@ -247,7 +247,9 @@ class DatasetSpec(Section):
     path: str = Field(
         ...,
         min_length=1,
-        description="A .jsonl, .json (a list of records), .parquet or .txt file (.jsonl and .json also gzipped: .gz), a "
+        description="'hub:org/name' for a Hugging Face Hub dataset (read with datasets.load_dataset from its "
+        "snapshot in huggingface_hub's cache: split, subset; its commit is its fingerprint), or "
+        "a .jsonl, .json (a list of records), .parquet or .txt file (.jsonl and .json also gzipped: .gz), a "
         "directory written by Hugging Face datasets' save_to_disk, or 'builtin:chat' "
         "('builtin:chat/validation') for the bundled synthetic chat data.",
     )
@@ -266,8 +268,13 @@ class DatasetSpec(Section):
     )
     split: str | None = Field(
         None,
-        description="Split of a datasets directory holding several (a DatasetDict); "
+        description="Split of a datasets directory holding several (a DatasetDict), or of a Hub dataset; "
         "default: its only split, or 'train'.",
+    )
+    subset: str | None = Field(
+        None,
+        description="A Hub dataset's subset (its configuration's name, load_dataset's second argument); default: "
+        "its only one.",
     )
     field: str = Field(
         "text", min_length=1, description="text: the field holding the document (JSONL, JSON, parquet, datasets)."
