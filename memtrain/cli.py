@@ -312,12 +312,18 @@ def export(
         "--output",
         help="Write here (default: RUN_DIR/merged with --merge; without it, RUN_DIR/final is the export).",
     ),
+    push_to_hub: Optional[str] = typer.Option(
+        None,
+        "--push-to-hub",
+        help="Upload the export to this Hub repo (ORG/NAME) with a model card from the recipe and scores.",
+    ),
+    public: bool = typer.Option(False, "--public", help="With --push-to-hub: a public repo (default: private)."),
 ):
     """Export a run's model: the adapter or full model as trained, or merged into its base.
 
     Example: [bold]memtrain export runs/llama2-7b-lora-24gb --merge -o llama2-7b-tuned[/]
     """
-    raise typer.Exit(code=export_command(run_dir, merge, output, console))
+    raise typer.Exit(code=export_command(run_dir, merge, output, console, push_to_hub=push_to_hub, public=public))
 
 
 @app.command()
