@@ -347,13 +347,34 @@ def eval_(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the scores as JSON."),
     samples: int = typer.Option(3, "--samples", help="Generated answers to show beside the expected ones."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Answer only the first N held-out conversations."),
+    limit: Optional[int] = typer.Option(
+        None, "--limit", help="Answer only the first N held-out conversations (with --tasks: N examples per task)."
+    ),
+    tasks: Optional[str] = typer.Option(
+        None,
+        "--tasks",
+        help="lm-evaluation-harness tasks, comma-separated, instead of the held-out scores (pip install "
+        "'memtrain[lmeval]'); scores go to metrics.jsonl as 'benchmark' records.",
+    ),
+    include_path: Optional[Path] = typer.Option(
+        None, "--include-path", help="With --tasks: a folder of your own task YAML files (local data works offline)."
+    ),
 ):
     """Score a finished run: held-out loss, and exact match of greedy answers to held-out conversations.
 
-    Example: [bold]memtrain eval runs/quickstart-chat[/]
+    Example: [bold]memtrain eval runs/quickstart-chat[/]  (or --tasks arc_easy,hellaswag)
     """
-    raise typer.Exit(code=eval_command(run_dir, as_json=as_json, samples=samples, limit=limit, console=console))
+    names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None
+    code = eval_command(
+        run_dir,
+        as_json=as_json,
+        samples=samples,
+        limit=limit,
+        console=console,
+        tasks=names,
+        include_path=include_path,
+    )
+    raise typer.Exit(code=code)
 
 
 @app.command("chat")
