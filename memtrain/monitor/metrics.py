@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -101,8 +102,16 @@ class MetricsLog:
         if self._tensorboard is not None:
             for record in records:
                 self._tensorboard.add(record)
-        for tracker in self._trackers:
-            tracker.write(records)
+        for tracker in list(self._trackers):
+            try:
+                tracker.write(records)
+            except Exception as error:  # noqa: BLE001 — a tracker mirrors metrics.jsonl: losing it must not stop a run
+                self._trackers.remove(tracker)
+                print(
+                    f"! {type(tracker).__name__} stopped receiving metrics ({type(error).__name__}: "
+                    f"{str(error).splitlines()[0] if str(error) else ''}); metrics.jsonl keeps every record",
+                    file=sys.stderr,
+                )
 
     def close(self) -> None:
         """Flush what is buffered and close the file and the TensorBoard writer."""

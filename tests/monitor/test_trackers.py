@@ -82,3 +82,25 @@ def test_run_stops_before_any_work_when_a_tracker_cannot_start(write_recipe, mon
     said = " ".join(result.output.split())
     assert "tracked.yaml:" in said and "train.report_to names mlflow" in said and "Traceback" not in result.output
     assert not (recipe.parent / "runs" / "tracked").exists()  # nothing written
+
+
+class Unreachable:
+    """A tracker whose server went away mid-run."""
+
+    def __init__(self):
+        self.closed = False
+
+    def write(self, records):
+        raise ConnectionError("server gone")
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_tracker_that_fails_mid_run_is_dropped_and_the_run_goes_on(tmp_path, capsys):
+    with MetricsLog(tmp_path / "metrics.jsonl", flush_every=1, trackers=[Unreachable()]) as log:
+        log.record("train", 1, loss=2.0)
+        log.record("train", 2, loss=1.0)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    said = capsys.readouterr().err
+    assert said.count("Unreachable stopped receiving metrics (ConnectionError: server gone)") == 1
