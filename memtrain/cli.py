@@ -20,6 +20,7 @@ from rich.markup import escape
 from memtrain import __version__
 from memtrain.checks.environment import current_environment, packages_needed
 from memtrain.checks.load import load_checked
+from memtrain.commands.chat import chat_command
 from memtrain.commands.compile import compile_command
 from memtrain.commands.eval import eval_command
 from memtrain.commands.export import export_command
@@ -321,12 +322,18 @@ def export(
         "--output",
         help="Write here (default: RUN_DIR/merged with --merge; without it, RUN_DIR/final is the export).",
     ),
+    push_to_hub: Optional[str] = typer.Option(
+        None,
+        "--push-to-hub",
+        help="Upload the export to this Hub repo (ORG/NAME) with a model card from the recipe and scores.",
+    ),
+    public: bool = typer.Option(False, "--public", help="With --push-to-hub: a public repo (default: private)."),
 ):
     """Export a run's model: the adapter or full model as trained, or merged into its base.
 
     Example: [bold]memtrain export runs/llama2-7b-lora-24gb --merge -o llama2-7b-tuned[/]
     """
-    raise typer.Exit(code=export_command(run_dir, merge, output, console))
+    raise typer.Exit(code=export_command(run_dir, merge, output, console, push_to_hub=push_to_hub, public=public))
 
 
 @app.command()
@@ -350,13 +357,64 @@ def eval_(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the scores as JSON."),
     samples: int = typer.Option(3, "--samples", help="Generated answers to show beside the expected ones."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Answer only the first N held-out conversations."),
+    limit: Optional[int] = typer.Option(
+        None, "--limit", help="Answer only the first N held-out conversations (with --tasks: N examples per task)."
+    ),
+    tasks: Optional[str] = typer.Option(
+        None,
+        "--tasks",
+        help="lm-evaluation-harness tasks, comma-separated, instead of the held-out scores (pip install "
+        "'memtrain[lmeval]'); scores go to metrics.jsonl as 'benchmark' records.",
+    ),
+    include_path: Optional[Path] = typer.Option(
+        None, "--include-path", help="With --tasks: a folder of your own task YAML files (local data works offline)."
+    ),
 ):
     """Score a finished run: held-out loss, and exact match of greedy answers to held-out conversations.
 
-    Example: [bold]memtrain eval runs/quickstart-chat[/]
+    Example: [bold]memtrain eval runs/quickstart-chat[/]  (or --tasks arc_easy,hellaswag)
     """
-    raise typer.Exit(code=eval_command(run_dir, as_json=as_json, samples=samples, limit=limit, console=console))
+    names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None
+    code = eval_command(
+        run_dir,
+        as_json=as_json,
+        samples=samples,
+        limit=limit,
+        console=console,
+        tasks=names,
+        include_path=include_path,
+    )
+    raise typer.Exit(code=code)
+
+
+@app.command("chat")
+@report_user_errors
+def chat(
+    run_dir: Path = typer.Argument(
+        ..., help="A run directory (final/, or checkpoints/ with --checkpoint).", show_default=False
+    ),
+    checkpoint: Optional[str] = typer.Option(
+        None, "--checkpoint", help="Talk to a checkpoint instead of the final model: its step, or its directory."
+    ),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="Answer this once and exit (for scripts)."),
+    system: Optional[str] = typer.Option(None, "--system", help="A system message before the conversation."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="The longest answer, in tokens."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature; 0 answers greedily."),
+):
+    """Talk to a run's model through its chat template, the answer streamed as it is written.
+
+    Example: [bold]memtrain chat runs/quickstart-chat[/]  (or --prompt "What is 3 + 4?" to answer once)
+    """
+    code = chat_command(
+        run_dir,
+        checkpoint=checkpoint,
+        prompt=prompt,
+        system=system,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        console=console,
+    )
+    raise typer.Exit(code=code)
 
 
 if __name__ == "__main__":

@@ -148,3 +148,6 @@ def lora_layer_saved_bytes(model, micro_batch: int, seq_len: int) -> int:
         lambda: layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin),
         skip=[*layer.parameters(), *cos_sin],
     )
+
+
+from tests.hub_cache import hub_cache  # noqa: E402, F401 — the fixture: a Hugging Face cache read offline

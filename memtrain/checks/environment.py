@@ -21,6 +21,7 @@ from memtrain.data.render.templates import needs_template, shipped_template_name
 from memtrain.data.tokens.tokenizer import builtin_tokenizer_names, has_chat_template, tokenizer_directory
 from memtrain.dtypes import DTYPE_BYTES
 from memtrain.errors import DataError, Problem, UserError
+from memtrain.hub import hub_repo, model_dir
 from memtrain.model.config import model_architecture
 from memtrain.plan.params import count_parameters
 from memtrain.recipe.rules import Registry, gpu_profile_of
@@ -71,7 +72,10 @@ def model_config_dict(loaded: LoadedRecipe) -> dict | None:
     if model.preset and model.preset in model_preset_names():
         config = model_preset(model.preset)
     elif model.path and not model.preset:
-        path = Path(model.path) / "config.json"
+        try:
+            path = model_dir(model.path, model.revision, need="config") / "config.json"
+        except UserError:  # a Hub id that cannot be read: _check_model_files says why
+            return None
         try:
             config = json.loads(path.read_text()) if path.is_file() else None
         except (OSError, UnicodeDecodeError, ValueError):
@@ -83,7 +87,13 @@ def model_config_dict(loaded: LoadedRecipe) -> dict | None:
 def _check_model_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
     model, src = loaded.recipe.model, loaded.sources
     problems = []
-    if model.path and not model.preset:
+    hub_config = None
+    if hub_repo(model.path) and not model.preset:  # its config.json fetched now (plan and validate need no more)
+        try:
+            hub_config = model_dir(model.path, model.revision, need="config") / "config.json"
+        except UserError as error:
+            problems += loaded.sources.locate(error).problems
+    elif model.path and not model.preset:
         path = Path(model.path)
         if not path.is_dir():
             problems.append(
@@ -124,6 +134,8 @@ def _check_model_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
     has_config = (
         model.preset in model_preset_names()
         if model.preset
+        else hub_config is not None
+        if hub_repo(model.path)
         else bool(model.path) and (Path(model.path) / "config.json").is_file()
     )
     if not problems and has_config:

@@ -1,6 +1,7 @@
 """`memtrain eval RUN_DIR`: a finished run's held-out loss and the exact match of its greedy answers (a preference
 run: the held-out pairs' reward accuracy and margin too), for people (a table and a few samples) or machines
-(--json). The numbers come from memtrain.train.score_run."""
+(--json). The numbers come from memtrain.train.score_run. With --tasks, lm-evaluation-harness tasks instead
+(memtrain.commands.benchmark)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,25 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from memtrain.commands.benchmark import benchmark_run
 from memtrain.errors import Problem, UserError
 from memtrain.monitor.perplexity import perplexity_text
 from memtrain.train.progress_bar import bars
 from memtrain.train.score_run import RunEvaluation, evaluate_run
 
 
-def eval_command(run_dir: Path, as_json: bool, samples: int, limit: int | None, console: Console) -> int:
+def eval_command(
+    run_dir: Path,
+    as_json: bool,
+    samples: int,
+    limit: int | None,
+    console: Console,
+    tasks: list[str] | None = None,
+    include_path: Path | None = None,
+) -> int:
     """Score the run's final model; print a table (or JSON with `as_json`); return the exit code."""
+    if tasks:
+        return _benchmark(run_dir, as_json, limit, console, tasks, include_path)
     if samples < 0:
         raise UserError(Problem(f"--samples must be 0 or more, got {samples}", hint="e.g. --samples 5"))
     if limit is not None and limit < 1:
@@ -37,6 +49,23 @@ def eval_command(run_dir: Path, as_json: bool, samples: int, limit: int | None, 
         console.out(json.dumps(result.as_json(), indent=2), highlight=False)
     else:
         _print(result, console)
+    return 0
+
+
+def _benchmark(
+    run_dir: Path, as_json: bool, limit: int | None, console: Console, tasks: list[str], include_path: Path | None
+) -> int:
+    scores = benchmark_run(Path(run_dir), tasks, include_path=include_path, limit=limit)
+    if as_json:
+        console.out(json.dumps({"run_dir": str(run_dir), "benchmarks": scores}, indent=2), highlight=False)
+        return 0
+    table = Table(title=f"lm-evaluation-harness — {run_dir}", title_justify="left")
+    for column in ("task", "metric", "value"):
+        table.add_column(column)
+    for task, values in scores.items():
+        for name, value in values.items():
+            table.add_row(task, name, f"{value:.4f}")
+    console.print(table)
     return 0
 
 

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from memtrain.dtypes import DTYPES
 from memtrain.errors import Problem, UserError
+from memtrain.hub import model_dir
 from memtrain.model.config import model_config
 from memtrain.model.layers import decoder_layers
 from memtrain.model.lora_dropout import use_lean_dropout
@@ -59,7 +60,7 @@ def build_model(
     else:
         try:
             lm = AutoModelForCausalLM.from_pretrained(
-                model.path,
+                model_dir(model.path, model.revision),
                 config=config,
                 dtype=dtype,
                 local_files_only=True,

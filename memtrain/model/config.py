@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from memtrain.configs import model_preset
 from memtrain.errors import Problem, UserError
+from memtrain.hub import model_dir
 from memtrain.model.architecture import Architecture, architecture
 from memtrain.recipe.schema import Model
 
@@ -37,7 +36,8 @@ def _hf_config(model: Model) -> PretrainedConfig:
         fields = dict(model_preset(model.preset))
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
     try:
-        return AutoConfig.from_pretrained(Path(model.path), local_files_only=True)
+        directory = model_dir(model.path, model.revision, need="config")  # a Hub id: its config.json only
+        return AutoConfig.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as error:  # no config.json, or a model_type this transformers does not know
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise UserError(

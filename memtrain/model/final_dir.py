@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from memtrain.dtypes import DTYPES
 from memtrain.errors import Problem, UserError
 from memtrain.files import directory_atomically, directory_bytes, require_space
+from memtrain.hub import hub_repo, model_dir
 from memtrain.model.merge import merge_adapter
 from memtrain.recipe.schema import Recipe
 
@@ -108,6 +109,8 @@ def base_model_dir(recipe: Recipe, run_dir: Path) -> Path:
                 "(model.path)",
             )
         )
+    if hub_repo(model.path):  # the commit the run trained on (run.json's recipe pins it), from the cache
+        return model_dir(model.path, model.revision)
     base_dir = Path(model.path).expanduser()
     if not (base_dir / "config.json").is_file():
         raise UserError(

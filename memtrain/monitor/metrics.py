@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from memtrain.monitor.tensorboard import TensorBoardWriter, open_tensorboard
+from memtrain.monitor.trackers import Tracker
 
 METRICS_FILE = "metrics.jsonl"
 GENERATION_KIND = "generation"  # the record of a generation evaluation (train/eval/generation.py): exact match
@@ -28,10 +31,18 @@ class MetricsLog:
 
     `record` buffers (flushed every `flush_every` "train" records), `event` writes at once (after any
     buffered records, so the file stays in order). With `enabled=False` (ranks other than 0) every call
-    is a no-op. Non-finite floats are written as null: JSON has no NaN.
+    is a no-op. Non-finite floats are written as null: JSON has no NaN. `trackers` (monitor/trackers.py) receive
+    every record as it is written, and are closed with the log.
     """
 
-    def __init__(self, path: Path, flush_every: int, tensorboard_dir: Path | None = None, enabled: bool = True):
+    def __init__(
+        self,
+        path: Path,
+        flush_every: int,
+        tensorboard_dir: Path | None = None,
+        enabled: bool = True,
+        trackers: Sequence[Tracker] = (),
+    ):
         if flush_every < 1:
             raise ValueError(f"flush_every must be >= 1, got {flush_every}")
         self.path = Path(path)
@@ -42,6 +53,7 @@ class MetricsLog:
         self.last_flushed: dict[str, Any] | None = None  # the newest "train" record written, host values
         self._file = None
         self._tensorboard: TensorBoardWriter | None = None
+        self._trackers = list(trackers) if enabled else []
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,6 +102,16 @@ class MetricsLog:
         if self._tensorboard is not None:
             for record in records:
                 self._tensorboard.add(record)
+        for tracker in list(self._trackers):
+            try:
+                tracker.write(records)
+            except Exception as error:  # noqa: BLE001 — a tracker mirrors metrics.jsonl: losing it must not stop a run
+                self._trackers.remove(tracker)
+                print(
+                    f"! {type(tracker).__name__} stopped receiving metrics ({type(error).__name__}: "
+                    f"{str(error).splitlines()[0] if str(error) else ''}); metrics.jsonl keeps every record",
+                    file=sys.stderr,
+                )
 
     def close(self) -> None:
         """Flush what is buffered and close the file and the TensorBoard writer."""
@@ -101,6 +123,9 @@ class MetricsLog:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
 
     def __enter__(self) -> "MetricsLog":
         return self

@@ -17,6 +17,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from memtrain.errors import Problem, RecipeError
+from memtrain.hub import HUB_PREFIX, looks_like_repo_id
 from memtrain.recipe.messages import problems_from_validation
 from memtrain.recipe.rules import check_rules
 from memtrain.recipe.schema import BUILTIN_PREFIX, Recipe
@@ -274,11 +275,12 @@ def input_paths(data: dict) -> Iterator[tuple[dict, str, KeyPath]]:
 
 
 def is_relative_path(value) -> bool:
-    """A path spec that depends on the directory it is read from (not builtin:, absolute or ~)."""
+    """A path spec that depends on the directory it is read from (not builtin:, hub:, absolute or ~)."""
     return (
         isinstance(value, str)
         and bool(value)
         and not value.startswith(BUILTIN_PREFIX)
+        and not value.startswith(HUB_PREFIX)
         and not value.startswith("~")
         and not os.path.isabs(value)
     )
@@ -294,10 +296,22 @@ def resolve_input_paths(data: dict, sources: Sources) -> None:
         file, _ = sources.where(path)
         if not is_relative_path(holder.get(key)):
             continue
+        if path == ("model", "path") and _names_hub_model(holder[key], file):
+            holder[key] = HUB_PREFIX + holder[key]
+            continue
         if file == COMMAND_LINE:
             holder[key] = os.path.abspath(holder[key])
         elif Path(file).is_file():
             holder[key] = os.path.abspath(os.path.join(Path(file).parent, holder[key]))
+
+
+def _names_hub_model(value: str, file: str | None) -> bool:
+    """Whether a relative model.path is a Hub id: of the form org/name and no existing path from where it was
+    written (the recipe file's directory; the working directory for the command line or recipe text)."""
+    if not looks_like_repo_id(value):
+        return False
+    base = Path(file).parent if file and file != COMMAND_LINE and Path(file).is_file() else Path.cwd()
+    return not (base / value).exists()
 
 
 def absolute_input_paths(recipe: dict) -> dict:

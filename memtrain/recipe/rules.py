@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from memtrain.configs import gpu_profile, model_preset_names
 from memtrain.errors import Problem
+from memtrain.hub import hub_repo
 from memtrain.recipe.recompute_rules import rule_problems
 from memtrain.recipe.schema import PREFERENCE_KEYS, Preference
 from memtrain.recipe.sources import LoadedRecipe
@@ -85,6 +86,15 @@ def _check_model_choice(loaded: LoadedRecipe) -> list[Problem]:
         close = difflib.get_close_matches(model.preset, model_preset_names(), n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"presets: {', '.join(model_preset_names())}"
         return [src.problem(("model", "preset"), f"unknown model preset '{model.preset}'", hint)]
+    if model.revision is not None and hub_repo(model.path) is None:
+        return [
+            src.problem(
+                ("model", "revision"),
+                "model.revision is for a model read from the Hugging Face Hub, and model.path names "
+                + (f"the local directory '{model.path}'" if model.path else f"the preset '{model.preset}'"),
+                "remove model.revision, or give a Hub id in model.path (org/name, or hub:org/name)",
+            )
+        ]
     return []
 
 

@@ -166,7 +166,17 @@ class Model(Section):
     preset: str | None = Field(
         None, description="Name of a shape preset in configs/models (random initialisation), e.g. 'llama2-7b'."
     )
-    path: str | None = Field(None, description="Local Hugging Face model directory (config.json, weights, tokenizer).")
+    path: str | None = Field(
+        None,
+        description="A local Hugging Face model directory (config.json, safetensors weights, tokenizer), or a Hub id "
+        "('org/name', read into huggingface_hub's cache: HF_HUB_CACHE, HF_TOKEN and HF_HUB_OFFLINE apply). A path "
+        "that exists wins over an id; 'hub:org/name' forces the Hub, './org/name' a local directory.",
+    )
+    revision: str | None = Field(
+        None,
+        description="For a Hub id in model.path: the branch, tag or commit to read (default main). A run records the "
+        "commit it trained (run.json's recipe) and refuses to resume on another one.",
+    )
     tokenizer: str | None = Field(
         None,
         description="Tokenizer directory, or 'builtin:shakespeare' for the bundled offline BPE tokenizer "
@@ -206,7 +216,7 @@ class Model(Section):
         return self.quantize.type if self.quantize is not None and self.quantize.type != "none" else None
 
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 
 
 def _dataset_source(value: object) -> str:
@@ -245,8 +255,10 @@ class DatasetSpec(Section):
     path: str = Field(
         ...,
         min_length=1,
-        description="A .jsonl, .json (a list of records), .parquet or .txt file (.jsonl and .json also gzipped: .gz), "
-        "a directory written by Hugging Face datasets' save_to_disk, or 'builtin:chat' "
+        description="'hub:org/name' for a Hugging Face Hub dataset (read with datasets.load_dataset from its "
+        "snapshot in huggingface_hub's cache: split, subset; its commit is its fingerprint), or "
+        "a .jsonl, .json (a list of records), .parquet or .txt file (.jsonl and .json also gzipped: .gz), a "
+        "directory written by Hugging Face datasets' save_to_disk, or 'builtin:chat' "
         "('builtin:chat/validation') for the bundled synthetic chat data, 'builtin:preference' "
         "('builtin:preference/validation') for its preference pairs.",
     )
@@ -266,8 +278,13 @@ class DatasetSpec(Section):
     )
     split: str | None = Field(
         None,
-        description="Split of a datasets directory holding several (a DatasetDict); "
+        description="Split of a datasets directory holding several (a DatasetDict), or of a Hub dataset; "
         "default: its only split, or 'train'.",
+    )
+    subset: str | None = Field(
+        None,
+        description="A Hub dataset's subset (its configuration's name, load_dataset's second argument); default: "
+        "its only one.",
     )
     field: str = Field(
         "text", min_length=1, description="text: the field holding the document (JSONL, JSON, parquet, datasets)."
@@ -329,8 +346,10 @@ class DatasetSpec(Section):
     )
     roles: dict[str, Role] = Field(
         default_factory=dict,
-        description="chat: extra role names mapped to system / user / assistant, on top of the "
-        "defaults (human, user -> user; gpt, assistant -> assistant; system -> system).",
+        description="chat: extra role names mapped to system / user / assistant / tool, on top of the "
+        "defaults (human, user -> user; gpt, assistant -> assistant; system -> system; tool, observation -> tool). "
+        "Tool calling: an assistant message's tool_calls are targets as its text is, tool messages are inputs, and "
+        "a record's 'tools' (function schemas) go to the chat template (apply_chat_template(tools=...)).",
     )
 
     @field_validator(*TYPE_KEYS, mode="after")
@@ -776,6 +795,13 @@ class Train(Section):
     )
     output_dir: str = Field(
         "runs/{name}", description="Run directory; {name} is the run name (the recipe's name, else its file's stem)."
+    )
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
+        None,
+        description="Experiment trackers that receive every metric metrics.jsonl receives, and the recipe and the "
+        "plan's figures: tensorboard (RUN_DIR/tensorboard), wandb (pip install 'memtrain[wandb]'; WANDB_MODE=offline "
+        "works offline), mlflow ('memtrain[mlflow]'; MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns). A "
+        "resumed run continues the same tracker run. Default: tensorboard where its package is installed; []: none.",
     )
 
 

@@ -27,12 +27,13 @@ from memtrain.errors import Problem, UserError
 from memtrain.model.architecture import check_attention_kernel
 from memtrain.model.config import model_architecture
 from memtrain.monitor.startup import CLOCK_ENV, StartupClock, bytecode_note
+from memtrain.monitor.trackers import tracker_problems
 from memtrain.plan.params import count_parameters
 from memtrain.recipe.sources import LoadedRecipe
 from memtrain.train.loop import train
 from memtrain.train.ops.deepspeed_ops import check_buildable, machine_has_gpu
 from memtrain.train.progress_bar import tokenising_progress
-from memtrain.train.resolve import ResolvedRun, RunOptions, resolve_run
+from memtrain.train.resolve import ResolvedRun, RunOptions, resolve_run, with_model_commit
 from memtrain.train.runtime.allocator import exact_pinned_supported
 from memtrain.train.runtime.distributed import free_port, usable_cpus
 from memtrain.train.runtime.nodes import Rendezvous
@@ -63,6 +64,11 @@ def prepare(
     r = loaded.recipe
     clock = clock or StartupClock()
     check_dtype(loaded)
+    trackers = tracker_problems(r.train.report_to)  # not installed, not logged in, out of reach: said now
+    if trackers:
+        raise loaded.sources.locate(UserError(trackers))
+    with loaded.sources.located():
+        r = with_model_commit(r)  # a model by Hub id: downloaded (what is missing) and pinned to its commit
     with loaded.sources.located():
         check_buildable(r, machine_has_gpu())  # e.g. async I/O without libaio: said now, not after the model is built
         check_attention_kernel(r.model.attn_implementation, machine_has_gpu())  # flash-attn: a GPU and its package

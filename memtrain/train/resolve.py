@@ -16,6 +16,7 @@ from pathlib import Path
 
 from memtrain.errors import Problem, UserError
 from memtrain.files import write_atomically
+from memtrain.hub import hub_repo, pinned_revision
 from memtrain.model.attention import resolve_attention, with_attention
 from memtrain.model.compiled import resolve_compile
 from memtrain.model.kernels import KernelSupport, resolve_kernels
@@ -90,6 +91,15 @@ class ResolvedRun:
         """Validation samples per evaluation: independent of the GPU count, of the current micro-batch and of the
         card (see eval_batch_samples)."""
         return self.recipe.train.eval_batches * eval_batch_samples(self.recipe)
+
+    def figures(self) -> dict[str, object]:
+        """The plan's figures for this run, as trackers record them beside the recipe."""
+        return {
+            "micro_batch": self.micro_batch,
+            "total_steps": self.total_steps,
+            "peak_reserved_bytes": self.plan_peak_reserved_bytes,
+            "world_size": self.recipe.hardware.world_size,
+        }
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -211,6 +221,17 @@ def with_compile(recipe: Recipe, compiled: bool) -> Recipe:
     if recipe.train.compile is compiled:
         return recipe
     return recipe.model_copy(update={"train": recipe.train.model_copy(update={"compile": compiled})})
+
+
+def with_model_commit(recipe: Recipe) -> Recipe:
+    """The recipe with a Hub model's revision made the commit it names now, its files downloaded (the same object for
+    a local model or a preset): the run, its workers and its resume then read those weights whatever the branch does
+    later, and a resume on a moved branch is refused as a change of model.revision."""
+    model = recipe.model
+    if not hub_repo(model.path):
+        return recipe
+    commit = pinned_revision(model.path, model.revision)
+    return recipe.model_copy(update={"model": model.model_copy(update={"revision": commit})})
 
 
 def with_kernels(recipe: Recipe, kernels: str) -> Recipe:

@@ -51,6 +51,7 @@ from memtrain.monitor.forecast import PeakForecast
 from memtrain.monitor.metrics import MetricsLog
 from memtrain.monitor.profiler import StepProfiler
 from memtrain.monitor.startup import StartupClock
+from memtrain.monitor.trackers import open_trackers
 from memtrain.recipe.schema import Recipe
 from memtrain.train.eval.generation import GenerationEval
 from memtrain.train.ops.cpu_adam import CpuAdamLoad
@@ -63,7 +64,7 @@ from memtrain.train.runtime.oom import start_memory_history
 from memtrain.train.state.checkpoint import LoopState, latest_checkpoint, load_checkpoint
 from memtrain.train.state.reference import load_or_compute
 from memtrain.train.state.restart_note import RestartNote, read_note
-from memtrain.train.state.resume import follow_recipe, optimizer_settings
+from memtrain.train.state.resume import follow_recipe, optimizer_settings, recipe_json
 from memtrain.train.state.rundir import start_metrics
 from memtrain.train.step.batch_policy import BatchPolicy
 from memtrain.train.step.hooks import Hooks
@@ -328,7 +329,9 @@ def setup(
         run.run_dir / "metrics.jsonl",
         flush_every=r.train.log_every,
         enabled=place.is_main,
-        tensorboard_dir=run.run_dir / "tensorboard",
+        trackers=open_trackers(r.train.report_to, run.run_dir, run.name, recipe_json(r), run.figures())
+        if place.is_main
+        else (),
     )
     stack.callback(metrics.close)
     note = read_note(run.run_dir) if options.resume else None

@@ -1,4 +1,4 @@
-"""Every record type as one shape: a conversation, a list of {"role": system|user|assistant, "content": str}.
+"""Every record type as one shape: a conversation, a list of {"role": system|user|assistant|tool, "content": str}.
 
 completion:  user = prompt, assistant = completion.
 instruction: user = instruction, followed by a blank line and the input when there is one; assistant = output;
@@ -8,6 +8,9 @@ instruction: user = instruction, followed by a blank line and the input when the
 chat:        the record's messages (OpenAI role/content) or conversations (sharegpt from/value), roles mapped;
              a system_field's text first (LLaMA-Factory's sharegpt "system" column) unless the messages start
              with a system message; an empty system message is left out.
+             Tool calling (OpenAI's layout, as transformers' chat templates take it): an assistant message's
+             `tool_calls` (its content may then be empty), `tool` messages with the calls' results, and the record's
+             `tools` (the function schemas), which ride on the first message (TOOLS_KEY) for the template to write.
 The chat template then decides how a conversation is written out; nothing here knows about tokens.
 A record that cannot become a valid conversation raises `DataError` naming file, line and field; one whose answer
 is missing or empty (no assistant message, an empty output) raises its subclass `Untrainable`, which
@@ -17,15 +20,31 @@ is missing or empty (no assistant message, an empty output) raises its subclass 
 from __future__ import annotations
 
 import difflib
+import json
+from typing import Any
 
 from memtrain.data.read.corpus import json_kind
 from memtrain.errors import DataError, Problem
 from memtrain.recipe.schema import DatasetSpec
 
-Message = dict[str, str]
-ROLES = ("system", "user", "assistant")
-# sharegpt writes human / gpt; OpenAI-style files write user / assistant. DatasetSpec.roles adds to these.
-DEFAULT_ROLE_NAMES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
+Message = dict[str, Any]
+ROLES = ("system", "user", "assistant", "tool")
+# sharegpt writes human / gpt (LLaMA-Factory's observation for a tool's result); OpenAI-style files write user /
+# assistant / tool. DatasetSpec.roles adds to these.
+DEFAULT_ROLE_NAMES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+}
+# A record's function schemas (OpenAI's "tools"), kept on its conversation's first message: a conversation is a list
+# of messages wherever it goes (slices of it included), and the template is handed them as apply_chat_template(tools=).
+TOOLS_KEY = "tools"
+# A tool message's keys that templates read beside its content
+TOOL_MESSAGE_KEYS = ("name", "tool_call_id")
 # The keys a message is read with, per chat layout.
 LAYOUT_KEYS = {"openai": ("role", "content"), "sharegpt": ("from", "value")}
 LAYOUT_FIELDS = {"openai": "messages", "sharegpt": "conversations"}
@@ -160,6 +179,9 @@ def _chat(record: dict, spec: DatasetSpec, where: _Where) -> list[Message]:
     role_names = {**DEFAULT_ROLE_NAMES, **spec.roles}
     messages = [_message(turn, f"{field}[{i}]", layout, role_names, where) for i, turn in enumerate(turns)]
     messages = _with_system([m for m in messages if m["role"] != "system" or m["content"].strip()], record, spec, where)
+    tools = _tools(record, where)
+    if tools:
+        messages[0] = {**messages[0], TOOLS_KEY: tools}
     if not any(m["role"] == "assistant" for m in messages):
         raise where.fail(
             "the conversation has no assistant turn, so nothing to train on",
@@ -208,7 +230,7 @@ def _message(turn: object, key: str, layout: str, role_names: dict[str, str], wh
         layout = "sharegpt" if turn.get("from") is not None and turn.get("role") is None else "openai"
     role_key, content_key = LAYOUT_KEYS[layout]
     for needed in (role_key, content_key):
-        if needed not in turn:
+        if needed not in turn and not (needed == content_key and turn.get("tool_calls")):  # a call needs no text
             fields = ", ".join(turn) or "none"
             raise where.fail(
                 f"the message has no {needed!r}; its keys: {fields}",
@@ -226,13 +248,73 @@ def _message(turn: object, key: str, layout: str, role_names: dict[str, str], wh
             f"map it in the dataset's roles: ({{{name}: assistant}} for a role that answers, "
             f"{{{name}: user}} for one that asks) or fix the record",
         )
-    # an empty system message is left out (_chat); every other message needs text
-    return {
+    calls = _tool_calls(turn, key, where) if role == "assistant" else []
+    if calls and turn.get(content_key) is None:  # a message that only calls tools
+        return {"role": role, "content": "", "tool_calls": calls}
+    # an empty system message is left out (_chat), a tool may return nothing, an assistant's calls are its answer;
+    # every other message needs text
+    message: Message = {
         "role": role,
         "content": where.content(
-            turn[content_key], f"{key}.{content_key}", allow_empty=role == "system", answer=role == "assistant"
+            turn[content_key],
+            f"{key}.{content_key}",
+            allow_empty=role in ("system", "tool") or bool(calls),
+            answer=role == "assistant",
         ),
     }
+    if calls:
+        message["tool_calls"] = calls
+    if role == "tool":
+        message.update({k: turn[k] for k in TOOL_MESSAGE_KEYS if isinstance(turn.get(k), str)})
+    return message
+
+
+def _tool_calls(turn: dict, key: str, where: _Where) -> list[dict]:
+    """An assistant message's tool calls, each {"type": "function", "function": {"name", "arguments"}} with the
+    arguments as a mapping (OpenAI writes them as a JSON string; transformers' templates write a mapping as JSON)."""
+    calls = turn.get("tool_calls")
+    if calls is None:
+        return []
+    hint = 'write tool_calls as [{"type": "function", "function": {"name": ..., "arguments": {...}}}]'
+    if not isinstance(calls, list):
+        raise where.fail(f"is {json_kind(calls)}, not a list of tool calls", f"{key}.tool_calls", hint)
+    out = []
+    for i, call in enumerate(calls):
+        at = f"{key}.tool_calls[{i}]"
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise where.fail("the tool call has no function name", at, hint)
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise where.fail("the tool call's arguments are not JSON", f"{at}.arguments", hint) from None
+        if not isinstance(arguments, dict):
+            raise where.fail(f"the tool call's arguments are {json_kind(arguments)}, not an object", at, hint)
+        out.append(
+            {
+                **({"id": call["id"]} if isinstance(call, dict) and isinstance(call.get("id"), str) else {}),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return out
+
+
+def _tools(record: dict, where: _Where) -> list[dict]:
+    """The record's function schemas ("tools": a list, or that list as a JSON string); [] when it has none."""
+    tools = record.get(TOOLS_KEY)
+    if tools is None or tools == "":
+        return []
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise where.fail("is not JSON", TOOLS_KEY, "write tools as a list of function schemas") from None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise where.fail(f"is {json_kind(tools)}, not a list of function schemas", TOOLS_KEY, "write tools as a list")
+    return tools
 
 
 def read_messages(value: object, key: str, roles: dict[str, str], file: str, line: int) -> list[Message]:

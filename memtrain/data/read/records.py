@@ -1,5 +1,6 @@
-"""Reading records (one JSON-like mapping per sample) from .jsonl, .json, .parquet and Hugging Face datasets
-directories.
+"""Reading records (one JSON-like mapping per sample) from .jsonl, .json, .parquet, Hugging Face datasets directories,
+and Hub datasets (`hub:org/name`: the repo's snapshot in huggingface_hub's cache, read by datasets.load_dataset, which
+converts it to memory-mapped Arrow once, in its own cache).
 
 Every reader yields `(number, record)`: `number` is where a person finds the record — the line of a JSONL
 file, else the record's 1-based position (the JSON list's item, the parquet or datasets row + 1). Problems
@@ -23,6 +24,7 @@ from memtrain.data.read.file_memo import remembered_fingerprint
 from memtrain.data.read.problems import FileProblems
 from memtrain.errors import DataError, Problem
 from memtrain.files import digest_file
+from memtrain.hub import commit_of, dataset_dir, hub_repo
 from memtrain.recipe.schema import BUILTIN_PREFIX
 
 BUILTIN_DIR = ASSETS / "chat"
@@ -50,7 +52,10 @@ def builtin_dataset_names() -> list[str]:
 
 def resolve_dataset_path(spec: str) -> Path:
     """The file or directory behind a dataset's `path`: 'builtin:chat[/SPLIT]' maps to the bundled chat data,
-    'builtin:shakespeare[/SPLIT]' to the bundled text corpus, anything else is a path."""
+    'builtin:shakespeare[/SPLIT]' to the bundled text corpus, 'hub:org/name' to the dataset repo's snapshot (from
+    the Hub cache, downloaded into it when it is not there), anything else is a path."""
+    if hub_repo(spec):
+        return dataset_dir(spec)
     if not spec.startswith(BUILTIN_PREFIX):
         return Path(spec).expanduser()
     name = spec[len(BUILTIN_PREFIX) :]
@@ -71,7 +76,10 @@ def resolve_dataset_path(spec: str) -> Path:
 
 
 def record_format(spec: str) -> str:
-    """'jsonl' | 'json' | 'parquet' | 'datasets' (a save_to_disk directory) | 'text' for `spec`, by its extension."""
+    """'jsonl' | 'json' | 'parquet' | 'datasets' (a save_to_disk directory) | 'hub' | 'text' for `spec`, by its
+    extension."""
+    if hub_repo(spec):
+        return "hub"
     path = resolve_dataset_path(spec)
     if path.is_dir():
         return "datasets"
@@ -100,15 +108,21 @@ def record_format(spec: str) -> str:
     )
 
 
-def read_records(spec: str, split: str | None = None, problems: FileProblems | None = None) -> Iterator[Record]:
+def read_records(
+    spec: str, split: str | None = None, problems: FileProblems | None = None, subset: str | None = None
+) -> Iterator[Record]:
     """Yield (number, record) for every record of `spec`; blank JSONL lines are skipped.
 
     Raises `DataError` naming file and line/record for an unreadable or damaged file, invalid JSON, or an item
     that is not an object (after the last record; with `problems` given, those go there for the caller to
-    raise). `split` picks one split of a datasets directory that holds several.
+    raise). `split` picks one split of a datasets directory that holds several (or of a Hub dataset, and `subset`
+    its subset).
     """
-    path = resolve_dataset_path(spec)
     kind = record_format(spec)
+    if kind == "hub":
+        yield from _read_hub(spec, split, subset)
+        return
+    path = resolve_dataset_path(spec)
     found = problems if problems is not None else FileProblems(spec)
     if kind == "jsonl":
         yield from _read_jsonl(spec, path, found)
@@ -128,10 +142,16 @@ def read_records(spec: str, split: str | None = None, problems: FileProblems | N
         found.raise_if_any()
 
 
-def dataset_fingerprint(spec: str, split: str | None = None, memo_root: Path | None = None) -> str:
+def dataset_fingerprint(
+    spec: str, split: str | None = None, memo_root: Path | None = None, subset: str | None = None
+) -> str:
     """sha256 over the bytes of the file (or of every file of a directory, with their names) and the split;
-    hashed once per version of the files when `memo_root` (the token cache) is given (file_memo.py)."""
+    hashed once per version of the files when `memo_root` (the token cache) is given (file_memo.py). A Hub dataset's
+    is its commit's, with the subset and split: the Hub names its bytes by it."""
     path = resolve_dataset_path(spec)
+    if hub_repo(spec):
+        key = f"hub\0{hub_repo(spec)}\0{commit_of(path) or path}\0subset={subset}\0split={split}"
+        return hashlib.sha256(key.encode()).hexdigest()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
 
     def compute() -> str:
@@ -285,6 +305,37 @@ def _read_parquet(spec: str, path: Path) -> Iterator[Record]:
         for record in batch.to_pylist():
             number += 1
             yield number, record
+
+
+def _read_hub(spec: str, split: str | None, subset: str | None) -> Iterator[Record]:
+    """A Hub dataset's split, through datasets.load_dataset on the repo's cached snapshot (its parquet, JSON or CSV
+    files, splits by their names or the card's configs), as memory-mapped Arrow in datasets' cache."""
+    import datasets
+
+    snapshot = resolve_dataset_path(spec)
+    try:
+        loaded = datasets.load_dataset(str(snapshot), subset, split=split or "train")
+    except (ValueError, FileNotFoundError, OSError, datasets.exceptions.DatasetGenerationError) as err:
+        raise DataError(
+            Problem(
+                f"cannot load Hub dataset {hub_repo(spec)} (subset {subset}, split {split or 'train'}): "
+                f"{str(err).splitlines()[0] if str(err) else type(err).__name__}",
+                file=spec,
+                key="split",
+                hint="set the dataset's split: and subset: to ones the dataset has (its card on the Hub lists them)",
+            )
+        ) from None
+    yield from _rows(loaded)
+
+
+def _rows(loaded) -> Iterator[Record]:
+    """(row + 1, record) of a datasets Dataset, read in batches of ROWS_PER_BATCH."""
+    number = 0
+    for batch in loaded.iter(batch_size=ROWS_PER_BATCH):
+        columns = list(batch)
+        for values in zip(*(batch[c] for c in columns)):
+            number += 1
+            yield number, dict(zip(columns, values))
 
 
 def _read_datasets_dir(spec: str, path: Path, split: str | None) -> Iterator[Record]:

@@ -19,6 +19,12 @@ Targets (train_on_inputs false): the content of each trained assistant turn, and
 closes it up to and including the end-of-turn token (so the model learns to stop), never the next turn's
 header. Which turns are trained: all assistant turns, or the last one only (`train_on`).
 
+Tool calls: the template writes an assistant's `tool_calls` from structured data (JSON it serialises itself), where
+no sentinel can go. Their text is found by rendering the conversation through that message with and without its
+calls: what differs is the calls' text, a content piece of that message (from where the generation prompt ends, when
+the message has no text of its own), so the calls are targets as an answer is. Tool messages are inputs, as users'
+are. The record's `tools` go to the template as apply_chat_template(tools=...).
+
 The end-of-turn token is the template's own (a shipped template names it), else the first special token the
 template writes after an assistant's content. `ConversationEncoder.turn_end_id` finds that same token in a
 probe conversation, so generation (in-run eval, `memtrain eval`, an export's generation_config.json) stops
@@ -35,7 +41,7 @@ from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
-from memtrain.data.read.conversation import PART_KEYS, Message
+from memtrain.data.read.conversation import PART_KEYS, TOOLS_KEY, Message
 from memtrain.data.render.templates import (
     TOKENIZER_TEMPLATE,
     ChatTemplate,
@@ -124,7 +130,10 @@ class ConversationEncoder:
         masked = []
         for i, message in enumerate(messages):
             masked.append(dict(message))
-            for key in ("content", *(k for k in PART_KEYS if isinstance(message.get(k), str))):
+            keys = ("content", *(k for k in PART_KEYS if isinstance(message.get(k), str)))
+            if message.get("tool_calls") and not message["content"]:
+                keys = ()  # a message that only calls tools: its calls are found by _with_tool_calls
+            for key in keys:
                 masked[-1][key] = _SENTINEL.format(len(slots))
                 slots.append((i, key))
         text = self._apply(masked)
@@ -142,7 +151,8 @@ class ConversationEncoder:
             joined = "".join(t + c for t, c in zip(template_pieces, contents + [""]))
             if joined == self._apply(messages):
                 unwritten = tuple(i for i, m in enumerate(messages) if i not in written and m["content"].strip())
-                return Rendered(template_pieces, contents, [i for i, _ in order], unwritten)
+                rendered = Rendered(template_pieces, contents, [i for i, _ in order], unwritten)
+                return self._with_tool_calls(messages, rendered)
         raise RenderError(
             f"{self._template_said} changes the messages' content while writing it, so "
             "the content's tokens cannot be found"
@@ -227,10 +237,45 @@ class ConversationEncoder:
             return "the tokenizer's chat_template"
         return f"template {self.template.name}"
 
-    def _apply(self, messages: list[Message]) -> str:
+    def _with_tool_calls(self, messages: list[Message], rendered: Rendered) -> Rendered:
+        """`rendered` with the text of each assistant message's tool calls as a content piece of that message (the
+        module doc): the span where the conversation through it differs from the same without its calls."""
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant" or not message.get("tool_calls"):
+                continue
+            with_calls = self._apply(messages[: i + 1])
+            without = self._apply([*messages[:i], {k: v for k, v in message.items() if k != "tool_calls"}])
+            # Where the calls' text starts: after the message's own text (what the template writes between the two
+            # belongs to the calls); with none, where the generation prompt ends, the prompt at inference. The two
+            # renders' common prefix only where neither is known: it may run on into a character both share next
+            # ("<" of "<|im_end|>" and of "<tool_call>").
+            spans = [span for span, m in zip(rendered.content_spans(), rendered.content_messages) if m == i]
+            asked = self._apply(messages[:i], add_generation_prompt=True) if i else ""
+            if spans:
+                start = spans[-1][1]
+            elif asked and with_calls.startswith(asked):
+                start = len(asked)
+            else:
+                start = _common_prefix(with_calls, without)
+            end = len(with_calls) - min(_common_prefix(with_calls[::-1], without[::-1]), len(with_calls) - start)
+            if start >= end or not rendered.text.startswith(with_calls[:end]):
+                raise RenderError(
+                    f"{self._template_said} does not write message {i}'s tool calls as text of its own at the "
+                    "conversation's end, so their tokens cannot be found"
+                )
+            rendered = _split_template_piece(rendered, start, end, i, self._template_said)
+        return rendered
+
+    def _apply(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+        tools = messages[0].get(TOOLS_KEY) if messages else None
+        messages = [{k: v for k, v in m.items() if k != TOOLS_KEY} for m in messages] if tools else messages
         try:
             return self.tokenizer.apply_chat_template(
-                messages, chat_template=self.template.source, tokenize=False, add_generation_prompt=False
+                messages,
+                tools=tools or None,
+                chat_template=self.template.source,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         except Exception as err:  # jinja2 errors and the template's own raise_exception
             raise RenderError(f"{self._template_said} cannot render the conversation: {err}") from None
@@ -348,6 +393,28 @@ class ConversationEncoder:
             if token == self.end_of_turn or (self.end_of_turn is None and token in self.special_ids):
                 return i + 1
         return 0
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the text `a` and `b` start with."""
+    n = min(len(a), len(b))
+    return next((k for k in range(n) if a[k] != b[k]), n)
+
+
+def _split_template_piece(rendered: Rendered, start: int, end: int, message: int, said: str) -> Rendered:
+    """`rendered` with [start, end) of its text, inside one template piece, made a content piece of `message`."""
+    at = 0
+    for k, piece in enumerate(rendered.template_pieces):
+        if at <= start and end <= at + len(piece):
+            a, b = start - at, end - at
+            return Rendered(
+                [*rendered.template_pieces[:k], piece[:a], piece[b:], *rendered.template_pieces[k + 1 :]],
+                [*rendered.content_pieces[:k], piece[a:b], *rendered.content_pieces[k:]],
+                [*rendered.content_messages[:k], message, *rendered.content_messages[k:]],
+                rendered.unwritten,
+            )
+        at += len(piece) + (len(rendered.content_pieces[k]) if k < len(rendered.content_pieces) else 0)
+    raise RenderError(f"{said} writes message {message}'s tool calls into another message's text")
 
 
 def _ends_before(offset: tuple[int, int], start: int) -> bool:

@@ -43,7 +43,7 @@ def data_files(data: Data, keys: tuple[str, ...] = (TRAIN_KEY, VALIDATION_KEY)) 
             if path is not None and key in keys
         }
     return {
-        key: [dataset_fingerprint(spec.path, spec.split, memo) for spec in specs]
+        key: [dataset_fingerprint(spec.path, spec.split, memo, spec.subset) for spec in specs]
         for key, specs in ((TRAIN_KEY, data.train), (VALIDATION_KEY, data.validation))
         if specs is not None and key in keys
     }

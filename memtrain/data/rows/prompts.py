@@ -121,7 +121,7 @@ def _conversations(held_out: HeldOutRecords) -> Iterator[tuple[int, dict, list[M
     a record training left out (no validation sample: counted as skipped, not asked)."""
     spec = held_out.spec
     in_validation = set(held_out.samples.tolist())
-    for position, (line, record) in enumerate(read_records(spec.path, spec.split)):
+    for position, (line, record) in enumerate(read_records(spec.path, spec.split, subset=spec.subset)):
         if position < held_out.first:
             continue  # the training side's records (and what training dropped among them)
         yield line, record, (_conversation(record, spec, line) if position in in_validation else None)

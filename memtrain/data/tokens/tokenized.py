@@ -370,7 +370,7 @@ def _converted(spec: DatasetSpec, convert, problems: FileProblems) -> Iterator:
     """convert(record, line) for each record it converts; the problems of the others and of the file's lines
     (invalid JSON, a damaged file) added to `problems`."""
     try:
-        for line, record in read_records(spec.path, spec.split, problems):
+        for line, record in read_records(spec.path, spec.split, problems, spec.subset):
             try:
                 converted = convert(record, line)
             except DataError as err:
@@ -414,7 +414,7 @@ def _cache_key(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: Sam
         template += f"\0pairs:{PAIR_ENCODING_VERSION}"
     parts = (
         TOKENIZED_VERSION,
-        dataset_fingerprint(spec.path, spec.split, directory),
+        dataset_fingerprint(spec.path, spec.split, directory, spec.subset),
         options,
         template,
         tokenizer_fingerprint(tokenizer),

@@ -9,6 +9,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from memtrain.errors import Problem, UserError
+from memtrain.hub import hub_repo, model_dir
 from memtrain.recipe.schema import BUILTIN_PREFIX, Model
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -55,7 +56,7 @@ def tokenizer_directory(model: Model) -> tuple[Path, str]:
     if model.tokenizer is not None:
         return _resolve(model.tokenizer, "model.tokenizer"), "model.tokenizer"
     if model.path is not None:
-        return _resolve(model.path, "model.path"), "model.path"
+        return _resolve(model.path, "model.path", model.revision), "model.path"
     return _resolve(BUILTIN_PREFIX + "shakespeare", "model.tokenizer"), "model.tokenizer"
 
 
@@ -83,7 +84,9 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return digest.hexdigest()
 
 
-def _resolve(spec: str, key: str) -> Path:
+def _resolve(spec: str, key: str, revision: str | None = None) -> Path:
+    if hub_repo(spec):  # a model by Hub id: its tokenizer files, from the cache or downloaded
+        return model_dir(spec, revision, need="tokenizer", key=key)
     if spec.startswith(BUILTIN_PREFIX):
         name = spec[len(BUILTIN_PREFIX) :]
         if name not in builtin_tokenizer_names():

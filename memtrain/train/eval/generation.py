@@ -95,11 +95,13 @@ def greedy_generate(
     max_new_tokens: int,
     batch_size: int = BATCH_SIZE,
     on_batch: Callable[[int, int], None] | None = None,
+    streamer=None,
 ) -> list[list[int]]:
     """The tokens the model writes after each prompt, greedily, up to (not including) the first stop token.
 
     Prompts are left-padded into batches of `batch_size` (the attention mask hides the padding). The caller
     sets the model's mode (eval) and the no-grad context. on_batch(prompts answered, all): after each batch.
+    streamer: a transformers streamer that receives the tokens as they come (one prompt only: `memtrain chat`).
     """
     device = next(model.parameters()).device
     config = GenerationConfig(
@@ -120,7 +122,10 @@ def greedy_generate(
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             attention_mask[row, width - len(prompt) :] = 1
         generated = model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=config,
+            streamer=streamer,
         )
         for row in generated[:, width:].tolist():
             cut = next((i for i, token in enumerate(row) if token in stop_ids), len(row))

@@ -53,6 +53,7 @@ SAFE_TO_CHANGE = (
     "train.output_dir",
     "train.compile",
     "train.max_bad_steps",
+    "train.report_to",  # where the metrics go, not what is trained
     # held-out questions answered at step 0 and at the end, greedily and with the RNG states restored around it
     # (train/eval/generation.py): which and how many never reach the training math or the sample order
     "train.eval_generate",
@@ -212,7 +213,10 @@ def check_resume(run: ResolvedRun, options: RunOptions) -> ResumePlan | None:
     step = checkpoint_step(checkpoint)
     old = recorded_recipe(checkpoint)
     breaking, safe = differences(old, recipe_json(run.recipe)) if old else ([], [])
-    problems = [Problem(f"changed since the checkpoint: {change}", key=change.key) for change in breaking]
+    problems = [
+        Problem(f"changed since the checkpoint: {change}", key=change.key, hint=_change_hint(change))
+        for change in breaking
+    ]
     recorded, notes = recorded_data_fingerprint(run.run_dir), ()
     if recorded is None or run.data_fingerprint is None:
         notes = (UNCOMPARED_DATA_NOTE,)
@@ -253,6 +257,16 @@ def _changed_files_problem(key: str, recipe: Recipe) -> Problem:
         key=key,
         hint="put back the data files the run was trained on to resume it",
     )
+
+
+def _change_hint(change: Change) -> str:
+    """The way back for a change with one: a Hub model whose branch moved is resumed on the commit it trained."""
+    if change.key == "model.revision" and isinstance(change.old, str):
+        return (
+            f"the Hub repo's revision now names another commit: pin model.revision={change.old} to resume on the "
+            "weights the checkpoint was trained on"
+        )
+    return ""
 
 
 def _cannot_resume(checkpoint: Path) -> Problem:
