@@ -3,7 +3,7 @@ and (on a CUDA GPU of compute capability 8.0+) that packed rows through it train
 
 The CPU tests build the bounds from position ids laid out as memtrain's rows are (data/rows/row_set.py: every
 sample restarts at 0, padding continues the last sample) and check the recipe's choice; the packed-equals-samples
-proof of the wrapper and the flattening on the CPU is tests/data/test_packing.py (VARLEN). The GPU test runs the
+proof of the wrapper and the flattening on the CPU is tests/data/rows/test_packing.py (VARLEN). The GPU test runs the
 real kernel in bf16 against the same model's samples one at a time through sdpa.
 """
 

@@ -13,7 +13,7 @@ import pytest
 from memtrain.data.read.conversation import to_conversation
 from memtrain.errors import DataError
 from memtrain.recipe.schema import DatasetSpec
-from tests.data.test_masking import C, T, expected, first_row
+from tests.data.render.test_chat_masking import C, T, expected, first_row
 
 QWEN25_TEMPLATE = (Path(__file__).parent / "templates" / "qwen2.5.jinja").read_text()
 TOOLS = [
