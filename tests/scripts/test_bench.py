@@ -139,14 +139,14 @@ def test_an_unknown_suite_or_case_is_a_message_and_exit_2(capsys):
 def test_a_bad_suites_file_says_where_and_exits_2(tmp_path, capsys):
     text = (ROOT / "benchmarks" / "suites.yaml").read_text()
     bad = tmp_path / "suites.yaml"
-    bad.write_text(text.replace("baselines: [hf]", "baselines: [hf, trl]").replace("steps: 6", "stepz: 6"))
+    bad.write_text(text.replace("baselines: [hf]", "baselines: [hf, no-such-baseline]").replace("steps: 6", "stepz: 6"))
     assert bench.main(["--suites", str(bad), "--list"]) == 2
     err = capsys.readouterr().err
     assert "suites.offload.cases.1.stepz: Extra inputs are not permitted" in err
     assert "suites.offload.cases.1.steps: Field required" in err
-    bad.write_text(text.replace("baselines: [hf]", "baselines: [hf, trl]"))
+    bad.write_text(text.replace("baselines: [hf]", "baselines: [hf, no-such-baseline]"))
     assert bench.main(["--suites", str(bad), "--list"]) == 2
-    assert "case 3b-full-offload-mb-auto: no baseline trl; the baselines are hf, hf-liger" in capsys.readouterr().err
+    assert "case 3b-full-offload-mb-auto: no baseline no-such-baseline; the baselines are hf, hf-liger" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # one memtrain run of the quickstart recipe on the CPU (~30 s on two cores, more if
