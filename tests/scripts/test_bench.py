@@ -146,7 +146,8 @@ def test_a_bad_suites_file_says_where_and_exits_2(tmp_path, capsys):
     assert "suites.offload.cases.1.steps: Field required" in err
     bad.write_text(text.replace("baselines: [hf]", "baselines: [hf, no-such-baseline]"))
     assert bench.main(["--suites", str(bad), "--list"]) == 2
-    assert "case 3b-full-offload-mb-auto: no baseline no-such-baseline; the baselines are hf, hf-liger" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "case 3b-full-offload-mb-auto: no baseline no-such-baseline; the baselines are hf, hf-liger" in err
 
 
 @pytest.mark.slow  # one memtrain run of the quickstart recipe on the CPU (~30 s on two cores, more if
