@@ -145,9 +145,10 @@ class StepRunner:
                     batches,
                     self.place.world_size / targets,
                     loss_sum,
-                    before=lambda i, size: injector.maybe_raise(step, micro_batches + i, size),
+                    # the hooks run inside this call, so they read this pass's micro_batches (B023 does not apply)
+                    before=lambda i, size: injector.maybe_raise(step, micro_batches + i, size),  # noqa: B023
                     after=self.hooks.sample_trace.add,
-                    in_backward=(lambda i, size: backward_injector.maybe_raise(step, micro_batches + i, size))
+                    in_backward=(lambda i, size: backward_injector.maybe_raise(step, micro_batches + i, size))  # noqa: B023
                     if backward_injector
                     else None,
                     any_rank=(lambda flag: any_rank(flag, device)) if self.place.world_size > 1 else None,
@@ -183,6 +184,9 @@ class StepRunner:
                     self.engine.optimizer.zero_grad(set_to_none=True)
                     self.hooks.sample_trace.discard()
                     loss_sum.zero_()
+                    take_metrics = getattr(self.engine.module, "take_metric_sums", None)  # a preference objective's
+                    if take_metrics is not None:  # rewards of the forwards run so far: they run again
+                        take_metrics()
                     remaining, micro_batches = mine, 0
                 else:  # forward: the finished micro-batches' gradients stand
                     micro_batches += oom.done
@@ -203,11 +207,13 @@ class StepRunner:
         where = "backward (part of the model was already updated)" if oom.in_backward else "forward"
         return UserError(
             Problem(
-                f"out of memory in the {where} of step {step + 1} at micro-batch {self.policy.micro_batch} ({said}); with "
-                "optimizer.step_in_backward each micro-batch is an optimizer step, so memtrain cannot retry it smaller",
+                f"out of memory in the {where} of step {step + 1} at micro-batch {self.policy.micro_batch} ({said}); "
+                "with optimizer.step_in_backward each micro-batch is an optimizer step, so memtrain cannot retry it "
+                "smaller",
                 key="batch.global_batch",
                 hint="lower batch.global_batch and batch.micro_batch together, or recompute "
-                "more layers (checkpointing); `memtrain plan` prices them, and a new run resumes from the last checkpoint",
+                "more layers (checkpointing); `memtrain plan` prices them, and a new run resumes from the last "
+                "checkpoint",
             )
         )
 
