@@ -77,6 +77,8 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
         _number(summary["best_eval_perplexity"], "{:.3f}", f" (step {summary['best_eval_step']})"),
     )
     table.add_row("held-out exact match", _exact_match(summary))
+    if summary.get("final_reward_accuracy") is not None:  # a preference run
+        table.add_row("held-out reward accuracy", _reward_accuracy(summary))
     table.add_row("peak GPU reserved", _peak_vs_plan(summary))
     table.add_row("peak host RSS", _gib(summary["peak_host_rss_bytes"]))
     table.add_row(
@@ -112,6 +114,14 @@ def _exact_match(summary: dict[str, Any]) -> str:
     if summary["first_exact_match_step"] != summary["final_exact_match_step"]:
         final = f"{summary['first_exact_match']:.3f} at step {summary['first_exact_match_step']} → {final}"
     return final + (f" ({summary['exact_match_answers']} answers)" if summary["exact_match_answers"] else "")
+
+
+def _reward_accuracy(summary: dict[str, Any]) -> str:
+    """A preference run's held-out reward accuracy from its first to its last evaluation, and the last margin."""
+    final = f"{summary['final_reward_accuracy']:.3f} at step {summary['final_reward_accuracy_step']}"
+    if summary["first_reward_accuracy_step"] != summary["final_reward_accuracy_step"]:
+        final = f"{summary['first_reward_accuracy']:.3f} at step {summary['first_reward_accuracy_step']} → {final}"
+    return final + f" (margin {summary['final_reward_margin']:.4f})"
 
 
 def _peak_vs_plan(summary: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""PNG plots of a run's metrics: loss, speed, memory, batch size, host memory.
+"""PNG plots of a run's metrics: loss, speed, memory, batch size, host memory; a preference run's rewards.
 
 Drawn with matplotlib's Agg canvas on Figure objects (no pyplot state, no display). Every plot copes
 with a run that has only some of the fields: CPU runs record no GPU memory, a young run has no eval yet.
@@ -22,6 +22,7 @@ from memtrain.units import GiB
 FIGURE_SIZE_INCHES = (9.0, 4.8)
 DPI = 100
 PLOT_FILES = ("loss.png", "speed.png", "memory.png", "batch.png", "host.png")
+REWARDS_FILE = "rewards.png"  # drawn only for a preference run (train.objective dpo, orpo, simpo, kto)
 
 TRAIN_COLOR = "#1f77b4"
 EVAL_COLOR = "#d62728"
@@ -31,11 +32,14 @@ OOM_COLOR = "#e41a1c"
 
 
 def render_plots(records: list[dict], out_dir: Path) -> list[Path]:
-    """Write loss.png, speed.png, memory.png, batch.png and host.png into `out_dir`; return their paths."""
+    """Write loss.png, speed.png, memory.png, batch.png and host.png (and a preference run's rewards.png) into
+    `out_dir`; return their paths."""
     out_dir = Path(out_dir)
-    painters = (plot_loss, plot_speed, plot_memory, plot_batch, plot_host)
+    plots = list(zip(PLOT_FILES, (plot_loss, plot_speed, plot_memory, plot_batch, plot_host)))
+    if is_preference_run(records):
+        plots.append((REWARDS_FILE, plot_rewards))
     paths = []
-    for name, paint in zip(PLOT_FILES, painters):
+    for name, paint in plots:
         figure = Figure(figsize=FIGURE_SIZE_INCHES, dpi=DPI, layout="constrained")
         FigureCanvasAgg(figure)
         paint(figure, records)
@@ -70,7 +74,7 @@ def plot_loss(figure: Figure, records: list[dict]) -> None:
         handles += axes.plot(
             eval_steps, eval_losses, color=EVAL_COLOR, marker="o", linewidth=1.5, label="validation loss"
         )
-    if handles:
+    if handles and not is_preference_run(records):  # a preference loss is no token NLL: no perplexity scale
         # Perplexity is exp(loss): a second scale on the same axis reads every loss point as a perplexity.
         twin = axes.twinx()
         twin.set_ylim(axes.get_ylim())
@@ -81,6 +85,42 @@ def plot_loss(figure: Figure, records: list[dict]) -> None:
         axes.legend(handles=handles, loc="best")
     else:
         _no_data(axes, "no loss recorded yet")
+
+
+def is_preference_run(records: list[dict]) -> bool:
+    """True when the training records carry a preference objective's rewards."""
+    return any(r["kind"] == "train" and "reward_chosen" in r for r in records)
+
+
+def plot_rewards(figure: Figure, records: list[dict]) -> None:
+    """A preference run: above, how often the chosen answer's implicit reward beats the rejected one's (training
+    steps and held-out pairs); below, the two rewards and their margin (TRL's rewards/* metrics)."""
+    accuracy_axes, reward_axes = figure.subplots(2, 1, sharex=True)
+    accuracy_axes.set_title("Rewards")
+    accuracy_axes.set_ylabel("reward accuracy")
+    accuracy_axes.set_ylim(-0.02, 1.02)
+    accuracy_axes.axhline(0.5, color="gray", linestyle="--", linewidth=1)  # a coin flip
+    steps, accuracies = series(records, "train", "reward_accuracy")
+    if steps:
+        accuracy_axes.plot(steps, accuracies, color=TRAIN_COLOR, linewidth=1, alpha=0.6, label="train")
+    eval_steps, eval_accuracies = series(records, "eval", "reward_accuracy")
+    if eval_steps:
+        accuracy_axes.plot(eval_steps, eval_accuracies, color=EVAL_COLOR, marker="o", label="held-out pairs")
+    reward_axes.set_xlabel("step")
+    reward_axes.set_ylabel("implicit reward")
+    reward_axes.axhline(0.0, color="gray", linewidth=0.8)
+    for field, style in (("reward_chosen", "-"), ("reward_rejected", ":"), ("reward_margin", "--")):
+        field_steps, values = series(records, "train", field)
+        if field_steps:
+            label = field.removeprefix("reward_")
+            reward_axes.plot(field_steps, values, color=TRAIN_COLOR, linestyle=style, linewidth=1, label=label)
+    eval_steps, margins = series(records, "eval", "reward_margin")
+    if eval_steps:
+        reward_axes.plot(eval_steps, margins, color=EVAL_COLOR, marker="o", label="held-out margin")
+    for axes in (accuracy_axes, reward_axes):
+        axes.grid(alpha=0.3)
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(loc="best", fontsize="small")
 
 
 def plot_speed(figure: Figure, records: list[dict]) -> None:

@@ -56,6 +56,8 @@ def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int 
     startup = next((r for r in reversed(records) if r["kind"] == "startup"), None)  # the latest start's
     match_steps, matches = series(records, GENERATION_KIND, "exact_match")  # train.eval_generate's scores
     answered = _last_value([r for r in records if r["kind"] == GENERATION_KIND], "total")
+    accuracy_steps, accuracies = series(records, "eval", "reward_accuracy")  # a preference run's held-out pairs
+    _, margins = series(records, "eval", "reward_margin")
     return {
         "run_dir": str(run_dir),
         "name": _last_value(starts, "recipe") or _last_value(starts, "name"),
@@ -84,6 +86,11 @@ def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int 
         "final_exact_match": matches[-1] if matches else None,
         "final_exact_match_step": match_steps[-1] if matches else None,
         "exact_match_answers": answered,
+        "first_reward_accuracy": accuracies[0] if accuracies else None,
+        "first_reward_accuracy_step": accuracy_steps[0] if accuracies else None,
+        "final_reward_accuracy": accuracies[-1] if accuracies else None,
+        "final_reward_accuracy_step": accuracy_steps[-1] if accuracies else None,
+        "final_reward_margin": margins[-1] if margins else None,
         "peak_gpu_reserved_bytes": peak_reserved,
         "peak_gpu_allocated_bytes": _max_positive(
             records, "train", ("gpu_peak_allocated_bytes", "gpu_allocated_bytes")

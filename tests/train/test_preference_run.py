@@ -99,3 +99,35 @@ def test_full_dpo_precomputes_its_reference_once_and_resumes_exactly(write_recip
     assert scored["reward_accuracy"] == pytest.approx(last["reward_accuracy"])
     assert scored["reward_margin"] == pytest.approx(last["reward_margin"], abs=1e-5)
     assert scored["perplexity"] is None and scored["exact_match"] is None  # text pairs: no conversation to ask
+
+
+def kto_file(tmp_path: Path) -> Path:
+    path = tmp_path / "kto.jsonl"
+    records = [
+        {"prompt": f"Add {a} and {b}:", "completion": f" {a + b + (a + b) % 2}.", "label": (a + b) % 2 == 0}
+        for a in range(10)
+        for b in range(8)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize("objective", ["simpo", "orpo", "kto"])
+def test_the_other_objectives_train_and_log(write_recipe, tmp_path, objective):
+    """SimPO and ORPO (no reference) under LoRA, KTO as a full fine-tune with its precomputed reference: a few
+    steps that move the loss and log the rewards, the batch counting pairs (KTO: records)."""
+    extra = dpo_recipe(tmp_path, lora=objective != "kto", steps=4)
+    extra["train"]["objective"] = objective
+    if objective == "kto":
+        extra["data"]["train"] = [{"path": str(kto_file(tmp_path)), "type": "kto"}]
+    recipe = write_recipe(objective, extra)
+    assert run_command(recipe, []) == 0
+    records = read_records(tmp_path / "runs" / objective, "train")
+    assert len(records) == 4 and all(math.isfinite(r["loss"]) for r in records)
+    assert all("reward_chosen" in r and "reward_rejected" in r for r in records)
+    assert records[-1]["tokens"] == 4 * 8  # targets per step: the global batch's pairs (records)
+    if objective == "kto":
+        assert abs(records[0]["loss"] - 0.5) < 1e-6  # reference = policy and z = 0: 1 - sigmoid(0) per record
+        assert len(list((tmp_path / "cache" / "reference").glob("*.npy"))) == 2
+    else:
+        assert not (tmp_path / "cache" / "reference").exists()

@@ -185,6 +185,9 @@ class StepRunner:
                     self.engine.optimizer.zero_grad(set_to_none=True)
                     self.hooks.sample_trace.discard()
                     loss_sum.zero_()
+                    take_metrics = getattr(self.engine.module, "take_metric_sums", None)  # a preference objective's
+                    if take_metrics is not None:  # rewards of the forwards run so far: they run again
+                        take_metrics()
                     remaining, micro_batches = mine, 0
                 else:  # forward: the finished micro-batches' gradients stand
                     micro_batches += oom.done
