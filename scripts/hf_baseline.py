@@ -27,23 +27,16 @@ the strongest baseline a user would pick without writing code. Needs liger-kerne
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from memtrain.configs import gpu_profile
 from memtrain.data.rows.loader import collate, sample_order
 from memtrain.data.rows.row_set import SampleRows
 from memtrain.ds_config.compiler import ds_config
-from memtrain.errors import UserError
 from memtrain.model.build import add_lora
 from memtrain.model.config import model_config
 from memtrain.model.wrapper import check_packed_attention, needs_one_sequence, one_sequence
@@ -51,8 +44,17 @@ from memtrain.plan.planner import resolve_micro_batch
 from memtrain.plan.zero import grad_accum_steps
 from memtrain.recipe.load import load_recipe
 from memtrain.recipe.schema import Recipe
-from memtrain.train.runtime.distributed import free_port
 from memtrain.train.setup import build_data
+from scripts.baseline_common import (  # noqa: F401 (per_second: the tests read it here)
+    DTYPES,
+    cap_to_card,
+    measured,
+    per_second,
+    report,
+    run_main,
+    start_alone,
+    trainer_settings,
+)
 
 
 class RowIndices(torch.utils.data.Dataset):
@@ -111,13 +113,6 @@ def real_tokens_per_step(recipe: Recipe, rows, steps: int) -> list[int]:
     return [rows.tokens_of(order.indices(step * batch, batch)) for step in range(steps)]
 
 
-def per_second(counts: list[int], marks: list[float], warmup: int) -> float | None:
-    """Tokens per second over the steps after the warm-up: counts[i] of step i+1, done at marks[i]."""
-    if len(marks) - warmup < 2:
-        return None
-    return sum(counts[warmup + 1 : len(marks)]) / (marks[-1] - marks[warmup])
-
-
 def hf_deepspeed_config(compiled: dict) -> dict:
     """memtrain's config minus what the Trainer drives itself (accumulation, schedule)."""
     config = {k: v for k, v in compiled.items() if k != "steps_per_print"}
@@ -137,15 +132,8 @@ def main() -> int:
 
     loaded = load_recipe(args.recipe, args.overrides)
     recipe = loaded.recipe
-    if "RANK" not in os.environ:  # one process, no launcher: what DeepSpeed needs to start alone
-        os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-        )
-    on_cuda = torch.cuda.is_available()
-    if on_cuda:
-        total = torch.cuda.get_device_properties(0).total_memory
-        cap = min(gpu_profile(recipe.hardware.gpu).memory_bytes, total)
-        torch.cuda.set_per_process_memory_fraction(cap / total, 0)
+    start_alone()
+    on_cuda = cap_to_card(recipe)
     # 'auto' (the default): the size memtrain's planner gives this recipe, so both sides run one micro-batch size
     # unless the case names one (bench_vs_hf: a shared batch.micro_batch=4 gives HF what a user would write)
     micro = recipe.batch.micro_batch if recipe.batch.micro_batch != "auto" else resolve_micro_batch(recipe)
@@ -159,33 +147,13 @@ def main() -> int:
     if isinstance(rows, SampleRows):  # position_ids go to the model: memtrain refuses a kernel that would cross them
         check_packed_attention(attn)
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[recipe.precision.compute]
+    dtype = DTYPES[recipe.precision.compute]
     with tempfile.TemporaryDirectory() as scratch:
         training = TrainingArguments(
-            output_dir=scratch,
-            per_device_train_batch_size=micro,
-            gradient_accumulation_steps=accum,
-            max_steps=args.steps,
-            learning_rate=recipe.optimizer.lr,
-            weight_decay=recipe.optimizer.weight_decay,
-            adam_beta1=recipe.optimizer.betas[0],
-            adam_beta2=recipe.optimizer.betas[1],
-            adam_epsilon=recipe.optimizer.eps,
-            max_grad_norm=recipe.optimizer.grad_clip,
-            warmup_steps=recipe.schedule.warmup_steps,
+            **trainer_settings(recipe, micro_batch=micro, accum=accum, steps=args.steps, output_dir=scratch),
             lr_scheduler_type=recipe.schedule.decay if recipe.schedule.decay != "constant" else "constant_with_warmup",
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
-            logging_steps=10**9,
-            save_strategy="no",
-            report_to=[],
             deepspeed=config,
-            seed=recipe.train.seed,
-            dataloader_num_workers=0,
-            gradient_checkpointing=recipe.checkpointing.strategy != "none",
-            gradient_checkpointing_kwargs={"use_reentrant": False},
             remove_unused_columns=False,
-            use_cpu=not on_cuda,
             use_liger_kernel=args.baseline == "hf-liger",
         )
         torch.manual_seed(recipe.train.seed)
@@ -223,27 +191,17 @@ def main() -> int:
             data_collator=MemtrainBatches(rows, recipe.data.groups_by_length, attn),
         )
         trainer.train()
-    result = {
-        "baseline": args.baseline,
-        # real tokens (padding left out), as memtrain's train records count them
-        "tokens_per_s": per_second(real_tokens_per_step(recipe, rows, len(marks)), marks, args.warmup),
-        "target_tokens_per_s": per_second(target_tokens_per_step(recipe, rows, len(marks)), marks, args.warmup),
-        "steps": len(marks),
-        # from the launch of this process, as memtrain's side measures it
-        "time_to_first_step_s": (marks[0] - psutil.Process().create_time()) if marks else None,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if on_cuda else 0.0,
-        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else 0.0,
-        "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30,
-    }
-    args.out.write_text(json.dumps(result))
-    print(json.dumps(result))
+    steps = len(marks)
+    result = measured(
+        args.baseline,
+        tokens=real_tokens_per_step(recipe, rows, steps),  # padding left out, as memtrain's train records count
+        targets=target_tokens_per_step(recipe, rows, steps),
+        marks=marks,
+        warmup=args.warmup,
+    )
+    report(result, args.out)
     return 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        raise SystemExit(main())
-    except UserError as error:  # a recipe or data problem: the message, file:line and fix, not a traceback
-        print(error, file=sys.stderr)
-        raise SystemExit(error.exit_code) from None
+    run_main(main)

@@ -26,22 +26,17 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import json
-import os
-import resource
 import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
-from memtrain.configs import gpu_profile
 from memtrain.data.rows.row_set import SampleRows
 from memtrain.errors import Problem, UserError
 from memtrain.labels import IGNORE_INDEX
@@ -52,6 +47,7 @@ from memtrain.plan.zero import grad_accum_steps
 from memtrain.recipe.load import load_recipe
 from memtrain.recipe.schema import Recipe
 from memtrain.train.setup import build_data
+from scripts.baseline_common import DTYPES, cap_to_card, measured, report, run_main, trainer_settings
 
 COLUMNS = (
     "recipe",
@@ -113,13 +109,6 @@ class Counts:
         )
 
 
-def per_second(counts: list[int], marks: list[float], warmup: int) -> float | None:
-    """Tokens per second over the steps after the warm-up: counts[i] of step i+1, done at marks[i]."""
-    if len(marks) - warmup < 2:
-        return None
-    return sum(counts[warmup + 1 : len(marks)]) / (marks[-1] - marks[warmup])
-
-
 def check_chat(recipe: Recipe, rows) -> None:
     if not isinstance(rows, SampleRows):
         raise UserError(
@@ -154,11 +143,7 @@ def main() -> int:
 
     loaded = load_recipe(args.recipe, args.overrides)
     recipe = loaded.recipe
-    on_cuda = torch.cuda.is_available()
-    if on_cuda:
-        total = torch.cuda.get_device_properties(0).total_memory
-        cap = min(gpu_profile(recipe.hardware.gpu).memory_bytes, total)
-        torch.cuda.set_per_process_memory_fraction(cap / total, 0)
+    on_cuda = cap_to_card(recipe)
     with loaded.sources.located():  # problems at the recipe's file:line
         data = build_data(recipe)
     rows = data.train_set
@@ -167,7 +152,7 @@ def main() -> int:
     accum = grad_accum_steps(recipe.batch.global_batch, micro, recipe.hardware.gpus)
     # sdpa, not memtrain's choice: TRL's model is built by transformers as a TRL user builds it
     config = model_config(recipe.model.model_copy(update={"attn_implementation": "sdpa"}))
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[recipe.precision.compute]
+    dtype = DTYPES[recipe.precision.compute]
     dataset = Dataset.from_dict(samples_of(rows))
 
     torch.manual_seed(recipe.train.seed)
@@ -189,27 +174,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as scratch:
         training = SFTConfig(
-            output_dir=scratch,
-            per_device_train_batch_size=micro,
-            gradient_accumulation_steps=accum,
-            max_steps=args.steps,
-            learning_rate=recipe.optimizer.lr,
-            weight_decay=recipe.optimizer.weight_decay,
-            adam_beta1=recipe.optimizer.betas[0],
-            adam_beta2=recipe.optimizer.betas[1],
-            adam_epsilon=recipe.optimizer.eps,
-            max_grad_norm=recipe.optimizer.grad_clip,
-            warmup_steps=recipe.schedule.warmup_steps,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
-            logging_steps=10**9,
-            save_strategy="no",
-            report_to=[],
-            seed=recipe.train.seed,
-            dataloader_num_workers=0,
-            gradient_checkpointing=recipe.checkpointing.strategy != "none",
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-            use_cpu=not on_cuda,
+            **trainer_settings(recipe, micro_batch=micro, accum=accum, steps=args.steps, output_dir=scratch),
             use_liger_kernel=args.liger,
             max_length=recipe.data.seq_len,
             packing=recipe.data.packing,
@@ -229,19 +194,15 @@ def main() -> int:
     tokens = [step[0] for step in per_step]
     targets = [step[1] for step in per_step]
     positions = sum(step[2] for step in per_step)
-    result = {
-        "baseline": baseline,
-        "tokens_per_s": per_second(tokens, marks, args.warmup),
-        "target_tokens_per_s": per_second(targets, marks, args.warmup),
-        "padding_share": 1 - sum(tokens) / positions if positions else None,
-        "steps": len(marks),
-        "time_to_first_step_s": (marks[0] - psutil.Process().create_time()) if marks else None,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if on_cuda else 0.0,
-        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if on_cuda else 0.0,
-        "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30,
-    }
-    args.out.write_text(json.dumps(result))
-    print(json.dumps(result))
+    result = measured(
+        baseline,
+        tokens=tokens,
+        targets=targets,
+        marks=marks,
+        warmup=args.warmup,
+        padding_share=1 - sum(tokens) / positions if positions else None,
+    )
+    report(result, args.out)
     write_row(args, recipe, micro, result)
     return 0
 
@@ -277,9 +238,4 @@ def write_row(args: argparse.Namespace, recipe: Recipe, micro: int, result: dict
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        raise SystemExit(main())
-    except UserError as error:  # a recipe or data problem: the message, file:line and fix, not a traceback
-        print(error, file=sys.stderr)
-        raise SystemExit(error.exit_code) from None
+    run_main(main)
