@@ -125,7 +125,14 @@ def test_the_other_objectives_train_and_log(write_recipe, tmp_path, objective):
     records = read_records(tmp_path / "runs" / objective, "train")
     assert len(records) == 4 and all(math.isfinite(r["loss"]) for r in records)
     assert all("reward_chosen" in r and "reward_rejected" in r for r in records)
-    assert records[-1]["tokens"] == 4 * 8  # targets per step: the global batch's pairs (records)
+    # the global batch counts pairs (KTO: records), each two rows (KTO: the answer and its mismatched KL row), so a
+    # step reads 2 x 8 rows: its tokens are 16 rows' worth at the data's mean, not the 8 rows a row count would read
+    data = read_records(tmp_path / "runs" / objective, "run")[0]["data"]
+    assert data["rows"] == 2 * data["samples"]
+    last = records[-1]
+    for field in ("tokens", "target_tokens"):
+        assert last[field] / 4 == pytest.approx(2 * 8 * data[field] / data["rows"], rel=0.2), field
+    assert last["target_tokens"] < last["tokens"] <= last["padded_tokens"] <= 4 * 2 * 8 * 32
     if objective == "kto":
         assert abs(records[0]["loss"] - 0.5) < 1e-6  # reference = policy and z = 0: 1 - sigmoid(0) per record
         assert len(list((tmp_path / "cache" / "reference").glob("*.npy"))) == 2
