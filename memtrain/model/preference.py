@@ -143,6 +143,8 @@ class PreferenceLM(nn.Module):
                 out = ipo(logratios[:n], logratios[n:], counts[:n], counts[n:], beta=s.beta)
             else:
                 out = dpo_sigmoid(logratios[:n], logratios[n:], beta=s.beta, label_smoothing=s.label_smoothing)
+            if s.sft_weight:  # RPO: the chosen answer's mean NLL per pair (per pair, as ORPO's SFT term below)
+                out.losses = out.losses - s.sft_weight * sums[:n] / counts[:n].clamp(min=1.0)
         else:
             means = sums / counts.clamp(min=1.0)
             if s.objective == "simpo":

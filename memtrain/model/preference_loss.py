@@ -9,7 +9,8 @@ Sums and means: DPO, IPO and KTO read the summed log-probability of the completi
 ratios by the completion's token count, as TRL does, so its beta does not depend on the answer's length); SimPO and
 ORPO read the mean log-probability per completion token. ORPO's SFT term is the chosen sequence's mean NLL over
 its prompt and completion, as TRL computes it, per pair (TRL averages the tokens of the whole micro-batch, which
-would make the objective depend on how the global batch is cut into micro-batches).
+would make the objective depend on how the global batch is cut into micro-batches). DPO's optional SFT term
+(preference.sft_weight, RPO) is the chosen completion's mean NLL, per pair for the same reason.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class PreferenceSettings:
     beta: float = 0.1  # DPO/IPO/KTO temperature, SimPO's beta
     loss_type: str = "sigmoid"  # dpo: sigmoid | ipo
     label_smoothing: float = 0.0  # dpo sigmoid: the probability that a pair's label is flipped (conservative DPO)
+    sft_weight: float = 0.0  # dpo: the weight of the chosen answer's mean NLL in each pair's loss (RPO)
     simpo_gamma: float = 0.5  # SimPO's target reward margin
     orpo_lambda: float = 0.1  # ORPO's weight of the odds-ratio term
     kto_desirable_weight: float = 1.0
@@ -44,6 +46,7 @@ class PreferenceSettings:
             beta=p.beta_for(objective),
             loss_type=p.loss_type,
             label_smoothing=p.label_smoothing,
+            sft_weight=p.sft_weight,
             simpo_gamma=p.simpo_gamma,
             orpo_lambda=p.orpo_lambda,
             kto_desirable_weight=p.kto_desirable_weight,

@@ -812,6 +812,7 @@ DEFAULT_BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0, "kto": 0.1}
 PREFERENCE_KEYS = {
     "loss_type": ("dpo",),
     "label_smoothing": ("dpo",),
+    "sft_weight": ("dpo",),
     "simpo_gamma": ("simpo",),
     "orpo_lambda": ("orpo",),
     "kto_desirable_weight": ("kto",),
@@ -839,6 +840,13 @@ class Preference(Section):
         ge=0,
         lt=0.5,
         description="dpo with loss_type sigmoid: the share of pairs assumed mislabelled (conservative DPO); 0: none.",
+    )
+    sft_weight: float = Field(
+        0.0,
+        ge=0,
+        description="dpo: the weight of the chosen answer's mean NLL added to each pair's loss (RPO; TRL's "
+        "loss_type [sigmoid, sft] with this weight, LLaMA-Factory's pref_ftx): the policy keeps learning the chosen "
+        "answers while it learns to prefer them, which helps where the model does not yet write them. 0: plain DPO.",
     )
     simpo_gamma: float = Field(
         0.5, ge=0, description="simpo: the target reward margin gamma (TRL's simpo_gamma), in units of beta's reward."

@@ -270,3 +270,41 @@ def test_kto_equals_trl(tokenizer, tmp_path):
     assert metrics["reward_chosen"] == pytest.approx(trainer._metrics["train"]["rewards/chosen"][-1], abs=TOL)
     assert metrics["reward_rejected"] == pytest.approx(trainer._metrics["train"]["rewards/rejected"][-1], abs=TOL)
     assert "reward_accuracy" not in metrics
+
+
+def test_dpo_with_sft_term_equals_trl_rpo(tokenizer, tmp_path):
+    """preference.sft_weight equals TRL's loss_type [sigmoid, sft] with that weight (RPO). TRL averages the SFT term
+    over the micro-batch's chosen tokens, memtrain per pair: one pair per micro-batch, where both are the same."""
+    data = Dataset.from_dict({"prompt": PROMPTS, "chosen": CHOSEN, "rejected": REJECTED})
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        per_device_train_batch_size=1,
+        use_cpu=True,
+        bf16=False,
+        loss_type=["sigmoid", "sft"],
+        loss_weights=[1.0, 0.7],
+        beta=0.2,
+    )
+    trainer = DPOTrainer(model=_model(0), ref_model=_model(1), args=args, train_dataset=data, processing_class=tokenizer)
+    settings = PreferenceSettings(objective="dpo", beta=0.2, sft_weight=0.7)
+    plain = PreferenceSettings(objective="dpo", beta=0.2)
+    reference = PreferenceLM(trainer.ref_model, FP32, settings, "precomputed")
+    for batch in list(trainer.get_train_dataloader())[:2]:
+        trainer.model.zero_grad()
+        trl_loss = trainer._compute_loss(trainer.model, batch, False)
+        trl_loss.backward()
+        trl_grads = _grads(trainer.model)
+        labels = _labels(batch["input_ids"], batch["completion_mask"])
+        ref_logps = reference.reference_logps(batch["input_ids"], labels, batch["attention_mask"])
+        policy = PreferenceLM(trainer.model, FP32, settings, "precomputed")
+        policy.model.zero_grad()
+        loss_sum, pairs = policy(batch["input_ids"], labels, batch["attention_mask"], ref_logps=ref_logps)
+        loss_sum.backward()
+        assert int(pairs) == 1
+        assert abs(loss_sum.item() - trl_loss.item()) < TOL
+        _assert_same_grads(_grads(policy.model), trl_grads)
+        without, _ = PreferenceLM(trainer.model, FP32, plain, "precomputed")(
+            batch["input_ids"], labels, batch["attention_mask"], ref_logps=ref_logps
+        )
+        assert loss_sum.item() - without.item() > 0.1  # the SFT term is there: 0.7 x an untrained model's NLL
