@@ -59,6 +59,7 @@ def test_true_or_false_for_a_number_is_refused(override):
         ("optimizer.weight_decay=1e6", "at most 1"),
         ("schedule.warmup_steps=50", "longer than the whole run"),
         ("train.max_bad_steps=0", "at least 1"),
+        ("train.seed=18446744073709551616", "train.seed: must be at most 18446744073709551615"),  # past 64 bits
     ],
 )
 def test_numbers_outside_their_sane_range_are_refused(override, says):
