@@ -20,7 +20,6 @@ from memtrain.errors import Problem, UserError
 from memtrain.files import write_error
 from memtrain.monitor.forecast import PeakForecast
 from memtrain.monitor.metrics import MetricsLog
-from memtrain.plan.model_states import optimizer_bytes_per_param
 from memtrain.recipe.schema import Recipe
 from memtrain.train.resolve import max_steps_left
 from memtrain.train.runtime.distributed import Place, any_rank, max_over_ranks, peer_gone
@@ -37,7 +36,14 @@ from memtrain.train.state.checkpoint import (
     step_of_name,
 )
 from memtrain.train.state.restart_note import RestartEveryProcess, RestartNote, remove_note, write_note
-from memtrain.train.state.storage import expected_checkpoint_bytes, is_disk_full, save_failed, say, space_warning
+from memtrain.train.state.storage import (
+    expected_checkpoint_bytes,
+    is_disk_full,
+    save_failed,
+    saved_optimizer_bytes_per_param,
+    say,
+    space_warning,
+)
 from memtrain.train.step.batch_policy import BatchPolicy, GiveUp
 from memtrain.train.step.hooks import Hooks
 from memtrain.train.step.micro_batches import OomDuringStep, run_micro_batches, split
@@ -83,7 +89,14 @@ class StepRunner:
         needed = expected_checkpoint_bytes(
             self.run_dir,
             self.engine.module,
-            optimizer_bytes_per_param(p.storage, p.master, eight_bit=o.eight_bit, in_backward=o.step_in_backward),
+            saved_optimizer_bytes_per_param(
+                p.storage,
+                p.master,
+                zero_stage=self.r.offload.stage,
+                eight_bit=o.eight_bit,
+                in_backward=o.step_in_backward,
+            ),
+            ranks=self.place.world_size,
         )
         keep_last = self.r.train.keep_last
         fault = self.hooks.save_fault(step)
