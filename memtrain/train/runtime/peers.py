@@ -60,9 +60,10 @@ def killed_line(rank: int, local_world_size: int, signum: int, pid: int | None) 
     except ValueError:
         name = f"signal {signum}"
     process = f", pid {pid}" if pid else ""
+    why = " (the kernel's out-of-memory killer sends it too: `dmesg` says)" if signum == signal.SIGKILL else ""
     return (
-        f"{describe_ranks([rank], local_world_size)}{process} was killed by {name}; the run stopped on every node — "
-        f"{RESUME_HINT}"
+        f"{describe_ranks([rank], local_world_size)}{process} was killed by {name}{why}; the run stopped on every "
+        f"node — {RESUME_HINT}"
     )
 
 

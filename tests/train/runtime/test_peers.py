@@ -26,7 +26,8 @@ def test_ranks_are_named_with_their_nodes_as_torchrun_numbers_them():
 
 def test_the_lines_say_who_died_how_and_that_the_same_command_resumes():
     line = killed_line(1, local_world_size=2, signum=int(signal.SIGKILL), pid=4242)
-    assert line.startswith("rank 1 (node 0), pid 4242 was killed by SIGKILL;") and RESUME_HINT in line
+    assert line.startswith("rank 1 (node 0), pid 4242 was killed by SIGKILL (the kernel's out-of-memory killer")
+    assert RESUME_HINT in line
     assert lost_line([2, 3], local_world_size=2, world_size=4).startswith("ranks 2, 3 (node 1) ended without a word")
     gone = lost_line(None, local_world_size=2, world_size=4)
     assert gone.startswith("node 0 (ranks 0, 1 (node 0), which hosts the rendezvous) is gone") and RESUME_HINT in gone
