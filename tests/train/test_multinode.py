@@ -156,6 +156,8 @@ def test_a_node_killed_with_sigkill_is_named_by_the_survivor_with_the_peer_lost_
     assert "Traceback" not in output and "Connection reset" not in output and "frame #" not in output, output[-3000:]
     said = [line for line in output.splitlines() if "rank 1 (node 1)" in line]
     assert len(said) == 1 and "ended without a word" in said[0] and "run the same command" in said[0], output[-3000:]
+    ends = [r for r in read_records(run_dir, "run") if r.get("event") == "end"]
+    assert ends and ends[-1]["status"] == "peer_lost", ends
 
 
 def train_losses_or_none(run_dir: Path) -> dict | None:

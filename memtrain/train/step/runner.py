@@ -25,7 +25,7 @@ from memtrain.train.resolve import max_steps_left
 from memtrain.train.runtime.distributed import Place, any_rank, max_over_ranks, peer_gone
 from memtrain.train.runtime.oom import dump_memory_snapshot, release_memory
 from memtrain.train.runtime.result import EXIT_RESTART
-from memtrain.train.runtime.signals import marked_ending
+from memtrain.train.runtime.signals import marked_ending, received_stop, stop_asked
 from memtrain.train.state.checkpoint import (
     LoopState,
     kept_while_saving,
@@ -172,6 +172,8 @@ class StepRunner:
                 ending = marked_ending()
                 if self.place.is_main and ending is not None and peer_gone(error):  # on purpose, having said why
                     self._end(step, "restart" if ending == EXIT_RESTART else "ended_on_another_rank")
+                elif self.place.is_main and peer_gone(error) and not (received_stop() and stop_asked()):
+                    self._end(step, "peer_lost")  # it died without a word: the worker says which (runtime/peers.py)
                 raise
             except OomDuringStep as oom:
                 if self.r.optimizer.step_in_backward:
