@@ -91,3 +91,26 @@ def test_bitsandbytes_asking_the_hub_for_a_cpu_kernel_prints_nothing():
     never asks, and this test then checks nothing more than the import)."""
     done = subprocess.run([sys.executable, "-c", "import memtrain, peft"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "kernels-community" not in done.stderr, done.stderr[-2000:]
+
+
+INTERRUPT_DURING_TEARDOWN = """
+import atexit, os, signal, sys, time
+
+def interrupted_at_exit():  # a Ctrl-C that lands in an atexit callback, after the command said how it ended
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+
+atexit.register(interrupted_at_exit)
+sys.argv = ["memtrain", "validate", "recipes/quickstart.yaml"]
+from memtrain.__main__ import main
+main()
+"""
+
+
+def test_ctrl_c_after_the_command_said_how_it_ended_prints_no_atexit_traceback():
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_DURING_TEARDOWN], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]  # the command's own code
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr[-3000:]
+    assert "is a valid recipe" in done.stdout

@@ -23,6 +23,7 @@ from memtrain.dtypes import DTYPE_BYTES
 from memtrain.errors import DataError, Problem, UserError
 from memtrain.hub import hub_repo, model_dir
 from memtrain.model.config import model_architecture
+from memtrain.paths import kind_of
 from memtrain.plan.params import count_parameters
 from memtrain.recipe.rules import Registry, gpu_profile_of
 from memtrain.recipe.schema import Recipe
@@ -217,6 +218,14 @@ def _check_data_files(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
                     "name a .txt or .jsonl file; a datasets directory goes in a list: [{path: DIR, type: text}]",
                 )
             )
+        elif (what := kind_of(value)) is not None:  # /dev/zero, a FIFO: read as data, never ends
+            problems.append(
+                src.problem(
+                    ("data", key),
+                    f"data file '{value}' is {what}, not a regular file",
+                    "name a .txt or .jsonl file (a regular file, whole on disk)",
+                )
+            )
         elif not Path(value).is_file():
             problems.append(
                 src.problem(
@@ -237,7 +246,15 @@ def _dataset_path_problem(loaded: LoadedRecipe, key: tuple[str, ...], path: str,
     """What is wrong with a dataset's path (a builtin name that does not exist, a missing file, a file the
     readers cannot read as `kind`), or None."""
     try:
-        exists = resolve_dataset_path(path).exists()
+        resolved = resolve_dataset_path(path)
+        exists = resolved.exists()
+        what = kind_of(resolved)
+        if what is not None and what != "a directory":  # a datasets directory is an input; /dev/zero, a FIFO are not
+            return loaded.sources.problem(
+                key,
+                f"dataset '{path}' is {what}, not a regular file",
+                "give a .jsonl, .json, .parquet or .txt file or a datasets directory",
+            )
         if exists:
             if record_format(path) == "text" and kind != "text":
                 return loaded.sources.problem(

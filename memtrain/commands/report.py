@@ -18,8 +18,8 @@ def report_command(run_dir: Path, as_json: bool, console: Console) -> int:
     """Render the plots into `run_dir`, print the summary (a table, or JSON with `as_json`); return the exit code."""
     from memtrain.monitor.plots import render_plots  # matplotlib: imported by the command that draws, not by the CLI
 
-    run_dir, records, unreadable_lines = load_run(Path(run_dir))
-    summary = summarize_records(records, run_dir, unreadable_lines)
+    run_dir, records, bad_lines = load_run(Path(run_dir))
+    summary = summarize_records(records, run_dir, bad_lines)
     summary["plots"] = [str(path) for path in render_plots(records, run_dir)]
     if as_json:
         console.out(json.dumps(summary, indent=2), highlight=False)
@@ -99,8 +99,13 @@ def _print_summary(summary: dict[str, Any], console: Console) -> None:
             soft_wrap=True,
         )
     if summary["unreadable_lines"]:
+        more = summary["unreadable_lines"] - len(summary["unreadable_at"])
         console.print(
-            f"[yellow]skipped {summary['unreadable_lines']} unreadable line(s) (a killed run's last write)[/]"
+            f"[yellow]skipped {summary['unreadable_lines']} unreadable line(s) ({', '.join(summary['unreadable_at'])}"
+            f"{f' and {more} more' if more else ''}: a killed run's last write, or a line that is not a record "
+            "with a kind and a whole-number step)[/]",
+            highlight=False,
+            soft_wrap=True,
         )
     if summary.get("plots"):
         console.print("plots: " + ", ".join(summary["plots"]), highlight=False, soft_wrap=True)

@@ -140,28 +140,43 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def read_metrics_counted(path: Path) -> tuple[list[dict], int]:
-    """The records of a metrics.jsonl and how many lines could not be read.
+    """The records of a metrics.jsonl and how many lines could not be read (read_metrics_lines)."""
+    records, bad_lines = read_metrics_lines(path)
+    return records, len(bad_lines)
+
+
+def read_metrics_lines(path: Path) -> tuple[list[dict], list[int]]:
+    """The records of a metrics.jsonl and the numbers (from 1) of the lines that are not records.
 
     A run killed mid-write leaves a torn last line; after a resume that line sits in the middle of the
-    file, so unreadable lines are skipped wherever they are, and counted.
+    file, so unreadable lines are skipped wherever they are. A line that is JSON but not a record memtrain
+    wrote (no kind, a step that is not a whole number) is skipped too: a report reads every step as a number.
     """
     records: list[dict] = []
-    skipped_lines = 0
+    bad_lines: list[int] = []
     with open(path, "rb") as file:
-        for raw in file:
+        for number, raw in enumerate(file, start=1):
             text = raw.strip()
             if not text:
                 continue
             try:
                 record = json.loads(text)
             except (json.JSONDecodeError, UnicodeDecodeError):
-                skipped_lines += 1
+                bad_lines.append(number)
                 continue
-            if isinstance(record, dict) and "kind" in record and "step" in record:
+            if is_record(record):
                 records.append(record)
             else:
-                skipped_lines += 1
-    return records, skipped_lines
+                bad_lines.append(number)
+    return records, bad_lines
+
+
+def is_record(record: object) -> bool:
+    """A metrics record as MetricsLog writes it: a kind (text) and a step (a whole number, 0 or more)."""
+    if not isinstance(record, dict):
+        return False
+    step = record.get("step")
+    return isinstance(record.get("kind"), str) and isinstance(step, int) and not isinstance(step, bool) and step >= 0
 
 
 def _new_record(kind: str, step: int, values: dict[str, Any]) -> dict[str, Any]:

@@ -5,15 +5,18 @@ Works on a finished run, one still going, and one that was killed (a torn last l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from statistics import median
 from typing import Any
 
 from memtrain.errors import Problem, UserError
-from memtrain.monitor.metrics import GENERATION_KIND, METRICS_FILE, read_metrics_counted
+from memtrain.monitor.metrics import GENERATION_KIND, METRICS_FILE, read_metrics_lines
 from memtrain.monitor.series import is_start, series, steady_speeds, target_field, tokens_are_targets
 
 MEMORY_VIEWER_URL = "https://pytorch.org/memory_viz"
+
+UNREADABLE_SHOWN = 5  # the first lines that could not be read, named file:line; the rest are counted
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:
@@ -21,19 +24,20 @@ def summarize(run_dir: Path) -> dict[str, Any]:
 
     Bytes stay bytes and times seconds; None where the run has not recorded that yet.
     """
-    run_dir, records, unreadable_lines = load_run(Path(run_dir))
-    return summarize_records(records, run_dir, unreadable_lines)
+    run_dir, records, bad_lines = load_run(Path(run_dir))
+    return summarize_records(records, run_dir, bad_lines)
 
 
-def load_run(path: Path) -> tuple[Path, list[dict], int]:
-    """(run directory, its metric records, unreadable lines); `path` may be the metrics file itself."""
+def load_run(path: Path) -> tuple[Path, list[dict], list[int]]:
+    """(run directory, its metric records, the numbers of the lines that are not records); `path` may be the metrics
+    file itself."""
     run_dir = _run_dir_of(path)
-    records, unreadable_lines = _load(run_dir)
-    return run_dir, records, unreadable_lines
+    records, bad_lines = _load(run_dir)
+    return run_dir, records, bad_lines
 
 
-def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int = 0) -> dict[str, Any]:
-    """`summarize` of records already read."""
+def summarize_records(records: list[dict], run_dir: Path, bad_lines: Sequence[int] = ()) -> dict[str, Any]:
+    """`summarize` of records already read; bad_lines: the numbers of metrics.jsonl's lines that were skipped."""
     starts = [r for r in records if is_start(r)]
     last_run = next((r for r in reversed(records) if r["kind"] == "run"), None)
     loss_steps, losses = series(records, "train", "loss")
@@ -111,7 +115,8 @@ def summarize_records(records: list[dict], run_dir: Path, unreadable_lines: int 
             for r in records  # those still there (train.keep_last removes old ones)
             if r["kind"] == "checkpoint" and r.get("path") and Path(r["path"]).exists()
         ],
-        "unreadable_lines": unreadable_lines,
+        "unreadable_lines": len(bad_lines),
+        "unreadable_at": [f"{METRICS_FILE}:{number}" for number in bad_lines[:UNREADABLE_SHOWN]],
         "first_step_s": startup.get("first_step_s") if startup else None,
         "startup_phases_s": dict(startup.get("phases_s", {})) if startup else {},
     }
@@ -133,7 +138,7 @@ def _run_dir_of(path: Path) -> Path:
     return path
 
 
-def _load(run_dir: Path) -> tuple[list[dict], int]:
+def _load(run_dir: Path) -> tuple[list[dict], list[int]]:
     metrics_path = run_dir / METRICS_FILE
     if not metrics_path.is_file():
         raise UserError(
@@ -142,7 +147,8 @@ def _load(run_dir: Path) -> tuple[list[dict], int]:
                 hint="pass a run directory of `memtrain run`; a run writes it from its start",
             )
         )
-    records, unreadable_lines = read_metrics_counted(metrics_path)
+    records, bad_lines = read_metrics_lines(metrics_path)
+    unreadable_lines = len(bad_lines)
     if not records:
         raise UserError(
             Problem(
@@ -150,7 +156,7 @@ def _load(run_dir: Path) -> tuple[list[dict], int]:
                 hint="wait until the run has logged its first steps, then report again",
             )
         )
-    return records, unreadable_lines
+    return records, bad_lines
 
 
 def _wall_time_s(records: list[dict]) -> float:

@@ -18,6 +18,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from memtrain.errors import Problem, RecipeError
 from memtrain.hub import HUB_PREFIX, looks_like_repo_id
+from memtrain.paths import kind_of
 from memtrain.recipe.messages import problems_from_validation
 from memtrain.recipe.rules import check_rules
 from memtrain.recipe.schema import BUILTIN_PREFIX, Recipe
@@ -226,6 +227,15 @@ def _read_with_extends(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict, 
         )
         return data, sources, problems
     base_path = Path(parent) if Path(parent).is_absolute() else path.parent / parent
+    if (kind := kind_of(base_path)) is not None:  # a directory, a FIFO (its read would wait for a writer forever)
+        problems.append(
+            sources.problem(
+                ("extends",),
+                f"extended recipe '{base_path}' is {kind}, not a recipe file",
+                "name a .yaml recipe file; paths in extends are relative to the recipe that names them",
+            )
+        )
+        return data, sources, problems
     if not base_path.is_file():
         problems.append(
             sources.problem(
@@ -485,8 +495,8 @@ def load_recipe(
     path = Path(path)
     if not path.exists():
         raise RecipeError(Problem(f"recipe file '{path}' does not exist", hint="check the path"))
-    if path.is_dir():
-        raise RecipeError(Problem(f"'{path}' is a directory, not a recipe file", hint="give a .yaml file"))
+    if (kind := kind_of(path)) is not None:  # a directory, a FIFO (its read would wait for a writer forever)
+        raise RecipeError(Problem(f"'{path}' is {kind}, not a recipe file", hint="give a .yaml file"))
     data, sources, problems = _read_with_extends(path)
     data, override_problems = apply_overrides(data, list(overrides or []), sources)
     resolve_input_paths(data, sources)

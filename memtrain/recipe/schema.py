@@ -30,6 +30,7 @@ from memtrain.units import looks_like_size, parse_bytes
 
 # A spec that names bundled data or a bundled tokenizer (builtin:shakespeare, builtin:chat/validation), not a path.
 BUILTIN_PREFIX = "builtin:"
+MAX_SEED = 2**64 - 1  # torch.manual_seed takes an unsigned 64-bit integer; a larger one is an OverflowError at run time
 
 
 def _byte_size(value: object) -> int:
@@ -775,7 +776,13 @@ class Train(Section):
     save_every: int = Field(500, ge=1, description="Checkpoint every N optimizer steps (and at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept.")
     log_every: int = Field(10, ge=1, description="Flush metrics every N optimizer steps (no per-step host sync).")
-    seed: int = Field(1234, ge=0, description="Seed of model initialisation, data order and dropout.")
+    seed: int = Field(
+        1234,
+        ge=0,
+        le=MAX_SEED,
+        description="Seed of model initialisation, data order and dropout (0 to 2**64 - 1, what torch's generators "
+        "take).",
+    )
     max_bad_steps: int = Field(
         3,
         ge=1,

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from memtrain.errors import UserError
-from memtrain.train.runtime.result import EXIT_RESTART
+from memtrain.train.runtime.peers import lost_line, roll_call
+from memtrain.train.runtime.result import EXIT_PEER_LOST, EXIT_RESTART
 from memtrain.train.runtime.signals import (
     die_with_parent,
     exit_code,
@@ -26,6 +27,7 @@ from memtrain.train.runtime.signals import (
     received_stop,
     say_once,
     signum_of,
+    stop_asked,
     stop_on_signals,
 )
 from memtrain.train.state.restart_note import RestartEveryProcess
@@ -79,14 +81,35 @@ def main(argv: list[str]) -> int:
         if (ending := marked_ending()) is not None:  # torchrun stopped this process: another ended on purpose
             return ending
         return stopped_unsaved(signum_of(stop))
-    except RuntimeError:  # a collective broke: after a stop, a peer that was still starting has left
+    except RuntimeError as error:  # a collective broke: after a stop, a peer that was still starting has left
         if (ending := marked_ending()) is not None:  # the peer ended on purpose and said why (signals.mark_ending)
             return ending
-        if received_stop() is None:
+        stop = received_stop()
+        if stop is not None and stop_asked():
+            return stopped_unsaved(stop)
+        from memtrain.train.runtime.distributed import peer_gone  # noqa: PLC0415 — torch: imported by main already
+
+        if not peer_gone(error):
             raise
-        return stopped_unsaved(received_stop())
+        if stop is not None:  # torchrun's agent stopped this process because a worker of this node died: it says so
+            return EXIT_PEER_LOST
+        return peer_lost()
     say_for_the_run(f"{'✓' if result.finished else '■'} {result.summary()}")
     return result.exit_code
+
+
+def peer_lost() -> int:
+    """A collective broke and no peer said why: it died without a word. The ranks that miss the roll call are named,
+    once per node; the others of this node end quietly with the same code."""
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    missing = roll_call(rank, world_size)
+    if (ending := marked_ending()) is not None:  # a peer of this node said it meanwhile
+        return ending
+    mark_ending(EXIT_PEER_LOST)
+    line = f"✗ {lost_line(missing, int(os.environ.get('LOCAL_WORLD_SIZE', '1')), world_size)}"
+    if say_once([line]):
+        print(line, file=sys.stderr)
+    return EXIT_PEER_LOST
 
 
 def stopped_unsaved(signum: int) -> int:

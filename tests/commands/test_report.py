@@ -407,3 +407,20 @@ def test_cli_exits_2_with_a_message_for_a_missing_run(tmp_path):
     result = CliRunner().invoke(app, ["report", str(tmp_path / "missing")])
     assert result.exit_code == 2
     assert "does not exist" in result.output
+
+
+def test_a_record_whose_step_is_not_a_number_is_skipped_and_named_by_its_line(tiny_run, tmp_path):
+    run_dir = _copy(tiny_run, tmp_path)
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    spoiled = next(i for i, line in enumerate(lines) if '"kind": "train"' in line and '"step": 3,' in line)
+    lines[spoiled] = lines[spoiled].replace('"step": 3,', '"step": "three",')
+    lines.insert(1, '{"kind": "train", "step": true, "loss": 1.0}\n')  # a bool is not a step either
+    metrics.write_text("".join(lines))
+
+    summary = summarize(run_dir)
+    assert summary["unreadable_lines"] == 2
+    assert summary["unreadable_at"] == ["metrics.jsonl:2", f"metrics.jsonl:{spoiled + 2}"]
+    assert summary["steps"] == STEPS
+    text = _report(run_dir)
+    assert f"skipped 2 unreadable line(s) (metrics.jsonl:2, metrics.jsonl:{spoiled + 2}:" in text, text

@@ -59,6 +59,7 @@ def test_true_or_false_for_a_number_is_refused(override):
         ("optimizer.weight_decay=1e6", "at most 1"),
         ("schedule.warmup_steps=50", "longer than the whole run"),
         ("train.max_bad_steps=0", "at least 1"),
+        ("train.seed=18446744073709551616", "train.seed: must be at most 18446744073709551615"),  # past 64 bits
     ],
 )
 def test_numbers_outside_their_sane_range_are_refused(override, says):
@@ -73,3 +74,25 @@ def test_a_directory_given_as_a_data_file_is_reported_as_a_directory(tmp_path):
     with pytest.raises(RecipeError) as error:
         load_checked(path, [f"data.train={tmp_path}"])
     assert "is a directory, not a file" in str(error.value) and "data.train" in str(error.value)
+
+
+@pytest.mark.parametrize("kind", ["a character device", "a named pipe (FIFO)"])
+@pytest.mark.parametrize("form", ["a path", "a dataset"])
+def test_a_device_or_a_fifo_given_as_data_is_said_as_what_it_is(tmp_path, kind, form):
+    """/dev/zero or a FIFO read as data never ends; before, they were said to "not exist"."""
+    import os
+
+    from memtrain.checks.load import load_checked
+
+    if kind == "a character device":
+        data = "/dev/zero"
+    else:
+        data = str(tmp_path / "pipe.txt")
+        os.mkfifo(data)
+    path = tmp_path / "r.yaml"
+    path.write_text(TINY)
+    value = data if form == "a path" else f"[{{path: {data}, type: text}}]"
+    with pytest.raises(RecipeError) as error:
+        load_checked(path, [f"data.train={value}", f"data.validation={value}"])
+    assert f"is {kind}, not a regular file" in str(error.value) and "data.train" in str(error.value), str(error.value)
+    assert "does not exist" not in str(error.value)

@@ -74,6 +74,20 @@ def test_extends_chains_of_three_resolve_relative_to_each_file(tmp_path):
     assert (recipe.train.steps, recipe.batch.global_batch, recipe.optimizer.lr) == (20, 8, 1.0e-4)
 
 
+def test_extends_naming_a_directory_or_a_fifo_says_what_it_is_not_that_it_is_missing(tmp_path):
+    import os
+
+    (tmp_path / "base.yaml").mkdir()
+    os.mkfifo(tmp_path / "pipe.yaml")  # read, it would wait for a writer forever
+    for name, kind in (("base.yaml", "a directory"), ("pipe.yaml", "a named pipe (FIFO)")):
+        child = write(tmp_path / "child.yaml", f"extends: {name}\noptimizer:\n  lr: 3.0e-4\n")
+        [problem] = [p for p in problems_of(lambda child=child: load_recipe(child)) if p.key == "extends"]
+        assert f"is {kind}, not a recipe file" in problem.message and problem.key == "extends", problem
+        assert (problem.file, problem.line) == (str(child), 1)
+    [problem] = problems_of(lambda: load_recipe(tmp_path / "pipe.yaml"))
+    assert "is a named pipe (FIFO), not a recipe file" in problem.message
+
+
 def test_a_child_replacing_a_list_drops_the_base_item_lines(tmp_path):
     write(tmp_path / "base.yaml", BASE + "precision:\n  fp32_modules:\n    - lm_head\n    - '*norm*'\n")
     child = write(tmp_path / "child.yaml", "extends: base.yaml\nprecision:\n  fp32_modules: 3\n")

@@ -84,6 +84,7 @@ def test_two_nodes_train_as_one_process_with_the_same_global_batch(tmp_path):
     for code, output in two_nodes(overrides):
         assert code == 0, output[-3000:]
         assert "node" in output and "Traceback" not in output
+        assert "frame #" not in output and "TCPStore" not in output, output[-3000:]  # a clean teardown
     assert run(QUICKSTART, *shrunk(tmp_path, "one-process", "hardware.gpus=1")) == 0
     two, one = tmp_path / "runs" / "two-nodes", tmp_path / "runs" / "one-process"
     assert sorted(train_losses(two)) == list(range(1, 7))
@@ -134,6 +135,31 @@ def test_sigterm_to_one_node_stops_both_with_its_code(tmp_path):
     assert ends[-1]["status"] == "interrupted" and complete_checkpoints(run_dir)
 
 
+def test_a_node_killed_with_sigkill_is_named_by_the_survivor_with_the_peer_lost_code(tmp_path):
+    """Every process of node 1 (launcher, torchrun, worker) killed at once, as a lost machine: node 0's worker finds
+    its collective broken, names node 1's rank (it misses the roll call on node 0's store) and ends with exit 69."""
+    import psutil
+
+    from memtrain.train.runtime.result import EXIT_PEER_LOST
+
+    overrides = shrunk(tmp_path, "node-lost", "train.steps=200", "train.save_every=100")
+    run_dir = tmp_path / "runs" / "node-lost"
+    nodes = started_nodes(overrides, until=lambda: train_losses_or_none(run_dir))
+    node1 = psutil.Process(nodes[1].pid)
+    for process in [node1, *node1.children(recursive=True)]:
+        process.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    output, _ = nodes[0].communicate(timeout=120)
+    nodes[1].communicate(timeout=60)
+    assert nodes[0].returncode == EXIT_PEER_LOST, output[-3000:]
+    assert time.monotonic() - killed_at < 30, output[-3000:]
+    assert "Traceback" not in output and "Connection reset" not in output and "frame #" not in output, output[-3000:]
+    said = [line for line in output.splitlines() if "rank 1 (node 1)" in line]
+    assert len(said) == 1 and "ended without a word" in said[0] and "run the same command" in said[0], output[-3000:]
+    ends = [r for r in read_records(run_dir, "run") if r.get("event") == "end"]
+    assert ends and ends[-1]["status"] == "peer_lost", ends
+
+
 def train_losses_or_none(run_dir: Path) -> dict | None:
     metrics = run_dir / "metrics.jsonl"
     return train_losses(run_dir) if metrics.exists() and '"train"' in metrics.read_text() else None
@@ -158,6 +184,7 @@ def test_a_node_that_cannot_reach_the_master_gives_up_within_the_timeout(tmp_pat
     output, _ = node.communicate(timeout=120)
     assert node.returncode == 2, output[-3000:]
     assert "did not all join" in output and "Traceback" not in output, output[-3000:]
+    assert "frame #" not in output and "socket.cpp" not in output, output[-3000:]  # torchrun's C++ log lines
     assert time.monotonic() - started < 60
 
 

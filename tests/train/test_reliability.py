@@ -592,3 +592,23 @@ def test_a_full_disk_with_two_processes_is_said_once_without_traceback_or_torchr
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-000002"]  # no partial save left
     ends = [r["status"] for r in read_records(run_dir, "run") if r.get("event") == "end"]
     assert ends == ["disk_full" if ranks == "every" else "save_failed_on_another_rank"]
+
+
+def test_a_worker_killed_with_sigkill_is_named_and_the_run_ends_with_the_peer_lost_code(write_recipe):
+    """The survivor's collective breaks with gloo's "Connection reset by peer"; the run says which rank died and that
+    the same command resumes, with exit 69 (EXIT_PEER_LOST), no traceback, within seconds."""
+    import signal
+    import time
+
+    from memtrain.train.runtime.result import EXIT_PEER_LOST
+
+    recipe, proc = start_two_process_run(write_recipe, "killed-rank")
+    [victim] = [p for p in family(proc.pid) if p.cmdline()[-1:] and p.environ().get("RANK") == "1"]
+    killed_at = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PEER_LOST, output[-3000:]
+    assert time.monotonic() - killed_at < 30, output[-3000:]
+    assert "Traceback" not in output and "Connection reset" not in output and "frame #" not in output, output[-3000:]
+    said = [line for line in output.splitlines() if "rank 1 (node 0)" in line]
+    assert len(said) == 1 and "killed by SIGKILL" in said[0] and "run the same command" in said[0], output[-3000:]

@@ -8,6 +8,9 @@ from pathlib import Path
 
 EXIT_INTERRUPTED = 130
 EXIT_RESTART = 75  # a worker saved after an OOM it could not recover in place; start again from there
+# A process of the run died without a word (SIGKILL, the out-of-memory killer, a lost node): sysexits' EX_UNAVAILABLE,
+# a service the run needs is gone. Not restarted here: the same command(s) resume from the last checkpoint.
+EXIT_PEER_LOST = 69
 
 
 @dataclass

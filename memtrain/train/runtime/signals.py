@@ -14,6 +14,11 @@
 - Processes reach the signal in different phases: one may still be starting (and leave at once) while another
   is in the loop's step, whose collectives then break. A worker whose collective broke after a stop signal
   reached it stops as the first did, with the same line and code, not a traceback (`received_stop`).
+- A process killed without a word (SIGKILL, the out-of-memory killer): the torchrun agent of its node names its rank
+  and node and ends with EXIT_PEER_LOST (69); its local peers, which the agent stops with SIGTERM, end quietly, as
+  they tell that SIGTERM from one their launcher forwarded (`stop_asked`). Survivors on other nodes say it
+  themselves (memtrain.train.runtime.peers). torchrun's own C++ log lines (a store that cannot be reached, with a C++
+  stack for each try) are silenced in the torchrun process: memtrain's line says what they say.
 - No worker outlives its launcher: torchrun runs with a parent-death signal of SIGTERM (the launcher
   killed with SIGKILL: torchrun shuts the workers down as above), and each worker with SIGKILL (torchrun
   itself gone: nothing is left to coordinate the ranks; the last complete checkpoint stands).
@@ -33,7 +38,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from memtrain.errors import UserError
-from memtrain.train.runtime.result import EXIT_RESTART
+from memtrain.train.runtime.peers import killed_line
+from memtrain.train.runtime.result import EXIT_PEER_LOST, EXIT_RESTART
 
 PR_SET_PDEATHSIG = 1
 LAUNCHER_PID_ENV = "MEMTRAIN_LAUNCHER_PID"
@@ -151,6 +157,7 @@ def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
 
     def forward(signum, frame):
         received.append(signum)
+        note_stop_asked(env.get(SAID_DIR_ENV), signum)
         if process.poll() is None:
             process.send_signal(signum)
 
@@ -168,6 +175,8 @@ EXIT_BARRIER_ERROR = "Error waiting on exit barrier"
 WORKERS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 SAID_DIR_ENV = "MEMTRAIN_SAID_DIR"  # where the workers of one node mark the problem lines one of them printed
 ENDING_MARK = "ending"  # in SAID_DIR_ENV: the code a worker that ends on purpose ends with (mark_ending)
+STOP_ASKED_MARK = "stop-asked"  # in SAID_DIR_ENV: the signal the launcher forwarded (a person's or a scheduler's stop)
+CPP_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
 
 
 class QuietExitBarrier(logging.Filter):
@@ -197,7 +206,10 @@ class QuietWorkerEnds(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         said = record.getMessage()
         return not (
-            said.startswith((f"failed (exitcode: {UserError.exit_code})", f"failed (exitcode: {EXIT_RESTART})"))
+            said.startswith(
+                tuple(f"failed (exitcode: {code})" for code in (UserError.exit_code, EXIT_RESTART, EXIT_PEER_LOST))
+            )
+            or killed_worker(said)
             or (said.startswith("Received") and "death signal" in said)
             or (said.startswith("Sending process") and "closing signal" in said)
         )
@@ -213,6 +225,33 @@ def mark_ending(code: int) -> None:
             Path(said_dir, ENDING_MARK).write_text(str(code))
         except OSError:
             pass  # they then say that a peer left; the run ends all the same
+
+
+def killed_worker(said: str) -> bool:
+    """Whether torchrun's line says a worker ended by a signal that is not a stop (memtrain's own line names it)."""
+    if not said.startswith("failed (exitcode: -"):
+        return False
+    try:
+        signum = -int(said.removeprefix("failed (exitcode: ").split(")", 1)[0])
+    except ValueError:
+        return False
+    return signum not in STOP_SIGNALS
+
+
+def note_stop_asked(said_dir: str | None, signum: int) -> None:
+    """The launcher forwards a stop: its workers then know that a SIGINT / SIGTERM is a person's (or a scheduler's),
+    not torchrun's agent stopping them because another worker of the node died."""
+    if said_dir:
+        try:
+            Path(said_dir, STOP_ASKED_MARK).write_text(str(int(signum)))
+        except OSError:
+            pass  # the workers then take the stop for a lost peer only if a collective broke after it
+
+
+def stop_asked() -> bool:
+    """Whether this attempt's launcher forwarded a stop (note_stop_asked); True where there is no launcher."""
+    said_dir = os.environ.get(SAID_DIR_ENV)
+    return not said_dir or Path(said_dir, STOP_ASKED_MARK).exists()
 
 
 def marked_ending() -> int | None:
@@ -248,6 +287,7 @@ def torchrun_main(argv: list[str]) -> int:
     it is told to stop (it shuts its workers down first) or when its exit barrier breaks after a finished run."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     die_with_parent(signal.SIGTERM, int(launcher) if launcher else None)
+    quiet_cpp_logs()
     logging.getLogger(EXIT_BARRIER_LOGGER).addFilter(QuietExitBarrier())
     for logger in (EXIT_BARRIER_LOGGER, WORKERS_LOGGER):  # the agent's and its workers' loggers
         logging.getLogger(logger).addFilter(QuietWorkerEnds())
@@ -262,6 +302,15 @@ def torchrun_main(argv: list[str]) -> int:
     except SignalException as stop:
         return exit_code(stop.sigval)
     except ChildFailedError as failed:  # the workers said why; their code says what the launcher does next
+        killed = sorted(
+            ((failure.timestamp, rank, failure) for rank, failure in failed.failures.items() if failure.exitcode < 0),
+            key=lambda item: item[0],
+        )
+        killed = [(rank, failure) for _, rank, failure in killed if -failure.exitcode not in STOP_SIGNALS]
+        if killed:  # a worker died without a word: only this agent saw how
+            rank, failure = killed[0]
+            print(f"✗ {killed_line(rank, _nproc_of(argv), -failure.exitcode, failure.pid)}", file=sys.stderr)
+            return EXIT_PEER_LOST
         code = failed.get_first_failure()[1].exitcode
         return exit_code(-code) if code < 0 else code
     except (DistError, RendezvousError) as error:  # joining the other nodes gave up after the stated timeout
@@ -274,6 +323,27 @@ def torchrun_main(argv: list[str]) -> int:
         )
         return 2
     return 0
+
+
+def quiet_cpp_logs() -> None:
+    """Silence c10's C++ log lines in this process only (torchrun's): a store it cannot reach logs each try with a
+    C++ stack of ~30 frames before memtrain's one line says the same. c10 reads the level once, when torch is
+    imported; the workers, started with this process's environment, keep the level they were given."""
+    before = os.environ.get(CPP_LOG_LEVEL_ENV)
+    os.environ[CPP_LOG_LEVEL_ENV] = "FATAL"
+    import torch  # noqa: F401, PLC0415 — imported here, so that c10 reads the level above
+
+    if before is None:
+        os.environ.pop(CPP_LOG_LEVEL_ENV)
+    else:
+        os.environ[CPP_LOG_LEVEL_ENV] = before
+
+
+def _nproc_of(argv: list[str]) -> int:
+    """--nproc_per_node from torchrun's arguments (the node of a rank: memtrain.train.runtime.peers.node_of)."""
+    flags = dict(arg.lstrip("-").split("=", 1) for arg in argv if arg.startswith("--") and "=" in arg)
+    value = flags.get("nproc_per_node", "1")
+    return int(value) if value.isdigit() else 1
 
 
 def _rendezvous_of(argv: list[str]) -> str:

@@ -1,9 +1,10 @@
 """Disk space for checkpoints: warn before a save that may not fit; end cleanly when one does not.
 
 A checkpoint is about as large as the previous one (the model, the optimizer states and a few small
-files), or before the first save, as the parameters and the optimizer's states as the planner counts them
-(memtrain.plan.model_states.optimizer_bytes_per_param: a master copy unless the weights are their own, and
-Adam's two moments, 8-bit where the optimizer keeps them so).
+files), or before the first save, as the parameters and the optimizer's states as DeepSpeed writes them
+(`saved_optimizer_bytes_per_param`: Adam's two moments, 8-bit where the optimizer keeps them so, and the master
+partition DeepSpeed's ZeRO optimizer saves even where the fp32 weights are their own master), plus each rank's RNG
+state and the small files of every checkpoint.
 Before each save the free space of the run directory's disk is compared with that; below
 `WARN_BELOW_SAVES` checkpoints' worth a warning goes out (an event in metrics.jsonl and a line), early
 enough to make room. A save that still runs out of space (ENOSPC, or torch's C++ writer failing on a
@@ -24,16 +25,35 @@ from pathlib import Path
 
 from memtrain.errors import Problem, UserError
 from memtrain.files import cannot_create, directory_bytes, free_bytes, write_error
+from memtrain.plan.model_states import master_bytes, optimizer_bytes_per_param
 from memtrain.train.state.checkpoint import checkpoint_dir, kept_while_saving, latest_checkpoint, step_of_name
 
 WARN_BELOW_SAVES = 2.0  # warn when the disk holds fewer than this many more checkpoints
+# What every checkpoint holds besides the tensors: DeepSpeed's zero_to_fp32.py (38.6 kB) and zero_to_torch.py
+# (2.5 kB), memtrain_state.json (3.5 kB with a batch policy), `latest`; measured on a tiny run, rounded up.
+CHECKPOINT_FILES_BYTES = 64 * 1024
+RNG_FILE_BYTES = 16 * 1024  # each rank's rng-rankN.pt: the CPU generator's 5 kB state, numpy's, Python's (14.5 kB)
 
 
-def expected_checkpoint_bytes(run_dir: Path, model, optimizer_bytes_per_param: float) -> int:
+def saved_optimizer_bytes_per_param(
+    storage: str, master: str, *, zero_stage: int, eight_bit: bool = False, in_backward: bool = False
+) -> float:
+    """Bytes a checkpoint writes per trainable parameter for the optimizer: Adam's moments, and the master partition
+    (`single_partition_of_fp32_groups`, 4 bytes, or 2 with bf16 master weights) that DeepSpeed's ZeRO and bf16
+    optimizers save whatever the weights' dtype: with fp32 weights the planner counts no master copy in memory,
+    and the estimate was 25 % low on the tiny fp32 run (12 of 16 bytes per parameter). A plain torch optimizer (ZeRO
+    stage 0 in fp32) and an update in backward save the moments only."""
+    moments = optimizer_bytes_per_param(storage, master, eight_bit=eight_bit, in_backward=True)  # no master copy
+    if in_backward or (zero_stage == 0 and storage == "fp32"):
+        return moments
+    return moments + master_bytes(storage, master)
+
+
+def expected_checkpoint_bytes(run_dir: Path, model, optimizer_bytes_per_param: float, ranks: int = 1) -> int:
     """The previous checkpoint's size, else the parameters plus the trainable ones' optimizer states
-    (`optimizer_bytes_per_param` per trainable element). A flat 12 bytes (fp32 master and moments) put the 7B
-    full fine-tune with paged 8-bit AdamW in backward at ~94 GB; its checkpoint took 26 GiB (4.03 bytes per
-    parameter priced: ~27 GB)."""
+    (`optimizer_bytes_per_param` per trainable element, `saved_optimizer_bytes_per_param`), each rank's RNG state and
+    the small files. A flat 12 bytes (fp32 master and moments) put the 7B full fine-tune with paged 8-bit AdamW in
+    backward at ~94 GB; its checkpoint took 26 GiB (4.03 bytes per parameter priced: ~27 GB)."""
     previous = latest_checkpoint(run_dir)
     if previous is not None:
         return directory_bytes(previous)
@@ -41,7 +61,7 @@ def expected_checkpoint_bytes(run_dir: Path, model, optimizer_bytes_per_param: f
     for p in model.parameters():
         numel = getattr(p, "ds_numel", p.numel())  # ZeRO-3 keeps the full size here
         total += numel * (p.element_size() + (optimizer_bytes_per_param if p.requires_grad else 0))
-    return int(total)
+    return int(total) + CHECKPOINT_FILES_BYTES + RNG_FILE_BYTES * ranks
 
 
 def space_warning(run_dir: Path, needed: int, keep_last: int = 1) -> tuple[int, str | None]:

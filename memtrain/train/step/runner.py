@@ -20,13 +20,12 @@ from memtrain.errors import Problem, UserError
 from memtrain.files import write_error
 from memtrain.monitor.forecast import PeakForecast
 from memtrain.monitor.metrics import MetricsLog
-from memtrain.plan.model_states import optimizer_bytes_per_param
 from memtrain.recipe.schema import Recipe
 from memtrain.train.resolve import max_steps_left
 from memtrain.train.runtime.distributed import Place, any_rank, max_over_ranks, peer_gone
 from memtrain.train.runtime.oom import dump_memory_snapshot, release_memory
 from memtrain.train.runtime.result import EXIT_RESTART
-from memtrain.train.runtime.signals import marked_ending
+from memtrain.train.runtime.signals import marked_ending, received_stop, stop_asked
 from memtrain.train.state.checkpoint import (
     LoopState,
     kept_while_saving,
@@ -37,7 +36,14 @@ from memtrain.train.state.checkpoint import (
     step_of_name,
 )
 from memtrain.train.state.restart_note import RestartEveryProcess, RestartNote, remove_note, write_note
-from memtrain.train.state.storage import expected_checkpoint_bytes, is_disk_full, save_failed, say, space_warning
+from memtrain.train.state.storage import (
+    expected_checkpoint_bytes,
+    is_disk_full,
+    save_failed,
+    saved_optimizer_bytes_per_param,
+    say,
+    space_warning,
+)
 from memtrain.train.step.batch_policy import BatchPolicy, GiveUp
 from memtrain.train.step.hooks import Hooks
 from memtrain.train.step.micro_batches import OomDuringStep, run_micro_batches, split
@@ -83,7 +89,14 @@ class StepRunner:
         needed = expected_checkpoint_bytes(
             self.run_dir,
             self.engine.module,
-            optimizer_bytes_per_param(p.storage, p.master, eight_bit=o.eight_bit, in_backward=o.step_in_backward),
+            saved_optimizer_bytes_per_param(
+                p.storage,
+                p.master,
+                zero_stage=self.r.offload.stage,
+                eight_bit=o.eight_bit,
+                in_backward=o.step_in_backward,
+            ),
+            ranks=self.place.world_size,
         )
         keep_last = self.r.train.keep_last
         fault = self.hooks.save_fault(step)
@@ -159,6 +172,8 @@ class StepRunner:
                 ending = marked_ending()
                 if self.place.is_main and ending is not None and peer_gone(error):  # on purpose, having said why
                     self._end(step, "restart" if ending == EXIT_RESTART else "ended_on_another_rank")
+                elif self.place.is_main and peer_gone(error) and not (received_stop() and stop_asked()):
+                    self._end(step, "peer_lost")  # it died without a word: the worker says which (runtime/peers.py)
                 raise
             except OomDuringStep as oom:
                 if self.r.optimizer.step_in_backward:
