@@ -286,7 +286,9 @@ def test_dpo_with_sft_term_equals_trl_rpo(tokenizer, tmp_path):
         loss_weights=[1.0, 0.7],
         beta=0.2,
     )
-    trainer = DPOTrainer(model=_model(0), ref_model=_model(1), args=args, train_dataset=data, processing_class=tokenizer)
+    trainer = DPOTrainer(
+        model=_model(0), ref_model=_model(1), args=args, train_dataset=data, processing_class=tokenizer
+    )
     settings = PreferenceSettings(objective="dpo", beta=0.2, sft_weight=0.7)
     plain = PreferenceSettings(objective="dpo", beta=0.2)
     reference = PreferenceLM(trainer.ref_model, FP32, settings, "precomputed")
