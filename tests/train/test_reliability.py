@@ -624,3 +624,22 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_line_and_the_run_resumes_
     assert "no checkpoint in" in refused.output and "verifies" in refused.output
     assert "Traceback" not in refused.output and "JSONDecodeError" not in refused.output
     assert [p.name for p in complete_checkpoints(run_dir)] == kept
+
+
+def test_a_diverged_run_keeps_its_last_checkpoint_from_before_the_loss_rose(write_recipe):
+    """With lr 0.9 the loss is far above step 1's from step 2 on; pruning to keep_last=1 kept only diverged ones."""
+    recipe = write_recipe(
+        "diverged-kept",
+        {
+            "optimizer": {"lr": 0.9},
+            "schedule": {"warmup_steps": 0},
+            "train": {"steps": 8, "save_every": 1, "keep_last": 1, "eval_every": 100},
+        },
+    )
+    code, said = run(recipe)
+    assert code == 0, said
+    run_dir = run_dir_of(recipe)
+    losses = {r["step"]: r["loss"] for r in read_records(run_dir, "train")}
+    assert min(losses, key=losses.get) == 1 and all(losses[s] > 1.5 * losses[1] for s in range(2, 9))
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step-000001", "step-000008"]
+    assert "step 1, the best loss, is kept" in said.splitlines()[-1]

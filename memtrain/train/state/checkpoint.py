@@ -256,7 +256,7 @@ def save_checkpoint(
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         remove_leftovers(run_dir)
-        prune(run_dir, kept_while_saving(keep_last))
+        prune(run_dir, kept_while_saving(keep_last), kept_through(state))
         tmp.mkdir()
     barrier()
     engine.save_checkpoint(str(tmp), tag=DS_TAG)
@@ -281,7 +281,7 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        prune(run_dir, keep_last)
+        prune(run_dir, keep_last, kept_through(state))
     barrier()
     return final
 
@@ -292,14 +292,25 @@ def kept_while_saving(keep_last: int) -> int:
     return max(keep_last - 1, 1)
 
 
-def prune(run_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints (rank 0); returns what was deleted."""
-    pruned = complete_checkpoints(run_dir)[:-keep]
+def prune(run_dir: Path, keep: int, keep_through: int | None = None) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints (rank 0); returns what was deleted. `keep_through`: a
+    step whose newest checkpoint at or before it stays too (the guard's last one from before the loss diverged,
+    LoopState.divergence)."""
+    found = complete_checkpoints(run_dir)
+    kept_old = [p for p in found if keep_through is not None and step_of_name(p) <= keep_through][-1:]
+    pruned = [p for p in found[:-keep] if p not in kept_old]
     for old in pruned:
         doomed = _doomed(old)
         os.replace(old, doomed)  # never a step- directory with part of its files
         shutil.rmtree(doomed, ignore_errors=True)
     return pruned
+
+
+def kept_through(state: LoopState) -> int | None:
+    """The step through which pruning keeps a checkpoint beside the newest ones (see `prune`), from the guard's
+    saved state; None in checkpoints from before it or while the loss is not far above its best."""
+    step = (state.divergence or {}).get("keep_through")
+    return int(step) if isinstance(step, int) else None
 
 
 def _doomed(checkpoint: Path) -> Path:

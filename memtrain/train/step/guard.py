@@ -14,6 +14,10 @@ step 1's loss and is reported once the grace is over. The best loss, the steps s
 under way are saved in checkpoints (LoopState.divergence), so a resumed run warns exactly as an uninterrupted one
 would: a loss that rose before the stop is still far above the best from before it.
 
+While the loss is far above its best (in the grace steps too: a loss far from step 2 on was pruned away before the
+warning), the state names the step of the best loss (`keep_through`): pruning then keeps the newest checkpoint at or
+before it beside the newest keep_last (checkpoint.prune), so a run that diverged still has one from before.
+
 With several processes the verdict is agreed by one all-reduce per step (a sum of: one stop count per
 stop signal, a bad-step count, the token-loss sum), so every rank saves, stops or goes on at the same
 step, reports the same signal (SIGTERM over SIGINT: 128 + it on every rank, also on those no signal
@@ -120,11 +124,19 @@ class Guard:
         self.best_loss: float | None = saved.get("best_loss")
         self.good_steps = int(saved.get("good_steps", 0))
         self.diverging = bool(saved.get("diverging", False))
+        self.best_step: int | None = saved.get("best_step")
+        self.keep_through: int | None = saved.get("keep_through")  # see the module doc
         self.warning: str | None = None  # for the run's last line: the loss diverged at some point
 
     def state_dict(self) -> dict:
         """What a resumed run's guard continues from (saved in LoopState.divergence)."""
-        return {"best_loss": self.best_loss, "good_steps": self.good_steps, "diverging": self.diverging}
+        return {
+            "best_loss": self.best_loss,
+            "good_steps": self.good_steps,
+            "diverging": self.diverging,
+            "best_step": self.best_step,
+            "keep_through": self.keep_through,
+        }
 
     def after_step(
         self, step: int, loss_sum: torch.Tensor, targets: int, engine, skipped_before: int, stop_signum: int | None
@@ -187,15 +199,17 @@ class Guard:
         nor start an episode: a loss already far by step 2 must still be reported after the grace."""
         self.good_steps += 1
         if self.best_loss is None or value < self.best_loss:
-            self.best_loss = value
+            self.best_loss, self.best_step = value, step
+        far = value > max(self.best_loss * DIVERGENCE_RATIO, self.best_loss + DIVERGENCE_MIN_RISE)
+        self.keep_through = self.best_step if far else None
         if self.good_steps <= DIVERGENCE_AFTER_STEPS:
             return
-        far = value > max(self.best_loss * DIVERGENCE_RATIO, self.best_loss + DIVERGENCE_MIN_RISE)
         if far and not self.diverging:
             self.metrics.event("divergence", step, loss=value, best_loss=self.best_loss)
             self.warning = (
                 f"the loss rose to {value:.3g} at step {step}, far above its best {self.best_loss:.3g} "
-                f"— lower optimizer.lr (now {self.recipe.optimizer.lr:g})"
+                f"— lower optimizer.lr (now {self.recipe.optimizer.lr:g}); the newest checkpoint from up to step "
+                f"{self.best_step}, the best loss, is kept while the loss stays high"
             )
         self.diverging = far
 

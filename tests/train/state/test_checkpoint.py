@@ -217,3 +217,13 @@ def test_a_temporary_whose_save_was_killed_before_the_manifest_is_not_put_in_pla
     said: list[str] = []
     remove_leftovers(tmp_path, said)
     assert names(tmp_path) == ["step-000002"] and "no manifest" in said[0]
+
+
+def test_while_the_loss_is_far_above_its_best_the_checkpoint_from_before_it_is_not_pruned(tmp_path):
+    """A diverged run (loss 60-244, no NaN) kept only the diverged checkpoints."""
+    for step in range(1, 7):
+        far = {"keep_through": 2} if step >= 4 else {}  # the best loss at step 2, far above it from step 4
+        save_checkpoint(FilesEngine(), tmp_path, LoopState(step=step, divergence=far), rank=0, keep_last=2)
+    assert names(tmp_path) == ["step-000002", "step-000005", "step-000006"]
+    save_checkpoint(FilesEngine(), tmp_path, LoopState(step=7, divergence={"keep_through": None}), rank=0, keep_last=2)
+    assert names(tmp_path) == ["step-000006", "step-000007"]  # the loss came back: pruned as before
