@@ -41,6 +41,8 @@ CACHE_VERSION = "1"
 STALE_S = 600
 SUMS_SUFFIX = ".sums.json"  # an entry's record of its files' sizes and checksums, written last
 FULL_HASH_BELOW_BYTES = 64 << 20  # entries smaller than this are hashed whole on every load
+# What the check found damaged in this process, for messages that weigh a damaged input (a run's NaN / divergence)
+_found_damaged: list[str] = []
 
 
 def default_cache_dir() -> Path:
@@ -147,6 +149,7 @@ def verified_entry(paths: list[Path]) -> bool:
         return False  # never written: nothing to say
     problem = entry_problem(paths)
     if problem is not None:
+        _found_damaged.append(f"{paths[0].parent / paths[0].name.split('.', 1)[0]}: {problem}")
         print(
             f"! token cache entry {paths[0].name.split('.', 1)[0][:12]}… in {paths[0].parent} {problem}: "
             "tokenising the data again",
@@ -154,6 +157,11 @@ def verified_entry(paths: list[Path]) -> bool:
             flush=True,
         )
     return problem is None
+
+
+def damaged_entries() -> tuple[str, ...]:
+    """The cache entries this process found damaged (and tokenised again): `<dir>/<key>: what was wrong`."""
+    return tuple(_found_damaged)
 
 
 def entry_problem(paths: list[Path]) -> str | None:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from memtrain.data.tokens.cache import damaged_entries
 from memtrain.errors import Problem, UserError
 from memtrain.model.layers import hf_model
 from memtrain.monitor.metrics import MetricsLog
@@ -178,6 +179,9 @@ class Guard:
         return Verdict(stop, True, loss, signum)
 
     def likely_cause(self) -> str:
+        return self._likely_setting() + damaged_input_note()
+
+    def _likely_setting(self) -> str:
         r = self.recipe
         if self.fp16:
             return (
@@ -209,7 +213,7 @@ class Guard:
             self.warning = (
                 f"the loss rose to {value:.3g} at step {step}, far above its best {self.best_loss:.3g} "
                 f"— lower optimizer.lr (now {self.recipe.optimizer.lr:g}); the newest checkpoint from up to step "
-                f"{self.best_step}, the best loss, is kept while the loss stays high"
+                f"{self.best_step}, the best loss, is kept while the loss stays high" + damaged_input_note()
             )
         self.diverging = far
 
@@ -226,6 +230,19 @@ class Guard:
         agreed = values.tolist()
         asked = [sig for sig, count in zip(STOP_SIGNALS, agreed) if count > 0]
         return (int(max(asked)) if asked else None), agreed[len(STOP_SIGNALS)] > 0, agreed[-1]
+
+
+def damaged_input_note() -> str:
+    """What a NaN or divergence message adds when the data check of this start found a damaged input: the token
+    cache's entries are rebuilt from the data files, which may be damaged the same way (the same disk, a copy)."""
+    found = damaged_entries()
+    if not found:
+        return ""
+    return (
+        f"; or a damaged input: {len(found)} token cache entr{'y' if len(found) == 1 else 'ies'} did not verify "
+        f"at start-up and {'was' if len(found) == 1 else 'were'} tokenised again ({found[0]}): check the data "
+        "files and the disk they are on"
+    )
 
 
 def _float(value) -> float | None:

@@ -229,6 +229,7 @@ def test_an_entry_whose_bytes_changed_at_the_same_size_is_tokenised_again_with_a
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and "token cache entry" in said[0] and "tokenising the data again" in said[0], said
     assert f"holds other bytes in {tokens_path.name}" in said[0] or "bytes in" in said[0]
+    assert cache.damaged_entries()[-1].startswith(f"{tmp_path / tokens_path.name.split('.')[0]}: holds")
     cached_tokens(corpus, "auto", "text", tokenizer, str(tmp_path))
     assert len(tokenize_calls) == 2 and capsys.readouterr().err == ""  # rebuilt whole: trusted again, silently
 
