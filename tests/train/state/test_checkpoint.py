@@ -227,3 +227,16 @@ def test_while_the_loss_is_far_above_its_best_the_checkpoint_from_before_it_is_n
     assert names(tmp_path) == ["step-000002", "step-000005", "step-000006"]
     save_checkpoint(FilesEngine(), tmp_path, LoopState(step=7, divergence={"keep_through": None}), rank=0, keep_last=2)
     assert names(tmp_path) == ["step-000006", "step-000007"]  # the loss came back: pruned as before
+
+
+def test_a_checkpoint_named_for_chat_or_eval_that_does_not_verify_is_refused_with_the_others_named(tmp_path):
+    from memtrain.train.state.saved_model import checkpoint_path
+
+    saved_run(tmp_path, steps=(2, 4))
+    assert checkpoint_path(tmp_path, "4") == tmp_path / "checkpoints" / "step-000004"
+    damage_zeros(tmp_path / "checkpoints" / "step-000004")
+    with pytest.raises(UserError) as raised:
+        checkpoint_path(tmp_path, "4")
+    [problem] = raised.value.problems
+    assert "does not verify" in problem.message and "checksum differs" in problem.message
+    assert problem.hint == "give another of the run's steps (2, 4)"
