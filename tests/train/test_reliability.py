@@ -15,7 +15,8 @@ from memtrain.cli import app
 from memtrain.commands.run import run_command
 from memtrain.train.optim.schedule import lr_multiplier
 from memtrain.train.resolve import RUN_FILE, RunOptions
-from memtrain.train.state.checkpoint import complete_checkpoints
+from memtrain.train.state.checkpoint import checkpoint_problem, complete_checkpoints
+from memtrain.train.state.manifest import MANIFEST_FILE
 from memtrain.train.state.resume import UNCOMPARED_DATA_NOTE
 from tests.conftest import read_records
 from tests.train.state.test_resume import conversations
@@ -295,6 +296,8 @@ def test_sigterm_to_the_launcher_of_two_processes_saves_and_leaves_no_process(wr
     [saved] = complete_checkpoints(run_dir)
     assert int(saved.name.split("-")[1]) == ends[-1]["step"]  # both ranks saved the same step
     assert (saved / "rng-rank1.pt").is_file()
+    manifest = json.loads((saved / MANIFEST_FILE).read_text())["files"]  # rank 0's manifest lists rank 1's files
+    assert {"rng-rank0.pt", "rng-rank1.pt"} <= set(manifest) and checkpoint_problem(saved) is None
     assert output.count("interrupted at step") == 1  # one line from rank 0, none from rank 1
     assert "Traceback" not in output
 
