@@ -157,10 +157,10 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                     break
             t.metrics.flush()
         # The end of the run stays under the loop's handlers: a first Ctrl-C / SIGTERM here lets the final
-        # evaluation and the export (part of saving) finish, and the run then ends "interrupted" with the
-        # signal's exit code, as a launcher of several processes reports it whatever its workers do; running
-        # again finds the model exported. A second Ctrl-C aborts at once, as during training.
-        status, exported = _finish(t, status, interrupted, progress)
+        # evaluation and the export (part of saving) finish; with the model exported the run is done (exit 0, the
+        # line says the stop came during the export), and a rerun finds nothing to do. A second Ctrl-C aborts at
+        # once, as during training: final/ is then not there, and the rerun exports from the last checkpoint.
+        status, exported, stopped_after_export = _finish(t, status, interrupted, progress)
     return RunResult(
         status=status,
         step=state.step,
@@ -170,6 +170,7 @@ def train(t: Training, quiet: bool = False) -> RunResult:
         signum=interrupted.signum,
         warning=guard.warning,
         saved=t.options.save,
+        stopped_after_export=stopped_after_export,
     )
 
 
@@ -256,7 +257,9 @@ def _evaluate(t: Training, progress: Progress) -> float:
 
 
 def _finish(t: Training, status: str, interrupted: Interrupted, progress: Progress):
-    """After the last step: the final generation score, the export, the end record. Returns (status, exported)."""
+    """After the last step: the final generation score, the export, the end record. Returns (status, exported, the
+    signal that asked to stop while the export ran, which then finished: None when none did). A run whose model is
+    exported whole is done, whenever the signal came: a rerun would find nothing to do."""
     r, run, state = t.recipe, t.run, t.state
     if status == "done" and state.step < run.total_steps:
         status = "stopped"
@@ -271,8 +274,12 @@ def _finish(t: Training, status: str, interrupted: Interrupted, progress: Progre
         except UserError:  # could not write (full, read-only): the run's end is on record for `report`
             t.metrics.event("run", state.step, event="end", status="export_failed")
             raise
+    stopped_after_export = None
     if interrupted.requested and status in ("done", "stopped"):  # the signal came after the last step's verdict
-        status = "interrupted"
+        if status == "done" and exported is not None:  # final/ is whole: nothing is left for a rerun to do
+            stopped_after_export = interrupted.signum
+        else:
+            status = "interrupted"
     t.metrics.event(
         "run",
         state.step,
@@ -280,7 +287,7 @@ def _finish(t: Training, status: str, interrupted: Interrupted, progress: Progre
         status=status,
         **({"exported": str(exported)} if exported is not None and status != "done" else {}),
     )
-    return status, exported
+    return status, exported, stopped_after_export
 
 
 def _data_fields(t: Training) -> dict:

@@ -15,7 +15,8 @@ from memtrain.cli import app
 from memtrain.commands.run import run_command
 from memtrain.train.optim.schedule import lr_multiplier
 from memtrain.train.resolve import RUN_FILE, RunOptions
-from memtrain.train.state.checkpoint import complete_checkpoints
+from memtrain.train.state.checkpoint import checkpoint_problem, complete_checkpoints
+from memtrain.train.state.manifest import MANIFEST_FILE
 from memtrain.train.state.resume import UNCOMPARED_DATA_NOTE
 from tests.conftest import read_records
 from tests.train.state.test_resume import conversations
@@ -295,6 +296,8 @@ def test_sigterm_to_the_launcher_of_two_processes_saves_and_leaves_no_process(wr
     [saved] = complete_checkpoints(run_dir)
     assert int(saved.name.split("-")[1]) == ends[-1]["step"]  # both ranks saved the same step
     assert (saved / "rng-rank1.pt").is_file()
+    manifest = json.loads((saved / MANIFEST_FILE).read_text())["files"]  # rank 0's manifest lists rank 1's files
+    assert {"rng-rank0.pt", "rng-rank1.pt"} <= set(manifest) and checkpoint_problem(saved) is None
     assert output.count("interrupted at step") == 1  # one line from rank 0, none from rank 1
     assert "Traceback" not in output
 
@@ -444,8 +447,9 @@ def test_a_loss_that_blows_up_from_the_first_step_is_reported_as_diverged(write_
 
 
 def test_ctrl_c_during_the_final_export_lets_it_finish_and_a_second_one_aborts(write_recipe, monkeypatch):
-    """The end of the run is under the loop's handlers. A real SIGINT reaches this process at
-    the start of the real export."""
+    """The end of the run is under the loop's handlers. A real signal reaches this process at the start of the real
+    export. SIGTERM there said "run the same command again to resume" with exit 143 though final/ was complete: a
+    run whose export finished is done, and says the stop came during it."""
     import os
     import signal
 
@@ -455,25 +459,26 @@ def test_ctrl_c_during_the_final_export_lets_it_finish_and_a_second_one_aborts(w
     presses = []
 
     def press_then_export(*args, **kwargs):
-        for _ in presses:
-            os.kill(os.getpid(), signal.SIGINT)
+        for signum in presses:
+            os.kill(os.getpid(), signum)
         return export(*args, **kwargs)
 
     monkeypatch.setattr(loop, "export_model", press_then_export)
     recipe = write_recipe("ctrlc-export", {"train": {"steps": 4, "save_every": 100, "eval_every": 100}})
-    presses[:] = [1]
+    presses[:] = [signal.SIGTERM]
     code, said = run(recipe)
-    assert code == 130, said
-    assert "interrupted at step 4" in said and "before the run could save" not in said, said
+    assert code == 0, said
+    assert "trained 4 steps" in said and "stopped by SIGTERM during the export, which finished" in said, said
+    assert "run the same command" not in said
     run_dir = run_dir_of(recipe)
     assert (run_dir / "final" / "adapter_config.json").is_file() or any((run_dir / "final").iterdir())
     [end] = [r for r in read_records(run_dir, "run") if r.get("event") == "end"]
-    assert end["status"] == "interrupted" and end["exported"] == str(run_dir / "final")
+    assert end["status"] == "done"
     code, said = run(recipe)
     assert code == 0 and "already trained" in said, said
 
     twice = write_recipe("ctrlc-export-twice", {"train": {"steps": 4, "save_every": 100, "eval_every": 100}})
-    presses[:] = [1, 2]
+    presses[:] = [signal.SIGINT, signal.SIGINT]
     code, said = run(twice)
     assert code == 130 and "stopped by Ctrl-C before the run could save" in said, said
     assert not (run_dir_of(twice) / "final").exists()
@@ -612,3 +617,54 @@ def test_a_worker_killed_with_sigkill_is_named_and_the_run_ends_with_the_peer_lo
     assert "Traceback" not in output and "Connection reset" not in output and "frame #" not in output, output[-3000:]
     said = [line for line in output.splitlines() if "rank 1 (node 0)" in line]
     assert len(said) == 1 and "killed by SIGKILL" in said[0] and "run the same command" in said[0], output[-3000:]
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_line_and_the_run_resumes_exactly_from_the_one_before(
+    write_recipe,
+):
+    """64 KB of zeros in the newest checkpoint's model states loaded silently (the weights off by up to 4e-3), and a
+    truncated one gave a zip-reader traceback at every rerun. The newest that verifies is resumed instead."""
+    recipe = write_recipe("damaged", {"train": {"steps": 8, "save_every": 2, "keep_last": 3, "eval_every": 100}})
+    assert run(recipe, max_steps=6)[0] == 0
+    run_dir = run_dir_of(recipe)
+    before = {r["step"]: r["loss"] for r in read_records(run_dir, "train")}
+    [model] = (run_dir / "checkpoints" / "step-000006").rglob("mp_rank_00_model_states.pt")
+    with open(model, "r+b") as handle:
+        handle.seek(model.stat().st_size // 3)
+        handle.write(b"\0" * min(65536, model.stat().st_size // 3))
+    code, said = run(recipe)
+    assert code == 0, said
+    assert "skipped checkpoints that do not verify" in said and "step-000006 (state/mp_rank_00_model_states.pt" in said
+    assert "resuming from step 4 (checkpoint" in said, said
+    after = {r["step"]: r["loss"] for r in read_records(run_dir, "train")}
+    assert sorted(after) == list(range(1, 9))
+    assert [after[s] for s in (5, 6)] == [before[s] for s in (5, 6)]  # redone from step 4, exactly
+    assert (run_dir / "checkpoints" / "corrupt-step-000006").is_dir()
+
+    for checkpoint_dir in complete_checkpoints(run_dir):  # none verifies now: a line and exit 2, nothing moved
+        (checkpoint_dir / "memtrain_state.json").write_text("{garbled")
+    kept = [p.name for p in complete_checkpoints(run_dir)]
+    refused = cli(recipe, "train.steps=12")
+    assert refused.exit_code == 2, refused.output
+    assert "no checkpoint in" in refused.output and "verifies" in refused.output
+    assert "Traceback" not in refused.output and "JSONDecodeError" not in refused.output
+    assert [p.name for p in complete_checkpoints(run_dir)] == kept
+
+
+def test_a_diverged_run_keeps_its_last_checkpoint_from_before_the_loss_rose(write_recipe):
+    """With lr 0.9 the loss is far above step 1's from step 2 on; pruning to keep_last=1 kept only diverged ones."""
+    recipe = write_recipe(
+        "diverged-kept",
+        {
+            "optimizer": {"lr": 0.9},
+            "schedule": {"warmup_steps": 0},
+            "train": {"steps": 8, "save_every": 1, "keep_last": 1, "eval_every": 100},
+        },
+    )
+    code, said = run(recipe)
+    assert code == 0, said
+    run_dir = run_dir_of(recipe)
+    losses = {r["step"]: r["loss"] for r in read_records(run_dir, "train")}
+    assert min(losses, key=losses.get) == 1 and all(losses[s] > 1.5 * losses[1] for s in range(2, 9))
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step-000001", "step-000008"]
+    assert "step 1, the best loss, is kept" in said.splitlines()[-1]

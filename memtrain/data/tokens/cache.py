@@ -2,7 +2,16 @@
 
 Two files per key: `<key>.tokens.npy` (all documents end to end, an eos after each) and
 `<key>.doc_ends.npy` (the end offset of each document, so unpacked datasets need no eos scan).
-The tokens file is written last and is the sign that an entry is complete.
+The tokens file is written after the ends file; last comes `<key>.sums.json`, each file's size, sha256 and
+modification time as written (hashed while it is written, so it costs no second read), the sign that an entry is
+complete (`write_entry`, also for tokenized.py's entries).
+
+Before an entry is used (`entry_problem`) each file's size is compared with the record, always; the bytes are hashed
+again when the entry is small (FULL_HASH_BELOW_BYTES: ~0.1 s at sha256's ~650 MB/s) or when a file's modification
+time is not the one recorded. Any write through the filesystem (a zero-fill, random bytes, a copy, a partial rewrite)
+changes it, so a multi-GB entry left as written loads without reading all of it, and one that was touched is checked
+whole. An entry that does not verify, or one without the record (an older memtrain's), is tokenised again with a
+one-line note: it is derived data, so rebuilding is always right.
 """
 
 from __future__ import annotations
@@ -10,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +39,10 @@ from memtrain.files import atomic_path, leftovers_in, write_atomically
 CACHE_VERSION = "1"
 # A killed write's temporary this old is removed by the next write of its entry (np.save keeps a live one fresh).
 STALE_S = 600
+SUMS_SUFFIX = ".sums.json"  # an entry's record of its files' sizes and checksums, written last
+FULL_HASH_BELOW_BYTES = 64 << 20  # entries smaller than this are hashed whole on every load
+# What the check found damaged in this process, for messages that weigh a damaged input (a run's NaN / divergence)
+_found_damaged: list[str] = []
 
 
 def default_cache_dir() -> Path:
@@ -111,8 +126,8 @@ def _ensure(spec, fmt, field, tokenizer, cache_dir) -> tuple[Path, Path]:
 
 
 def _complete(tokens_path: Path, ends_path: Path) -> bool:
-    """Both files exist and load; a damaged entry (disk full, manual edits) counts as missing."""
-    if not (tokens_path.exists() and ends_path.exists()):
+    """Both files exist, verify and load; a damaged entry (disk full, manual edits) counts as missing."""
+    if not verified_entry([tokens_path, ends_path]):
         return False
     try:
         tokens = np.load(tokens_path, mmap_mode="r")
@@ -122,8 +137,74 @@ def _complete(tokens_path: Path, ends_path: Path) -> bool:
     return len(ends) > 0 and int(ends[-1]) == len(tokens)
 
 
+def sums_path(path: Path) -> Path:
+    """The record of sizes and checksums of the entry `path` (`<key>.<name>`) belongs to."""
+    return path.with_name(path.name.split(".", 1)[0] + SUMS_SUFFIX)
+
+
+def verified_entry(paths: list[Path]) -> bool:
+    """Whether the entry of `paths` is there and verifies (`entry_problem`); when some of it is there but it does
+    not verify, a line says so and that it is tokenised again (the caller rebuilds it)."""
+    if not any(path.exists() for path in [*paths, sums_path(paths[0])]):
+        return False  # never written: nothing to say
+    problem = entry_problem(paths)
+    if problem is not None:
+        _found_damaged.append(f"{paths[0].parent / paths[0].name.split('.', 1)[0]}: {problem}")
+        print(
+            f"! token cache entry {paths[0].name.split('.', 1)[0][:12]}… in {paths[0].parent} {problem}: "
+            "tokenising the data again",
+            file=sys.stderr,
+            flush=True,
+        )
+    return problem is None
+
+
+def damaged_entries() -> tuple[str, ...]:
+    """The cache entries this process found damaged (and tokenised again): `<dir>/<key>: what was wrong`."""
+    return tuple(_found_damaged)
+
+
+def entry_problem(paths: list[Path]) -> str | None:
+    """Why the entry holding `paths` cannot be used, said for people, or None when it verifies (see the module doc)."""
+    record = sums_path(paths[0])
+    try:
+        listed = {
+            name: (int(entry["bytes"]), str(entry["sha256"]), int(entry["mtime_ns"]))
+            for name, entry in json.loads(record.read_text()).items()
+        }
+    except FileNotFoundError:
+        return "has no record of its checksums (written by an older memtrain, or its write was killed)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"has an unreadable {record.name}"
+    missing = [path.name for path in paths if path.name not in listed]
+    if missing:
+        return f"has no checksum of {missing[0]}"
+    stats = {}
+    for name, (size, _, _) in listed.items():
+        try:
+            stats[name] = (record.parent / name).stat()
+        except OSError:
+            return f"is missing {name}"
+        if stats[name].st_size != size:
+            return f"holds {stats[name].st_size:,} bytes in {name}, {size:,} were written"
+    whole = sum(size for size, _, _ in listed.values()) < FULL_HASH_BELOW_BYTES
+    for name, (_, digest, mtime_ns) in listed.items():
+        if (whole or stats[name].st_mtime_ns != mtime_ns) and _sha256(record.parent / name) != digest:
+            return f"holds other bytes in {name} than were written (its checksum differs)"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_entry(files: list[tuple[Path, np.ndarray | str]]) -> None:
-    """Write a cache entry's files in order, the last one marking the entry complete; each is whole or absent.
+    """Write a cache entry's files in order, then the record of their sizes and checksums (`sums_path`), which marks
+    the entry complete; each file is whole or absent.
 
     Temporaries that killed writes left in the cache (of any entry) go first, once older than STALE_S, so a write
     under way in another process is left alone. When a file cannot be written, the entry's files written so
@@ -137,12 +218,19 @@ def write_entry(files: list[tuple[Path, np.ndarray | str]]) -> None:
             with contextlib.suppress(OSError):
                 if time.time() - stale.stat().st_mtime > STALE_S:
                     stale.unlink()
+        sums = {}
         for path, content in files:
             if isinstance(content, str):
                 write_atomically(path, content)
+                digest = hashlib.sha256(content.encode()).hexdigest()
             else:
-                save_atomic(path, content)
+                digest = save_atomic(path, content)
             written.append(path)
+            stat = path.stat()
+            sums[path.name] = {"bytes": stat.st_size, "sha256": digest, "mtime_ns": stat.st_mtime_ns}
+        record = sums_path(files[0][0])
+        write_atomically(record, json.dumps(sums, indent=1))
+        written.append(record)
     except (OSError, UserError) as err:
         for path in written:
             path.unlink(missing_ok=True)
@@ -188,7 +276,21 @@ def _room(directory: Path) -> float:
         return float("inf")
 
 
-def save_atomic(path: Path, array: np.ndarray) -> None:
-    """Readers see all of the array or nothing (np.save to a path would also append .npy to the temporary name)."""
+def save_atomic(path: Path, array: np.ndarray) -> str:
+    """Readers see all of the array or nothing (np.save to a path would also append .npy to the temporary name).
+    Returns the sha256 of the file's bytes, hashed as they are written."""
     with atomic_path(path) as tmp, open(tmp, "wb") as handle:
-        np.save(handle, array)
+        hashing = _Hashing(handle)
+        np.save(hashing, array)
+    return hashing.digest.hexdigest()
+
+
+class _Hashing:
+    """A file that hashes what is written to it (np.save then writes in 16 MiB chunks through `write`)."""
+
+    def __init__(self, handle):
+        self.handle, self.digest = handle, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.handle.write(data)

@@ -1,8 +1,9 @@
 """One dataset of a recipe's list, tokenised: every sample's token ids and target flags, cached on disk.
 
 A cache entry is three .npy files per key: `<key>.ends.npy` (each sample's end offset), `<key>.targets.npy`
-(uint8, 1 where the token is a target) and `<key>.tokens.npy`, written in that order, each atomically; the
-tokens file is the sign that an entry is complete. The key covers the data's bytes, the dataset's
+(uint8, 1 where the token is a target) and `<key>.tokens.npy`, written in that order, each atomically, then the
+record of their sizes and checksums (cache.write_entry), the sign that an entry is complete and checked before it is
+used: a damaged entry is tokenised again. The key covers the data's bytes, the dataset's
 options (type, field names, roles, split), the tokenizer, and for conversations the template and the
 target policy. seq_len, truncation, weights and packing are not in it: they are applied to the cached
 samples when the dataset is assembled (mixture.py), so changing them re-tokenises nothing.
@@ -35,7 +36,7 @@ from memtrain.data.read.records import dataset_fingerprint, read_records, record
 from memtrain.data.render.chat import CHAT_ENCODING_VERSION, ConversationEncoder
 from memtrain.data.render.pairs import PairEncoder
 from memtrain.data.render.templates import ChatTemplate
-from memtrain.data.tokens.cache import cache_dir_of, token_dtype, write_entry
+from memtrain.data.tokens.cache import cache_dir_of, token_dtype, verified_entry, write_entry
 from memtrain.data.tokens.long_text import encode_documents
 from memtrain.data.tokens.parallel import map_batches
 from memtrain.data.tokens.progress import report
@@ -423,8 +424,9 @@ def _cache_key(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, rules: Sam
 
 
 def _load(paths: dict[str, Path], notes: Path) -> Tokenized | None:
-    """The entry memory-mapped, or None when it is missing or damaged (disk full, manual edits)."""
-    if not all(p.exists() for p in paths.values()):
+    """The entry memory-mapped, or None when it is missing or damaged (disk full, manual edits): its files must be
+    those its record of checksums lists (cache.verified_entry, which says so when they are not)."""
+    if not verified_entry(list(paths.values())):
         return None
     try:
         arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}

@@ -24,6 +24,7 @@ class RunResult:
     warning: str | None = None  # something to say even though it trained to the end (the loss diverged)
     saved: bool = True  # False under --no-save: no checkpoint was written
     max_steps_left: int | None = None  # "restart": the --max-steps of the next attempt (the same stop step)
+    stopped_after_export: int | None = None  # "done": a signal asked to stop during the export, which finished
 
     @property
     def exit_code(self) -> int:
@@ -38,7 +39,13 @@ class RunResult:
         """One line saying how the run ended and what to do next."""
         if self.status == "done":
             where = f"model in {self.exported}" if self.exported else f"metrics in {self.run_dir} (--no-save)"
-            return f"trained {self.step} step{'s' if self.step != 1 else ''}; {where}" + (
+            stop = (
+                f" (stopped by {_signal_name(self.stopped_after_export)} during the export, which finished: "
+                "the model is complete, nothing is left to run)"
+                if self.stopped_after_export is not None
+                else ""
+            )
+            return f"trained {self.step} step{'s' if self.step != 1 else ''}; {where}{stop}" + (
                 f"; but {self.warning}" if self.warning else ""
             )
         if self.status == "restart":
@@ -53,3 +60,7 @@ class RunResult:
                 "run without --max-steps to continue"
             )
         return f"interrupted at step {self.step}; checkpoint in {checkpoints} — run the same command again to resume"
+
+
+def _signal_name(signum: int) -> str:
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name

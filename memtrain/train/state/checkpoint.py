@@ -13,6 +13,14 @@ after it: before, to keep_last - 1 (at least 1), so the disk holds at most max(k
 checkpoints at once, and a lower keep_last frees room for the very save that ran out of it.
 `memtrain_state.json` also records the recipe the checkpoint was trained with, so a resume can tell what
 changed (memtrain.train.state.resume).
+
+After the state file comes the manifest (manifest.py: each file's size and checksum), written last and atomically.
+A checkpoint is trusted only when it verifies (`checkpoint_problem`): its state file reads, and its files are those
+its manifest lists. Before a resume, `set_aside_unverified` moves the newest checkpoints that do not verify to
+`corrupt-step-NNNNNN/` (nothing is deleted: a file put back makes it whole again) and the run resumes from the newest
+that does; a `.tmp-` directory is put in place only when its manifest is there and verifies. A checkpoint of an older
+memtrain has no manifest: it is accepted as before, once its state file reads and each torch file in it is a whole
+archive (a truncated or empty one is not).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import os
 import random
 import re
 import shutil
+import zipfile
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -30,12 +39,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from memtrain.errors import Problem, UserError
 from memtrain.train.optim.in_backward import StepInBackward
 from memtrain.train.runtime.distributed import barrier
+from memtrain.train.state.manifest import has_manifest, manifest_problem, write_manifest
 
 DS_TAG = "state"
 STATE_FILE = "memtrain_state.json"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
+CORRUPT_PREFIX = "corrupt-"  # where a checkpoint that does not verify is moved aside
 
 
 @dataclass
@@ -96,20 +108,26 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def remove_leftovers(run_dir: Path) -> list[Path]:
+def remove_leftovers(run_dir: Path, said: list[str] | None = None) -> list[Path]:
     """Delete what killed saves and prunes left: `.tmp-`/`.del-` directories and `step-` directories
     without their state file (a partial prune by an older memtrain). Returns what was removed.
 
-    A `.tmp-step-N` that holds its state file (written last) is complete; when `step-N` is missing it is
-    renamed into place, not deleted: a save of a step that already had a checkpoint was killed between
-    moving the old copy aside and renaming the new one in, and it is that step's only complete copy."""
+    A `.tmp-step-N` whose manifest (written last) is there and verifies is complete; when `step-N` is missing it is
+    renamed into place, not deleted: a save of a step that already had a checkpoint was killed between moving the old
+    copy aside and renaming the new one in, and it is that step's only complete copy. One that holds a state file
+    but does not verify is removed, and a line for people saying why goes to `said`."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
     for tmp in root.glob(".tmp-step-*"):
         final = root / tmp.name[len(".tmp-") :]
-        if _STEP_DIR.match(final.name) and (tmp / STATE_FILE).is_file() and not final.exists():
+        if not _STEP_DIR.match(final.name) or not (tmp / STATE_FILE).is_file() or final.exists():
+            continue
+        problem = checkpoint_problem(tmp) or (None if has_manifest(tmp) else "its save did not finish (no manifest)")
+        if problem is None:
             os.replace(tmp, final)
+        elif said is not None:
+            said.append(f"removed {tmp.name}, a save killed before it was complete: {problem}")
     stale = [
         p
         for p in root.iterdir()
@@ -122,6 +140,71 @@ def remove_leftovers(run_dir: Path) -> list[Path]:
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return stale
+
+
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """Why `checkpoint` cannot be trusted (said for people), or None when it verifies: its state file reads and
+    names its step, and its files are those its manifest lists. Without a manifest (a checkpoint of an older
+    memtrain) each torch file must be a whole archive: torch writes its zip's directory last, so a truncated or
+    empty file has none."""
+    try:
+        state = json.loads((checkpoint / STATE_FILE).read_text())
+        step = int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its {STATE_FILE} is not readable"
+    named = re.search(r"step-(\d{6,})$", checkpoint.name)
+    if named and int(named.group(1)) != step:
+        return f"its {STATE_FILE} is of step {step}"
+    if has_manifest(checkpoint):
+        return manifest_problem(checkpoint)
+    for path in sorted(checkpoint.rglob("*.pt")):
+        try:
+            with zipfile.ZipFile(path):
+                pass
+        except (OSError, zipfile.BadZipFile):
+            return f"{path.relative_to(checkpoint).as_posix()} is not a whole torch file (truncated or empty)"
+    return None
+
+
+def set_aside_unverified(run_dir: Path) -> list[str]:
+    """Before a resume: move the newest checkpoints that do not verify aside (`corrupt-step-N/`), so the newest one
+    left is one that does; returns the line that says which were skipped and why ([] when the newest verifies).
+    Raises UserError when none verifies: the run cannot resume, and starting over is the user's choice. Rank 0,
+    with the run directory's lock held."""
+    found = complete_checkpoints(run_dir)
+    bad: list[tuple[Path, str]] = []
+    for checkpoint in reversed(found):
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
+            break
+        bad.append((checkpoint, problem))
+    else:
+        if bad:
+            raise UserError(
+                Problem(
+                    f"no checkpoint in {checkpoint_root(run_dir)} verifies, so the run cannot resume: "
+                    + "; ".join(f"{path.name}: {problem}" for path, problem in bad),
+                    key="train.output_dir",
+                    hint="put back the checkpoint's files from a copy, or start over: --no-resume --overwrite moves "
+                    "this run aside (or train elsewhere: train.output_dir=runs/NEW)",
+                )
+            )
+    if not bad:
+        return []
+    moved = [(path, problem, _set_aside(path)) for path, problem in bad]
+    return [
+        "skipped checkpoints that do not verify, moved aside (delete them once you no longer need them): "
+        + "; ".join(f"{path.name} ({problem}) → {aside.name}" for path, problem, aside in moved)
+    ]
+
+
+def _set_aside(checkpoint: Path) -> Path:
+    aside, n = checkpoint.with_name(CORRUPT_PREFIX + checkpoint.name), 1
+    while aside.exists():
+        n += 1
+        aside = checkpoint.with_name(f"{CORRUPT_PREFIX}{checkpoint.name}-{n}")
+    os.replace(checkpoint, aside)
+    return aside
 
 
 def _device_sub_groups(engine) -> tuple[object, dict[int, torch.Tensor]]:
@@ -173,7 +256,7 @@ def save_checkpoint(
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         remove_leftovers(run_dir)
-        prune(run_dir, kept_while_saving(keep_last))
+        prune(run_dir, kept_while_saving(keep_last), kept_through(state))
         tmp.mkdir()
     barrier()
     engine.save_checkpoint(str(tmp), tag=DS_TAG)
@@ -189,6 +272,8 @@ def save_checkpoint(
         state_path.write_text(json.dumps(asdict(state), indent=2))
         with open(state_path) as handle:
             os.fsync(handle.fileno())
+        # last, atomically: a save killed before this has no manifest, and is never put in place (remove_leftovers)
+        write_manifest(tmp)
         if final.exists():  # a save of the same step (e.g. after an OOM): the old copy stays whole until replaced
             old = _doomed(final)
             os.replace(final, old)
@@ -196,7 +281,7 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        prune(run_dir, keep_last)
+        prune(run_dir, keep_last, kept_through(state))
     barrier()
     return final
 
@@ -207,14 +292,25 @@ def kept_while_saving(keep_last: int) -> int:
     return max(keep_last - 1, 1)
 
 
-def prune(run_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints (rank 0); returns what was deleted."""
-    pruned = complete_checkpoints(run_dir)[:-keep]
+def prune(run_dir: Path, keep: int, keep_through: int | None = None) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints (rank 0); returns what was deleted. `keep_through`: a
+    step whose newest checkpoint at or before it stays too (the guard's last one from before the loss diverged,
+    LoopState.divergence)."""
+    found = complete_checkpoints(run_dir)
+    kept_old = [p for p in found if keep_through is not None and step_of_name(p) <= keep_through][-1:]
+    pruned = [p for p in found[:-keep] if p not in kept_old]
     for old in pruned:
         doomed = _doomed(old)
         os.replace(old, doomed)  # never a step- directory with part of its files
         shutil.rmtree(doomed, ignore_errors=True)
     return pruned
+
+
+def kept_through(state: LoopState) -> int | None:
+    """The step through which pruning keeps a checkpoint beside the newest ones (see `prune`), from the guard's
+    saved state; None in checkpoints from before it or while the loss is not far above its best."""
+    step = (state.divergence or {}).get("keep_through")
+    return int(step) if isinstance(step, int) else None
 
 
 def _doomed(checkpoint: Path) -> Path:

@@ -14,7 +14,8 @@ it so:
   about to redo), so metrics.jsonl holds each step once and `memtrain report` reads one history.
 
 What killed saves and exports left (checkpoint.remove_leftovers, and the temporaries beside final/) is
-removed at start-up, under the lock, before the resume looks for the newest checkpoint.
+removed at start-up, under the lock, before the resume looks for the newest checkpoint; then the newest checkpoints
+that do not verify are moved aside (checkpoint.set_aside_unverified), so every rank resumes from one that does.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from memtrain.errors import Problem, UserError
 from memtrain.files import cannot_create, leftovers, write_atomically
 from memtrain.monitor.metrics import METRICS_FILE
 from memtrain.train.resolve import RunOptions
-from memtrain.train.state.checkpoint import complete_checkpoints, remove_leftovers
+from memtrain.train.state.checkpoint import complete_checkpoints, remove_leftovers, set_aside_unverified
 
 FINAL_DIR = "final"
 TENSORBOARD_DIR = "tensorboard"
@@ -132,17 +133,19 @@ def archive_run(run_dir: Path) -> Path:
 def claim_run_dir(run_dir: Path, options: RunOptions, lock: RunDirLock | None = None) -> list[str]:
     """Make `run_dir` this run's before anything is written; return what was done, for people.
 
-    Raises UserError for `--no-resume` into a directory that holds a run, unless `--overwrite`. `lock`, held on
-    `run_dir`, is taken again on the new directory when --overwrite moves the old one (and its lock file) aside.
+    Raises UserError for `--no-resume` into a directory that holds a run, unless `--overwrite`, and for a resume
+    when no checkpoint verifies. `lock`, held on `run_dir`, is taken again on the new directory when --overwrite
+    moves the old one (and its lock file) aside.
     """
     run_dir = Path(run_dir)
     if not run_dir.exists():
         return []
+    said: list[str] = []
     if not options.overwrite:  # --overwrite moves them aside with the rest
-        remove_leftovers(run_dir)  # before the resume looks for the newest checkpoint: it may finish a killed save
+        remove_leftovers(run_dir, said)  # before the resume picks a checkpoint: it may finish a killed save
         remove_export_leftovers(run_dir)
     if options.resume and not options.overwrite:
-        return []
+        return said + set_aside_unverified(run_dir)
     if options.overwrite:
         if not _contents(run_dir):
             return []
@@ -163,7 +166,7 @@ def claim_run_dir(run_dir: Path, options: RunOptions, lock: RunDirLock | None = 
                 f"with --overwrite (the old run is moved to {run_dir.name}.previous-DATE beside it)",
             )
         )
-    return []
+    return said
 
 
 def remove_export_leftovers(run_dir: Path) -> list[Path]:

@@ -27,7 +27,7 @@ from memtrain.model.merge import load_base
 from memtrain.model.peft_quiet import peft_quietly
 from memtrain.recipe.schema import Recipe
 from memtrain.train.resolve import RUN_FILE, ResolvedRun
-from memtrain.train.state.checkpoint import DS_TAG, checkpoint_dir, complete_checkpoints
+from memtrain.train.state.checkpoint import DS_TAG, checkpoint_dir, checkpoint_problem, complete_checkpoints
 
 _MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's module state (rank 0), beside its optimizer states
 _WRAPPER_PREFIX = "model."  # the engine's module is memtrain's TrainableLM, the model inside it under `model`
@@ -121,9 +121,17 @@ def final_model(final: Path, recipe: Recipe, run_dir: Path, dtype: torch.dtype) 
 def checkpoint_path(run_dir: Path, checkpoint: str) -> Path:
     """A checkpoint named by its step (20) or its directory; UserError listing the run's when there is none."""
     directory = checkpoint_dir(run_dir, int(checkpoint)) if checkpoint.isdigit() else Path(checkpoint)
-    if (directory / DS_TAG / _MODEL_STATES).is_file():
-        return directory
     steps = [p.name.removeprefix("step-").lstrip("0") or "0" for p in complete_checkpoints(run_dir)]
+    if (directory / DS_TAG / _MODEL_STATES).is_file():
+        problem = checkpoint_problem(directory)  # its files are those it was saved with, not a damaged copy
+        if problem is None:
+            return directory
+        raise UserError(
+            Problem(
+                f"the checkpoint {directory} does not verify: {problem}",
+                hint=f"give another of the run's steps ({', '.join(steps)})",
+            )
+        )
     raise UserError(
         Problem(
             f"there is no complete checkpoint '{checkpoint}' in {run_dir}",

@@ -14,6 +14,10 @@ step 1's loss and is reported once the grace is over. The best loss, the steps s
 under way are saved in checkpoints (LoopState.divergence), so a resumed run warns exactly as an uninterrupted one
 would: a loss that rose before the stop is still far above the best from before it.
 
+While the loss is far above its best (in the grace steps too: a loss far from step 2 on was pruned away before the
+warning), the state names the step of the best loss (`keep_through`): pruning then keeps the newest checkpoint at or
+before it beside the newest keep_last (checkpoint.prune), so a run that diverged still has one from before.
+
 With several processes the verdict is agreed by one all-reduce per step (a sum of: one stop count per
 stop signal, a bad-step count, the token-loss sum), so every rank saves, stops or goes on at the same
 step, reports the same signal (SIGTERM over SIGINT: 128 + it on every rank, also on those no signal
@@ -29,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from memtrain.data.tokens.cache import damaged_entries
 from memtrain.errors import Problem, UserError
 from memtrain.model.layers import hf_model
 from memtrain.monitor.metrics import MetricsLog
@@ -120,11 +125,19 @@ class Guard:
         self.best_loss: float | None = saved.get("best_loss")
         self.good_steps = int(saved.get("good_steps", 0))
         self.diverging = bool(saved.get("diverging", False))
+        self.best_step: int | None = saved.get("best_step")
+        self.keep_through: int | None = saved.get("keep_through")  # see the module doc
         self.warning: str | None = None  # for the run's last line: the loss diverged at some point
 
     def state_dict(self) -> dict:
         """What a resumed run's guard continues from (saved in LoopState.divergence)."""
-        return {"best_loss": self.best_loss, "good_steps": self.good_steps, "diverging": self.diverging}
+        return {
+            "best_loss": self.best_loss,
+            "good_steps": self.good_steps,
+            "diverging": self.diverging,
+            "best_step": self.best_step,
+            "keep_through": self.keep_through,
+        }
 
     def after_step(
         self, step: int, loss_sum: torch.Tensor, targets: int, engine, skipped_before: int, stop_signum: int | None
@@ -166,6 +179,9 @@ class Guard:
         return Verdict(stop, True, loss, signum)
 
     def likely_cause(self) -> str:
+        return self._likely_setting() + damaged_input_note()
+
+    def _likely_setting(self) -> str:
         r = self.recipe
         if self.fp16:
             return (
@@ -187,15 +203,17 @@ class Guard:
         nor start an episode: a loss already far by step 2 must still be reported after the grace."""
         self.good_steps += 1
         if self.best_loss is None or value < self.best_loss:
-            self.best_loss = value
+            self.best_loss, self.best_step = value, step
+        far = value > max(self.best_loss * DIVERGENCE_RATIO, self.best_loss + DIVERGENCE_MIN_RISE)
+        self.keep_through = self.best_step if far else None
         if self.good_steps <= DIVERGENCE_AFTER_STEPS:
             return
-        far = value > max(self.best_loss * DIVERGENCE_RATIO, self.best_loss + DIVERGENCE_MIN_RISE)
         if far and not self.diverging:
             self.metrics.event("divergence", step, loss=value, best_loss=self.best_loss)
             self.warning = (
                 f"the loss rose to {value:.3g} at step {step}, far above its best {self.best_loss:.3g} "
-                f"— lower optimizer.lr (now {self.recipe.optimizer.lr:g})"
+                f"— lower optimizer.lr (now {self.recipe.optimizer.lr:g}); the newest checkpoint from up to step "
+                f"{self.best_step}, the best loss, is kept while the loss stays high" + damaged_input_note()
             )
         self.diverging = far
 
@@ -212,6 +230,19 @@ class Guard:
         agreed = values.tolist()
         asked = [sig for sig, count in zip(STOP_SIGNALS, agreed) if count > 0]
         return (int(max(asked)) if asked else None), agreed[len(STOP_SIGNALS)] > 0, agreed[-1]
+
+
+def damaged_input_note() -> str:
+    """What a NaN or divergence message adds when the data check of this start found a damaged input: the token
+    cache's entries are rebuilt from the data files, which may be damaged the same way (the same disk, a copy)."""
+    found = damaged_entries()
+    if not found:
+        return ""
+    return (
+        f"; or a damaged input: {len(found)} token cache entr{'y' if len(found) == 1 else 'ies'} did not verify "
+        f"at start-up and {'was' if len(found) == 1 else 'were'} tokenised again ({found[0]}): check the data "
+        "files and the disk they are on"
+    )
 
 
 def _float(value) -> float | None:

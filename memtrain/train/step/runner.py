@@ -28,6 +28,7 @@ from memtrain.train.runtime.result import EXIT_RESTART
 from memtrain.train.runtime.signals import marked_ending, received_stop, stop_asked
 from memtrain.train.state.checkpoint import (
     LoopState,
+    kept_through,
     kept_while_saving,
     latest_checkpoint,
     partial_save,
@@ -102,7 +103,7 @@ class StepRunner:
         fault = self.hooks.save_fault(step)
         try:
             if main:  # save_checkpoint prunes so too; first here, so the space check counts the room it frees
-                prune(self.run_dir, kept_while_saving(keep_last))
+                prune(self.run_dir, kept_while_saving(keep_last), kept_through(self.state))
             free, warning = space_warning(self.run_dir, needed, keep_last) if main else (None, None)
             if warning:
                 self.metrics.event("disk", step, free_bytes=free, needed_bytes=needed, message=warning)

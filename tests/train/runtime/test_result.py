@@ -3,6 +3,7 @@ being written (it used to point at a checkpoint that did not exist)."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 from memtrain.train.runtime.result import RunResult
@@ -28,4 +29,15 @@ def test_a_finished_run_counts_its_steps_in_words():
     assert (
         RunResult("done", 2, Path("/runs/a"), exported=Path("/runs/a/final")).summary()
         == "trained 2 steps; model in /runs/a/final"
+    )
+
+
+def test_a_stop_during_an_export_that_finished_is_a_done_run_that_says_so(tmp_path):
+    result = RunResult(
+        status="done", step=4, run_dir=tmp_path, exported=tmp_path / "final", stopped_after_export=signal.SIGTERM
+    )
+    assert result.exit_code == 0 and result.finished
+    assert result.summary() == (
+        f"trained 4 steps; model in {tmp_path / 'final'} (stopped by SIGTERM during the export, which finished: "
+        "the model is complete, nothing is left to run)"
     )

@@ -16,6 +16,7 @@ from memtrain.cli import app
 from memtrain.errors import UserError
 from memtrain.train.resolve import RunOptions
 from memtrain.train.state.checkpoint import STATE_FILE, remove_leftovers
+from memtrain.train.state.manifest import write_manifest
 from memtrain.train.state.resume import differences
 from memtrain.train.state.rundir import LOCK_FILE, RunDirLock, claim_run_dir, start_metrics
 
@@ -87,7 +88,9 @@ def test_a_complete_save_killed_before_its_rename_is_put_in_place_not_deleted(tm
     """A save of a step that already had a checkpoint moves the old copy aside, then renames the new one in: a kill
     between the two leaves the step's only complete copy in `.tmp-` (its state file, written last, says so)."""
     fake_checkpoint(tmp_path, 4)
-    complete = fake_checkpoint(tmp_path, 6).rename(tmp_path / "checkpoints" / ".tmp-step-000006")
+    complete = fake_checkpoint(tmp_path, 6)
+    write_manifest(complete)  # what the save writes last
+    complete = complete.rename(tmp_path / "checkpoints" / ".tmp-step-000006")
     (tmp_path / "checkpoints" / ".del-step-000006").mkdir()  # the old copy, being deleted
     (tmp_path / "checkpoints" / ".tmp-step-000008" / "state").mkdir(parents=True)  # a save killed half-way
     remove_leftovers(tmp_path)

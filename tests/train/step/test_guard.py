@@ -134,3 +134,16 @@ def test_two_ranks_agree_on_the_stop_signal_and_log_the_global_batch_loss(tmp_pa
         assert said["first"] == [True, signal.SIGTERM, pytest.approx(6.0), False], (rank, said)
         assert said["both"] == [signal.SIGTERM]  # SIGTERM on one rank and Ctrl-C on the other: SIGTERM wins
         assert said["nan"] == [True, signal.SIGINT]  # one rank's NaN loss is a bad step on every rank
+
+
+def test_the_nan_and_divergence_messages_weigh_a_damaged_input_when_the_cache_check_found_one(tmp_path, monkeypatch):
+    """A zero-filled token cache passed the data check and the NaN / divergence message then blamed the learning rate
+    alone."""
+    from memtrain.data.tokens import cache
+
+    guard, _ = guard_for(tmp_path)
+    assert "damaged input" not in guard.likely_cause()
+    monkeypatch.setattr(cache, "_found_damaged", ["/c/ab12: holds other bytes in ab12.tokens.npy"])
+    assert "optimizer.lr" in guard.likely_cause() and "or a damaged input: 1 token cache entry" in guard.likely_cause()
+    feed(guard, [8.4, 69.3, 150.0, 259.7, 200.0, 120.0, 95.0])
+    assert "far above its best" in guard.warning and "check the data files" in guard.warning
