@@ -45,6 +45,11 @@ NAN_ENV = "MEMTRAIN_INJECT_NAN"
 DIVERGENCE_RATIO = 1.5
 DIVERGENCE_MIN_RISE = 1.0
 DIVERGENCE_AFTER_STEPS = 5
+# A preference objective's step loss is the mean over a global batch of a few pairs, each of whose losses spans
+# orders of magnitude (-log sigmoid of a margin): one batch's 1.3 after another's 0.1 is noise, not divergence. Its
+# watch reads an exponential moving average of the step losses, new weight 1 - this (about the last ten steps);
+# an SFT loss, the mean over thousands of tokens, is read as it is.
+PREFERENCE_LOSS_SMOOTHING = 0.9
 # the signals a stop request may come from (the loop's handlers); the highest-numbered one any rank got wins
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -127,6 +132,8 @@ class Guard:
         self.diverging = bool(saved.get("diverging", False))
         self.best_step: int | None = saved.get("best_step")
         self.keep_through: int | None = saved.get("keep_through")  # see the module doc
+        self.smoothing = PREFERENCE_LOSS_SMOOTHING if recipe.train.objective != "sft" else 0.0
+        self.smoothed_loss: float | None = saved.get("smoothed_loss")
         self.warning: str | None = None  # for the run's last line: the loss diverged at some point
 
     def state_dict(self) -> dict:
@@ -137,6 +144,7 @@ class Guard:
             "diverging": self.diverging,
             "best_step": self.best_step,
             "keep_through": self.keep_through,
+            "smoothed_loss": self.smoothed_loss,
         }
 
     def after_step(
@@ -200,8 +208,12 @@ class Guard:
 
     def _watch_divergence(self, step: int, value: float) -> None:
         """Warn once per episode of a loss far above its best. The grace steps set the best but neither warn
-        nor start an episode: a loss already far by step 2 must still be reported after the grace."""
+        nor start an episode: a loss already far by step 2 must still be reported after the grace. A preference
+        objective's loss is watched through its moving average (PREFERENCE_LOSS_SMOOTHING)."""
         self.good_steps += 1
+        if self.smoothing:
+            previous = value if self.smoothed_loss is None else self.smoothed_loss
+            value = self.smoothed_loss = self.smoothing * previous + (1 - self.smoothing) * value
         if self.best_loss is None or value < self.best_loss:
             self.best_loss, self.best_step = value, step
         far = value > max(self.best_loss * DIVERGENCE_RATIO, self.best_loss + DIVERGENCE_MIN_RISE)
@@ -211,7 +223,8 @@ class Guard:
         if far and not self.diverging:
             self.metrics.event("divergence", step, loss=value, best_loss=self.best_loss)
             self.warning = (
-                f"the loss rose to {value:.3g} at step {step}, far above its best {self.best_loss:.3g} "
+                f"the loss{' (its moving average)' if self.smoothing else ''} rose to {value:.3g} at step {step}, "
+                f"far above its best {self.best_loss:.3g} "
                 f"— lower optimizer.lr (now {self.recipe.optimizer.lr:g}); the newest checkpoint from up to step "
                 f"{self.best_step}, the best loss, is kept while the loss stays high" + damaged_input_note()
             )

@@ -147,3 +147,38 @@ def test_the_nan_and_divergence_messages_weigh_a_damaged_input_when_the_cache_ch
     assert "optimizer.lr" in guard.likely_cause() and "or a damaged input: 1 token cache entry" in guard.likely_cause()
     feed(guard, [8.4, 69.3, 150.0, 259.7, 200.0, 120.0, 95.0])
     assert "far above its best" in guard.warning and "check the data files" in guard.warning
+
+
+def test_a_preference_objective_watches_its_noisy_loss_through_a_moving_average(tmp_path):
+    """A DPO step's loss over 16 pairs swings between batches (0.1 after 1.3 is noise): SFT's reading would warn, the
+    preference guard's moving average does not; a loss that rises and stays is still reported, resumed or not."""
+    noisy = [0.69, 0.6, 0.5, 0.3, 0.1, 0.4, 0.2, 1.3, 0.15, 0.9, 0.05, 1.4, 0.3]
+    sft, sft_path = guard_for(tmp_path / "sft")
+    feed(sft, noisy)
+    sft.metrics.flush()
+    assert divergences(sft_path)  # the raw reading: 1.3 is far above 0.1
+
+    dpo_recipe = Recipe.model_validate({**TINY_RECIPE, "train": {**TINY_RECIPE.get("train", {}), "objective": "dpo"}})
+
+    def dpo_guard(directory: Path, saved: dict | None = None) -> tuple[Guard, Path]:
+        path = directory / "metrics.jsonl"
+        return Guard(dpo_recipe, MetricsLog(path, flush_every=1), 1, torch.device("cpu"), directory, saved), path
+
+    quiet, quiet_path = dpo_guard(tmp_path / "dpo")
+    feed(quiet, noisy)
+    quiet.metrics.flush()
+    assert divergences(quiet_path) == [] and quiet.warning is None
+
+    rising = noisy + [3.0] * 12
+    whole, whole_path = dpo_guard(tmp_path / "whole")
+    feed(whole, rising)
+    whole.metrics.flush()
+    [event] = divergences(whole_path)
+    assert len(noisy) < event["step"] <= len(noisy) + 5 and "moving average" in whole.warning
+    before, _ = dpo_guard(tmp_path / "before")
+    feed(before, rising[:14])
+    after, after_path = dpo_guard(tmp_path / "after", json.loads(json.dumps(before.state_dict())))
+    for step, loss in enumerate(rising[14:], start=15):
+        after.after_step(step, torch.tensor(loss * 100), 100, Engine(), 0, None)
+    after.metrics.flush()
+    assert [e["step"] for e in divergences(after_path)] == [event["step"]] and after.warning == whole.warning
