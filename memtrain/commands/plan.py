@@ -13,6 +13,7 @@ from rich.table import Table
 
 from memtrain.checks.environment import Environment, current_environment, packages_needed
 from memtrain.checks.load import load_checked, recipe_checks
+from memtrain.commands.max_seq_len import max_seq_len_command
 from memtrain.data.rows.loader import sample_order, token_slots
 from memtrain.data.rows.row_set import DataStats
 from memtrain.errors import Problem, RecipeError
@@ -272,9 +273,18 @@ def plan_command(
     as_json: bool,
     console,
     with_data: bool = False,
+    max_seq_len: bool = False,
 ) -> int:
     """Print the plan (rich table or --json); 0 when it fits or --fit wrote a fitting recipe, else 1.
     --fit -o writes a recipe that fits either way: with the cheapest change, or as it is (overrides applied)."""
+    if max_seq_len and (fit or with_data):
+        raise RecipeError(
+            Problem(
+                "--max-seq-len searches the length; it does not combine with --fit or --data",
+                file=COMMAND_LINE,
+                hint="run `memtrain plan --max-seq-len` alone, then --fit with the data.seq_len you chose",
+            )
+        )
     if output is not None and not fit:
         raise RecipeError(
             Problem(
@@ -288,6 +298,8 @@ def plan_command(
     env = current_environment()
     exact_pinned = exact_pinned_supported()
     loaded = load_for_plan(recipe, overrides, env)
+    if max_seq_len:
+        return max_seq_len_command(loaded, gpu=gpu, exact_pinned=exact_pinned, as_json=as_json, console=console)
     plan = located_plan(loaded, gpu=gpu, exact_pinned=exact_pinned)
 
     advice = (
