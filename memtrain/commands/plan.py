@@ -200,7 +200,8 @@ def compile_offered(loaded: LoadedRecipe, plan: Plan) -> bool:
     compiled, and lean dropout was measured slower, so nothing is offered there."""
     r = loaded.recipe
     auto = r.model_copy(update={"train": r.train.model_copy(update={"compile": "auto"})})
-    return not plan.compiled_layers and resolve_compile(auto, cuda=True)
+    # layer inputs on the host: the offload's saved-tensor hooks do not run inside compiled layers
+    return not plan.compiled_layers and not plan.inputs_on_host and resolve_compile(auto, cuda=True)
 
 
 def data_per_step(recipe, train_set, micro_batch: int) -> dict:

@@ -30,6 +30,7 @@ from memtrain.plan.host import offload_host_bytes
 from memtrain.plan.logits import estimate_fused_logits, estimate_logits
 from memtrain.plan.model_states import StateBytes, master_bytes, place_model_states
 from memtrain.plan.params import ParamCounts, count_parameters
+from memtrain.plan.pinned import pinned_bytes
 from memtrain.plan.preference import describe, preference_shape
 from memtrain.plan.quantized import with_quantized_params
 from memtrain.plan.zero import bucket_elements, grad_accum_steps
@@ -78,6 +79,7 @@ class Plan:
     nodes: int = 1  # machines with `gpus` ranks each; host and NVMe bytes are each node's
     checkpointing: str = "every_layer"  # the strategy planned ('auto' shows as the first_n_layers it resolved to)
     recomputed_layers: int = 0  # whole decoder layers recomputed in backward
+    inputs_on_host: bool = False  # the recomputed layers keep their inputs in host memory (offload_inputs)
     compiled_layers: bool = False  # the decoder layers are compiled on a GPU (train.compile, auto resolved)
     preference: str = ""  # a preference objective's rows and reference, said (plan/preference.py); "" for SFT
 
@@ -277,12 +279,29 @@ def plan_recipe(
     counts = _counts(recipe)
     if recipe.checkpointing.strategy != "auto":
         return _plan(name, recipe, counts, cal, micro_batch, exact_pinned)
-    return _fewest_recomputed_layers(name, recipe, counts, cal, micro_batch, exact_pinned)
+    on_gpu = _fewest_recomputed_layers(name, recipe, counts, cal, micro_batch, exact_pinned)
+    # compiled layers cannot take the offload's saved-tensor hooks (recipe/rules.py refuses the pair)
+    if _comfortable(on_gpu) or recipe.checkpointing.offload_inputs or resolve_compile(recipe, cuda=True):
+        return on_gpu
+    # Long sequences: the recomputed layers' inputs alone outgrow the card (16 GiB for Llama-3-8B at 65,536
+    # tokens), so auto moves them to pinned host memory, and recomputes as few layers as fit then.
+    on_host = _fewest_recomputed_layers(
+        name, _with_first_n_layers(recipe, 0, inputs_on_host=True), counts, cal, micro_batch, exact_pinned
+    )
+    if _comfortable(on_host) or (on_host.fits and not on_gpu.fits):
+        return on_host
+    return on_gpu
 
 
-def _with_first_n_layers(recipe: Recipe, layers: int) -> Recipe:
-    checkpointing = recipe.checkpointing.model_copy(update={"strategy": "first_n_layers", "first_n_layers": layers})
-    return recipe.model_copy(update={"checkpointing": checkpointing})
+def _comfortable(plan: Plan) -> bool:
+    return plan.fits and not plan.tight
+
+
+def _with_first_n_layers(recipe: Recipe, layers: int, inputs_on_host: bool | None = None) -> Recipe:
+    update = {"strategy": "first_n_layers", "first_n_layers": layers}
+    if inputs_on_host is not None:
+        update["offload_inputs"] = inputs_on_host
+    return recipe.model_copy(update={"checkpointing": recipe.checkpointing.model_copy(update=update)})
 
 
 def _fewest_recomputed_layers(
@@ -320,8 +339,8 @@ def resolve_checkpointing(
     """The recipe with checkpointing 'auto' made concrete (first_n_layers) at this micro-batch."""
     if recipe.checkpointing.strategy != "auto":
         return recipe
-    layers = plan_recipe(recipe, gpu, micro_batch=micro_batch, exact_pinned=exact_pinned).recomputed_layers
-    return _with_first_n_layers(recipe, layers)
+    plan = plan_recipe(recipe, gpu, micro_batch=micro_batch, exact_pinned=exact_pinned)
+    return _with_first_n_layers(recipe, plan.recomputed_layers, inputs_on_host=plan.inputs_on_host)
 
 
 def _counts(recipe: Recipe) -> ParamCounts:
@@ -422,6 +441,7 @@ def _plan(
         peak_reserved_high_bytes=peak_reserved_high,
         checkpointing=describe_checkpointing(recipe.checkpointing),
         recomputed_layers=recomputed_layers(recipe.checkpointing, counts.num_layers),
+        inputs_on_host=recipe.checkpointing.offload_inputs,
         compiled_layers=compiled,
         preference=describe(shape, recipe.train.objective),
     )
@@ -575,6 +595,9 @@ def _host_breakdown(
         # bitsandbytes' paged states (CUDA unified memory): priced where they go when the card is full
         "paged_optimizer_states": states.host_optimizer_states if o.optimizer == "none" else 0,
         "offloaded_activations": acts.host_bytes * hw.gpus,
+        # checkpointing.offload_inputs: one pinned tensor per recomputed layer (save_on_cpu pins through PyTorch's
+        # host allocator, whose cache keeps the blocks from step to step)
+        "offloaded_layer_inputs": acts.host_inputs * pinned_bytes(acts.host_input_bytes, exact_pinned) * hw.gpus,
         # A local model's weights pass through host memory once while loading.
         "model_copy_at_load": counts.weight_bytes(DTYPE_BYTES[p.compute]) if recipe.model.path else 0,
     }
@@ -616,12 +639,14 @@ def recomputed_layers(checkpointing: Checkpointing, num_layers: int) -> int:
 
 
 def describe_checkpointing(checkpointing: Checkpointing) -> str:
-    """The strategy with its number, as plans and benchmark tables print it (first_n_layers=24)."""
+    """The strategy with its number, as plans and benchmark tables print it (first_n_layers=24; '+ inputs on host'
+    with checkpointing.offload_inputs)."""
+    on_host = " + inputs on host" if checkpointing.offload_inputs else ""
     if checkpointing.strategy == "every_n_layers":
-        return f"every_n_layers={checkpointing.every_n_layers}"
+        return f"every_n_layers={checkpointing.every_n_layers}{on_host}"
     if checkpointing.strategy == "first_n_layers":
-        return f"first_n_layers={checkpointing.first_n_layers}"
-    return checkpointing.strategy
+        return f"first_n_layers={checkpointing.first_n_layers}{on_host}"
+    return checkpointing.strategy + on_host
 
 
 @dataclass(frozen=True)

@@ -579,7 +579,8 @@ def test_a_smaller_micro_batch_costs_by_the_parameter_offload_of_its_own_combina
     parameter offload and halves the micro-batch re-gathers every parameter twice as often: +50 % per halving
     (docs/PLAN.md), not the +5 % of the recipe's own parameters on the GPU."""
     advice = advise(
-        load_recipe(RECIPES / "tinyllama-1.1b-full-offload-24gb.yaml", ["hardware.gpu=3GiB", "batch.micro_batch=4"])
+        load_recipe(RECIPES / "tinyllama-1.1b-full-offload-24gb.yaml", ["hardware.gpu=3GiB", "batch.micro_batch=4"]),
+        limit=5,  # the layer inputs on the host (+15 %) come first now
     )
     costs = {tuple(a.overrides): a.speed_cost for a in advice}
     offload = (
@@ -591,7 +592,10 @@ def test_a_smaller_micro_batch_costs_by_the_parameter_offload_of_its_own_combina
     assert costs[("batch.micro_batch=2",) + offload] == 1.14  # 0.6 + 0.5 × 1 halving + 0.04
     assert costs[("batch.micro_batch=1",) + offload] == 1.64  # 0.6 + 0.5 × 2 halvings + 0.04
     assert [a.speed_cost for a in advice] == sorted(a.speed_cost for a in advice)
-    assert ("model.lora.r=16", "model.quantize.type=nf4") in list(costs)[:2]  # QLoRA (1.3) before micro-batch 1
+    order = list(costs)
+    assert order.index(("model.lora.r=16", "model.quantize.type=nf4")) < order.index(
+        ("batch.micro_batch=1",) + offload
+    )  # QLoRA (1.3) before micro-batch 1
 
 
 def test_plan_and_validate_work_without_the_packages_the_run_will_need(tmp_path):
