@@ -72,7 +72,11 @@ def verdict(plan: Plan) -> str:
     else:
         text = f"misses by {gib(-plan.headroom_bytes):.2f} GiB"
     if not plan.host_fits:
-        text += f"; host memory misses by {gib(plan.host_bytes - plan.host_capacity_bytes):.1f} GiB"
+        text += (
+            f"; host memory misses by {gib(plan.host_bytes - plan.host_capacity_bytes):.1f} GiB: the run needs "
+            f"{gib(plan.host_bytes):.1f} GiB of host ({plan.host_peak_phase.replace('_', ' ')}), this recipe declares "
+            f"{gib(plan.host_capacity_bytes):.1f} (hardware.host_memory)"
+        )
     return text
 
 
@@ -110,6 +114,16 @@ def plan_table(plan: Plan, auto_micro_batch: bool = False) -> Table:
     each = ", each node" if plan.nodes > 1 else ""
     table.add_row(f"host ({pinned}{each})", f"{gib(plan.host_bytes):.2f}", end_section=False)
     table.add_row(f"  [dim]{host}[/]", "")
+    for phase, value in plan.host_phases.items():
+        marker = " ← peak" if phase == plan.host_peak_phase else ""
+        table.add_row(f"  host phase {phase}{marker}", f"{gib(value):.2f}")
+    kinds = plan.host_kinds
+    if kinds:
+        table.add_row(
+            f"  [dim]at the peak: pinned {gib(kinds['pinned']):.1f}, pageable {gib(kinds['pageable']):.1f}; "
+            f"page cache of the checkpoint files {gib(kinds['page_cache']):.1f} (reclaimable, not counted)[/]",
+            "",
+        )
     if plan.host_capacity_bytes is not None:
         table.add_row("host capacity", f"{gib(plan.host_capacity_bytes):.2f}")
     table.add_row(f"NVMe{' (each node)' if plan.nodes > 1 else ''}", f"{gib(plan.nvme_bytes):.2f}")

@@ -27,6 +27,7 @@ from memtrain.model.varlen import ATTN_NAME as VARLEN
 from memtrain.plan.activations import estimate_activations, trace_layer
 from memtrain.plan.calibration import Calibration, calibration
 from memtrain.plan.host import offload_host_bytes
+from memtrain.plan.host_save import checkpoint_file_bytes, checkpoint_save_bytes, host_kinds
 from memtrain.plan.logits import estimate_fused_logits, estimate_logits
 from memtrain.plan.model_states import StateBytes, master_bytes, place_model_states
 from memtrain.plan.params import ParamCounts, count_parameters
@@ -69,7 +70,7 @@ class Plan:
     peak_reserved_bytes: int
     gpu_capacity_bytes: int
     host_bytes: int
-    host_breakdown: dict[str, int]
+    host_breakdown: dict[str, int]  # the training phase's host bytes by what holds them
     host_capacity_bytes: int | None
     nvme_bytes: int
     nvme_breakdown: dict[str, int] = field(default_factory=dict)
@@ -82,6 +83,12 @@ class Plan:
     inputs_on_host: bool = False  # the recomputed layers keep their inputs in host memory (offload_inputs)
     compiled_layers: bool = False  # the decoder layers are compiled on a GPU (train.compile, auto resolved)
     preference: str = ""  # a preference objective's rows and reference, said (plan/preference.py); "" for SFT
+    host_phases: dict[str, int] = field(default_factory=dict)  # training / checkpoint_save: host_bytes is the larger
+    host_kinds: dict[str, int] = field(default_factory=dict)  # the peak's pinned and pageable bytes; page_cache apart
+
+    @property
+    def host_peak_phase(self) -> str:
+        return max(self.host_phases, key=self.host_phases.__getitem__) if self.host_phases else "training"
 
     @property
     def gpu_required_bytes(self) -> int:
@@ -128,6 +135,7 @@ class Plan:
             host_fits=self.host_fits,
             headroom_bytes=self.headroom_bytes,
             gpu_required_bytes=self.gpu_required_bytes,
+            host_peak_phase=self.host_peak_phase,
         )
         return data
 
@@ -414,6 +422,7 @@ def _plan(
         "allocator_slack": peak_reserved - peak_allocated - reduce_stream,
     }
     host_breakdown = _host_breakdown(recipe, counts, cal, states, acts, micro_batch, exact_pinned)
+    host_phases = _host_phases(recipe, counts, states, host_breakdown)
     nvme_breakdown = {"params": states.nvme_params, "optimizer_states": states.nvme_optimizer_states}
     return Plan(
         recipe_name=name,
@@ -431,8 +440,15 @@ def _plan(
         peak_allocated_bytes=peak_allocated,
         peak_reserved_bytes=peak_reserved,
         gpu_capacity_bytes=cal.capacity_bytes,
-        host_bytes=sum(host_breakdown.values()),
+        host_bytes=max(host_phases.values()),
         host_breakdown=host_breakdown,
+        host_phases=host_phases,
+        host_kinds=host_kinds(
+            recipe,
+            host_breakdown,
+            host_phases["checkpoint_save"] - host_phases["training"] + host_breakdown["model_copy_at_load"],
+            checkpoint_file_bytes(recipe, states),
+        ),
         host_capacity_bytes=recipe.hardware.host_memory,
         nvme_bytes=sum(nvme_breakdown.values()),
         nvme_breakdown=nvme_breakdown,
@@ -601,6 +617,15 @@ def _host_breakdown(
         # A local model's weights pass through host memory once while loading.
         "model_copy_at_load": counts.weight_bytes(DTYPE_BYTES[p.compute]) if recipe.model.path else 0,
     }
+
+
+def _host_phases(recipe: Recipe, counts: ParamCounts, states: StateBytes, breakdown: dict[str, int]) -> dict[str, int]:
+    """Host bytes of this machine at its two peaks: training (the breakdown, with the model's copy while a local
+    model.path loads) and a checkpoint save (every save_every steps and at the end: the breakdown without the load
+    copy, which is gone by then, plus what DeepSpeed's save copies to the CPU; plan/host_save.py)."""
+    training = sum(breakdown.values())
+    saving = training - breakdown["model_copy_at_load"] + checkpoint_save_bytes(recipe, counts, states)
+    return {"training": training, "checkpoint_save": saving}
 
 
 def _chunked_logits(recipe: Recipe, counts: ParamCounts, rows: int):
