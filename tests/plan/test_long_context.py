@@ -101,3 +101,15 @@ def test_offload_inputs_refuses_compiled_layers_and_auto_does_not_offer_it_to_th
     compiled = load_recipe(RECIPES / "qwen2.5-7b-lora-long-24gb.yaml", ["train.compile=true"]).recipe
     plan = plan_recipe(compiled)
     assert plan.compiled_layers and not plan.inputs_on_host and not plan.fits
+
+
+def test_fit_offers_the_layer_inputs_on_the_host_for_a_long_sequence_that_misses():
+    """Every layer recomputed with its input kept on the GPU: 16 GiB of inputs at 65,536 tokens, the card misses;
+    the cheapest change that fits moves them to the host (+15 %), before the slower levers."""
+    from memtrain.plan.advice import advise
+
+    loaded = load_recipe(RECIPES / "llama3-8b-qlora-long-24gb.yaml", ["checkpointing.strategy=every_layer"])
+    assert not plan_recipe(loaded.recipe).fits
+    advice = advise(loaded, limit=1)
+    assert advice[0].overrides == ["checkpointing.offload_inputs=true"] and advice[0].speed_cost == 0.15
+    assert advice[0].plan.fits and advice[0].plan.inputs_on_host and not advice[0].tight
