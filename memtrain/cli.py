@@ -171,13 +171,26 @@ def plan(
         "--data",
         help="Also read the data (tokenised once, then cached): tokens, target tokens and padding per step.",
     ),
+    max_seq_len: bool = typer.Option(
+        False,
+        "--max-seq-len",
+        help="Search the longest data.seq_len (a multiple of 256) that fits the card, and changes that lengthen it.",
+    ),
 ):
     """Predict peak GPU memory, host RAM and NVMe bytes, without a GPU; say whether it fits.
 
     Example: [bold]memtrain plan recipes/llama2-7b-lora-24gb.yaml --gpu rtx4090[/]
     """
     code = plan_command(
-        recipe, list(overrides or []), gpu=gpu, fit=fit, output=output, as_json=as_json, console=console, with_data=data
+        recipe,
+        list(overrides or []),
+        gpu=gpu,
+        fit=fit,
+        output=output,
+        as_json=as_json,
+        console=console,
+        with_data=data,
+        max_seq_len=max_seq_len,
     )
     raise typer.Exit(code=code)
 

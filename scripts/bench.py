@@ -7,12 +7,12 @@
     python -m scripts.bench levers --only 7b-lora-zero0     # one case (comma-separated: several)
 
 Each case appends its rows to its table (vs-hf: vs_hf.csv, run: runs.csv, startup: startup.csv, plan-accuracy:
-plan_accuracy.csv; each row with its command, machine and date) and rewrites the table's Markdown view. --out
-defaults to benchmarks/, the committed tables; another folder starts from a copy of each committed table, so what
-it holds at the end is the whole table to commit. Consecutive vs-hf cases that differ only in memtrain's levers
-share one invocation, which runs each baseline once for all of them. --budget-s bounds the whole call: a case
-that no longer fits is skipped and the command that runs the rest is printed, so a matrix larger than one call on
-the GPU machine goes on in the next.
+plan_accuracy.csv, longest: long_context.csv; each row with its command, machine and date) and rewrites the
+table's Markdown view. --out defaults to benchmarks/, the committed tables; another folder starts from a copy of
+each committed table, so what it holds at the end is the whole table to commit. Consecutive vs-hf cases that
+differ only in memtrain's levers share one invocation, which runs each baseline once for all of them. --budget-s
+bounds the whole call: a case that no longer fits is skipped and the command that runs the rest is printed, so a
+matrix larger than one call on the GPU machine goes on in the next.
 """
 
 from __future__ import annotations
@@ -30,10 +30,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scripts.bench_common import ROOT
-from scripts.suites import MemtrainRun, PlanAccuracy, Startup, Suite, Suites, SuitesError, VsBaselines, load_suites
+from scripts.suites import (
+    Longest,
+    MemtrainRun,
+    PlanAccuracy,
+    Startup,
+    Suite,
+    Suites,
+    SuitesError,
+    VsBaselines,
+    load_suites,
+)
 
 COMMITTED = ROOT / "benchmarks"
-TABLES = {"vs-hf": "vs_hf.csv", "run": "runs.csv", "startup": "startup.csv", "plan-accuracy": "plan_accuracy.csv"}
+TABLES = {
+    "vs-hf": "vs_hf.csv",
+    "run": "runs.csv",
+    "startup": "startup.csv",
+    "plan-accuracy": "plan_accuracy.csv",
+    "longest": "long_context.csv",
+}
 RUNS_TITLE = "memtrain run on the GPU machine (24 GiB cap)"
 # A benchmark's own steps: no evaluation or checkpoint inside the measured steps
 QUIET = ("train.eval_every=100000", "train.save_every=100000")
@@ -104,6 +120,11 @@ def command(invocation: Invocation, out: Path) -> list[str]:
         argv += ["--parallel", str(first.parallel), "--host-budget-gib", f"{first.host_budget_gib:g}"]
         argv += ["--group", first.group] + (["--only", ",".join(first.only)] if first.only else [])
         argv += ["--calibrate"] if first.calibrate else []
+    elif isinstance(first, Longest):
+        argv = ["scripts.bench_long_context", "--out", table, "--name", first.model]
+        argv += ["--recipe", shlex.join([first.recipe, *first.overrides]), "--methods", ",".join(first.methods)]
+        argv += ["--lengths", ",".join(map(str, first.lengths)), "--steps", str(first.steps)]
+        argv += ["--warmup", str(first.warmup_steps), "--timeout", str(first.timeout_s)]
     else:
         raise TypeError(f"no command for a {type(first).__name__} case")
     return [sys.executable, "-m", *argv]

@@ -490,7 +490,8 @@ def predicted_columns(plan) -> dict:
     return {
         "predicted_reserved_gib": f"{plan.peak_reserved_bytes / GiB:.2f}",
         "predicted_allocated_gib": f"{plan.peak_allocated_bytes / GiB:.2f}",
-        "predicted_host_gib": f"{plan.host_bytes / GiB:.1f}",
+        # the training phase: the runs' host peak is read from their train records (a save's copies come after)
+        "predicted_host_gib": f"{plan.host_phases['training'] / GiB:.1f}",
     }
 
 

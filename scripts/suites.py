@@ -115,7 +115,19 @@ class PlanAccuracy(Case):
     calibrate: bool = False
 
 
-AnyCase = Annotated[Union[VsBaselines, MemtrainRun, Startup, PlanAccuracy], Field(discriminator="kind")]
+class Longest(RecipeCase):
+    """The longest data.seq_len that trains, each method climbing the same lengths until one fails
+    (scripts/bench_long_context.py, benchmarks/long_context.csv: one row per model and method)."""
+
+    kind: Literal["longest"]
+    model: str = Field(pattern=NAME)  # the table's model column: rows of one model, method by method
+    methods: tuple[str, ...] = Field(default=("memtrain",), min_length=1)  # memtrain and baselines' names
+    lengths: tuple[PositiveInt, ...] = Field(min_length=1)
+    steps: PositiveInt
+    warmup_steps: int = Field(ge=0)
+
+
+AnyCase = Annotated[Union[VsBaselines, MemtrainRun, Startup, PlanAccuracy, Longest], Field(discriminator="kind")]
 
 
 class Suite(Strict):
@@ -139,7 +151,10 @@ class Suites(Strict):
     def _baselines_known(self) -> Suites:
         for suite_name, suite in self.suites.items():
             for case in suite.cases:
-                unknown = [b for b in getattr(case, "baselines", ()) if b not in self.baselines]
+                named = getattr(case, "baselines", ()) + tuple(
+                    m for m in getattr(case, "methods", ()) if m != "memtrain"
+                )
+                unknown = [b for b in named if b not in self.baselines]
                 if unknown:
                     raise ValueError(
                         f"suites.{suite_name}, case {case.name}: no baseline {', '.join(unknown)}; "
@@ -172,4 +187,4 @@ def _key_path(loc: tuple) -> str:
     return ".".join(str(part) for part in parts)
 
 
-KINDS = ("vs-hf", "run", "startup", "plan-accuracy")
+KINDS = ("vs-hf", "run", "startup", "plan-accuracy", "longest")

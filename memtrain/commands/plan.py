@@ -13,6 +13,7 @@ from rich.table import Table
 
 from memtrain.checks.environment import Environment, current_environment, packages_needed
 from memtrain.checks.load import load_checked, recipe_checks
+from memtrain.commands.max_seq_len import max_seq_len_command
 from memtrain.data.rows.loader import sample_order, token_slots
 from memtrain.data.rows.row_set import DataStats
 from memtrain.errors import Problem, RecipeError
@@ -71,7 +72,11 @@ def verdict(plan: Plan) -> str:
     else:
         text = f"misses by {gib(-plan.headroom_bytes):.2f} GiB"
     if not plan.host_fits:
-        text += f"; host memory misses by {gib(plan.host_bytes - plan.host_capacity_bytes):.1f} GiB"
+        text += (
+            f"; host memory misses by {gib(plan.host_bytes - plan.host_capacity_bytes):.1f} GiB: the run needs "
+            f"{gib(plan.host_bytes):.1f} GiB of host ({plan.host_peak_phase.replace('_', ' ')}), this recipe declares "
+            f"{gib(plan.host_capacity_bytes):.1f} (hardware.host_memory)"
+        )
     return text
 
 
@@ -109,6 +114,16 @@ def plan_table(plan: Plan, auto_micro_batch: bool = False) -> Table:
     each = ", each node" if plan.nodes > 1 else ""
     table.add_row(f"host ({pinned}{each})", f"{gib(plan.host_bytes):.2f}", end_section=False)
     table.add_row(f"  [dim]{host}[/]", "")
+    for phase, value in plan.host_phases.items():
+        marker = " ← peak" if phase == plan.host_peak_phase else ""
+        table.add_row(f"  host phase {phase}{marker}", f"{gib(value):.2f}")
+    kinds = plan.host_kinds
+    if kinds:
+        table.add_row(
+            f"  [dim]at the peak: pinned {gib(kinds['pinned']):.1f}, pageable {gib(kinds['pageable']):.1f}; "
+            f"page cache of the checkpoint files {gib(kinds['page_cache']):.1f} (reclaimable, not counted)[/]",
+            "",
+        )
     if plan.host_capacity_bytes is not None:
         table.add_row("host capacity", f"{gib(plan.host_capacity_bytes):.2f}")
     table.add_row(f"NVMe{' (each node)' if plan.nodes > 1 else ''}", f"{gib(plan.nvme_bytes):.2f}")
@@ -199,7 +214,8 @@ def compile_offered(loaded: LoadedRecipe, plan: Plan) -> bool:
     compiled, and lean dropout was measured slower, so nothing is offered there."""
     r = loaded.recipe
     auto = r.model_copy(update={"train": r.train.model_copy(update={"compile": "auto"})})
-    return not plan.compiled_layers and resolve_compile(auto, cuda=True)
+    # layer inputs on the host: the offload's saved-tensor hooks do not run inside compiled layers
+    return not plan.compiled_layers and not plan.inputs_on_host and resolve_compile(auto, cuda=True)
 
 
 def data_per_step(recipe, train_set, micro_batch: int) -> dict:
@@ -272,9 +288,18 @@ def plan_command(
     as_json: bool,
     console,
     with_data: bool = False,
+    max_seq_len: bool = False,
 ) -> int:
     """Print the plan (rich table or --json); 0 when it fits or --fit wrote a fitting recipe, else 1.
     --fit -o writes a recipe that fits either way: with the cheapest change, or as it is (overrides applied)."""
+    if max_seq_len and (fit or with_data):
+        raise RecipeError(
+            Problem(
+                "--max-seq-len searches the length; it does not combine with --fit or --data",
+                file=COMMAND_LINE,
+                hint="run `memtrain plan --max-seq-len` alone, then --fit with the data.seq_len you chose",
+            )
+        )
     if output is not None and not fit:
         raise RecipeError(
             Problem(
@@ -288,6 +313,8 @@ def plan_command(
     env = current_environment()
     exact_pinned = exact_pinned_supported()
     loaded = load_for_plan(recipe, overrides, env)
+    if max_seq_len:
+        return max_seq_len_command(loaded, gpu=gpu, exact_pinned=exact_pinned, as_json=as_json, console=console)
     plan = located_plan(loaded, gpu=gpu, exact_pinned=exact_pinned)
 
     advice = (

@@ -181,16 +181,24 @@ class _HostOffload(torch.autograd.graph.save_on_cpu):
         self.pack_hook, self.unpack_hook = pack, unpack
 
 
-def _wrap(module: nn.Module, action: str, stats: OffloadStats) -> None:
-    """Replace the module's forward (inside its __call__, so ZeRO-3 hooks stay outside the region)."""
+def _wrap(module: nn.Module, action: str, stats: OffloadStats, inputs_on_host: bool = False) -> None:
+    """Replace the module's forward (inside its __call__, so ZeRO-3 hooks stay outside the region).
+
+    inputs_on_host: a recomputed module's inputs go to host memory. The non-reentrant checkpoint saves its inputs
+    for the recompute through the saved-tensor hooks outside its region (those of the offload), and everything
+    inside the region through its own (dropped, recomputed in backward); the recompute runs after the offload's
+    hooks are gone, so only the inputs travel."""
     original = module.forward
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
         if not (module.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
-        if action == "recompute":
+        if action == "recompute" and not inputs_on_host:
             return checkpoint(original, *args, use_reentrant=False, **kwargs)
+        if action == "recompute":
+            with _HostOffload(module, stats):
+                return checkpoint(original, *args, use_reentrant=False, **kwargs)
         with _HostOffload(module, stats):
             return original(*args, **kwargs)
 
@@ -210,7 +218,7 @@ def apply_checkpointing(model: nn.Module, config: Checkpointing) -> CheckpointPl
     """
     plan = checkpoint_plan(model, config)
     base = hf_model(model)
-    whole_layers = config.strategy in ("every_layer", "every_n_layers")
+    whole_layers = config.strategy in ("every_layer", "every_n_layers") and not config.offload_inputs
     if whole_layers and _hf_supports_every_n(base):
         every = config.every_n_layers if config.strategy == "every_n_layers" else 1
         base.activation_checkpointing_enable(
@@ -220,5 +228,6 @@ def apply_checkpointing(model: nn.Module, config: Checkpointing) -> CheckpointPl
     modules = dict(base.named_modules())
     for name, action in plan.actions.items():
         if action != "save":
-            _wrap(modules[name], action, plan.offload_stats)
+            # checkpointing.offload_inputs applies to whole layers only (the recipe checks say so)
+            _wrap(modules[name], action, plan.offload_stats, config.offload_inputs and name in plan.layer_names)
     return plan

@@ -240,6 +240,8 @@ class ActivationEstimate:
     saved_bytes: int  # kept from forward for backward at the end of forward
     backward_extra_bytes: int  # recomputed block + gradient transients at the start of backward
     host_bytes: int  # activations offloaded to host memory by checkpoint rules
+    host_inputs: int = 0  # checkpointing.offload_inputs: recomputed layers whose input is on the host
+    host_input_bytes: int = 0  # ... each one pinned tensor of this size (priced as the host allocator pins it)
 
     @property
     def peak_bytes(self) -> int:
@@ -336,6 +338,17 @@ def estimate_activations(
             host += host_bytes
     if compiled:
         recomputed += int(COMPILED_RECOMPUTE_SHARE * recomputed)
+    host_inputs = 0
+    if checkpointing.offload_inputs and strategy in ("every_layer", "every_n_layers", "first_n_layers"):
+        # the checkpointed layers' inputs leave the GPU for pinned host memory; in backward each comes back for its
+        # layer's recompute (copied on the compute stream, unpacked just before use): one input more on the GPU
+        host_inputs = checkpointed
+        saved -= checkpointed * trace.layer_input_bytes
+        recomputed += trace.layer_input_bytes if recomputed else 0
     return ActivationEstimate(
-        saved_bytes=saved + trace.shared_bytes, backward_extra_bytes=recomputed + gradient_transient, host_bytes=host
+        saved_bytes=saved + trace.shared_bytes,
+        backward_extra_bytes=recomputed + gradient_transient,
+        host_bytes=host,
+        host_inputs=host_inputs,
+        host_input_bytes=trace.layer_input_bytes if host_inputs else 0,
     )

@@ -27,9 +27,11 @@ from memtrain.model.varlen import ATTN_NAME as VARLEN
 from memtrain.plan.activations import estimate_activations, trace_layer
 from memtrain.plan.calibration import Calibration, calibration
 from memtrain.plan.host import offload_host_bytes
+from memtrain.plan.host_save import checkpoint_file_bytes, checkpoint_save_bytes, host_kinds
 from memtrain.plan.logits import estimate_fused_logits, estimate_logits
 from memtrain.plan.model_states import StateBytes, master_bytes, place_model_states
 from memtrain.plan.params import ParamCounts, count_parameters
+from memtrain.plan.pinned import pinned_bytes
 from memtrain.plan.preference import describe, preference_shape
 from memtrain.plan.quantized import with_quantized_params
 from memtrain.plan.zero import bucket_elements, grad_accum_steps
@@ -68,7 +70,7 @@ class Plan:
     peak_reserved_bytes: int
     gpu_capacity_bytes: int
     host_bytes: int
-    host_breakdown: dict[str, int]
+    host_breakdown: dict[str, int]  # the training phase's host bytes by what holds them
     host_capacity_bytes: int | None
     nvme_bytes: int
     nvme_breakdown: dict[str, int] = field(default_factory=dict)
@@ -78,8 +80,15 @@ class Plan:
     nodes: int = 1  # machines with `gpus` ranks each; host and NVMe bytes are each node's
     checkpointing: str = "every_layer"  # the strategy planned ('auto' shows as the first_n_layers it resolved to)
     recomputed_layers: int = 0  # whole decoder layers recomputed in backward
+    inputs_on_host: bool = False  # the recomputed layers keep their inputs in host memory (offload_inputs)
     compiled_layers: bool = False  # the decoder layers are compiled on a GPU (train.compile, auto resolved)
     preference: str = ""  # a preference objective's rows and reference, said (plan/preference.py); "" for SFT
+    host_phases: dict[str, int] = field(default_factory=dict)  # training / checkpoint_save: host_bytes is the larger
+    host_kinds: dict[str, int] = field(default_factory=dict)  # the peak's pinned and pageable bytes; page_cache apart
+
+    @property
+    def host_peak_phase(self) -> str:
+        return max(self.host_phases, key=self.host_phases.__getitem__) if self.host_phases else "training"
 
     @property
     def gpu_required_bytes(self) -> int:
@@ -126,6 +135,7 @@ class Plan:
             host_fits=self.host_fits,
             headroom_bytes=self.headroom_bytes,
             gpu_required_bytes=self.gpu_required_bytes,
+            host_peak_phase=self.host_peak_phase,
         )
         return data
 
@@ -277,12 +287,29 @@ def plan_recipe(
     counts = _counts(recipe)
     if recipe.checkpointing.strategy != "auto":
         return _plan(name, recipe, counts, cal, micro_batch, exact_pinned)
-    return _fewest_recomputed_layers(name, recipe, counts, cal, micro_batch, exact_pinned)
+    on_gpu = _fewest_recomputed_layers(name, recipe, counts, cal, micro_batch, exact_pinned)
+    # compiled layers cannot take the offload's saved-tensor hooks (recipe/rules.py refuses the pair)
+    if _comfortable(on_gpu) or recipe.checkpointing.offload_inputs or resolve_compile(recipe, cuda=True):
+        return on_gpu
+    # Long sequences: the recomputed layers' inputs alone outgrow the card (16 GiB for Llama-3-8B at 65,536
+    # tokens), so auto moves them to pinned host memory, and recomputes as few layers as fit then.
+    on_host = _fewest_recomputed_layers(
+        name, _with_first_n_layers(recipe, 0, inputs_on_host=True), counts, cal, micro_batch, exact_pinned
+    )
+    if _comfortable(on_host) or (on_host.fits and not on_gpu.fits):
+        return on_host
+    return on_gpu
 
 
-def _with_first_n_layers(recipe: Recipe, layers: int) -> Recipe:
-    checkpointing = recipe.checkpointing.model_copy(update={"strategy": "first_n_layers", "first_n_layers": layers})
-    return recipe.model_copy(update={"checkpointing": checkpointing})
+def _comfortable(plan: Plan) -> bool:
+    return plan.fits and not plan.tight
+
+
+def _with_first_n_layers(recipe: Recipe, layers: int, inputs_on_host: bool | None = None) -> Recipe:
+    update = {"strategy": "first_n_layers", "first_n_layers": layers}
+    if inputs_on_host is not None:
+        update["offload_inputs"] = inputs_on_host
+    return recipe.model_copy(update={"checkpointing": recipe.checkpointing.model_copy(update=update)})
 
 
 def _fewest_recomputed_layers(
@@ -320,8 +347,8 @@ def resolve_checkpointing(
     """The recipe with checkpointing 'auto' made concrete (first_n_layers) at this micro-batch."""
     if recipe.checkpointing.strategy != "auto":
         return recipe
-    layers = plan_recipe(recipe, gpu, micro_batch=micro_batch, exact_pinned=exact_pinned).recomputed_layers
-    return _with_first_n_layers(recipe, layers)
+    plan = plan_recipe(recipe, gpu, micro_batch=micro_batch, exact_pinned=exact_pinned)
+    return _with_first_n_layers(recipe, plan.recomputed_layers, inputs_on_host=plan.inputs_on_host)
 
 
 def _counts(recipe: Recipe) -> ParamCounts:
@@ -395,6 +422,7 @@ def _plan(
         "allocator_slack": peak_reserved - peak_allocated - reduce_stream,
     }
     host_breakdown = _host_breakdown(recipe, counts, cal, states, acts, micro_batch, exact_pinned)
+    host_phases = _host_phases(recipe, counts, states, host_breakdown)
     nvme_breakdown = {"params": states.nvme_params, "optimizer_states": states.nvme_optimizer_states}
     return Plan(
         recipe_name=name,
@@ -412,8 +440,15 @@ def _plan(
         peak_allocated_bytes=peak_allocated,
         peak_reserved_bytes=peak_reserved,
         gpu_capacity_bytes=cal.capacity_bytes,
-        host_bytes=sum(host_breakdown.values()),
+        host_bytes=max(host_phases.values()),
         host_breakdown=host_breakdown,
+        host_phases=host_phases,
+        host_kinds=host_kinds(
+            recipe,
+            host_breakdown,
+            host_phases["checkpoint_save"] - host_phases["training"] + host_breakdown["model_copy_at_load"],
+            checkpoint_file_bytes(recipe, states),
+        ),
         host_capacity_bytes=recipe.hardware.host_memory,
         nvme_bytes=sum(nvme_breakdown.values()),
         nvme_breakdown=nvme_breakdown,
@@ -422,6 +457,7 @@ def _plan(
         peak_reserved_high_bytes=peak_reserved_high,
         checkpointing=describe_checkpointing(recipe.checkpointing),
         recomputed_layers=recomputed_layers(recipe.checkpointing, counts.num_layers),
+        inputs_on_host=recipe.checkpointing.offload_inputs,
         compiled_layers=compiled,
         preference=describe(shape, recipe.train.objective),
     )
@@ -575,9 +611,21 @@ def _host_breakdown(
         # bitsandbytes' paged states (CUDA unified memory): priced where they go when the card is full
         "paged_optimizer_states": states.host_optimizer_states if o.optimizer == "none" else 0,
         "offloaded_activations": acts.host_bytes * hw.gpus,
+        # checkpointing.offload_inputs: one pinned tensor per recomputed layer (save_on_cpu pins through PyTorch's
+        # host allocator, whose cache keeps the blocks from step to step)
+        "offloaded_layer_inputs": acts.host_inputs * pinned_bytes(acts.host_input_bytes, exact_pinned) * hw.gpus,
         # A local model's weights pass through host memory once while loading.
         "model_copy_at_load": counts.weight_bytes(DTYPE_BYTES[p.compute]) if recipe.model.path else 0,
     }
+
+
+def _host_phases(recipe: Recipe, counts: ParamCounts, states: StateBytes, breakdown: dict[str, int]) -> dict[str, int]:
+    """Host bytes of this machine at its two peaks: training (the breakdown, with the model's copy while a local
+    model.path loads) and a checkpoint save (every save_every steps and at the end: the breakdown without the load
+    copy, which is gone by then, plus what DeepSpeed's save copies to the CPU; plan/host_save.py)."""
+    training = sum(breakdown.values())
+    saving = training - breakdown["model_copy_at_load"] + checkpoint_save_bytes(recipe, counts, states)
+    return {"training": training, "checkpoint_save": saving}
 
 
 def _chunked_logits(recipe: Recipe, counts: ParamCounts, rows: int):
@@ -616,12 +664,14 @@ def recomputed_layers(checkpointing: Checkpointing, num_layers: int) -> int:
 
 
 def describe_checkpointing(checkpointing: Checkpointing) -> str:
-    """The strategy with its number, as plans and benchmark tables print it (first_n_layers=24)."""
+    """The strategy with its number, as plans and benchmark tables print it (first_n_layers=24; '+ inputs on host'
+    with checkpointing.offload_inputs)."""
+    on_host = " + inputs on host" if checkpointing.offload_inputs else ""
     if checkpointing.strategy == "every_n_layers":
-        return f"every_n_layers={checkpointing.every_n_layers}"
+        return f"every_n_layers={checkpointing.every_n_layers}{on_host}"
     if checkpointing.strategy == "first_n_layers":
-        return f"first_n_layers={checkpointing.first_n_layers}"
-    return checkpointing.strategy
+        return f"first_n_layers={checkpointing.first_n_layers}{on_host}"
+    return checkpointing.strategy + on_host
 
 
 @dataclass(frozen=True)

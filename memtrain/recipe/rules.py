@@ -46,6 +46,9 @@ class Registry:
 
 
 RULES = Registry()
+
+# Strategies that recompute whole decoder layers: the ones whose layer inputs checkpointing.offload_inputs moves.
+WHOLE_LAYER_STRATEGIES = ("every_layer", "every_n_layers", "first_n_layers", "auto")
 reads = RULES.reads
 
 
@@ -439,11 +442,11 @@ def compile_unsupported(r) -> tuple[str, str] | None:
             "docs/BENCHMARKS.md)",
             "remove train.compile (auto leaves a quantised base eager), or set train.compile=false",
         )
-    if "offload" in r.checkpointing.rules.values():
+    if "offload" in r.checkpointing.rules.values() or r.checkpointing.offload_inputs:
         return (
-            "train.compile cannot be combined with activation offload rules (their saved-tensor hooks do "
-            "not run inside compiled layers)",
-            "set train.compile=false, or use recompute instead of offload in checkpointing.rules",
+            "train.compile cannot be combined with activation offload (checkpointing.rules' offload or "
+            "checkpointing.offload_inputs: their saved-tensor hooks do not run inside compiled layers)",
+            "set train.compile=false, or use recompute without offload",
         )
     return None
 
@@ -472,6 +475,15 @@ def _check_checkpointing(loaded: LoadedRecipe) -> list[Problem]:
                 ("checkpointing", "strategy"),
                 f"rules are given but strategy is '{c.strategy}'",
                 "set checkpointing.strategy=rules, or remove the rules",
+            )
+        )
+    if c.offload_inputs and c.strategy not in WHOLE_LAYER_STRATEGIES:
+        problems.append(
+            src.problem(
+                ("checkpointing", "offload_inputs"),
+                f"offload_inputs puts recomputed layers' inputs on the host; strategy '{c.strategy}' recomputes "
+                "no whole layers",
+                f"use checkpointing.strategy {', '.join(WHOLE_LAYER_STRATEGIES)}, or checkpointing.rules' offload",
             )
         )
     if c.strategy == "rules":

@@ -579,6 +579,14 @@ class Checkpointing(Section):
         default_factory=dict,
         description="Module-name glob -> save | recompute | offload, e.g. {'model.layers.*.mlp': recompute}.",
     )
+    offload_inputs: bool = Field(
+        False,
+        description="Recomputed decoder layers keep their inputs in pinned host memory instead of on the GPU "
+        "(torch.autograd.graph.save_on_cpu around each checkpointed layer): a layer's input is micro_batch x "
+        "seq_len x hidden_size, 16 GiB for Llama-3-8B at 65,536 tokens, so long sequences need it. The copies are "
+        "not overlapped with compute. With every_layer / every_n_layers / first_n_layers; auto turns it on when "
+        "the kept inputs would not fit the card.",
+    )
 
 
 class LossScale(Section):

@@ -377,7 +377,8 @@ def test_a_full_fine_tune_over_the_host_budget_is_advised_host_side_changes_that
     in_backward = advice[0]
     assert "optimizer.step_in_backward=true" in in_backward.overrides
     assert "batch.micro_batch=16" in in_backward.overrides  # the recipe's global batch, one micro-batch per step
-    assert in_backward.plan.zero_stage == 0 and in_backward.plan.host_bytes < 16 * GiB
+    assert in_backward.plan.zero_stage == 0 and in_backward.plan.host_phases["training"] < 16 * GiB
+    assert in_backward.plan.host_bytes < 32 * GiB  # a checkpoint save copies the bf16 weights to the host
     assert advice[1].overrides == ["offload.optimizer=nvme", "offload.zero_stage=3", "precision.master=fp32"]
     assert all(a.plan.fits and a.plan.host_bytes <= 64 * GiB for a in advice)
     assert advice[1].plan.nvme_bytes > 70 * GiB  # fp32 master weights and both moments of 6.7B parameters
@@ -579,7 +580,8 @@ def test_a_smaller_micro_batch_costs_by_the_parameter_offload_of_its_own_combina
     parameter offload and halves the micro-batch re-gathers every parameter twice as often: +50 % per halving
     (docs/PLAN.md), not the +5 % of the recipe's own parameters on the GPU."""
     advice = advise(
-        load_recipe(RECIPES / "tinyllama-1.1b-full-offload-24gb.yaml", ["hardware.gpu=3GiB", "batch.micro_batch=4"])
+        load_recipe(RECIPES / "tinyllama-1.1b-full-offload-24gb.yaml", ["hardware.gpu=3GiB", "batch.micro_batch=4"]),
+        limit=5,  # the layer inputs on the host (+15 %) come first now
     )
     costs = {tuple(a.overrides): a.speed_cost for a in advice}
     offload = (
@@ -591,7 +593,10 @@ def test_a_smaller_micro_batch_costs_by_the_parameter_offload_of_its_own_combina
     assert costs[("batch.micro_batch=2",) + offload] == 1.14  # 0.6 + 0.5 × 1 halving + 0.04
     assert costs[("batch.micro_batch=1",) + offload] == 1.64  # 0.6 + 0.5 × 2 halvings + 0.04
     assert [a.speed_cost for a in advice] == sorted(a.speed_cost for a in advice)
-    assert ("model.lora.r=16", "model.quantize.type=nf4") in list(costs)[:2]  # QLoRA (1.3) before micro-batch 1
+    order = list(costs)
+    assert order.index(("model.lora.r=16", "model.quantize.type=nf4")) < order.index(
+        ("batch.micro_batch=1",) + offload
+    )  # QLoRA (1.3) before micro-batch 1
 
 
 def test_plan_and_validate_work_without_the_packages_the_run_will_need(tmp_path):

@@ -231,3 +231,33 @@ def test_applying_bad_rules_raises_a_recipe_error_naming_the_rule():
         )
     assert err.value.problems[0].key == "checkpointing.rules.model.decoder.layers.*"
     assert "model.embed_tokens" in err.value.problems[0].hint
+
+
+def test_offloaded_layer_inputs_go_to_the_host_and_the_layers_are_recomputed(reference):
+    """checkpointing.offload_inputs: each recomputed layer's input (one tensor of batch x seq x hidden) is the
+    only tensor moved to the host, the layers run twice, and the math is unchanged."""
+    config = Checkpointing(strategy="every_layer", offload_inputs=True)
+    model = tiny_llama()
+    plan = apply_checkpointing(model, config)
+    attn = [f"model.layers.{i}.self_attn.q_proj" for i in range(4)]
+    counts = _calls_per_module(model, attn)
+    ids = shakespeare_batches(1)[0]
+    loss_sum, _ = TrainableLM(model, FP32)(input_ids=ids, labels=ids)
+    stats = plan.offload_stats
+    hidden = model.config.hidden_size
+    assert stats.packed_tensors == 4 and stats.packed_devices == {"cpu"}
+    assert stats.packed_bytes == 4 * ids.numel() * hidden * 4  # fp32 layer inputs, one per layer
+    loss_sum.backward()
+    assert [counts[n] for n in attn] == [2, 2, 2, 2]
+    assert stats.unpacked_tensors == stats.packed_tensors
+    ref_losses, ref_grads = reference
+    losses, grads = train(tiny_llama_with(config))
+    assert torch.allclose(losses, ref_losses, rtol=0, atol=1e-5), (losses - ref_losses).abs().max()
+    for n, g in grads.items():
+        assert torch.allclose(g, ref_grads[n], rtol=1e-5, atol=1e-6), n
+
+
+def tiny_llama_with(config: Checkpointing):
+    model = tiny_llama()
+    apply_checkpointing(model, config)
+    return model

@@ -162,7 +162,8 @@ def test_plan_host_total_is_baseline_plus_buffers():
     plan = plan_recipe(tiny(overrides=["offload.optimizer=cpu"]).recipe, exact_pinned=False)
     cal = calibration("24GiB")
     assert plan.host_breakdown["baseline"] == cal.host_baseline_bytes
-    assert plan.host_bytes == sum(plan.host_breakdown.values())
+    assert plan.host_phases["training"] == sum(plan.host_breakdown.values())
+    assert plan.host_bytes == max(plan.host_phases.values())  # a checkpoint save may be the peak (test_host_save.py)
     assert plan.host_breakdown["master_weights"] == pow2(4 * TINY_TOTAL)
     exact = plan_recipe(tiny(overrides=["offload.optimizer=cpu"]).recipe, exact_pinned=True)
     assert exact.host_bytes < plan.host_bytes  # the rounding threshold saves host memory, never costs it

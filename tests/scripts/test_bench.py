@@ -21,6 +21,7 @@ SUITES = load_suites()
 CASES = [(suite, case) for suite, spec in SUITES.suites.items() for case in spec.cases]
 MODULES = {"vs-hf": "scripts.bench_vs_hf", "run": "scripts.bench_run", "startup": "scripts.bench_startup"}
 MODULES["plan-accuracy"] = "scripts.plan_accuracy"
+MODULES["longest"] = "scripts.bench_long_context"
 
 
 def test_the_suites_a_user_compares_are_there():
@@ -203,3 +204,38 @@ def test_a_held_run_whose_gpu_memory_holder_cannot_start_is_not_run(tmp_path, ca
     assert "the GPU memory holder did not start" in said and "did not finish cleanly: quickstart-held" in said
     assert "quickstart-held" not in (out / "runs.csv").read_text()  # the run never started
     assert (out / "host_memory" / "hold-quickstart-held.txt").exists()  # what the holder said, to read
+
+
+def test_the_long_context_suite_runs_each_recipe_at_its_length_and_at_4k_and_climbs_to_the_longest(capsys, tmp_path):
+    assert bench.main(["long-context", "--dry-run", "--out", str(tmp_path)]) == 0
+    said = capsys.readouterr().out
+    for recipe, length in (("llama3-8b-qlora-long-24gb", 65536), ("qwen2.5-7b-lora-long-24gb", 32768)):
+        runs = [line for line in said.splitlines() if "scripts.bench_run" in line and recipe in line]
+        assert len(runs) == 2 and sum("data.seq_len=4096" in line for line in runs) == 1
+        assert load_recipe(ROOT / "recipes" / f"{recipe}.yaml").recipe.data.seq_len == length
+    climbs = [line for line in said.splitlines() if "scripts.bench_long_context" in line]
+    assert any("--methods memtrain" in line for line in climbs)
+    assert any("--methods hf " in line for line in climbs) and any("--methods hf-liger" in line for line in climbs)
+    assert all(f"--out {tmp_path}/long_context.csv" in line for line in climbs)
+
+
+@pytest.mark.slow  # one memtrain run of the quickstart recipe on the CPU (~30 s on two cores)
+def test_the_longest_ladder_keeps_the_longest_length_that_trained_and_stops_at_the_first_that_fails(tmp_path, capsys):
+    from scripts import bench_long_context
+
+    out = tmp_path / "long_context.csv"
+    spec = "recipes/quickstart.yaml batch.global_batch=2 batch.micro_batch=1 schedule.warmup_steps=0"
+    # 4096 is beyond the quickstart model's 2048 positions: the run refuses it (exit 2), the ladder ends there
+    argv = ["--out", str(out), "--name", "quickstart", "--recipe", spec, "--methods", "memtrain"]
+    argv += ["--lengths", "4096,32,8192", "--steps", "3", "--warmup", "1", "--runs", str(tmp_path / "runs")]
+    assert bench_long_context.main(argv) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["model"], row["method"], row["longest_seq_len"]) == ("quickstart", "memtrain", "32")
+    assert row["failed_at"] == "4096 (FileNotFoundError)"  # 8192 is not tried after 4096 failed
+    assert float(row["tokens_per_s"]) > 0 and row["peak_reserved_gib"] and row["machine"] and row["date"]
+    assert (
+        "--methods memtrain" in row["command"]
+        and "| quickstart | memtrain | 32 |" in out.with_suffix(".md").read_text()
+    )

@@ -72,12 +72,15 @@ def test_checkpointing_under_zero_matches_no_checkpointing(stage):
         "selective": Checkpointing(strategy="selective"),
         "every_2_layers": Checkpointing(strategy="every_n_layers", every_n_layers=2),
         "offload_mlp": Checkpointing(strategy="rules", rules={"*.mlp": "offload"}),
+        "layer_inputs_on_host": Checkpointing(strategy="every_layer", offload_inputs=True),
     }.items():
         model = tiny_llama()
         plan = apply_checkpointing(model, config)
         eng = engine(model, FP32, {"zero_optimization": {"stage": stage}})
         runs[name] = torch.tensor([step(eng, ids) for ids in batches], dtype=torch.float64)
-        if name == "offload_mlp":
+        if name == "layer_inputs_on_host":  # one input per layer and micro-batch, each brought back for its recompute
+            assert plan.offload_stats.packed_tensors == 4 * len(batches)
+        if name in ("offload_mlp", "layer_inputs_on_host"):
             assert plan.offload_stats.packed_tensors > 0
             assert plan.offload_stats.unpacked_tensors == plan.offload_stats.packed_tensors
     assert runs["none"][-1] < runs["none"][0] - 0.2
