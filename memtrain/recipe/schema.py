@@ -413,6 +413,15 @@ class Data(Section):
         description="Share of the training data held out when no validation is given: the last windows of text, the "
         "last samples of each dataset of a list (at least one; give data.validation to train on every sample).",
     )
+    validation_dedup: bool = Field(
+        False,
+        description="Leave out of validation the held-out records whose prompt (normalised: case, spacing and "
+        "Unicode forms aside) also occurs in the training data, so the held-out loss and exact match score questions "
+        "the model was not trained on. Off by default, as in Axolotl and LLaMA-Factory, which validate on the split "
+        "they are given: the held-out set stays the one you chose. Either way the run counts such prompts (and "
+        "prompt + answer pairs) and says so at the start, in its start record and beside the exact match. "
+        "Completion, instruction and chat data; with data.validation files, the training files are read too.",
+    )
     format: Literal["auto", "text", "jsonl"] = Field("auto", description="File format; 'auto' decides by extension.")
     field: str = Field("text", min_length=1, description="JSONL field holding the text.")
     seq_len: int = Field(1024, ge=8, le=1_048_576, description="Tokens per training sample.")
