@@ -47,6 +47,23 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
+
+def _flags_take_no_value() -> None:
+    """Show a flag (--json, --fit, --help) in --help without a value type: typer's rich help (0.29) writes the type of
+    every option, "--json <bool>", as if the flag took a value, and `--json true` is then refused."""
+    shown = typer.core.TyperOption.display_type_rich
+    if getattr(shown, "flags_without_value", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.flags_without_value = True
+    typer.core.TyperOption.display_type_rich = display_type_rich
+
+
+_flags_take_no_value()
+
 RecipeArg = typer.Argument(..., help="Recipe YAML file.", show_default=False)
 OverridesArg = typer.Argument(None, help="Overrides as key.path=value, e.g. batch.micro_batch=2.", show_default=False)
 
