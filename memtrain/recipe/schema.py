@@ -507,6 +507,16 @@ class Data(Section):
         """True when `train` is a path: the plain-text path (windows over concatenated documents)."""
         return isinstance(self.train, str)
 
+    @property
+    def item_name(self) -> str:
+        """What one item of the training data is, for messages that count them (batch.global_batch counts items):
+        "windows" of text, "pairs" of a preference objective, "packed rows" (several samples each), or "samples"."""
+        if self.is_text:
+            return "windows"
+        if self.holds_pairs:
+            return "pairs"
+        return "packed rows" if self.packing else "samples"
+
 
 def gpu_spec(value: str) -> str:
     """A target card (hardware.gpu, plan --gpu): a GPU profile's name or a positive size; ValueError

@@ -117,10 +117,20 @@ def build_data(recipe: Recipe) -> RunData:
     if len(train_set) < recipe.batch.global_batch:
         raise DataError(
             Problem(
-                f"the training data gives {len(train_set)} samples of {recipe.data.seq_len} tokens, "
-                f"fewer than one global batch of {recipe.batch.global_batch}",
+                f"the training data gives {len(train_set)} {recipe.data.item_name} of {recipe.data.seq_len} tokens, "
+                f"fewer than one global batch of {recipe.batch.global_batch}"
+                + (
+                    f" ({train_set.stats.samples} samples packed into them: batch.global_batch counts rows)"
+                    if recipe.data.item_name == "packed rows"
+                    else ""
+                ),
                 key="batch.global_batch",
-                hint="add data, lower data.seq_len, or lower batch.global_batch",
+                hint="add data, lower data.seq_len, or lower batch.global_batch"
+                + (
+                    " (or set data.packing: false: one sample per row)"
+                    if recipe.data.item_name == "packed rows"
+                    else ""
+                ),
             )
         )
     noted = noted_datasets(recipe.data, tokenizer)  # the token cache's notes, read once for the four below
