@@ -789,7 +789,8 @@ class Train(Section):
         ge=0,
         description="Held-out conversations the model answers by greedy generation at step 0 and at the "
         "end of the run, scored by exact match with the last assistant message (a 'generation' record in "
-        "metrics.jsonl); needs completion, instruction or chat data, and not ZeRO-3. 0: off.",
+        "metrics.jsonl), with the validation loss at step 0 beside the first score; needs completion, instruction or "
+        "chat data, and not ZeRO-3. 0: off.",
     )
     save_every: int = Field(500, ge=1, description="Checkpoint every N optimizer steps (and at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept.")
