@@ -124,7 +124,9 @@ def _scores(run_dir: Path) -> dict[str, str]:
     generated = [r for r in records if r["kind"] == GENERATION_KIND and r.get("total")]
     if generated:
         last = generated[-1]
-        scores["exact match"] = f"{last['exact_match']:.3f} ({last['correct']}/{last['total']} held-out answers)"
+        seen = last.get("prompts_in_train")  # held-out prompts the training data also holds (older runs: absent)
+        also = f", {seen} of them also in training" if seen else ""
+        scores["exact match"] = f"{last['exact_match']:.3f} ({last['correct']}/{last['total']} held-out answers{also})"
     return scores
 
 
