@@ -15,7 +15,7 @@ training used, whatever was dropped on the way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -72,6 +72,9 @@ class HeldOutRecords:
     # None where that is not known (the training files are gone)
     prompt_in_train: np.ndarray | None = None
     pair_in_train: np.ndarray | None = None
+    # int64: the records data.validation_dedup left out of validation (their prompt is in training): not asked, and
+    # not counted as skipped either
+    deduplicated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[SampleRows, SampleRows]:
@@ -314,6 +317,7 @@ def held_out_records(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[Hel
             )
         )
         firsts = [int(part.records[0]) for part in held_out]
+    before = held_out
     if trained is not None:
         held_out, _ = _against_training(held_out, trained, data)
         training = joined([keys_of(spec, data.cache_dir, part.records) for spec, part in zip(data.train, trained)])
@@ -323,8 +327,9 @@ def held_out_records(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[Hel
             first,
             part.records,
             *(in_training(keys_of(spec, data.cache_dir, part.records), training) if trained is not None else ()),
+            deduplicated=np.setdiff1d(everything.records, part.records),
         )
-        for spec, first, part in zip(specs, firsts, held_out)
+        for spec, first, part, everything in zip(specs, firsts, held_out, before)
         if spec.type != "text"
     ]
 

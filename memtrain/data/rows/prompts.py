@@ -145,9 +145,10 @@ def _conversations(held_out: HeldOutRecords) -> Iterator[tuple[int, dict, list[M
     conversation None for a record training left out (no validation sample: counted as skipped, not asked)."""
     spec = held_out.spec
     in_validation = set(held_out.samples.tolist())
+    deduplicated = set(held_out.deduplicated.tolist())
     for position, (line, record) in enumerate(read_records(spec.path, spec.split, subset=spec.subset)):
-        if position < held_out.first:
-            continue  # the training side's records (and what training dropped among them)
+        if position < held_out.first or position in deduplicated:
+            continue  # the training side's records (and what training dropped among them), or in training already
         yield line, record, (_conversation(record, spec, line) if position in in_validation else None), position
 
 

@@ -78,8 +78,9 @@ def test_a_separate_validation_file_is_compared_with_training_prompt_and_answer_
     assert kept.stats.held_out == HeldOutOverlap(samples=4, prompts_in_train=2, answers_in_train=1, dropped=2)
     assert kept.stats.samples == 2 and len(kept) == 2
     assert overlap_warning(kept.stats.held_out, dedup=True) is None
-    prompts, _ = held_out_prompts(dedup, chat_tokenizer)
+    prompts, skipped = held_out_prompts(dedup, chat_tokenizer)
     assert [(p.line, p.prompt_in_train) for p in prompts] == [(3, False), (4, False)]
+    assert skipped == 0  # left out as trained on, not skipped
 
 
 def test_dedup_that_leaves_nothing_to_validate_on_is_said_at_its_key(chat_tokenizer, write_jsonl, make_data):
