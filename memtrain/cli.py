@@ -29,6 +29,7 @@ from memtrain.commands.prepare import prepare_command
 from memtrain.commands.preview import preview_command
 from memtrain.commands.report import report_command
 from memtrain.commands.run import run_command
+from memtrain.commands.validate import validate_data
 from memtrain.errors import UserError
 from memtrain.recipe.schema import Recipe
 from memtrain.train.resolve import RunOptions
@@ -46,6 +47,23 @@ app = typer.Typer(
 )
 console = Console()
 err_console = Console(stderr=True)
+
+
+def _flags_take_no_value() -> None:
+    """Show a flag (--json, --fit, --help) in --help without a value type: typer's rich help (0.29) writes the type of
+    every option, "--json <bool>", as if the flag took a value, and `--json true` is then refused."""
+    shown = typer.core.TyperOption.display_type_rich
+    if getattr(shown, "flags_without_value", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.flags_without_value = True
+    typer.core.TyperOption.display_type_rich = display_type_rich
+
+
+_flags_take_no_value()
 
 RecipeArg = typer.Argument(..., help="Recipe YAML file.", show_default=False)
 OverridesArg = typer.Argument(None, help="Overrides as key.path=value, e.g. batch.micro_batch=2.", show_default=False)
@@ -110,17 +128,25 @@ def validate(
     recipe: Path = RecipeArg,
     overrides: Optional[list[str]] = OverridesArg,
     as_json: bool = typer.Option(False, "--json", help="Print the resolved recipe as JSON."),
+    data: bool = typer.Option(
+        False,
+        "--data",
+        help="Also read the data as a run does (tokenised once, then cached): bad records are said at file:line.",
+    ),
 ):
-    """Check a recipe: YAML syntax, unknown keys, types, ranges and contradictions.
+    """Check a recipe: YAML syntax, unknown keys, types, ranges and contradictions; with --data, its data too.
 
     Example: [bold]memtrain validate recipes/llama2-7b-lora-24gb.yaml batch.micro_batch=2[/]
     """
     env = current_environment()
     loaded = load_checked(recipe, overrides, env, packages=False)  # what the run imports: said, not refused
+    described = validate_data(loaded, err_console if as_json else console) if data else None
     if as_json:
         print(loaded.recipe.model_dump_json(indent=2))
     else:
         console.print(f"[green]✓[/] {recipe} is a valid recipe ({loaded.name})")
+        if described is not None:
+            console.print(f"[green]✓[/] its data reads: {described}", highlight=False, soft_wrap=True)
         for package in packages_needed(loaded.recipe, env):
             console.print(f"[yellow]![/] the run needs {package}: not installed here", highlight=False)
 

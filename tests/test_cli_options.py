@@ -20,3 +20,16 @@ def test_max_steps_below_one_is_refused_before_the_run_starts(steps, monkeypatch
     result = CliRunner().invoke(app, ["run", str(QUICKSTART), "--max-steps", steps])
     assert result.exit_code == 2, result.output
     assert "--max-steps" in result.output and "Traceback" not in result.output
+
+
+def test_flags_are_shown_without_a_value_in_every_commands_help():
+    """--json, --fit, --help take no value; the help once wrote `--json <bool>` beside them."""
+    commands = [c.name or c.callback.__name__ for c in app.registered_commands]
+    assert {"plan", "run", "validate", "eval", "preview"} <= set(commands)
+    for name in commands:
+        shown = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": "200"})
+        assert shown.exit_code == 0, shown.output
+        assert "<bool>" not in shown.output, name
+        assert "--help" in shown.output
+    plan = CliRunner().invoke(app, ["plan", "--help"], env={"COLUMNS": "200"}).output
+    assert "<str>" in plan  # an option that takes a value still says which

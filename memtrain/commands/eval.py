@@ -93,9 +93,7 @@ def _print(result: RunEvaluation, console: Console) -> None:
     if g is not None:
         table.add_row(
             "exact match",
-            f"{g.exact_match:.3f} ({g.correct}/{g.total} held-out answers"
-            + (f", {g.skipped} skipped" if g.skipped else "")
-            + ")",
+            f"{g.exact_match:.3f} ({g.answers_said()}" + (f", {g.skipped} skipped" if g.skipped else "") + ")",
         )
         for task, score in g.by_task.items():
             table.add_row(f"  {task}", f"{score:.3f}")

@@ -55,11 +55,35 @@ def model_card(run_dir: Path, recipe: Recipe, adapter: bool) -> ModelCard:
         f"{recipe.schedule.warmup_steps} warmup steps) |",
         f"| precision | {recipe.precision.compute} |",
     ]
+    lines += _prompting(recipe)
     if scores:
         lines += ["", "## Evaluation", "", "| | |", "|---|---|"]
         lines += [f"| {name} | {value} |" for name, value in scores.items()]
     lines += ["", "## Recipe", "", "```yaml", _recipe_yaml(recipe).rstrip(), "```", ""]
     return ModelCard(f"---\n{card.to_yaml()}\n---\n\n" + "\n".join(lines))
+
+
+def _prompting(recipe: Recipe) -> list[str]:
+    """How to prompt a model the alpaca template trained on instruction records: a record with an input was trained
+    on Stanford Alpaca's prompt for a task with an input, which the exported template writes only for a user message
+    that carries the input apart (its 'input'); the card says so, with the call."""
+    if recipe.data.template != "alpaca" or not any(spec.type == "instruction" for spec in _specs(recipe)):
+        return []
+    example = '[{"role": "user", "content": "Translate to French.", "input": "Good morning"}]'
+    return [
+        "",
+        "## Prompting",
+        "",
+        "Trained with the Alpaca prompt. A task with an input was trained with Alpaca's prompt for one (its own "
+        "preamble and an `### Input:` block): give the input as the user message's `input`, and "
+        "`tokenizer.apply_chat_template` writes that prompt:",
+        "",
+        "```python",
+        f"tokenizer.apply_chat_template({example}, add_generation_prompt=True)",
+        "```",
+        "",
+        "A user message without `input` is prompted as a task without an input.",
+    ]
 
 
 def _specs(recipe: Recipe) -> list:
@@ -100,7 +124,9 @@ def _scores(run_dir: Path) -> dict[str, str]:
     generated = [r for r in records if r["kind"] == GENERATION_KIND and r.get("total")]
     if generated:
         last = generated[-1]
-        scores["exact match"] = f"{last['exact_match']:.3f} ({last['correct']}/{last['total']} held-out answers)"
+        seen = last.get("prompts_in_train")  # held-out prompts the training data also holds (older runs: absent)
+        also = f", {seen} of them also in training" if seen else ""
+        scores["exact match"] = f"{last['exact_match']:.3f} ({last['correct']}/{last['total']} held-out answers{also})"
     return scores
 
 

@@ -17,9 +17,11 @@ from rich.console import Console
 from rich.text import Text
 
 from memtrain.checks.load import load_checked
+from memtrain.data.rows.row_set import SampleRows
 from memtrain.data.rows.row_text import RowView, row_view
+from memtrain.data.rows.sample_lines import sample_lines
 from memtrain.errors import Problem, UserError
-from memtrain.recipe.schema import Data
+from memtrain.recipe.schema import Data, DatasetSpec
 from memtrain.train.progress_bar import tokenising_progress
 from memtrain.train.setup import build_data
 
@@ -48,7 +50,15 @@ def preview_command(
             )
         )
     names = _source_names(data_section, split)
-    views = [row_view(dataset, index, data.tokenizer, names) for index in range(start, min(start + rows, len(dataset)))]
+    shown = range(start, min(start + rows, len(dataset)))
+    lines = (
+        sample_lines(
+            dataset, _source_specs(data_section, split), data_section, data.tokenizer, _samples_of(dataset, shown)
+        )
+        if isinstance(dataset, SampleRows)
+        else None
+    )
+    views = [row_view(dataset, index, data.tokenizer, names, lines) for index in shown]
     if as_json:
         summary = {
             "recipe": loaded.name,
@@ -80,8 +90,17 @@ def _source_names(data: Data, split: str) -> list[str] | None:
     """The dataset path behind each source index of the split's rows (mixture.py builds them in list order)."""
     if isinstance(data.train, str):
         return None
-    specs = data.validation if split == "validation" and data.validation is not None else data.train
-    return [spec.path for spec in specs]
+    return [spec.path for spec in _source_specs(data, split)]
+
+
+def _source_specs(data: Data, split: str) -> list[DatasetSpec]:
+    """The datasets behind the source indices of the split's rows (a recipe with a list of datasets)."""
+    return list(data.validation if split == "validation" and data.validation is not None else data.train)
+
+
+def _samples_of(dataset: SampleRows, rows: range) -> list[int]:
+    """The samples the rows hold."""
+    return [int(sample) for index in rows for sample in dataset.row(index)]
 
 
 def _print_row(view: RowView, rows_total: int, marks: bool, console: Console) -> None:
@@ -94,7 +113,11 @@ def _print_row(view: RowView, rows_total: int, marks: bool, console: Console) ->
     )
     for number, sample in enumerate(view.samples, start=1):
         if len(view.samples) > 1 or sample.source:
-            where = f" from {sample.source}" if sample.source else ""
+            where = (
+                f" from {sample.source}" + (f":{sample.line}" if sample.line is not None else "")
+                if sample.source
+                else ""
+            )
             console.print(
                 f"[bold]sample {number}[/]{where}: {sample.tokens} tokens, {sample.target_tokens} targets",
                 highlight=False,

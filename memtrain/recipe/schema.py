@@ -414,6 +414,15 @@ class Data(Section):
         description="Share of the training data held out when no validation is given: the last windows of text, the "
         "last samples of each dataset of a list (at least one; give data.validation to train on every sample).",
     )
+    validation_dedup: bool = Field(
+        False,
+        description="Leave out of validation the held-out records whose prompt (normalised: case, spacing and "
+        "Unicode forms aside) also occurs in the training data, so the held-out loss and exact match score questions "
+        "the model was not trained on. Off by default, as in Axolotl and LLaMA-Factory, which validate on the split "
+        "they are given: the held-out set stays the one you chose. Either way the run counts such prompts (and "
+        "prompt + answer pairs) and says so at the start, in its start record and beside the exact match. "
+        "Completion, instruction and chat data; with data.validation files, the training files are read too.",
+    )
     format: Literal["auto", "text", "jsonl"] = Field("auto", description="File format; 'auto' decides by extension.")
     field: str = Field("text", min_length=1, description="JSONL field holding the text.")
     seq_len: int = Field(1024, ge=8, le=1_048_576, description="Tokens per training sample.")
@@ -498,6 +507,16 @@ class Data(Section):
     def is_text(self) -> bool:
         """True when `train` is a path: the plain-text path (windows over concatenated documents)."""
         return isinstance(self.train, str)
+
+    @property
+    def item_name(self) -> str:
+        """What one item of the training data is, for messages that count them (batch.global_batch counts items):
+        "windows" of text, "pairs" of a preference objective, "packed rows" (several samples each), or "samples"."""
+        if self.is_text:
+            return "windows"
+        if self.holds_pairs:
+            return "pairs"
+        return "packed rows" if self.packing else "samples"
 
 
 def gpu_spec(value: str) -> str:
@@ -779,7 +798,8 @@ class Train(Section):
         ge=0,
         description="Held-out conversations the model answers by greedy generation at step 0 and at the "
         "end of the run, scored by exact match with the last assistant message (a 'generation' record in "
-        "metrics.jsonl); needs completion, instruction or chat data, and not ZeRO-3. 0: off.",
+        "metrics.jsonl), with the validation loss at step 0 beside the first score; needs completion, instruction or "
+        "chat data, and not ZeRO-3. 0: off.",
     )
     save_every: int = Field(500, ge=1, description="Checkpoint every N optimizer steps (and at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept.")

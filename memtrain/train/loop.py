@@ -82,8 +82,10 @@ def train(t: Training, quiet: bool = False) -> RunResult:
     with interrupted.installed():
         with progress, t.profiler:
             progress.update(state.step)
-            if t.generation is not None and state.step == 0:  # train.eval_generate: the score before training
-                progress.note(t.generation.record(t.model, t.metrics, state.step).describe(state.step))
+            if r.train.eval_generate and state.step == 0:  # the scores before training: exact match, and beside
+                eval_loss = _evaluate(t, progress)  # it the validation loss it starts from (every rank: a collective)
+                if t.generation is not None:  # rank 0
+                    progress.note(t.generation.record(t.model, t.metrics, state.step).describe(state.step))
                 if t.startup is not None:
                     t.startup.mark("eval_generate")
             while state.step < stop_at:
@@ -143,10 +145,13 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                     **_loss_scale_fields(t.engine, r),
                     **_preference_fields(t),
                 )
+                last = state.step == stop_at
+                evaluates = state.step % r.train.eval_every == 0 or last
+                if evaluates or verdict.stop:  # the bar's loss is then this step's, not that of the last one flushed
+                    t.metrics.flush()  # (every log_every steps): the evaluation's record would flush it anyway
                 progress.update(state.step, t.metrics.last_flushed)
                 t.profiler.step()
-                last = state.step == stop_at
-                if state.step % r.train.eval_every == 0 or last:
+                if evaluates:
                     eval_loss = _evaluate(t, progress)
                 due = state.step % r.train.save_every == 0 or last or verdict.stop
                 if t.options.save and verdict.may_save and due:

@@ -159,7 +159,7 @@ def total_steps(recipe: Recipe, n_train_samples: int) -> int:
         raise UserError(
             Problem(
                 f"warmup of {recipe.schedule.warmup_steps} steps is longer than the whole run ({steps} steps: "
-                f"train.epochs {recipe.train.epochs:g} of {n_train_samples} samples in batches of "
+                f"train.epochs {recipe.train.epochs:g} of {n_train_samples} {recipe.data.item_name} in batches of "
                 f"{recipe.batch.global_batch})",
                 key="schedule.warmup_steps",
                 hint=f"use at most {steps} warmup steps",

@@ -81,7 +81,8 @@ class RunEvaluation:
 
     def as_json(self) -> dict:
         """loss, perplexity, validation rows and target tokens, exact_match, correct, total, skipped, by_task,
-        samples, note: the same keys for every run (the generation's are null for text-only data)."""
+        prompts_in_train, answers_in_train, samples, note: the same keys for every run (the generation's are null for
+        text-only data)."""
         out = {
             "run_dir": str(self.run_dir),
             "loss": self.loss,
@@ -93,6 +94,8 @@ class RunEvaluation:
             "total": None,
             "skipped": None,
             "by_task": None,
+            "prompts_in_train": None,
+            "answers_in_train": None,
             "samples": [],
             "note": self.note,
         }

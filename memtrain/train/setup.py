@@ -30,7 +30,9 @@ from memtrain.data.rows.mixture import (
     untrainable_records_warning,
     unwritten_messages_warning,
 )
+from memtrain.data.rows.overlap import HeldOutOverlap, overlap_warning
 from memtrain.data.rows.pairs import identical_pairs_warning, pair_truncation_warning
+from memtrain.data.rows.row_set import SampleRows
 from memtrain.data.tokens.tokenizer import load_tokenizer
 from memtrain.ds_config.compiler import ds_config as compile_ds_config
 from memtrain.ds_config.compiler import uses_client_optimizer
@@ -115,10 +117,20 @@ def build_data(recipe: Recipe) -> RunData:
     if len(train_set) < recipe.batch.global_batch:
         raise DataError(
             Problem(
-                f"the training data gives {len(train_set)} samples of {recipe.data.seq_len} tokens, "
-                f"fewer than one global batch of {recipe.batch.global_batch}",
+                f"the training data gives {len(train_set)} {recipe.data.item_name} of {recipe.data.seq_len} tokens, "
+                f"fewer than one global batch of {recipe.batch.global_batch}"
+                + (
+                    f" ({train_set.stats.samples} samples packed into them: batch.global_batch counts rows)"
+                    if recipe.data.item_name == "packed rows"
+                    else ""
+                ),
                 key="batch.global_batch",
-                hint="add data, lower data.seq_len, or lower batch.global_batch",
+                hint="add data, lower data.seq_len, or lower batch.global_batch"
+                + (
+                    " (or set data.packing: false: one sample per row)"
+                    if recipe.data.item_name == "packed rows"
+                    else ""
+                ),
             )
         )
     noted = noted_datasets(recipe.data, tokenizer)  # the token cache's notes, read once for the four below
@@ -130,9 +142,15 @@ def build_data(recipe: Recipe) -> RunData:
         untrainable_records_warning(recipe.data, tokenizer, noted),  # records left out with nothing to train on,
         unread_system_warning(recipe.data, tokenizer, noted),  # or a system prompt the dataset does not read;
         pair_truncation_warning(train_set),  # preference pairs cut to seq_len or left out for it,
-        identical_pairs_warning(noted),  # or with the same answer on both sides
+        identical_pairs_warning(noted),  # or with the same answer on both sides;
+        overlap_warning(_held_out_overlap(val_set), recipe.data.validation_dedup),  # held-out prompts trained on
     )
     return RunData(tokenizer, train_set, val_set, added, vocab_size, tuple(w for w in warnings if w))
+
+
+def _held_out_overlap(val_set) -> HeldOutOverlap | None:
+    """What the validation rows share with training (mixture.py counts it for lists of conversation datasets)."""
+    return val_set.stats.held_out if isinstance(val_set, SampleRows) else None
 
 
 def check_new_rows_train(recipe: Recipe, added: tuple[str, ...]) -> None:

@@ -183,6 +183,31 @@ def test_a_run_with_its_own_validation_file_is_scored_without_its_training_file(
     again = eval_json(run_dir, limit=3)
     assert again["loss"] == scored["loss"] and again["total"] == scored["total"] == 3
     assert again["validation_rows"] == scored["validation_rows"] > 0
+    # what the held-out prompts share with training: none, and with the training file gone, not known
+    assert (scored["prompts_in_train"], again["prompts_in_train"]) == (0, None)
+
+
+def test_eval_says_how_many_held_out_answers_training_also_holds(tmp_path, cache):
+    """A validation file whose first two questions are also in the training file: the exact match says so."""
+
+    def conversation(i: int) -> str:
+        ask = {"role": "user", "content": f"What is {i} plus 2?"}
+        return json.dumps({"messages": [ask, {"role": "assistant", "content": str(i + 2)}]}) + "\n"
+
+    (tmp_path / "train.jsonl").write_text("".join(conversation(i) for i in range(40)))
+    (tmp_path / "val.jsonl").write_text("".join(conversation(i) for i in (0, 1, 200, 201)))
+    data = {
+        "train": [{"path": str(tmp_path / "train.jsonl"), "type": "chat"}],
+        "validation": [{"path": str(tmp_path / "val.jsonl"), "type": "chat"}],
+        "template": "chatml",
+        "seq_len": 64,
+    }
+    run_dir = make_run(tmp_path, data, cache)
+    result = eval_json(run_dir)
+    assert (result["total"], result["prompts_in_train"], result["answers_in_train"]) == (4, 2, 2)
+    out = io.StringIO()
+    eval_command(run_dir, as_json=False, samples=0, limit=None, console=Console(file=out, width=200))
+    assert "(0/4 held-out answers, 2 of them also in training)" in out.getvalue()
 
 
 def test_bad_inputs_are_user_errors(tmp_path, cache):

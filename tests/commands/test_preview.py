@@ -118,3 +118,21 @@ def test_a_template_that_closes_no_turn_is_warned_about_where_the_data_is_built(
     )
     chatml = _preview(CHAT_RECIPE, *overrides)
     assert "writes no special token" not in chatml.output
+
+
+def test_json_samples_carry_their_file_and_line(tmp_path, monkeypatch):
+    """Each packed sample names the line of its record (a blank line first: lines, not positions), so a row that
+    looks wrong can be traced to the record behind it."""
+    overrides = _chat_overrides(tmp_path, monkeypatch)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n" + data.read_text())
+    result = _preview(CHAT_RECIPE, *overrides, "--json")
+    assert result.exit_code == 0, result.output
+    [row] = json.loads(result.stdout)["rows"]
+    seen = {}
+    for sample in row["samples"]:
+        question = next(q for q, _ in CONVERSATIONS if any(q in span["text"] for span in sample["spans"]))
+        seen[question] = (sample["source"], sample["line"])
+    assert seen == {q: (str(data), line) for line, (q, _) in enumerate(CONVERSATIONS, start=2)}
+    table = _preview(CHAT_RECIPE, *overrides)
+    assert f"from {data}:2" in " ".join(table.output.split())

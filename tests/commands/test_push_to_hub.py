@@ -52,6 +52,22 @@ def test_the_card_names_the_base_the_data_and_the_scores(tmp_path):
     assert recipe["model"]["lora"]["r"] == 8 and "output_dir" not in recipe["train"]  # the run's own paths left out
 
 
+def test_the_card_says_how_many_held_out_answers_training_also_holds(tmp_path):
+    run_dir = finished_adapter_run(tmp_path)
+    with MetricsLog(run_dir / "metrics.jsonl", flush_every=1) as log:
+        log.event(GENERATION_KIND, 12, exact_match=1.0, correct=4, total=4, prompts_in_train=3, by_task={}, samples=[])
+    text = model_card(run_dir, Recipe.model_validate(RECIPE), adapter=True).text
+    assert "| exact match | 1.000 (4/4 held-out answers, 3 of them also in training) |" in text
+
+
+def test_an_alpaca_card_says_how_to_prompt_a_task_with_an_input(tmp_path):
+    run_dir = finished_adapter_run(tmp_path)
+    alpaca = {**RECIPE, "data": {"train": [{"path": "hub:org/alpaca", "type": "instruction"}], "template": "alpaca"}}
+    text = model_card(run_dir, Recipe.model_validate(alpaca), adapter=True).text
+    assert "## Prompting" in text and '"input": "Good morning"' in text
+    assert "## Prompting" not in model_card(run_dir, Recipe.model_validate(RECIPE), adapter=True).text  # chat: none
+
+
 def test_a_push_that_cannot_happen_is_said_before_any_work(tmp_path, monkeypatch, hub_cache):
     run_dir = finished_adapter_run(tmp_path)
     runner = CliRunner()

@@ -7,7 +7,9 @@ instruction: user = instruction, followed by a blank line and the input when the
              template that writes them in blocks of their own (alpaca's "### Input:"); others write its content.
 chat:        the record's messages (OpenAI role/content) or conversations (sharegpt from/value), roles mapped;
              a system_field's text first (LLaMA-Factory's sharegpt "system" column) unless the messages start
-             with a system message; an empty system message is left out.
+             with a system message; an empty system message is left out. A message's content may be a list of
+             parts (OpenAI's [{"type": "text", "text": ...}]): its text parts are joined (PART_SEPARATOR), any
+             other part (an image, audio) is refused naming its index.
              Tool calling (OpenAI's layout, as transformers' chat templates take it): an assistant message's
              `tool_calls` (its content may then be empty), `tool` messages with the calls' results, and the record's
              `tools` (the function schemas), which ride on the first message (TOOLS_KEY) for the template to write.
@@ -256,7 +258,7 @@ def _message(turn: object, key: str, layout: str, role_names: dict[str, str], wh
     message: Message = {
         "role": role,
         "content": where.content(
-            turn[content_key],
+            _joined_parts(turn[content_key], f"{key}.{content_key}", where),
             f"{key}.{content_key}",
             allow_empty=role in ("system", "tool") or bool(calls),
             answer=role == "assistant",
@@ -267,6 +269,40 @@ def _message(turn: object, key: str, layout: str, role_names: dict[str, str], wh
     if role == "tool":
         message.update({k: turn[k] for k in TOOL_MESSAGE_KEYS if isinstance(turn.get(k), str)})
     return message
+
+
+# How a message's text parts become one text: the separator vLLM's OpenAI-compatible server puts between the text
+# parts of a message when it hands a text-only model's chat template a string, so the model is trained on the prompt
+# it will be served with.
+PART_SEPARATOR = "\n"
+
+
+def _joined_parts(content: object, key: str, where: _Where) -> object:
+    """A message's content given as a list of parts (OpenAI's [{"type": "text", "text": ...}]) as one text, its text
+    parts joined by PART_SEPARATOR; any other content as it is. DataError naming the part's index for a part that is
+    not text (an image, audio, a file: nothing a text model can train on) or is malformed."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        at = f"{key}[{i}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            shown = f"a {kind!r} part" if isinstance(kind, str) else f"{json_kind(part)} without a type"
+            raise where.fail(
+                f"is {shown}; only text parts can be trained on",
+                at,
+                'give the message text only: a string, or parts written {"type": "text", "text": ...}; '
+                "remove the record or its non-text parts",
+            )
+        if not isinstance(part.get("text"), str):
+            raise where.fail(
+                f"the text part's text is {json_kind(part.get('text'))}, not a string",
+                f"{at}.text",
+                'write a text part as {"type": "text", "text": "..."}',
+            )
+        texts.append(part["text"])
+    return PART_SEPARATOR.join(texts)  # no parts: empty text, which the content check refuses where text is needed
 
 
 def _tool_calls(turn: dict, key: str, where: _Where) -> list[dict]:

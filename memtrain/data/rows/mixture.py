@@ -15,7 +15,7 @@ training used, whatever was dropped on the way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -25,6 +25,7 @@ from memtrain.data.render.templates import (
     conversation_template,
     ensure_template_tokens,
 )
+from memtrain.data.rows.overlap import CONVERSATION_TYPES, HeldOutOverlap, in_training, joined, keys_of
 from memtrain.data.rows.packing import pack_rows
 from memtrain.data.rows.row_set import DataStats, SampleRows, SampleViews
 from memtrain.data.rows.weights import held_out_tail, weighted_indices
@@ -67,6 +68,13 @@ class HeldOutRecords:
     spec: DatasetSpec
     first: int  # 0 for a data.validation dataset; the first validation sample's record for a tail
     samples: np.ndarray  # int64, ascending: the records behind the dataset's validation samples
+    # bool beside `samples`: the record's prompt (and its prompt and answer) training also holds (overlap.py);
+    # None where that is not known (the training files are gone)
+    prompt_in_train: np.ndarray | None = None
+    pair_in_train: np.ndarray | None = None
+    # int64: the records data.validation_dedup left out of validation (their prompt is in training): not asked, and
+    # not counted as skipped either
+    deduplicated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[SampleRows, SampleRows]:
@@ -82,12 +90,13 @@ def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tup
     rules = sample_rules(data, tokenizer)
     parts = [_prepare(spec, tokenizer, rules, data, "data.train") for spec in data.train]
     if data.validation is not None:
-        validation = validation_rows(data, tokenizer, seed)
+        held_out = [_prepare(spec, tokenizer, rules, data, "data.validation") for spec in data.validation]
     else:
         parts, held_out = zip(
             *(_split_tail(part, spec, data.validation_fraction, data.seq_len) for part, spec in zip(parts, data.train))
         )
-        validation = _rows(list(held_out), data, tokenizer.pad_token_id, seed)
+    held_out, overlap = _against_training(list(held_out), list(parts), data)
+    validation = _rows(held_out, data, tokenizer.pad_token_id, seed, overlap)
     chosen = [
         part.take(weighted_indices(len(part.views), spec.weight, seed, i))
         for i, (part, spec) in enumerate(zip(parts, data.train))
@@ -105,16 +114,56 @@ def build_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> tup
                     "samples: 1 uses each once), or leave the dataset out",
                 )
             )
-    return _rows(chosen, data, tokenizer.pad_token_id, seed), validation
+    return _rows(chosen, data, tokenizer.pad_token_id, seed, overlap), validation
 
 
 def validation_rows(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> SampleRows:
     """build_rows' validation rows where data.validation names datasets of its own, built without reading
-    data.train's (`memtrain eval` of a run whose training files are gone)."""
+    data.train's (`memtrain eval` of a run whose training files are gone), unless data.validation_dedup needs them
+    to leave out what training holds."""
     ensure_template_tokens(data, tokenizer)
     rules = sample_rules(data, tokenizer)
     held_out = [_prepare(spec, tokenizer, rules, data, "data.validation") for spec in data.validation]
-    return _rows(held_out, data, tokenizer.pad_token_id, seed)
+    overlap = None
+    if data.validation_dedup:
+        trained = [_prepare(spec, tokenizer, rules, data, "data.train") for spec in data.train]
+        held_out, overlap = _against_training(held_out, trained, data)
+    return _rows(held_out, data, tokenizer.pad_token_id, seed, overlap)
+
+
+def _against_training(
+    held_out: list[_Part], trained: list[_Part], data: Data
+) -> tuple[list[_Part], HeldOutOverlap | None]:
+    """(held-out parts, what they share with training): each held-out conversation sample whose prompt (and whose
+    prompt and answer) the training side's records also hold, counted (overlap.py); with data.validation_dedup
+    those samples are left out of validation. The training side is every record training draws from, before
+    weights. None when validation holds no conversation dataset."""
+    specs = data.validation if data.validation is not None else data.train
+    if not any(spec.type in CONVERSATION_TYPES for spec in specs):
+        return held_out, None
+    training = joined([keys_of(spec, data.cache_dir, part.records) for spec, part in zip(data.train, trained)])
+    kept, samples, prompts, answers, dropped = [], 0, 0, 0, 0
+    for spec, part in zip(specs, held_out):
+        if spec.type in CONVERSATION_TYPES:
+            seen_prompt, seen_pair = in_training(keys_of(spec, data.cache_dir, part.records), training)
+            samples += len(seen_prompt)
+            prompts += int(seen_prompt.sum())
+            answers += int(seen_pair.sum())
+            if data.validation_dedup and seen_prompt.any():
+                dropped += int(seen_prompt.sum())
+                part = part.take(np.flatnonzero(~seen_prompt))
+        kept.append(part)
+    if dropped and not sum(len(part.views) for part in kept):
+        raise DataError(
+            Problem(
+                f"every one of the {samples} held-out samples has a prompt that training also holds: "
+                "data.validation_dedup leaves nothing to validate on",
+                key="data.validation_dedup",
+                hint="hold out records that training does not hold (data.validation), or set "
+                "data.validation_dedup: false to validate on them anyway",
+            )
+        )
+    return kept, HeldOutOverlap(samples, prompts, answers, dropped)
 
 
 def noted_datasets(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[tuple[DatasetSpec, Tokenized]]:
@@ -242,21 +291,47 @@ def held_out_records(data: Data, tokenizer: PreTrainedTokenizerBase) -> list[Hel
         return []
     rules = sample_rules(data, tokenizer)
     if data.validation is not None:
-        parts = [
-            (spec, _prepare(spec, tokenizer, rules, data, "data.validation"))
-            for spec in data.validation
-            if spec.type != "text"
-        ]
-        return [HeldOutRecords(spec, 0, part.records) for spec, part in parts]
-    held_out = []
-    for spec in data.train:
-        if spec.type == "text":
-            continue
-        _, tail = _split_tail(
-            _prepare(spec, tokenizer, rules, data, "data.train"), spec, data.validation_fraction, data.seq_len
+        specs = list(data.validation)
+        held_out = [_prepare(spec, tokenizer, rules, data, "data.validation") for spec in specs]
+        firsts = [0] * len(specs)
+        try:
+            trained = [_prepare(spec, tokenizer, rules, data, "data.train") for spec in data.train]
+        except DataError:
+            if data.validation_dedup:
+                raise
+            trained = None  # training files that are gone (`memtrain eval` later): what they share is not known
+    else:
+        specs = list(data.train)
+        trained, held_out = (
+            list(split)
+            for split in zip(
+                *(
+                    _split_tail(
+                        _prepare(spec, tokenizer, rules, data, "data.train"),
+                        spec,
+                        data.validation_fraction,
+                        data.seq_len,
+                    )
+                    for spec in specs
+                )
+            )
         )
-        held_out.append(HeldOutRecords(spec, int(tail.records[0]), tail.records))
-    return held_out
+        firsts = [int(part.records[0]) for part in held_out]
+    before = held_out
+    if trained is not None:
+        held_out, _ = _against_training(held_out, trained, data)
+        training = joined([keys_of(spec, data.cache_dir, part.records) for spec, part in zip(data.train, trained)])
+    return [
+        HeldOutRecords(
+            spec,
+            first,
+            part.records,
+            *(in_training(keys_of(spec, data.cache_dir, part.records), training) if trained is not None else ()),
+            deduplicated=np.setdiff1d(everything.records, part.records),
+        )
+        for spec, first, part, everything in zip(specs, firsts, held_out, before)
+        if spec.type != "text"
+    ]
 
 
 def sample_rules(data: Data, tokenizer: PreTrainedTokenizerBase) -> SampleRules:
@@ -345,7 +420,7 @@ def _split_tail(part: _Part, spec: DatasetSpec, fraction: float, seq_len: int) -
     return head, _Part(tail.views, tail.truncated, 0, 0, tail.records)
 
 
-def _rows(parts: list[_Part], data: Data, pad_id: int, seed: int) -> SampleRows:
+def _rows(parts: list[_Part], data: Data, pad_id: int, seed: int, overlap: HeldOutOverlap | None = None) -> SampleRows:
     views = SampleViews.concat([p.views for p in parts])
     if data.packing:
         rows = pack_rows(views.length, data.seq_len)
@@ -363,6 +438,7 @@ def _rows(parts: list[_Part], data: Data, pad_id: int, seed: int) -> SampleRows:
         tokens=dataset.n_tokens,
         target_tokens=dataset.targets(np.arange(len(dataset))),
         seq_len=data.seq_len,
+        held_out=overlap,
     )
     dataset.stats = stats
     return dataset

@@ -42,6 +42,9 @@ class HeldOutPrompt:
     file: str  # the dataset's path, and the record's line (or row) in it
     line: int
     task: str | None = None  # the record's "task" field when it has one (the bundled chat data does)
+    # whether training also holds this prompt, and this prompt with this answer (overlap.py); None: not known
+    prompt_in_train: bool | None = None
+    answer_in_train: bool | None = None
 
 
 def has_answers(data: Data) -> bool:
@@ -77,7 +80,8 @@ def held_out_prompts(
     skipped = 0
     for dataset in held_out:
         spec = dataset.spec
-        for line, record, messages in _conversations(dataset):
+        seen = _seen_in_training(dataset)
+        for line, record, messages, position in _conversations(dataset):
             if limit is not None and len(prompts) >= limit:
                 return prompts, skipped
             prompt = prompt_of(encoder, messages) if messages is not None else None
@@ -85,10 +89,30 @@ def held_out_prompts(
                 skipped += 1
                 continue
             task = record.get("task")
+            prompt_in_train, answer_in_train = seen.get(position, (None, None))
             prompts.append(
-                HeldOutPrompt(prompt[0], prompt[1], prompt[2], spec.path, line, task if isinstance(task, str) else None)
+                HeldOutPrompt(
+                    prompt[0],
+                    prompt[1],
+                    prompt[2],
+                    spec.path,
+                    line,
+                    task if isinstance(task, str) else None,
+                    prompt_in_train,
+                    answer_in_train,
+                )
             )
     return prompts, skipped
+
+
+def _seen_in_training(held_out: HeldOutRecords) -> dict[int, tuple[bool, bool]]:
+    """{record position: (its prompt in training, its prompt and answer in training)}; empty where not known."""
+    if held_out.prompt_in_train is None or held_out.pair_in_train is None:
+        return {}
+    return {
+        int(position): (bool(prompt), bool(pair))
+        for position, prompt, pair in zip(held_out.samples, held_out.prompt_in_train, held_out.pair_in_train)
+    }
 
 
 def prompt_of(encoder: ConversationEncoder, messages: list[Message]) -> tuple[list[int], str, str] | None:
@@ -116,15 +140,16 @@ def _held_out_specs(data: Data) -> list[DatasetSpec]:
     return [s for s in (data.validation if data.validation is not None else data.train) if s.type != "text"]
 
 
-def _conversations(held_out: HeldOutRecords) -> Iterator[tuple[int, dict, list[Message] | None]]:
-    """(line, record, conversation) for each held-out record of a dataset, in file order; conversation None for
-    a record training left out (no validation sample: counted as skipped, not asked)."""
+def _conversations(held_out: HeldOutRecords) -> Iterator[tuple[int, dict, list[Message] | None, int]]:
+    """(line, record, conversation, position in read order) for each held-out record of a dataset, in file order;
+    conversation None for a record training left out (no validation sample: counted as skipped, not asked)."""
     spec = held_out.spec
     in_validation = set(held_out.samples.tolist())
+    deduplicated = set(held_out.deduplicated.tolist())
     for position, (line, record) in enumerate(read_records(spec.path, spec.split, subset=spec.subset)):
-        if position < held_out.first:
-            continue  # the training side's records (and what training dropped among them)
-        yield line, record, (_conversation(record, spec, line) if position in in_validation else None)
+        if position < held_out.first or position in deduplicated:
+            continue  # the training side's records (and what training dropped among them), or in training already
+        yield line, record, (_conversation(record, spec, line) if position in in_validation else None), position
 
 
 def _conversation(record: dict, spec: DatasetSpec, line: int) -> list[Message] | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from memtrain.data.rows.overlap import HeldOutOverlap
 from memtrain.labels import IGNORE_INDEX
 
 
@@ -35,6 +36,7 @@ class DataStats:
     tokens: int  # real tokens in the rows
     target_tokens: int  # tokens the loss is computed on
     seq_len: int
+    held_out: HeldOutOverlap | None = None  # held-out samples that training also holds; None where not counted
 
     @property
     def padding_share(self) -> float:
@@ -47,6 +49,7 @@ class DataStats:
             f"{self.samples} samples in {self.rows} rows of {self.seq_len} tokens: {self.tokens} tokens, "
             f"{self.target_tokens} targets, {self.padding_share:.1%} padding; {self.truncated} truncated, "
             f"{self.dropped_too_long} too long and {self.dropped_no_targets} without targets left out"
+            + (f"; {self.held_out.describe()}" if self.held_out is not None else "")
         )
 
 

@@ -35,6 +35,7 @@ class Span:
 class SampleView:
     source: str | None  # the dataset it came from (a recipe's data list), None for a text window
     spans: tuple[Span, ...]
+    line: int | None = None  # its record's line (or row) in that dataset's file, where known (sample_lines.py)
 
     @property
     def tokens(self) -> int:
@@ -72,6 +73,7 @@ class RowView:
             "samples": [
                 {
                     "source": sample.source,
+                    "line": sample.line,
                     "tokens": sample.tokens,
                     "target_tokens": sample.target_tokens,
                     "spans": [
@@ -89,10 +91,12 @@ def row_view(
     index: int,
     tokenizer: PreTrainedTokenizerBase,
     source_names: list[str] | None = None,
+    lines: dict[int, int] | None = None,
 ) -> RowView:
     """Row `index` of `dataset` as text spans. `source_names`: the path of each dataset a SampleRows draws from,
-    in the order of its sources (the recipe's data list). A pair set's item is its two rows (pairs.py), each shown
-    as a sample named by its role (chosen, rejected; a KTO record and its KL row)."""
+    in the order of its sources (the recipe's data list); `lines`: {sample index: its record's line}
+    (sample_lines.py). A pair set's item is its two rows (pairs.py), each shown as a sample named by its role
+    (chosen, rejected; a KTO record and its KL row)."""
     if isinstance(dataset, (PairRows, KtoRows)):
         return _pair_view(dataset, index, tokenizer, source_names)
     item, length = dataset[index], int(dataset.lengths[index])
@@ -101,15 +105,17 @@ def row_view(
     positions = item["position_ids"][:length].tolist() if "position_ids" in item else list(range(length))
     starts = [at for at, position in enumerate(positions) if position == 0] or [0]
     ends = [*starts[1:], length]
+    in_row = list(dataset.row(index)) if isinstance(dataset, SampleRows) else [None] * len(starts)
     sources = (
-        [source_names[int(dataset.samples.source[i])] for i in dataset.row(index)]
+        [source_names[int(dataset.samples.source[i])] for i in in_row]
         if isinstance(dataset, SampleRows) and source_names
         else [None] * len(starts)
     )
     samples = []
-    for source, start, end in zip(sources, starts, ends):
+    for sample, source, start, end in zip(in_row, sources, starts, ends):
         targets = [at > start and labels[at] != IGNORE_INDEX for at in range(start, end)]
-        samples.append(SampleView(source, tuple(_spans(input_ids[start:end], targets, tokenizer))))
+        line = (lines or {}).get(sample) if sample is not None else None
+        samples.append(SampleView(source, tuple(_spans(input_ids[start:end], targets, tokenizer)), line))
     return RowView(index=index, seq_len=len(item["input_ids"]), samples=tuple(samples))
 
 

@@ -12,7 +12,10 @@ the expected one after stripping whitespace at both ends (nothing else: case and
 In a run (`train.eval_generate: N`), rank 0 scores the first N held-out conversations at step 0 and at
 the end and writes a "generation" record to metrics.jsonl:
     {"kind": "generation", "step": S, "exact_match": 0..1, "correct": C, "total": N', "skipped": K,
-     "by_task": {...}, "samples": [{"question", "expected", "generated", "correct"}, ...]}
+     "by_task": {...}, "prompts_in_train": P, "answers_in_train": A,
+     "samples": [{"question", "expected", "generated", "correct"}, ...]}
+P and A count the prompts asked whose prompt (and prompt and answer) the training data also holds
+(memtrain.data.rows.overlap); null where that is not known (the training files are gone).
 Generation draws no random numbers (greedy), but the RNG states are restored around it anyway, and the
 model is put back in the mode it was in, so a run with the evaluation trains exactly as one without.
 """
@@ -54,10 +57,26 @@ class GenerationScore:
     skipped: int  # held-out conversations not asked (prompt too long, cannot render, or no validation sample)
     samples: list[GeneratedSample]  # the first few, for people to read
     by_task: dict[str, float] = field(default_factory=dict)  # exact match per record "task", when records name one
+    # of the prompts asked, those whose prompt (and prompt and answer) training also holds; None: not known
+    prompts_in_train: int | None = None
+    answers_in_train: int | None = None
 
     def describe(self, step: int) -> str:
-        """One line for people: 'step 0: exact match 0.120 (12/100 held-out answers)'."""
-        return f"step {step}: exact match {self.exact_match:.3f} ({self.correct}/{self.total} held-out answers)"
+        """One line for people: 'step 0: exact match 0.120 (12/100 held-out answers)', with how many of them training
+        also holds where any: '(20/20 held-out answers, 20 of them also in training)'."""
+        return f"step {step}: exact match {self.exact_match:.3f} ({self.answers_said()})"
+
+    def answers_said(self) -> str:
+        """'12/100 held-out answers', and ', 20 of them also in training' where training holds any of the prompts."""
+        said = f"{self.correct}/{self.total} held-out answers"
+        if self.prompts_in_train:
+            same = (
+                ""
+                if self.answers_in_train == self.prompts_in_train
+                else f" ({self.answers_in_train} with the same answer)"
+            )
+            said += f", {self.prompts_in_train} of them also in training{same}"
+        return said
 
     def as_record(self) -> dict:
         """The fields of a metrics record / the --json output."""
@@ -67,6 +86,8 @@ class GenerationScore:
             "total": self.total,
             "skipped": self.skipped,
             "by_task": self.by_task,
+            "prompts_in_train": self.prompts_in_train,
+            "answers_in_train": self.answers_in_train,
             "samples": [asdict(s) for s in self.samples],
         }
 
@@ -180,6 +201,7 @@ def generation_eval(
         GeneratedSample(p.question, p.expected.strip(), text.strip(), ok, p.task)
         for p, text, ok in list(zip(prompts, texts, correct))[:keep_samples]
     ]
+    known = all(p.prompt_in_train is not None for p in prompts)
     return GenerationScore(
         exact_match=sum(correct) / len(prompts),
         correct=sum(correct),
@@ -187,6 +209,8 @@ def generation_eval(
         skipped=skipped,
         samples=samples,
         by_task={task: sum(oks) / len(oks) for task, oks in sorted(per_task.items())},
+        prompts_in_train=sum(bool(p.prompt_in_train) for p in prompts) if known else None,
+        answers_in_train=sum(bool(p.answer_in_train) for p in prompts) if known else None,
     )
 
 

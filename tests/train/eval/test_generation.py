@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -150,6 +152,27 @@ def test_scores_count_exact_matches_and_keep_the_first_samples(tokenizer, model,
     record = score.as_record()
     assert record["exact_match"] == 0.5 and len(record["samples"]) == 3 and record["samples"][0]["question"]
     assert generation_eval(model, tokenizer, [], [0]).total == 0
+
+
+def test_the_score_counts_the_prompts_training_also_holds(tokenizer, model, monkeypatch):
+    monkeypatch.setattr(
+        generate_eval, "greedy_generate", lambda model, prompts, *a, **k: [tokenizer("4")["input_ids"]] * len(prompts)
+    )
+    asked = prompt(tokenizer, "What is 2 + 2?", "4")
+    seen = [
+        dataclasses.replace(asked, prompt_in_train=True, answer_in_train=True),
+        dataclasses.replace(asked, prompt_in_train=True, answer_in_train=False),
+        dataclasses.replace(asked, prompt_in_train=False, answer_in_train=False),
+    ]
+    score = generation_eval(model, tokenizer, seen, [0])
+    assert (score.prompts_in_train, score.answers_in_train) == (2, 1)
+    assert score.describe(0) == (
+        "step 0: exact match 1.000 (3/3 held-out answers, 2 of them also in training (1 with the same answer))"
+    )
+    unknown = generation_eval(model, tokenizer, [asked], [0])  # the training files gone: not known, not said
+    assert (
+        unknown.prompts_in_train is None and unknown.describe(0) == "step 0: exact match 1.000 (1/1 held-out answers)"
+    )
 
 
 def test_the_evaluation_leaves_rng_and_training_mode_as_it_found_them(tokenizer, model, monkeypatch):

@@ -75,5 +75,5 @@ def test_a_warmup_longer_than_an_epochs_run_is_refused_as_with_steps():
     [problem] = refused.value.problems
     assert problem.key == "schedule.warmup_steps" and problem.hint == "use at most 7 warmup steps"
     assert problem.message == (
-        "warmup of 20 steps is longer than the whole run (7 steps: train.epochs 1 of 56 samples in batches of 8)"
+        "warmup of 20 steps is longer than the whole run (7 steps: train.epochs 1 of 56 windows in batches of 8)"
     )
