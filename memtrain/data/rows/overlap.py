@@ -8,7 +8,7 @@ them out of validation. A record's keys are 64-bit hashes of its normalised text
   pair    the prompt and that last answer.
 Normalised: Unicode NFKC, case folded, runs of whitespace as one space, ends stripped, so copies that differ in
 case or spacing only are the same question. Keys are computed from the records (not the template's tokens), once
-per version of a dataset's file and options: remembered beside the token cache (MEMO_DIR), 16 bytes per record,
+per version of a dataset's file and options: remembered beside the token cache (HELD_OUT_KEYS_DIR), 16 bytes per record,
 so a large set is read again only when it changes. Conversation datasets only (completion, instruction, chat);
 text has no questions, and preference and kto data are split elsewhere (pairs.py).
 """
@@ -35,7 +35,7 @@ from memtrain.recipe.schema import DatasetSpec
 
 # Bump when what a key covers (normalisation, the prompt's extent) changes, so remembered keys are not reused.
 KEYS_VERSION = "1"
-MEMO_DIR = "held-out-keys"  # under the token cache directory
+HELD_OUT_KEYS_DIR = "held-out-keys"  # under the token cache directory
 NO_KEY = np.uint64(0)  # a record with no conversation (left out by data.skip_untrainable): matches nothing
 CONVERSATION_TYPES = ("completion", "instruction", "chat")
 
@@ -95,7 +95,7 @@ def record_keys(spec: DatasetSpec, cache_dir: str | None) -> RecordKeys:
             )
         ).encode()
     ).hexdigest()
-    memo = memo_root / MEMO_DIR / f"{identity}.npy"
+    memo = memo_root / HELD_OUT_KEYS_DIR / f"{identity}.npy"
     with contextlib.suppress(OSError, ValueError):
         both = np.load(memo)
         if both.dtype == np.uint64 and both.ndim == 2 and both.shape[0] == 2:

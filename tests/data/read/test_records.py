@@ -13,7 +13,7 @@ import pytest
 
 from memtrain.data.read.records import read_records
 from memtrain.data.rows.dataset import build_datasets
-from memtrain.data.rows.overlap import MEMO_DIR
+from memtrain.data.rows.overlap import HELD_OUT_KEYS_DIR
 from memtrain.data.rows.weights import weighted_indices
 from memtrain.errors import DataError
 
@@ -291,8 +291,10 @@ def test_the_cache_is_reused_and_keyed_by_the_target_policy(chat_tokenizer, writ
     cache = tmp_path / "cache"
     build_datasets(make_data(train=[{"path": path, "type": "chat"}], cache_dir=str(cache)), chat_tokenizer, seed=0)
     entries = sorted(p.name for p in cache.iterdir())
-    # the token cache's three files, and the held-out keys beside them (overlap.py), which no target policy changes
-    assert len(entries) == 4 and MEMO_DIR in entries and not [n for n in entries if n.endswith(".tmp")]
+    # the token cache's three files and their checksums (cache.py), and the held-out keys beside them (overlap.py),
+    # which no target policy changes
+    assert len(entries) == 5 and HELD_OUT_KEYS_DIR in entries and not [n for n in entries if n.endswith(".tmp")]
+    assert len([n for n in entries if n.endswith(".npy")]) == 3
     build_datasets(
         make_data(train=[{"path": path, "type": "chat"}], cache_dir=str(cache), seq_len=64, packing=False),
         chat_tokenizer,
@@ -304,7 +306,7 @@ def test_the_cache_is_reused_and_keyed_by_the_target_policy(chat_tokenizer, writ
         chat_tokenizer,
         seed=0,
     )
-    assert len(list(cache.iterdir())) == 7
+    assert len(list(cache.iterdir())) == 9  # a second entry's three files and checksums
 
 
 def test_a_missing_file_and_an_unknown_format_say_what_to_do(chat_tokenizer, make_data, tmp_path):

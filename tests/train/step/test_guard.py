@@ -142,6 +142,9 @@ def test_the_nan_and_divergence_messages_weigh_a_damaged_input_when_the_cache_ch
     from memtrain.data.tokens import cache
 
     guard, _ = guard_for(tmp_path)
+    monkeypatch.setattr(
+        cache, "_found_damaged", []
+    )  # the process's list: other tests' damaged caches are not this run's
     assert "damaged input" not in guard.likely_cause()
     monkeypatch.setattr(cache, "_found_damaged", ["/c/ab12: holds other bytes in ab12.tokens.npy"])
     assert "optimizer.lr" in guard.likely_cause() and "or a damaged input: 1 token cache entry" in guard.likely_cause()
