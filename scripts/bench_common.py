@@ -6,9 +6,23 @@ from __future__ import annotations
 import csv
 import platform
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# What a side that did not finish leaves: no metrics (out of memory before the first step, a timeout), too few steps
+# to time, or a half-written result file (json's decode error is a ValueError). Its row says so instead of stopping
+# the others.
+RUN_FAILURES = (
+    subprocess.TimeoutExpired,
+    FileNotFoundError,
+    StopIteration,
+    ValueError,
+    ZeroDivisionError,
+    KeyError,
+    IndexError,
+    TypeError,
+)
 GiB = 1024**3
 
 

@@ -19,10 +19,9 @@ import argparse
 import datetime as dt
 import json
 import shlex
-import subprocess
 from pathlib import Path
 
-from scripts.bench_common import machine_name, run_dir_for, upsert_row
+from scripts.bench_common import RUN_FAILURES, machine_name, run_dir_for, upsert_row
 from scripts.bench_vs_hf import baseline_side, memtrain_side
 from scripts.suites import SuitesError, load_suites
 
@@ -39,17 +38,6 @@ COLUMNS = [
 ]
 TITLE = "The longest sequence that trains, memtrain against HF Trainer + PEFT (+ Liger), same card and call"
 MEMTRAIN = "memtrain"
-# What a failed run leaves: no metrics (out of memory before the first step, a timeout), or too few steps to time.
-FAILURES = (
-    subprocess.TimeoutExpired,
-    FileNotFoundError,
-    StopIteration,
-    ValueError,
-    ZeroDivisionError,
-    KeyError,
-    IndexError,
-    json.JSONDecodeError,
-)
 
 
 def ladder_command(method: str, spec: str, lengths: list[int], steps: int, warmup: int) -> str:
@@ -74,7 +62,7 @@ def ladder_command(method: str, spec: str, lengths: list[int], steps: int, warmu
 
 
 def run_once(method: str, recipe: str, overrides: list[str], *, steps: int, warmup: int, runs: Path, timeout_s: int):
-    """One method's few steps at one length: tokens/s and peak reserved GiB (a FAILURES exception when it fails)."""
+    """One method's few steps at one length: tokens/s and peak reserved GiB (a RUN_FAILURES exception when it fails)."""
     name = f"{method}-{overrides[-1].partition('=')[2]}"
     if method == MEMTRAIN:
         return memtrain_side(recipe, overrides, steps, warmup, run_dir_for(runs, name), timeout_s)
@@ -99,7 +87,7 @@ def ladder(method: str, spec: str, lengths: list[int], *, steps: int, warmup: in
                 runs=runs,
                 timeout_s=timeout_s,
             )
-        except FAILURES as error:
+        except RUN_FAILURES as error:
             row["failed_at"] = f"{length} ({type(error).__name__})"
             break
         row.update(

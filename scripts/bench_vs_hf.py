@@ -36,7 +36,7 @@ from memtrain.plan.planner import describe_checkpointing
 from memtrain.recipe.load import load_recipe
 from memtrain.recipe.schema import Checkpointing
 from memtrain.train.runtime.distributed import without_rank_variables
-from scripts.bench_common import ROOT, machine_name, run_dir_for, upsert_row
+from scripts.bench_common import ROOT, RUN_FAILURES, machine_name, run_dir_for, upsert_row
 from scripts.suites import Baseline, SuitesError, load_suites
 
 COLUMNS = [
@@ -210,22 +210,12 @@ def main(argv: list[str] | None = None) -> int:
             f"--baseline {','.join(args.baseline)} --case '{' '.join(case.split())}'"
         )  # a case over several lines: one line
         base = {"recipe": name, "machine": machine_name(), "date": dt.date.today().isoformat(), "command": command}
-        failures = (
-            subprocess.TimeoutExpired,
-            FileNotFoundError,
-            StopIteration,
-            ValueError,
-            ZeroDivisionError,
-            KeyError,
-            IndexError,
-            TypeError,
-        )
         ours, ours_error = None, None
         try:
             ours = memtrain_side(
                 recipe, memtrain_overrides, args.steps, args.warmup, run_dir_for(args.runs, name), args.timeout
             )
-        except failures as error:
+        except RUN_FAILURES as error:
             ours_error = error
         for baseline in args.baseline:
             row = dict(base, baseline=baseline)
@@ -260,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                     hf_first_step_s=f"{theirs['time_to_first_step_s']:.0f}",
                     hf_target_tokens_per_s=f"{theirs['target_tokens_per_s']:.0f}",
                 )
-            except failures as error:  # a side that did not finish is a row that says so
+            except RUN_FAILURES as error:  # a side that did not finish is a row that says so
                 side = "memtrain" if "memtrain_tokens_per_s" not in row else baseline
                 log = run_dir_for(args.runs, name) if side == "memtrain" else args.runs / f"{name}.{baseline}"
                 log = log.parent / f"{log.name}.log"
