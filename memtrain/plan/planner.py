@@ -422,7 +422,8 @@ def _plan(
         "allocator_slack": peak_reserved - peak_allocated - reduce_stream,
     }
     host_breakdown = _host_breakdown(recipe, counts, cal, states, acts, micro_batch, exact_pinned)
-    host_phases = _host_phases(recipe, counts, states, host_breakdown)
+    save_bytes = checkpoint_save_bytes(recipe, counts, states)  # what a checkpoint save adds on the host
+    host_phases = _host_phases(host_breakdown, save_bytes)
     nvme_breakdown = {"params": states.nvme_params, "optimizer_states": states.nvme_optimizer_states}
     return Plan(
         recipe_name=name,
@@ -443,12 +444,7 @@ def _plan(
         host_bytes=max(host_phases.values()),
         host_breakdown=host_breakdown,
         host_phases=host_phases,
-        host_kinds=host_kinds(
-            recipe,
-            host_breakdown,
-            host_phases["checkpoint_save"] - host_phases["training"] + host_breakdown["model_copy_at_load"],
-            checkpoint_file_bytes(recipe, states),
-        ),
+        host_kinds=host_kinds(recipe, host_breakdown, save_bytes, checkpoint_file_bytes(recipe, states)),
         host_capacity_bytes=recipe.hardware.host_memory,
         nvme_bytes=sum(nvme_breakdown.values()),
         nvme_breakdown=nvme_breakdown,
@@ -619,12 +615,12 @@ def _host_breakdown(
     }
 
 
-def _host_phases(recipe: Recipe, counts: ParamCounts, states: StateBytes, breakdown: dict[str, int]) -> dict[str, int]:
+def _host_phases(breakdown: dict[str, int], save_bytes: int) -> dict[str, int]:
     """Host bytes of this machine at its two peaks: training (the breakdown, with the model's copy while a local
     model.path loads) and a checkpoint save (every save_every steps and at the end: the breakdown without the load
-    copy, which is gone by then, plus what DeepSpeed's save copies to the CPU; plan/host_save.py)."""
+    copy, which is gone by then, plus `save_bytes`, what DeepSpeed's save copies to the CPU; plan/host_save.py)."""
     training = sum(breakdown.values())
-    saving = training - breakdown["model_copy_at_load"] + checkpoint_save_bytes(recipe, counts, states)
+    saving = training - breakdown["model_copy_at_load"] + save_bytes
     return {"training": training, "checkpoint_save": saving}
 
 

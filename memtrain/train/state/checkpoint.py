@@ -152,7 +152,7 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
         step = int(state["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return f"its {STATE_FILE} is not readable"
-    named = re.search(r"step-(\d{6,})$", checkpoint.name)
+    named = _STEP_DIR.match(checkpoint.name.removeprefix(".tmp-"))  # a complete save's, or one being put in place
     if named and int(named.group(1)) != step:
         return f"its {STATE_FILE} is of step {step}"
     if has_manifest(checkpoint):
