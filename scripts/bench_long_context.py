@@ -22,8 +22,8 @@ import shlex
 from pathlib import Path
 
 from scripts.bench_common import RUN_FAILURES, machine_name, run_dir_for, upsert_row
-from scripts.bench_vs_hf import baseline_side, memtrain_side
-from scripts.suites import SuitesError, load_suites
+from scripts.bench_vs_hf import baseline_names, baseline_side, memtrain_side
+from scripts.suites import load_suites
 
 COLUMNS = [
     "model",
@@ -100,15 +100,7 @@ def ladder(method: str, spec: str, lengths: list[int], *, steps: int, warmup: in
 
 def methods(text: str) -> list[str]:
     """--methods memtrain,hf,hf-liger: memtrain and the baselines of benchmarks/suites.yaml."""
-    try:
-        known = [MEMTRAIN, *load_suites().baselines]
-    except SuitesError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in known]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"methods are {', '.join(known)} (comma-separated), not {text!r}")
-    return names
+    return baseline_names(text, "methods", also=(MEMTRAIN,))
 
 
 def lengths(text: str) -> list[int]:

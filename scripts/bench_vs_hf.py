@@ -166,14 +166,20 @@ def prebuild_cpu_adam() -> None:
 
 def baselines(text: str) -> list[str]:
     """--baseline hf,hf-liger -> ['hf', 'hf-liger']; names benchmarks/suites.yaml does not know are refused."""
+    return baseline_names(text, "baselines")
+
+
+def baseline_names(text: str, what: str, also: tuple[str, ...] = ()) -> list[str]:
+    """A comma-separated list of `also` and the baselines of benchmarks/suites.yaml, as an argparse type: anything
+    else is refused, naming what is known (`what`: the option's plural, for the message)."""
     try:
-        known = load_suites().baselines
+        known = [*also, *load_suites().baselines]
     except SuitesError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in known]
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"baselines are {', '.join(known)} (comma-separated), not {text!r}")
+        raise argparse.ArgumentTypeError(f"{what} are {', '.join(known)} (comma-separated), not {text!r}")
     return names
 
 
