@@ -51,9 +51,10 @@ err_console = Console(stderr=True)
 
 def _flags_take_no_value() -> None:
     """Show a flag (--json, --fit, --help) in --help without a value type: typer's rich help (0.29) writes the type of
-    every option, "--json <bool>", as if the flag took a value, and `--json true` is then refused."""
-    shown = typer.core.TyperOption.display_type_rich
-    if getattr(shown, "flags_without_value", False):
+    every option, "--json <bool>", as if the flag took a value, and `--json true` is then refused. Older typers
+    (0.1x, as some images ship) have no such method and need nothing."""
+    shown = getattr(typer.core.TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "flags_without_value", False):
         return
 
     def display_type_rich(self, ctx):
