@@ -1,12 +1,17 @@
 """The preference quickstart's data, made here from the bundled chat data: each conversation's question with its
 right answer chosen and a plausible wrong one rejected.
 
-The wrong answers are the mistakes a small model makes on these tasks: a sum, difference, product or letter count
-off by one or by ten; a reversed word with two letters swapped, or not reversed; a word in capitals with one
-letter left small, or not in capitals; another letter of the word for its first letter; and now and then the answer
-to another question of the same kind. Every record is {"task": ..., "prompt": [...], "chosen": [...], "rejected":
-[...]} in TRL's conversational preference layout: the prompt is the conversation up to its last answer (system
-prompt and follow-up turns included), chosen and rejected are one assistant message each.
+The wrong answers are the mistakes a small model makes on these tasks, chosen so that a small model can learn from
+the pairs which answer is right. A sum, difference or product: a number of the question echoed, or the other
+operation's result (the difference for a sum, the sum for a difference or a product); a follow-up ("And plus 7?"):
+the earlier answer left as it was, or the follow-up's number taken away; off by one or ten only where neither
+mistake is there to make. Off by one or ten is otherwise left out: telling 81 from 80 needs a model that can add,
+which the small chat base cannot, and such pairs teach it nothing. A letter count off by one; a reversed word with
+two letters swapped, or not reversed; a word in capitals with one letter left small, or not in capitals; another
+letter of the word for its first letter; and now and then the answer to another question of the same kind. Every
+record is {"task": ..., "prompt": [...], "chosen": [...], "rejected": [...]} in TRL's conversational preference
+layout: the prompt is the conversation up to its last answer (system prompt and follow-up turns included), chosen
+and rejected are one assistant message each.
 
 train.jsonl comes from the chat data's train.jsonl and validation.jsonl from its validation.jsonl, whose last
 questions training never asks, so held-out pairs are held-out questions.
@@ -31,19 +36,21 @@ SEED = 2025
 PREFERENCE_DIR = ASSETS / "preference"
 ANOTHER_ANSWER_SHARE = 0.1  # rejected answers taken from another question of the same task
 _QUOTED = re.compile(r"'([^']+)'")
+_NUMBER = re.compile(r"\d+")
 
 
-def wrong_answer(task: str, question: str, answer: str, rng: random.Random, same_task: list[str]) -> str:
-    """A plausible wrong answer to `question` of `task` (module doc); never `answer` itself."""
+def wrong_answer(task: str, messages: list[dict], rng: random.Random, same_task: list[str]) -> str:
+    """A plausible wrong answer to the last question of `messages` (a conversation of `task` ending in its right
+    answer), never the right answer itself (module doc)."""
+    answer, question = messages[-1]["content"], messages[-2]["content"]
     others = [a for a in same_task if a != answer]
     if others and rng.random() < ANOTHER_ANSWER_SHARE:
         return rng.choice(others)
     kind = task.split("+")[0]
-    if kind in ("add", "subtract", "multiply", "length") or "follow_up" in task:
-        value = int(answer)
-        step = rng.choice((1, 1, 1, 10) if kind != "length" else (1,))
-        wrong = value + step if value - step < (1 if kind == "length" else 0) or rng.random() < 0.5 else value - step
-        return str(wrong)
+    if kind in ("add", "subtract", "multiply") or "follow_up" in task:
+        return _wrong_number(task, messages, rng)
+    if kind == "length":
+        return _off_by(int(answer), (1,), rng, lowest=1)
     word_match = _QUOTED.search(question)
     word = word_match.group(1) if word_match else answer
     if kind == "reverse":
@@ -57,6 +64,35 @@ def wrong_answer(task: str, question: str, answer: str, rng: random.Random, same
         letters = [c for c in dict.fromkeys(word) if c != answer]
         return rng.choice(letters) if letters else chr((ord(answer) - ord("a") + 1) % 26 + ord("a"))
     return answer + answer[-1]
+
+
+def _wrong_number(task: str, messages: list[dict], rng: random.Random) -> str:
+    """An arithmetic mistake (module doc): a number of the question echoed (for a follow-up, the earlier answer) or
+    the other operation's result, half the time each; the answer off by one or ten where neither is there to make."""
+    answer = int(messages[-1]["content"])
+    question = messages[-2]["content"]
+    numbers = [int(n) for n in _NUMBER.findall(question)]
+    if "follow_up" in task:
+        earlier = int(messages[-3]["content"])
+        echoed = [earlier]
+        other_operation = [earlier - numbers[0]]
+    else:
+        echoed = numbers
+        a, b = numbers
+        other_operation = {"add": [abs(a - b)], "subtract": [a + b], "multiply": [a + b]}[task.split("+")[0]]
+    echoed = [n for n in echoed if n != answer]
+    other_operation = [n for n in other_operation if n != answer and n >= 0]
+    mistakes = [echoed, other_operation] if rng.random() < 0.5 else [other_operation, echoed]
+    for choices in mistakes:  # one kind or the other, half the time each, where it is there to make
+        if choices:
+            return str(rng.choice(choices))
+    return _off_by(answer, (1, 1, 1, 10), rng, lowest=0)
+
+
+def _off_by(value: int, steps: tuple[int, ...], rng: random.Random, lowest: int) -> str:
+    """`value` one of `steps` up or down, never below `lowest`."""
+    step = rng.choice(steps)
+    return str(value + step if value - step < lowest or rng.random() < 0.5 else value - step)
 
 
 def _swap_two(text: str, rng: random.Random) -> str:
@@ -78,7 +114,7 @@ def preference_records(chat_records: list[dict], seed: int) -> list[dict]:
     for record in chat_records:
         messages = record["messages"]
         answer = messages[-1]["content"]
-        wrong = wrong_answer(record["task"], messages[-2]["content"], answer, rng, by_task[record["task"]])
+        wrong = wrong_answer(record["task"], messages, rng, by_task[record["task"]])
         assert wrong != answer, (record, wrong)
         out.append(
             {

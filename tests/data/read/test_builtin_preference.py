@@ -29,15 +29,31 @@ def test_the_bundled_pairs_are_the_chat_questions_with_a_wrong_answer_rejected()
     assert not train_questions & set(held_out)
 
 
-def test_wrong_answers_are_the_mistakes_of_each_task():
+def _asked(*turns: str) -> list[dict]:
+    return [{"role": ("user", "assistant")[i % 2], "content": turn} for i, turn in enumerate(turns)]
+
+
+def _wrong(task: str, *turns: str, draws: int = 200) -> set[str]:
     rng = random.Random(0)
-    for _ in range(50):
-        assert abs(int(wrong_answer("add", "What is 2 + 3?", "5", rng, [])) - 5) in (1, 10)
-        assert int(wrong_answer("length", "How many letters are in 'king'?", "4", rng, [])) in (3, 5)
-        assert wrong_answer("first_letter", "What is the first letter of 'king'?", "k", rng, []) in "ing"
-        assert wrong_answer("reverse", "Reverse the word 'king'.", "gnik", rng, []) in ("king", "ngik", "gink", "gnki")
-        assert wrong_answer("upper", "Write 'king' in capital letters.", "KING", rng, []).upper() == "KING"
-        assert wrong_answer("subtract", "What is 3 - 3?", "0", rng, []) in ("1", "10")
+    return {wrong_answer(task, _asked(*turns), rng, []) for _ in range(draws)}
+
+
+def test_wrong_answers_are_the_mistakes_of_each_task():
+    # arithmetic: a number of the question echoed or the other operation's result, every one of them drawn
+    assert _wrong("add", "What is 78 + 3?", "81") == {"78", "3", "75"}
+    assert _wrong("add", "What is 2 + 3?", "5") == {"2", "3", "1"}  # the difference: the larger less the smaller
+    assert _wrong("multiply", "What is 4 times 7?", "28") == {"4", "7", "11"}
+    assert _wrong("subtract", "What is 3 - 3?", "0") == {"3", "6"}
+    # a follow-up: the earlier answer left as it was, or the follow-up's number taken away
+    assert _wrong("subtract+follow_up", "What is 12 - 0?", "12", "And plus 7?", "19") == {"12", "5"}
+    assert _wrong("add+follow_up", "What is 1 + 0?", "1", "And plus 4?", "5") == {"1"}  # 1 - 4 is below zero
+    # where neither mistake is there to make (numbers that are the answer): off by one or ten
+    assert _wrong("subtract+follow_up", "What is 5 - 0?", "5", "And plus 0?", "5") == {"4", "6", "15"}
+    assert _wrong("add", "What is 0 + 0?", "0") == {"1", "10"}
+    assert _wrong("length", "How many letters are in 'king'?", "4") == {"3", "5"}
+    assert _wrong("first_letter", "What is the first letter of 'king'?", "k") == {"i", "n", "g"}
+    assert _wrong("reverse", "Reverse the word 'king'.", "gnik") == {"king", "ngik", "gink", "gnki"}
+    assert {w.upper() for w in _wrong("upper", "Write 'king' in capital letters.", "KING")} == {"KING"}
 
 
 def test_builtin_pairs_build_into_pair_sets(chat_tokenizer, make_data):
