@@ -80,12 +80,12 @@ def _local_digest(param: torch.Tensor) -> str:
     those of its quantisation constants."""
     local = param.ds_tensor if hasattr(param, "ds_id") else param.data
     h = hashlib.sha256()
-    for tensor in (local, *_quantisation_constants(param)):
+    for tensor in (local, *quantisation_constants(param)):
         h.update(_sampled_bytes(tensor))
     return h.hexdigest()
 
 
-def _quantisation_constants(param: torch.Tensor) -> list[torch.Tensor]:
+def quantisation_constants(param: torch.Tensor) -> list[torch.Tensor]:
     """The scales bitsandbytes keeps beside a quantised weight (Params4bit's quant_state, Int8Params' SCB)."""
     state = getattr(param, "quant_state", None)
     found = [getattr(state, "absmax", None), getattr(state, "offset", None)]
