@@ -391,7 +391,8 @@ def load_checkpoint(engine, path: Path, rank: int, base_key: str = "model") -> L
 def _load_without_base(checkpoint: Path) -> Callable:
     """DeepSpeed's module load (`custom_load_fn`) for a checkpoint without the frozen parameters: refuses one whose
     keys are not this model's less its frozen parameters (frozen_base.module_problem), then loads non-strictly.
-    torch's non-strict load reports neither missing nor unexpected keys, so they are compared here."""
+    The key sets are compared here, both from state_dict(): torch's own report passes over keys under a parameter's
+    name (bitsandbytes' 4-bit scales) and would call LLM.int8's weight_format unexpected."""
 
     def load(src: dict, dst: torch.nn.Module) -> None:
         problem = module_problem(set(src), set(dst.state_dict()), set(frozen_names(dst)), checkpoint)

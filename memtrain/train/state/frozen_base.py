@@ -9,24 +9,27 @@ module non-strictly and checks that what the checkpoint lacks is exactly the fro
 A checkpoint without the file holds the whole module (a full fine-tune, or one saved before frozen parameters were
 left out) and loads strictly, as before.
 
-The record is, per frozen parameter, its shape, its dtype and a digest of `SAMPLES` values at evenly spaced
-positions (and of its quantisation constants, below). Sampled, not whole: hashing a 7B base's 13 GiB at every
+The record is, per frozen parameter and per quantisation entry (below), its shape, its dtype and a digest of
+`SAMPLES` values at evenly spaced positions. Sampled, not whole: hashing a 7B base's 13 GiB at every
 save and resume costs ~10 s of two cores (manifest.py's ~650 MB/s per core) and a copy off the GPU, while a handful
 of values per tensor already differ in another checkpoint of the model, a preset initialised otherwise or a base
 quantised otherwise; one small gather per tensor.
 
-Quantised bases (QLoRA), read from bitsandbytes 0.50's nn/modules.py and functional.py (no GPU here to run it):
-a 4-bit weight is a frozen `Params4bit` of packed uint8 codes, and its scales live in `weight.quant_state`
-(QuantState: `absmax`, under double quantisation uint8 codes with `state2.absmax` and `offset` beside them).
+Quantised bases (QLoRA), read from bitsandbytes 0.50's nn/modules.py and functional.py, and run on its CPU backend
+(tests/train/state/test_frozen_base.py: nf4 and int8 runs resume exactly; not run on a GPU, whose code paths here
+are the same but for the CPU repacking `fingerprint` undoes): a 4-bit weight is a frozen `Params4bit` of packed
+uint8 codes, and its scales live in `weight.quant_state` (QuantState: `absmax`, under double quantisation uint8 codes
+with `state2.absmax` and `offset` beside them).
 `Linear4bit._save_to_state_dict` adds those to the state dict as `<name>.weight.absmax`, `.quant_map`,
 `.nested_absmax`, `.nested_quant_map` and `.quant_state.bitsandbytes__nf4`: entries that are no parameters, so
 DeepSpeed keeps them when it leaves the frozen parameters out (a small share: ~1/64 byte per weight with double
-quantisation). torch's `load_state_dict` never reads them back (bitsandbytes has no `_load_from_state_dict`; they
-sit under the `weight` parameter's name, so not even a strict load calls them unexpected): the constants in use
-after a resume were always those of the model loaded again, and the fingerprint covers them (`absmax`, and the
-nested level's) so a base quantised with other scales is refused too. LLM.int8's `Int8Params` keeps its row scales
-in `SCB` the same way. Both sides of the key comparison come from the same `state_dict()`, so those entries are
-neither missing nor unexpected.
+quantisation). torch's `load_state_dict` never reads them back (Linear4bit has no `_load_from_state_dict`, and they
+sit under the `weight` parameter's name, so torch does not even report them unexpected): the constants in use after
+a resume were always those of the model loaded again, and the fingerprint covers them (`quantisation_entries`) so a
+base quantised with other scales is refused too. LLM.int8's `Linear8bitLt` saves its row scales as `<name>.SCB`
+(and `.weight_format`), and its `_load_from_state_dict` copies SCB back from the checkpoint: the same values, once
+the fingerprint said the base is the same. Both sides of the key comparison come from the same `state_dict()`, so
+those entries are neither missing nor unexpected.
 """
 
 from __future__ import annotations
@@ -59,39 +62,44 @@ def has_frozen_parameters(module: torch.nn.Module) -> bool:
 
 
 def fingerprint(module: torch.nn.Module, device: torch.device | None = None) -> dict:
-    """The record of the module's frozen parameters (see the module's text). Every rank calls it: under ZeRO-3 each
-    holds a partition of every parameter, and the digests of all ranks' partitions are combined (one all-reduce)."""
-    names, digests, params = [], [], dict(module.named_parameters())
-    for name in frozen_names(module):
-        names.append(name)
-        digests.append(_local_digest(params[name]))
-    if any(hasattr(params[name], "ds_id") for name in names) and torch.distributed.is_initialized():
+    """The record of the module's frozen parameters and quantisation entries (see the module's text). Every rank
+    calls it: under ZeRO-3 each holds a partition of every parameter, and the digests of all ranks' partitions are
+    combined (one all-reduce)."""
+    # through state_dict(): bitsandbytes' CPU kernels repack a 4-bit weight in place for inference (eval), and its
+    # _save_to_state_dict puts the canonical packing back first
+    state, params = module.state_dict(keep_vars=True), dict(module.named_parameters())
+    entries = {name: state.get(name, params[name]) for name in frozen_names(module)} | quantisation_entries(
+        module, state
+    )
+    local = [param.ds_tensor if hasattr(param, "ds_id") else param for param in entries.values()]
+    digests = [hashlib.sha256(_sampled_bytes(tensor)).hexdigest() for tensor in local]
+    if any(hasattr(param, "ds_id") for param in entries.values()) and torch.distributed.is_initialized():
         digests = _combined(digests, device)
-    tensors = {}
-    for name, digest in zip(names, digests):
-        param = params[name]
-        shape = list(getattr(param, "ds_shape", param.shape))
-        tensors[name] = {"shape": shape, "dtype": str(param.dtype).removeprefix("torch."), "digest": digest}
-    return {"scheme": SCHEME, "tensors": tensors}
+    return {
+        "scheme": SCHEME,
+        "tensors": {
+            name: {
+                "shape": list(getattr(tensor, "ds_shape", tensor.shape)),
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                "digest": digest,
+            }
+            for (name, tensor), digest in zip(entries.items(), digests)
+        },
+    }
 
 
-def _local_digest(param: torch.Tensor) -> str:
-    """The digest of this rank's copy of one frozen parameter: its values at SAMPLES evenly spaced positions, and
-    those of its quantisation constants."""
-    local = param.ds_tensor if hasattr(param, "ds_id") else param.data
-    h = hashlib.sha256()
-    for tensor in (local, *quantisation_constants(param)):
-        h.update(_sampled_bytes(tensor))
-    return h.hexdigest()
-
-
-def quantisation_constants(param: torch.Tensor) -> list[torch.Tensor]:
-    """The scales bitsandbytes keeps beside a quantised weight (Params4bit's quant_state, Int8Params' SCB)."""
-    state = getattr(param, "quant_state", None)
-    found = [getattr(state, "absmax", None), getattr(state, "offset", None)]
-    found.append(getattr(getattr(state, "state2", None), "absmax", None))
-    found.append(getattr(param, "SCB", None))
-    return [t for t in found if isinstance(t, torch.Tensor)]
+def quantisation_entries(module: torch.nn.Module, state: dict | None = None) -> dict[str, torch.Tensor]:
+    """The module's state-dict entries that are neither parameters nor buffers: what bitsandbytes adds beside a
+    quantised weight (4-bit scales and code tables, LLM.int8's row scales and format). Read through state_dict(),
+    which finds them where the layer keeps them now: Linear8bitLt moves SCB from its weight to its own state at the
+    first forward, so the parameter's attributes would differ between a save and the resume that checks it."""
+    known = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    known |= {name for name, _ in module.named_buffers(remove_duplicate=False)}
+    return {
+        name: tensor
+        for name, tensor in (module.state_dict(keep_vars=True) if state is None else state).items()
+        if name not in known and isinstance(tensor, torch.Tensor)
+    }
 
 
 def _sampled_bytes(tensor: torch.Tensor) -> bytes:

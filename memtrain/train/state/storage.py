@@ -28,7 +28,7 @@ from memtrain.errors import Problem, UserError
 from memtrain.files import cannot_create, directory_bytes, free_bytes, write_error
 from memtrain.plan.model_states import master_bytes, optimizer_bytes_per_param
 from memtrain.train.state.checkpoint import checkpoint_dir, kept_while_saving, latest_checkpoint, step_of_name
-from memtrain.train.state.frozen_base import quantisation_constants
+from memtrain.train.state.frozen_base import has_frozen_parameters, quantisation_entries
 
 WARN_BELOW_SAVES = 2.0  # warn when the disk holds fewer than this many more checkpoints
 # What every checkpoint holds besides the tensors: DeepSpeed's zero_to_fp32.py (38.6 kB) and zero_to_torch.py
@@ -62,10 +62,10 @@ def expected_checkpoint_bytes(run_dir: Path, model, optimizer_bytes_per_param: f
     total = 0.0
     for p in model.parameters():
         numel = getattr(p, "ds_numel", p.numel())  # ZeRO-3 keeps the full size here
-        if p.requires_grad:
+        if p.requires_grad:  # a frozen base stays out of the checkpoint (frozen_base.py)
             total += numel * (p.element_size() + optimizer_bytes_per_param)
-        else:  # a frozen base stays out of the checkpoint (frozen_base.py), but for a quantised weight's scales
-            total += sum(t.numel() * t.element_size() for t in quantisation_constants(p))
+    if has_frozen_parameters(model):  # but not a quantised base's scales
+        total += sum(t.numel() * t.element_size() for t in quantisation_entries(model).values())
     return int(total) + CHECKPOINT_FILES_BYTES + RNG_FILE_BYTES * ranks
 
 

@@ -191,3 +191,79 @@ def test_a_checkpoint_must_lack_exactly_the_frozen_parameters():
     assert "1 tensors this model does not have (other.weight)" in extra.message
     saved_frozen = module_problem(model, model, frozen, checkpoint)
     assert "1 frozen tensors saved in it (base.weight)" in saved_frozen.message
+
+
+QLORA = {
+    "model": {"quantize": {"type": "nf4"}, "lora": LORA},
+    "checkpointing": {"strategy": "every_layer"},
+    "precision": {"compute": "bf16"},
+    "optimizer": {"lr": 3.0e-2},
+    **STEPS,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_a_qlora_run_saves_the_adapters_and_the_scales_and_resumes_exactly(write_recipe, kind):
+    """bitsandbytes quantises on the CPU too: the packed base stays out, the scales it adds to the state dict stay
+    in (and are fingerprinted), and a resume over the model quantised again continues exactly."""
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (pip install -e .[dev])")
+    extra = {**QLORA, "model": {**QLORA["model"], "quantize": {"type": kind}}}
+    straight = write_recipe("straight", extra)
+    assert run(straight) == 0
+    halves = write_recipe("halves", extra)
+    assert run(halves, max_steps=4) == 0
+    checkpoint = latest_checkpoint(run_dir_of(halves))
+    saved = module_states(checkpoint)["module"]
+    tensors = {key: value for key, value in saved.items() if isinstance(value, torch.Tensor)}
+    adapters = {key for key in tensors if ".lora_A." in key or ".lora_B." in key}
+    scales = set(tensors) - adapters
+    assert adapters and scales and not any(key.endswith(".weight") for key in scales)  # no packed weight
+    suffixes = {key.rsplit(".", 1)[1] for key in scales}
+    assert suffixes <= (
+        {"SCB", "weight_format"}
+        if kind == "int8"
+        else {"absmax", "quant_map", "nested_absmax", "nested_quant_map", "bitsandbytes__nf4"}
+    )
+    recorded = json.loads((checkpoint / FROZEN_BASE_FILE).read_text())["tensors"]
+    assert scales <= set(recorded)  # the scales are fingerprinted with the frozen weights
+    assert run(halves) == 0
+    a, b = train_losses(run_dir_of(straight)), train_losses(run_dir_of(halves))
+    assert sorted(b) == list(range(1, 9))
+    for step in range(1, 9):
+        assert b[step] == pytest.approx(a[step], abs=1e-6), step
+
+
+@pytest.mark.slow
+def test_two_zero3_ranks_record_one_base_and_a_stopped_run_resumes_exactly(write_recipe):
+    """Under ZeRO-3 each rank holds a partition of every frozen tensor: their digests are combined into one record."""
+    import subprocess
+    import sys
+
+    from tests.train.test_run import clean_env
+
+    extra = {
+        "model": {"lora": LORA},
+        "offload": {"zero_stage": 3},
+        "hardware": {"gpus": 2},
+        "optimizer": {"lr": 3.0e-2},
+        **STEPS,
+    }
+
+    def launched(recipe: Path, *flags: str) -> None:
+        command = [sys.executable, "-m", "memtrain", "run", str(recipe), *flags]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=clean_env(OMP_NUM_THREADS="1"))
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    straight, halves = write_recipe("straight", extra), write_recipe("halves", extra)
+    launched(straight)
+    launched(halves, "--max-steps", "4")
+    recorded = json.loads((latest_checkpoint(run_dir_of(halves)) / FROZEN_BASE_FILE).read_text())["tensors"]
+    assert len(recorded) == len(list(micro_model(0).parameters()))
+    shapes = {name.rsplit("model.", 1)[-1]: entry["shape"] for name, entry in recorded.items()}
+    assert shapes["embed_tokens.weight"] == [4096, 64]  # the whole tensor's shape, not a rank's partition
+    launched(halves)
+    a, b = train_losses(run_dir_of(straight)), train_losses(run_dir_of(halves))
+    assert sorted(b) == list(range(1, 9))
+    for step in range(1, 9):
+        assert b[step] == pytest.approx(a[step], abs=1e-5), step
