@@ -6,15 +6,18 @@ A run saves every `train.save_every` steps and at the end (train/loop.py), throu
   model states file   `_save_checkpoint` builds {module: module_state_dict(), optimizer: (ZeRO-0 only) the
                       optimizer's state_dict(), ...} and, because torch.save keeps storage sharing, hands
                       torch.save `clone_tensors_for_torch_save(state)`: every tensor copied to the CPU at once,
-                      before anything is written. The module state dict holds every weight as stored on this rank
-                      (frozen ones too: memtrain does not pass exclude_frozen_parameters), so ZeRO-0/1/2 copy the
-                      whole module (the quantised bytes with nf4), written by data-parallel rank 0 only; ZeRO-3's
-                      partitioned parameters are empty placeholders there (nothing to copy).
+                      before anything is written. The module state dict holds every weight as stored on this rank,
+                      so ZeRO-0/1/2 copy the whole module, written by data-parallel rank 0 only; ZeRO-3's
+                      partitioned parameters are empty placeholders there (nothing to copy). A model with frozen
+                      parameters (LoRA, QLoRA, DoRA) is saved with exclude_frozen_parameters
+                      (train/state/checkpoint.py): the frozen base is neither copied nor written, only the trained
+                      weights and what bitsandbytes adds beside a quantised weight's packed codes (its scales:
+                      ~1/64 byte per weight with nf4 and double quantisation; train/state/frozen_base.py).
   ZeRO optimizer file `_save_zero_checkpoint` passes the optimizer's state_dict() to torch.save as it is: tensors
                       already on the CPU are written in place and GPU ones are copied one storage at a time, so
                       the transient is the largest GPU storage (ZeRO-1/2: the flat fp32 partition of a group).
 
-So a save holds, beside the training phase's host bytes: the module's weights (ZeRO-0/1/2), the GPU-resident
+So a save holds, beside the training phase's host bytes: the module's saved weights (ZeRO-0/1/2), the GPU-resident
 optimizer states (ZeRO-0), or one flat partition (ZeRO-1/2/3 with the optimizer on the GPU). Measured: the 7B
 full fine-tune stepping paged 8-bit AdamW in backward peaked at 27.4 GiB of host memory machine-wide while saving
 (benchmarks/host_memory.csv), 14.9 planned for training + 12.55 for its bf16 weights = 27.45. Its paged 8-bit
@@ -27,15 +30,27 @@ must fit the host.
 
 from __future__ import annotations
 
+from memtrain.dtypes import DTYPE_BYTES
 from memtrain.plan.model_states import StateBytes
 from memtrain.plan.params import ParamCounts
 from memtrain.recipe.schema import Recipe
 
 
+def saved_module_bytes(recipe: Recipe, counts: ParamCounts, states: StateBytes) -> int:
+    """Bytes of the module state dict a save copies and writes on rank 0 (see the module's text): every weight, or
+    with frozen parameters the trained ones and a quantised base's constants; nothing under ZeRO-3."""
+    if recipe.offload.stage == 3:
+        return 0
+    if not counts.frozen:
+        return states.gpu_params
+    packed = counts.quantized if recipe.model.quant_type == "int8" else counts.quantized // 2  # codes: left out
+    return counts.trainable * DTYPE_BYTES[recipe.precision.storage] + counts.quantized_bytes - packed
+
+
 def checkpoint_save_bytes(recipe: Recipe, counts: ParamCounts, states: StateBytes) -> int:
     """Host bytes a checkpoint save adds on this node, beside the training phase's (see the module's text)."""
     stage, master = recipe.offload.stage, 4 if recipe.precision.master == "fp32" else 2
-    module = states.gpu_params if stage < 3 else 0  # rank 0's whole module, cloned to the CPU
+    module = saved_module_bytes(recipe, counts, states)  # rank 0's module state dict, copied to the CPU
     if stage == 0:
         # the optimizer's GPU states cloned beside it; paged states are read where they are (measured: nothing)
         return module + states.gpu_optimizer_states
@@ -45,10 +60,10 @@ def checkpoint_save_bytes(recipe: Recipe, counts: ParamCounts, states: StateByte
     return module
 
 
-def checkpoint_file_bytes(recipe: Recipe, states: StateBytes) -> int:
-    """What a checkpoint writes through the page cache on this node: the module (ZeRO-0/1/2, rank 0) and the
-    optimizer's states on every tier (master weights and moments)."""
-    module = states.gpu_params if recipe.offload.stage < 3 else 0
+def checkpoint_file_bytes(recipe: Recipe, counts: ParamCounts, states: StateBytes) -> int:
+    """What a checkpoint writes through the page cache on this node: the module state dict (ZeRO-0/1/2, rank 0;
+    `saved_module_bytes`) and the optimizer's states on every tier (master weights and moments)."""
+    module = saved_module_bytes(recipe, counts, states)
     return module + states.gpu_optimizer_states + states.host_optimizer_states + states.nvme_optimizer_states
 
 

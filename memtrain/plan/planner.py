@@ -447,7 +447,7 @@ def _plan(
         host_bytes=max(host_phases.values()),
         host_breakdown=host_breakdown,
         host_phases=host_phases,
-        host_kinds=host_kinds(recipe, host_breakdown, save_bytes, checkpoint_file_bytes(recipe, states)),
+        host_kinds=host_kinds(recipe, host_breakdown, save_bytes, checkpoint_file_bytes(recipe, counts, states)),
         host_capacity_bytes=recipe.hardware.host_memory,
         nvme_bytes=sum(nvme_breakdown.values()),
         nvme_breakdown=nvme_breakdown,

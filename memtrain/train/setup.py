@@ -64,6 +64,7 @@ from memtrain.train.runtime.distributed import Place, setup_process
 from memtrain.train.runtime.nodes import agree_on_run
 from memtrain.train.runtime.oom import start_memory_history
 from memtrain.train.state.checkpoint import LoopState, latest_checkpoint, load_checkpoint
+from memtrain.train.state.frozen_base import base_key
 from memtrain.train.state.reference import load_or_compute
 from memtrain.train.state.restart_note import RestartNote, read_note
 from memtrain.train.state.resume import follow_recipe, optimizer_settings, recipe_json
@@ -330,7 +331,7 @@ def setup(
     state, checkpoint = LoopState(), latest_checkpoint(run.run_dir) if options.resume else None
     if checkpoint is not None:
         built = optimizer_settings(engine, scheduler)  # the recipe's; the checkpoint brings the old ones
-        state = load_checkpoint(engine, checkpoint, place.rank)
+        state = load_checkpoint(engine, checkpoint, place.rank, base_key=base_key(r.model))
         follow_recipe(engine, scheduler, state, r, built)
     policy = BatchPolicy(
         r.batch, run.per_rank_batch, run.micro_batch, cap_bytes or 1, prior=run.planner_prior if place.on_cuda else None

@@ -21,6 +21,10 @@ its manifest lists. Before a resume, `set_aside_unverified` moves the newest che
 that does; a `.tmp-` directory is put in place only when its manifest is there and verifies. A checkpoint of an older
 memtrain has no manifest: it is accepted as before, once its state file reads and each torch file in it is a whole
 archive (a truncated or empty one is not).
+
+A model with frozen parameters (LoRA, QLoRA, DoRA) saves only what trains: its base is left out of the checkpoint
+and recorded by a fingerprint instead (`frozen_base.json`), which a resume compares with the base it loaded again
+(frozen_base.py).
 """
 
 from __future__ import annotations
@@ -42,6 +46,15 @@ import torch
 from memtrain.errors import Problem, UserError
 from memtrain.train.optim.in_backward import StepInBackward
 from memtrain.train.runtime.distributed import barrier
+from memtrain.train.state.frozen_base import (
+    base_problem,
+    fingerprint,
+    frozen_names,
+    has_frozen_parameters,
+    module_problem,
+    read_record,
+    write_record,
+)
 from memtrain.train.state.manifest import has_manifest, manifest_problem, write_manifest
 
 DS_TAG = "state"
@@ -259,7 +272,12 @@ def save_checkpoint(
         prune(run_dir, kept_while_saving(keep_last), kept_through(state))
         tmp.mkdir()
     barrier()
-    engine.save_checkpoint(str(tmp), tag=DS_TAG)
+    # a model with frozen parameters (LoRA's base) saves only what trains; the base is recorded instead (frozen_base.py)
+    leave_out_base = has_frozen_parameters(engine.module)
+    base = fingerprint(engine.module, engine.device) if leave_out_base else None
+    engine.save_checkpoint(str(tmp), tag=DS_TAG, exclude_frozen_parameters=leave_out_base)
+    if base is not None and rank == 0:
+        write_record(tmp, base)
     device_states = device_sub_group_states(engine)
     if device_states:
         torch.save(device_states, tmp / f"device-optimizer-rank{rank}.pt")
@@ -343,10 +361,24 @@ def _loaded_to_host(engine):
         checkpoints.load = load
 
 
-def load_checkpoint(engine, path: Path, rank: int) -> LoopState:
-    """Restore DeepSpeed's model/optimizer/scheduler state, this rank's RNG, and the loop state."""
+def load_checkpoint(engine, path: Path, rank: int, base_key: str = "model") -> LoopState:
+    """Restore DeepSpeed's model/optimizer/scheduler state, this rank's RNG, and the loop state. A checkpoint saved
+    without the frozen base (frozen_base.py) is refused, naming `base_key`, when this run loaded another base, and
+    loads non-strictly once the keys it lacks are found to be the frozen parameters only."""
+    recorded = read_record(path)
+    if recorded is not None:
+        problem = base_problem(recorded, fingerprint(engine.module, engine.device), path, base_key)
+        if problem is not None:
+            raise UserError([problem, _cannot_resume(path)])
     with _loaded_to_host(engine):
-        engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        engine.load_checkpoint(
+            str(path),
+            tag=DS_TAG,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            load_module_strict=recorded is None,
+            custom_load_fn=None if recorded is None else _load_without_base(path),
+        )
     device_states = path / f"device-optimizer-rank{rank}.pt"
     if device_states.is_file():
         restore_device_sub_group_states(engine, torch.load(device_states, weights_only=False))
@@ -354,6 +386,29 @@ def load_checkpoint(engine, path: Path, rank: int) -> LoopState:
     if rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))
     return loop_state((path / STATE_FILE).read_text())
+
+
+def _load_without_base(checkpoint: Path) -> Callable:
+    """DeepSpeed's module load (`custom_load_fn`) for a checkpoint without the frozen parameters: refuses one whose
+    keys are not this model's less its frozen parameters (frozen_base.module_problem), then loads non-strictly.
+    The key sets are compared here, both from state_dict(): torch's own report passes over keys under a parameter's
+    name (bitsandbytes' 4-bit scales) and would call LLM.int8's weight_format unexpected."""
+
+    def load(src: dict, dst: torch.nn.Module) -> None:
+        problem = module_problem(set(src), set(dst.state_dict()), set(frozen_names(dst)), checkpoint)
+        if problem is not None:
+            raise UserError([problem, _cannot_resume(checkpoint)])
+        dst.load_state_dict(src, strict=False)
+
+    return load
+
+
+def _cannot_resume(checkpoint: Path) -> Problem:
+    return Problem(
+        f"cannot resume {checkpoint} exactly with this model",
+        hint="undo the change to resume, or start a new run: in another directory (train.output_dir=runs/NEW) or "
+        "over this one (--no-resume --overwrite moves the old run aside)",
+    )
 
 
 def loop_state(text: str) -> LoopState:

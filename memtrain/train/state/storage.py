@@ -1,7 +1,8 @@
 """Disk space for checkpoints: warn before a save that may not fit; end cleanly when one does not.
 
 A checkpoint is about as large as the previous one (the model, the optimizer states and a few small
-files), or before the first save, as the parameters and the optimizer's states as DeepSpeed writes them
+files), or before the first save, as the trainable parameters (a frozen base is not saved: frozen_base.py) and the
+optimizer's states as DeepSpeed writes them
 (`saved_optimizer_bytes_per_param`: Adam's two moments, 8-bit where the optimizer keeps them so, and the master
 partition DeepSpeed's ZeRO optimizer saves even where the fp32 weights are their own master), plus each rank's RNG
 state and the small files of every checkpoint.
@@ -27,6 +28,7 @@ from memtrain.errors import Problem, UserError
 from memtrain.files import cannot_create, directory_bytes, free_bytes, write_error
 from memtrain.plan.model_states import master_bytes, optimizer_bytes_per_param
 from memtrain.train.state.checkpoint import checkpoint_dir, kept_while_saving, latest_checkpoint, step_of_name
+from memtrain.train.state.frozen_base import has_frozen_parameters, quantisation_entries
 
 WARN_BELOW_SAVES = 2.0  # warn when the disk holds fewer than this many more checkpoints
 # What every checkpoint holds besides the tensors: DeepSpeed's zero_to_fp32.py (38.6 kB) and zero_to_torch.py
@@ -50,7 +52,7 @@ def saved_optimizer_bytes_per_param(
 
 
 def expected_checkpoint_bytes(run_dir: Path, model, optimizer_bytes_per_param: float, ranks: int = 1) -> int:
-    """The previous checkpoint's size, else the parameters plus the trainable ones' optimizer states
+    """The previous checkpoint's size, else the trainable parameters and their optimizer states
     (`optimizer_bytes_per_param` per trainable element, `saved_optimizer_bytes_per_param`), each rank's RNG state and
     the small files. A flat 12 bytes (fp32 master and moments) put the 7B full fine-tune with paged 8-bit AdamW in
     backward at ~94 GB; its checkpoint took 26 GiB (4.03 bytes per parameter priced: ~27 GB)."""
@@ -60,7 +62,10 @@ def expected_checkpoint_bytes(run_dir: Path, model, optimizer_bytes_per_param: f
     total = 0.0
     for p in model.parameters():
         numel = getattr(p, "ds_numel", p.numel())  # ZeRO-3 keeps the full size here
-        total += numel * (p.element_size() + (optimizer_bytes_per_param if p.requires_grad else 0))
+        if p.requires_grad:  # a frozen base stays out of the checkpoint (frozen_base.py)
+            total += numel * (p.element_size() + optimizer_bytes_per_param)
+    if has_frozen_parameters(model):  # but not a quantised base's scales
+        total += sum(t.numel() * t.element_size() for t in quantisation_entries(model).values())
     return int(total) + CHECKPOINT_FILES_BYTES + RNG_FILE_BYTES * ranks
 
 

@@ -27,9 +27,13 @@ from memtrain.train.state.manifest import MANIFEST_FILE
 
 
 class FilesEngine:
-    """The part of a DeepSpeed engine save_checkpoint uses: it writes its state into the directory it is given."""
+    """The part of a DeepSpeed engine save_checkpoint uses: it writes its state into the directory it is given, for a
+    module that trains all its weights (a full fine-tune: no frozen base to leave out)."""
 
-    def save_checkpoint(self, path: str, tag: str) -> None:
+    module = torch.nn.Linear(2, 2)
+    device = torch.device("cpu")
+
+    def save_checkpoint(self, path: str, tag: str, exclude_frozen_parameters: bool = False) -> None:
         (Path(path) / tag).mkdir()
         (Path(path) / tag / "model_states.pt").write_bytes(b"\0" * 1024)
 
@@ -106,10 +110,10 @@ def test_a_state_from_before_the_three_token_counts_keeps_its_count_as_targets()
     assert checkpoint.loop_state(json.dumps(dataclasses.asdict(state))) == state
 
 
-class TorchFilesEngine:
+class TorchFilesEngine(FilesEngine):
     """An engine whose save writes real torch files, as DeepSpeed's does: model states of a few tensors."""
 
-    def save_checkpoint(self, path: str, tag: str) -> None:
+    def save_checkpoint(self, path: str, tag: str, exclude_frozen_parameters: bool = False) -> None:
         (Path(path) / tag).mkdir()
         torch.save({"weight": torch.arange(200_000, dtype=torch.float32)}, Path(path) / tag / MODEL_STATES)
 

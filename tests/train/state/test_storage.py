@@ -30,16 +30,16 @@ def _per_param(recipe: str) -> float:
     )
 
 
-def test_the_first_checkpoint_is_priced_by_the_optimizer_s_states(tmp_path):
+def test_the_first_checkpoint_is_priced_by_the_optimizer_s_states_and_leaves_the_frozen_base_out(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(torch.bfloat16)
     model[0].requires_grad_(False)
-    frozen, trainable = (sum(p.numel() for p in layer.parameters()) for layer in model)
+    trainable = sum(p.numel() for p in model[1].parameters())
     small = CHECKPOINT_FILES_BYTES + RNG_FILE_BYTES  # one rank
-    assert expected_checkpoint_bytes(tmp_path, model, 12) == frozen * 2 + trainable * (2 + 12) + small
-    assert expected_checkpoint_bytes(tmp_path, model, 2.03) == int(frozen * 2 + trainable * (2 + 2.03)) + small
-    assert (
-        expected_checkpoint_bytes(tmp_path, model, 12, ranks=2) - RNG_FILE_BYTES == frozen * 2 + trainable * 14 + small
-    )
+    assert expected_checkpoint_bytes(tmp_path, model, 12) == trainable * (2 + 12) + small
+    assert expected_checkpoint_bytes(tmp_path, model, 2.03) == int(trainable * (2 + 2.03)) + small
+    assert expected_checkpoint_bytes(tmp_path, model, 12, ranks=2) - RNG_FILE_BYTES == trainable * 14 + small
+    model[0].requires_grad_(True)  # a full fine-tune: every weight is saved
+    assert expected_checkpoint_bytes(tmp_path, model, 12) == 2 * trainable * 14 + small
 
 
 def test_deepspeed_saves_a_master_partition_even_for_fp32_weights():
@@ -62,14 +62,19 @@ def test_the_32gb_host_recipe_checkpoint_is_priced_near_what_it_took():
 
 
 @pytest.mark.slow
-def test_the_first_save_is_priced_within_a_few_percent_of_what_a_real_tiny_save_writes(write_recipe):
-    """The estimate before the first save against the bytes DeepSpeed (ZeRO-2, fp32 weights) and memtrain wrote."""
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_first_save_is_priced_within_a_few_percent_of_what_a_real_tiny_save_writes(write_recipe, lora):
+    """The estimate before the first save against the bytes DeepSpeed (ZeRO-2, fp32 weights) and memtrain wrote;
+    with LoRA, the adapters and their states only."""
     from memtrain.files import directory_bytes
     from memtrain.model.build import build_model
     from memtrain.train.state.checkpoint import complete_checkpoints
     from tests.train.test_run import run, run_dir_of
 
-    recipe_path = write_recipe("priced", {"train": {"steps": 2, "save_every": 2, "eval_every": 100}})
+    adapters = {"model": {"lora": {"r": 32, "alpha": 64, "target_modules": ["q_proj", "v_proj", "up_proj"]}}}
+    recipe_path = write_recipe(
+        "priced", {"train": {"steps": 2, "save_every": 2, "eval_every": 100}, **(adapters if lora else {})}
+    )
     assert run(recipe_path) == 0
     [saved] = complete_checkpoints(run_dir_of(recipe_path))
     r = load_recipe(recipe_path).recipe
