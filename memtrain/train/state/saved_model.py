@@ -28,6 +28,14 @@ from memtrain.model.peft_quiet import peft_quietly
 from memtrain.recipe.schema import Recipe
 from memtrain.train.resolve import RUN_FILE, ResolvedRun
 from memtrain.train.state.checkpoint import DS_TAG, checkpoint_dir, checkpoint_problem, complete_checkpoints
+from memtrain.train.state.frozen_base import (
+    base_key,
+    base_problem,
+    fingerprint,
+    frozen_names,
+    module_problem,
+    read_record,
+)
 
 _MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's module state (rank 0), beside its optimizer states
 _WRAPPER_PREFIX = "model."  # the engine's module is memtrain's TrainableLM, the model inside it under `model`
@@ -147,7 +155,20 @@ def checkpoint_model(
     # the embeddings grown to the tokenizer, as training grew them for a template's markers (model/build.py)
     cpu = torch.device("cpu")
     model = build_model(recipe.model, recipe.precision.storage, cpu, seed=recipe.train.seed, vocab_size=len(tokenizer))
-    model.load_state_dict(checkpoint_state_dict(directory, recipe), strict=True)
+    state = checkpoint_state_dict(directory, recipe)
+    recorded = read_record(directory)
+    if recorded is None:
+        model.load_state_dict(state, strict=True)
+        return model.to(dtype)
+    # saved without its frozen base (frozen_base.py): the base built again must be the one it was trained over,
+    # and the checkpoint must hold every other tensor; the record names the tensors as the wrapper does
+    recorded = {**recorded, "tensors": {k.removeprefix(_WRAPPER_PREFIX): v for k, v in recorded["tensors"].items()}}
+    problem = base_problem(recorded, fingerprint(model), directory, base_key(recipe.model)) or module_problem(
+        set(state), set(model.state_dict()), set(frozen_names(model)), directory
+    )
+    if problem is not None:
+        raise UserError(problem)
+    model.load_state_dict(state, strict=False)
     return model.to(dtype)
 
 
