@@ -1,4 +1,4 @@
-"""checkpointing.mlp_tiles under DeepSpeed ZeRO-2 on the CPU: the same losses step by step as the untiled run."""
+"""checkpointing.mlp_tiles under DeepSpeed ZeRO-2 and ZeRO-3 on the CPU: the same losses step by step as untiled."""
 
 from __future__ import annotations
 
@@ -14,17 +14,21 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
-    "extra",
+    ("stage", "extra"),
     [
-        {"batch": {"micro_batch": 2}},  # two micro-batches per step: the tiles' gradients accumulate across them too
-        {
-            "model": {"lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
-            "checkpointing": {"strategy": "every_layer", "offload_inputs": True},
-        },
+        (2, {"batch": {"micro_batch": 2}}),  # two micro-batches per step: the tiles' gradients accumulate across them
+        (
+            2,
+            {
+                "model": {"lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
+                "checkpointing": {"strategy": "every_layer", "offload_inputs": True},
+            },
+        ),
+        (3, {}),  # each tile's recompute in backward gathers the partitioned MLP weights again
     ],
-    ids=["full-accumulated", "lora-recomputed-inputs-on-host"],
+    ids=["zero2-full-accumulated", "zero2-lora-recomputed-inputs-on-host", "zero3-full"],
 )
-def test_tiled_mlps_train_like_untiled_ones_under_zero2(write_recipe, monkeypatch, extra):
+def test_tiled_mlps_train_like_untiled_ones_under_zero(write_recipe, monkeypatch, stage, extra):
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
     calls = []
@@ -32,7 +36,7 @@ def test_tiled_mlps_train_like_untiled_ones_under_zero2(write_recipe, monkeypatc
     monkeypatch.setattr(
         TiledMLP, "forward", staticmethod(lambda ctx, *args: calls.append(args[3]) or forward(ctx, *args))
     )
-    base = {**extra, "offload": {"zero_stage": 2}, "train": {"steps": 4, "eval_every": 100, "save_every": 100}}
+    base = {**extra, "offload": {"zero_stage": stage}, "train": {"steps": 4, "eval_every": 100, "save_every": 100}}
     untiled = write_recipe("untiled", base)
     # 32 tokens in 3 tiles: 11, 11 and 10
     tiled = write_recipe("tiled", {**base, "checkpointing": {**base.get("checkpointing", {}), "mlp_tiles": 3}})
