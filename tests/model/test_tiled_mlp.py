@@ -18,13 +18,13 @@ from tests.model.families import tiny_config
 from tests.model.test_support import one_torch_thread, shakespeare_batches  # noqa: F401 (autouse fixture)
 
 FP32 = Precision(compute="fp32", chunked_loss=True, loss_chunk_tokens=16)
-FAMILIES = ("llama", "qwen2", "phi3")  # Phi-3: one fused gate_up_proj
+FAMILIES = ("llama", "qwen2", "phi3", "gemma2")  # Phi-3: one fused gate_up_proj; Gemma-2: GEGLU
 
 
 def tiny(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
     config = tiny_config(family)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "eager" if family == "gemma2" else "sdpa"  # Gemma-2 has no sdpa path
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.train()
     return model
