@@ -16,6 +16,8 @@ from memtrain.recipe.load import load_recipe
 GiB = 1024**3
 QWEN = Path(__file__).resolve().parents[2] / "recipes/qwen2.5-7b-lora-long-24gb.yaml"
 EVERY_LAYER = ["checkpointing.strategy=every_layer", "checkpointing.offload_inputs=true"]
+# checkpointing as auto chooses it from nothing (the shipped recipe sets every_layer, inputs on host and tiles)
+AUTO_UNTILED = ["checkpointing.strategy=auto", "checkpointing.offload_inputs=false", "checkpointing.mlp_tiles=0"]
 INTERMEDIATE = 32768 * 18944 * 2  # one of Qwen2.5-7B's MLP intermediates at 32,768 tokens in bf16: 1.16 GiB
 
 
@@ -55,26 +57,22 @@ def test_a_tiled_trace_keeps_the_mlp_input_and_one_tile_comes_back():
 
 
 def test_auto_turns_the_tiles_on_where_the_inputs_on_the_host_are_not_enough():
-    at_32k = plan("checkpointing.strategy=auto", "checkpointing.offload_inputs=false", "checkpointing.mlp_tiles=0")
+    at_32k = plan(*AUTO_UNTILED)
     assert at_32k.inputs_on_host and at_32k.mlp_tiles == 0  # fits comfortably without them
-    recipe = load_recipe(
-        QWEN, ["checkpointing.strategy=auto", "checkpointing.offload_inputs=false", "data.seq_len=65536"]
-    ).recipe
+    recipe = load_recipe(QWEN, [*AUTO_UNTILED, "data.seq_len=65536"]).recipe
     at_64k = plan_recipe(recipe)
     assert at_64k.fits and not at_64k.tight and at_64k.inputs_on_host and at_64k.mlp_tiles == "auto"
     resolved = resolve_checkpointing(recipe, micro_batch=1).checkpointing
     assert (resolved.strategy, resolved.offload_inputs, resolved.mlp_tiles) == ("first_n_layers", True, "auto")
     assert resolved.first_n_layers == at_64k.recomputed_layers
     # without tiles the same search at 64k does not fit comfortably
-    host_only = plan("checkpointing.strategy=auto", "checkpointing.offload_inputs=true", "data.seq_len=65536")
+    host_only = plan(*AUTO_UNTILED, "checkpointing.offload_inputs=true", "data.seq_len=65536")
     assert not (host_only.fits and not host_only.tight)
 
 
 def test_auto_leaves_the_tiles_off_where_the_optimizer_steps_in_backward():
     """The recipe checks refuse the pair (the per-parameter hooks would fire once per tile): auto does not make it."""
-    recipe = load_recipe(
-        QWEN, ["checkpointing.strategy=auto", "checkpointing.offload_inputs=false", "data.seq_len=65536"]
-    ).recipe
+    recipe = load_recipe(QWEN, [*AUTO_UNTILED, "data.seq_len=65536"]).recipe
     in_backward = recipe.model_copy(
         update={"optimizer": recipe.optimizer.model_copy(update={"step_in_backward": True})}
     )
@@ -82,7 +80,7 @@ def test_auto_leaves_the_tiles_off_where_the_optimizer_steps_in_backward():
 
 
 def test_fit_offers_tiles_for_a_long_sequence_that_misses():
-    loaded = load_recipe(QWEN, [*EVERY_LAYER, "hardware.gpu=21GiB"])
+    loaded = load_recipe(QWEN, [*EVERY_LAYER, "checkpointing.mlp_tiles=0", "hardware.gpu=21GiB"])
     assert not plan_recipe(loaded.recipe).fits
     advice = advise(loaded, limit=1)
     assert advice[0].overrides == ["checkpointing.mlp_tiles=auto"] and advice[0].speed_cost == 0.1
