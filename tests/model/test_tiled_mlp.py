@@ -74,16 +74,19 @@ def test_tiles_keep_loss_and_every_gradient(family, case, lora):
     assert_same(loss_and_grads(reference_model, ids), loss_and_grads(tiled_model, ids))
 
 
-def test_tiles_inside_recomputed_layers_with_inputs_on_host():
-    """The shipped long recipes' combination: whole layers recomputed, inputs on the host, MLPs tiled."""
+@pytest.mark.parametrize("on_host", [True, False], ids=["inputs-on-host", "transformers-checkpointing"])
+def test_tiles_inside_recomputed_layers(on_host):
+    """The shipped long recipe's combination (whole layers recomputed, inputs on the host, MLPs tiled), and whole
+    layers handed to transformers' own checkpointing."""
     ids = shakespeare_batches(1, micro_batch=2, seq_len=31)[0]
     base = tiny("qwen2")
     model = with_lora(copy.deepcopy(base))
     reference = loss_and_grads(with_lora(copy.deepcopy(base)), ids)
-    config = Checkpointing(strategy="every_layer", offload_inputs=True, mlp_tiles=3)
-    apply_checkpointing(model, config)
-    apply_mlp_tiles(model, config)
+    config = Checkpointing(strategy="every_layer", offload_inputs=on_host, mlp_tiles=3)
+    plan = apply_checkpointing(model, config)
+    assert apply_mlp_tiles(model, config) == 2
     assert_same(reference, loss_and_grads(model, ids))
+    assert (plan.offload_stats.packed_tensors > 0) == on_host
 
 
 def test_forward_keeps_only_the_mlp_input():
