@@ -114,3 +114,18 @@ def test_combinations_and_values_that_cannot_tile_are_refused(overrides, key, sa
     problems = [p for p in error.value.problems if p.key == key]
     assert problems, [p.key for p in error.value.problems]
     assert says in problems[0].message
+
+
+def test_a_bad_tile_count_in_a_recipe_file_stops_the_cli_with_exit_2_and_the_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from memtrain.cli import app
+
+    text = QWEN.read_text().replace("  mlp_tiles: auto ", "  mlp_tiles: lots ")
+    assert "mlp_tiles: lots" in text
+    (tmp_path / "bad.yaml").write_text(text)
+    result = CliRunner().invoke(app, ["validate", str(tmp_path / "bad.yaml")])
+    assert result.exit_code == 2, result.output
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if "mlp_tiles: lots" in row)
+    assert f"bad.yaml:{line}" in result.output and "checkpointing.mlp_tiles" in result.output
+    assert "must be a whole number or 'auto', got 'lots'" in result.output and "Traceback" not in result.output
