@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import torch
@@ -24,6 +24,7 @@ from memtrain.model.build import add_lora
 from memtrain.model.config import model_config
 from memtrain.model.kernels import patches_layers
 from memtrain.model.layers import decoder_layers, hf_model
+from memtrain.model.tiled_mlp import MLP_NAME, tile_count
 from memtrain.model.varlen import ATTN_NAME as VARLEN
 from memtrain.recipe.schema import Checkpointing, Model
 
@@ -233,6 +234,26 @@ def _as_liger_keeps(
     return tuple(kept)
 
 
+def tiled_mlp_trace(trace: LayerTrace, tiles: int) -> tuple[LayerTrace, int]:
+    """(what the layer keeps with its MLP tiled, the bytes one tile's backward holds) for checkpointing.mlp_tiles.
+
+    The trace runs the MLP untiled (the tiled one is DeepSpeed's autograd function, whose backward the trace does not
+    run), so the tiling is priced from it: forward keeps only the MLP's input (memtrain.model.tiled_mlp); backward
+    recomputes one tile at a time, holding that tile's share of what the untiled MLP kept and the gradients of its
+    two largest intermediates. Untiled (tiles 0) or without an `mlp` block: the trace as it is and 0."""
+    if tiles == 0 or MLP_NAME not in trace.inputs:
+        return trace, 0
+
+    def inside(module: str) -> bool:
+        return module == MLP_NAME or module.startswith(MLP_NAME + ".")
+
+    block = trace.block_bytes(MLP_NAME)
+    largest = max((t.nbytes for t in trace.saved if inside(t.module)), default=0)
+    storage_id, nbytes = trace.inputs[MLP_NAME]
+    kept = tuple(t for t in trace.saved if not inside(t.module)) + (SavedTensor(storage_id, nbytes, MLP_NAME),)
+    return replace(trace, saved=kept), math.ceil(block / tiles) + 2 * math.ceil(largest / tiles)
+
+
 @dataclass(frozen=True)
 class ActivationEstimate:
     """Activation bytes of the whole decoder stack on one GPU."""
@@ -299,6 +320,8 @@ def estimate_activations(
     layers are compiled (COMPILED_RECOMPUTE_SHARE).
     """
     trace = trace_layer(model, compute, micro_batch, seq_len)
+    tiles = tile_count(checkpointing.mlp_tiles, seq_len, model_config(model).hidden_size)
+    trace, tile_bytes = tiled_mlp_trace(trace, tiles)
     full = trace.full_bytes
     # the gradients of the largest intermediates: two new ones with eager modules; Liger's fused SiLU/GELU-and-multiply
     # writes the gate's and up projection's gradients into their saved outputs in place, leaving one (its output's)
@@ -338,6 +361,8 @@ def estimate_activations(
             host += host_bytes
     if compiled:
         recomputed += int(COMPILED_RECOMPUTE_SHARE * recomputed)
+    # a tiled MLP's backward (in every layer, recomputed or not) holds one tile's intermediates at a time
+    recomputed += tile_bytes
     host_inputs = 0
     if checkpointing.offload_inputs and strategy in ("every_layer", "every_n_layers", "first_n_layers"):
         # the checkpointed layers' inputs leave the GPU for pinned host memory; in backward each comes back for its

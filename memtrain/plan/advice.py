@@ -1,18 +1,17 @@
 """Advice: the cheapest change that makes a recipe fit, walking the article's decision tree.
 
-Levers, in the tree's order: activation checkpointing → lean LoRA dropout → precision (chunked loss, bf16 master and
-optimizer states) → micro-batch (gradient accumulation keeps the global batch) → optimizer offload (or, for a
-full fine-tune on one GPU, the optimizer step in backward with paged 8-bit states) → parameter offload / NVMe
-→ fewer parameters kept gathered (ZeRO-3) → LoRA → quantised base weights (QLoRA);
-and, when the host cannot hold the offloaded states, pageable buffers, parameters back on the GPU and optimizer
-states on NVMe (the plan checks host capacity only when the recipe sets `hardware.host_memory`; `memtrain run`'s
-preflight checks the machine's memory otherwise). Every combination of one
-option per lever is planned (the plan is arithmetic on cached traces, so this takes seconds);
-combinations the recipe checks refuse (quantised weights with ZeRO-3, say) are dropped; the ones
-that fit are ranked by their estimated slowdown, ties broken by the tree's order, and each is
-returned as `key.path=value` overrides. A change whose plan is *tight* (it fits at the expected allocator slack,
-not at the largest one measured) ranks after every change that fits with that margin: see `advise`. The speed
-costs are rough fractions of step time, documented in docs/PLAN.md.
+Levers, in the tree's order: activation checkpointing → tiled MLPs (long sequences) → lean LoRA dropout → precision
+(chunked loss, bf16 master and optimizer states) → micro-batch (gradient accumulation keeps the global batch) →
+optimizer offload (or, for a full fine-tune on one GPU, the optimizer step in backward with paged 8-bit states) →
+parameter offload / NVMe → fewer parameters kept gathered (ZeRO-3) → LoRA → quantised base weights (QLoRA); and,
+when the host cannot hold the offloaded states, pageable buffers, parameters back on the GPU and optimizer states
+on NVMe (the plan checks host capacity only when the recipe sets `hardware.host_memory`; `memtrain run`'s preflight
+checks the machine's memory otherwise). Every combination of one option per lever is planned (the plan is
+arithmetic on cached traces, so this takes seconds); combinations the recipe checks refuse (quantised weights with
+ZeRO-3, say) are dropped; the ones that fit are ranked by their estimated slowdown, ties broken by the tree's
+order, and each is returned as `key.path=value` overrides. A change whose plan is *tight* (it fits at the expected
+allocator slack, not at the largest one measured) ranks after every change that fits with that margin: see
+`advise`. The speed costs are rough fractions of step time, documented in docs/PLAN.md.
 """
 
 from __future__ import annotations
@@ -24,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from memtrain.errors import Problem, RecipeError
+from memtrain.model.config import model_config
+from memtrain.model.tiled_mlp import tile_count
 from memtrain.plan.planner import Plan, micro_batch_candidates, plan_recipe
 from memtrain.recipe.load import apply_overrides, validate
 from memtrain.recipe.rules import check_rules
@@ -115,6 +116,22 @@ def _checkpointing_options(r: Recipe) -> list[Option]:
             )
         )
     return options
+
+
+# Tiled MLPs (checkpointing.mlp_tiles): one more MLP forward per layer and step (DeepSpeed's TiledMLP recomputes it
+# in backward), and the MLP is about 40 % of a 7B layer's forward at 32,768 tokens (attention's score matmuls grow
+# with the length; the MLP's do not), in a step of about four forwards (forward, recompute, backward's two).
+# Not measured yet.
+MLP_TILES_COST = 0.1
+
+
+def _mlp_tiles_options(r: Recipe) -> list[Option]:
+    """checkpointing.mlp_tiles=auto where it tiles at all (the sequence longer than the hidden size) and is off;
+    the recipe checks drop it where compiled layers or the optimizer stepped in backward refuse it."""
+    if r.checkpointing.mlp_tiles != 0 or tile_count("auto", r.data.seq_len, model_config(r.model).hidden_size) == 0:
+        return [KEEP]
+    why = "compute each layer's MLP in tiles along the sequence, recomputed in backward (long sequences)"
+    return [KEEP, Option(("checkpointing.mlp_tiles=auto",), MLP_TILES_COST, why)]
 
 
 def _lora_dropout_options(r: Recipe) -> list[Option]:
@@ -379,6 +396,7 @@ def advise(
     micro_options = [KEEP] if r.batch.micro_batch == "auto" else _micro_batch_options(r, current.micro_batch)
     levers = [
         _checkpointing_options(r),
+        _mlp_tiles_options(r),
         _lora_dropout_options(r),
         _precision_options(r),
         micro_options,

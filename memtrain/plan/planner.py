@@ -23,6 +23,7 @@ from memtrain.model.attention import packs_samples, resolve_attention, with_atte
 from memtrain.model.compiled import resolve_compile
 from memtrain.model.config import model_architecture
 from memtrain.model.kernels import uses_fused_loss
+from memtrain.model.tiled_mlp import tile_count
 from memtrain.model.varlen import ATTN_NAME as VARLEN
 from memtrain.plan.activations import estimate_activations, trace_layer
 from memtrain.plan.calibration import Calibration, calibration
@@ -82,6 +83,7 @@ class Plan:
     checkpointing: str = "every_layer"  # the strategy planned ('auto' shows as the first_n_layers it resolved to)
     recomputed_layers: int = 0  # whole decoder layers recomputed in backward
     inputs_on_host: bool = False  # the recomputed layers keep their inputs in host memory (offload_inputs)
+    mlp_tiles: int | str = 0  # checkpointing.mlp_tiles planned (auto: it may have turned them on)
     compiled_layers: bool = False  # the decoder layers are compiled on a GPU (train.compile, auto resolved)
     preference: str = ""  # a preference objective's rows and reference, said (plan/preference.py); "" for SFT
     host_phases: dict[str, int] = field(default_factory=dict)  # training / checkpoint_save: host_bytes is the larger
@@ -297,19 +299,51 @@ def plan_recipe(
     on_host = _fewest_recomputed_layers(
         name, _with_first_n_layers(recipe, 0, inputs_on_host=True), counts, cal, micro_batch, exact_pinned
     )
-    if _comfortable(on_host) or (on_host.fits and not on_gpu.fits):
+    if _comfortable(on_host):
         return on_host
-    return on_gpu
+    candidates = [on_gpu, on_host]
+    if tiles_may_help(recipe, counts.hidden_size):
+        # Longer still: one recomputed layer's MLP intermediates (seq_len x intermediate_size each) dominate what
+        # is left, so auto computes the MLPs in tiles too (mlp_tiles auto), at one more MLP forward a layer.
+        tiled = _fewest_recomputed_layers(
+            name,
+            _with_first_n_layers(recipe, 0, inputs_on_host=True, mlp_tiles="auto"),
+            counts,
+            cal,
+            micro_batch,
+            exact_pinned,
+        )
+        if _comfortable(tiled):
+            return tiled
+        candidates.append(tiled)
+    # nothing fits comfortably: the cheapest that fits at all, else the plan without the host's copies
+    return next((plan for plan in candidates if plan.fits), on_gpu)
+
+
+def tiles_may_help(recipe: Recipe, hidden_size: int) -> bool:
+    """Whether checkpointing auto may turn on tiled MLPs: not asked for already, the sequence longer than the
+    hidden size (one tile otherwise), and nothing that refuses them (compiled layers, the optimizer stepped in
+    backward: recipe/rules.py)."""
+    return (
+        recipe.checkpointing.mlp_tiles == 0
+        and tile_count("auto", recipe.data.seq_len, hidden_size) > 0
+        and not recipe.optimizer.step_in_backward
+        and not resolve_compile(recipe, cuda=True)
+    )
 
 
 def _comfortable(plan: Plan) -> bool:
     return plan.fits and not plan.tight
 
 
-def _with_first_n_layers(recipe: Recipe, layers: int, inputs_on_host: bool | None = None) -> Recipe:
+def _with_first_n_layers(
+    recipe: Recipe, layers: int, inputs_on_host: bool | None = None, mlp_tiles: int | str | None = None
+) -> Recipe:
     update = {"strategy": "first_n_layers", "first_n_layers": layers}
     if inputs_on_host is not None:
         update["offload_inputs"] = inputs_on_host
+    if mlp_tiles is not None:
+        update["mlp_tiles"] = mlp_tiles
     return recipe.model_copy(update={"checkpointing": recipe.checkpointing.model_copy(update=update)})
 
 
@@ -349,7 +383,9 @@ def resolve_checkpointing(
     if recipe.checkpointing.strategy != "auto":
         return recipe
     plan = plan_recipe(recipe, gpu, micro_batch=micro_batch, exact_pinned=exact_pinned)
-    return _with_first_n_layers(recipe, plan.recomputed_layers, inputs_on_host=plan.inputs_on_host)
+    return _with_first_n_layers(
+        recipe, plan.recomputed_layers, inputs_on_host=plan.inputs_on_host, mlp_tiles=plan.mlp_tiles
+    )
 
 
 def _counts(recipe: Recipe) -> ParamCounts:
@@ -457,6 +493,7 @@ def _plan(
         checkpointing=describe_checkpointing(recipe.checkpointing),
         recomputed_layers=recomputed_layers(recipe.checkpointing, counts.num_layers),
         inputs_on_host=recipe.checkpointing.offload_inputs,
+        mlp_tiles=recipe.checkpointing.mlp_tiles,
         compiled_layers=compiled,
         preference=describe(shape, recipe.train.objective),
     )
@@ -672,8 +709,9 @@ def recomputed_layers(checkpointing: Checkpointing, num_layers: int) -> int:
 
 def describe_checkpointing(checkpointing: Checkpointing) -> str:
     """The strategy with its number, as plans and benchmark tables print it (first_n_layers=24; '+ inputs on host'
-    with checkpointing.offload_inputs)."""
+    with checkpointing.offload_inputs, '+ MLP in auto tiles' with checkpointing.mlp_tiles)."""
     on_host = " + inputs on host" if checkpointing.offload_inputs else ""
+    on_host += f" + MLP in {checkpointing.mlp_tiles} tiles" if checkpointing.mlp_tiles != 0 else ""
     if checkpointing.strategy == "every_n_layers":
         return f"every_n_layers={checkpointing.every_n_layers}{on_host}"
     if checkpointing.strategy == "first_n_layers":

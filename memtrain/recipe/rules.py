@@ -442,6 +442,12 @@ def compile_unsupported(r) -> tuple[str, str] | None:
             "docs/BENCHMARKS.md)",
             "remove train.compile (auto leaves a quantised base eager), or set train.compile=false",
         )
+    if r.checkpointing.mlp_tiles != 0:
+        return (
+            "train.compile cannot compile layers whose MLPs are tiled (checkpointing.mlp_tiles): DeepSpeed's "
+            "TiledMLP runs a backward pass of its own inside its autograd function, which torch.compile does not trace",
+            "set train.compile=false, or checkpointing.mlp_tiles=0",
+        )
     if "offload" in r.checkpointing.rules.values() or r.checkpointing.offload_inputs:
         return (
             "train.compile cannot be combined with activation offload (checkpointing.rules' offload or "
@@ -566,7 +572,7 @@ def _check_client_optimizer(loaded: LoadedRecipe) -> list[Problem]:
     return problems
 
 
-@reads("optimizer", "offload", "precision", "batch", "hardware")
+@reads("optimizer", "offload", "precision", "batch", "hardware", "checkpointing")
 def _check_step_in_backward(loaded: LoadedRecipe) -> list[Problem]:
     """Each parameter is updated the moment its gradient exists (train/optim/in_backward.py): nothing may need the
     whole step's gradients afterwards, and the weights must be their own (bf16) master copy."""
@@ -613,6 +619,15 @@ def _check_step_in_backward(loaded: LoadedRecipe) -> list[Problem]:
                 "GPU, outside DeepSpeed's ZeRO partitioning and offload",
                 "set offload.zero_stage=0, offload.optimizer=none and offload.params=none "
                 "(paged_adamw_8bit pages its states to the host instead)",
+            )
+        )
+    if r.checkpointing.mlp_tiles != 0:
+        problems.append(
+            src.problem(
+                ("checkpointing", "mlp_tiles"),
+                why + "a tiled MLP, whose weight gradients are added up tile by tile, would be updated after its "
+                "first tile with a part of its gradient (optimizer.step_in_backward)",
+                "set checkpointing.mlp_tiles=0, or optimizer.step_in_backward=false",
             )
         )
     p = r.precision

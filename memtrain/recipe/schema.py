@@ -606,6 +606,16 @@ class Checkpointing(Section):
         "not overlapped with compute. With every_layer / every_n_layers / first_n_layers; auto turns it on when "
         "the kept inputs would not fit the card.",
     )
+    mlp_tiles: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        0,
+        description="Compute every decoder layer's MLP in this many tiles along the sequence (DeepSpeed's TiledMLP): "
+        "forward keeps only the MLP's input, backward recomputes it tile by tile, so its intermediates (gate, up, "
+        "the activation's output and their gradients, seq_len x intermediate_size each: 1.16 GiB per tensor for "
+        "Qwen2.5-7B at 32,768 tokens) exist for one tile at a time. Costs one more MLP forward per layer. 0: off; "
+        "auto: ceil(seq_len / hidden_size) tiles, off where that is 1. Not with train.compile nor "
+        "optimizer.step_in_backward; checkpointing.strategy auto turns it on (auto) when the recomputed layers "
+        "with their inputs on the host would not fit the card.",
+    )
 
 
 class LossScale(Section):

@@ -48,6 +48,7 @@ from memtrain.model.preference import PreferenceLM, reference_of
 from memtrain.model.preference_loss import PreferenceSettings
 from memtrain.model.quantize import require_bitsandbytes
 from memtrain.model.recompute import apply_checkpointing
+from memtrain.model.tiled_mlp import apply_mlp_tiles
 from memtrain.model.wrapper import TrainableLM
 from memtrain.monitor.forecast import PeakForecast
 from memtrain.monitor.metrics import MetricsLog
@@ -188,6 +189,7 @@ def build_policy_model(recipe: Recipe, place: Place, ds_config: dict, vocab_size
         recipe.model, recipe.precision.storage, place.device, ds_config, seed=recipe.train.seed, vocab_size=vocab_size
     )
     apply_checkpointing(model, recipe.checkpointing)
+    apply_mlp_tiles(model, recipe.checkpointing)
     apply_precision(model, recipe.precision)
     if recipe.train.compile is True:  # resolved (memtrain.train.resolve); an unresolved 'auto' builds eager layers
         compile_layers(model)
