@@ -18,6 +18,7 @@ from memtrain.data.rows.loader import sample_order, token_slots
 from memtrain.data.rows.row_set import DataStats
 from memtrain.errors import Problem, RecipeError
 from memtrain.files import write_atomically
+from memtrain.model.attention import packs_steps, resolve_attention, with_attention
 from memtrain.model.compiled import resolve_compile
 from memtrain.plan.advice import Advice, advise
 from memtrain.plan.planner import TERMS, Plan, plan_recipe, resolve_micro_batch
@@ -232,10 +233,11 @@ def data_per_step(recipe, train_set, micro_batch: int) -> dict:
     tokens_per_step = sequences * stats.tokens * per_sequence
     targets_per_step = sequences * stats.target_tokens * per_sequence
     if recipe.data.groups_by_length:  # every column over the same priced steps (padding too)
-        order = sample_order(recipe.data, train_set, recipe.train.seed, rows)
+        pack = packs_steps(with_attention(recipe, resolve_attention(recipe, varlen=True)), recipe.hardware.gpus)
+        order = sample_order(recipe.data, train_set, recipe.train.seed, rows, pack_steps=pack)
         steps = max(1, min(len(train_set) // rows, PRICED_STEPS))
         per_rank = rows // recipe.hardware.gpus
-        slots = token_slots(order, train_set, rows, per_rank, min(micro_batch, per_rank), True, steps)
+        slots = token_slots(order, train_set, rows, per_rank, min(micro_batch, per_rank), True, steps, pack_steps=pack)
         priced = order.indices(0, steps * rows)
         tokens = train_set.tokens_of(priced)  # a pair's two sequences
         slots_per_step, padding_share = round(slots / steps), 1 - tokens / slots

@@ -1,9 +1,10 @@
 """`model.attn_implementation` made concrete for this machine and this data.
 
-auto: packed instruction and chat rows on a CUDA GPU that runs PyTorch's variable-length flash kernel
+auto: instruction and chat rows, packed or not, on a CUDA GPU that runs PyTorch's variable-length flash kernel
 (memtrain.model.varlen: compute capability 8.0 or newer, a PyTorch that has it) go through it, in fp16 or bf16;
-everything else keeps sdpa. A plain row needs no sample bounds, and sdpa already runs PyTorch's flash kernel on it;
-on the CPU, and in fp32, the kernel cannot run, so packed rows keep sdpa's block-diagonal mask there. Models whose
+text windows and preference pairs keep sdpa (a plain row needs no sample bounds, and sdpa runs a flash kernel on
+it). Unpacked rows through it are laid out packed within each step (`packs_steps`, data/rows/loader.py). On the
+CPU, and in fp32, the kernel cannot run, so packed rows keep sdpa's block-diagonal mask there. Models whose
 attention sdpa cannot run (Gemma-2's soft-capped scores) keep eager either way (memtrain.model.architecture).
 """
 
@@ -20,6 +21,23 @@ def packs_samples(recipe: Recipe) -> bool:
     return not recipe.data.is_text and recipe.data.packing
 
 
+def holds_samples(recipe: Recipe) -> bool:
+    """Whether the rows hold instruction or chat samples (one or several a row), not text windows or pairs."""
+    return not recipe.data.is_text and not recipe.data.holds_pairs
+
+
+def packs_steps(recipe: Recipe, world_size: int) -> bool:
+    """Whether unpacked sample rows are laid out packed within each step (data/rows/loader.py): where the resolved
+    attention is varlen, which keeps the samples of a row apart without a mask. One process only: several must run
+    as many micro-batches a step as each other, and packed micro-batches are cut by tokens."""
+    return (
+        recipe.model.attn_implementation == "varlen"
+        and holds_samples(recipe)
+        and not recipe.data.packing
+        and world_size == 1
+    )
+
+
 def resolve_attention(recipe: Recipe, varlen: bool) -> str:
     """The kernel the run builds its model with. `varlen`: this machine can run the variable-length kernel
     (memtrain.model.varlen.varlen_available; the planner passes True, pricing the recipe's CUDA card).
@@ -28,7 +46,7 @@ def resolve_attention(recipe: Recipe, varlen: bool) -> str:
     asked = recipe.model.attn_implementation
     half = DTYPES[recipe.precision.compute] in HALF_DTYPES
     if asked == "auto":
-        return "varlen" if varlen and half and packs_samples(recipe) else "sdpa"
+        return "varlen" if varlen and half and holds_samples(recipe) else "sdpa"
     if asked == "varlen" and not half:
         raise UserError(
             Problem(

@@ -25,6 +25,7 @@ import torch
 from memtrain.data.rows.identity import data_files, data_fingerprint
 from memtrain.errors import Problem, UserError
 from memtrain.model.architecture import check_attention_kernel
+from memtrain.model.attention import packs_steps
 from memtrain.model.config import model_architecture
 from memtrain.monitor.startup import CLOCK_ENV, StartupClock, bytecode_note
 from memtrain.monitor.trackers import tracker_problems
@@ -108,7 +109,10 @@ def prepare(
         )
     if not r.data.is_text:  # instruction and chat data: what truncation, packing and masking made of it
         cut = (
-            "; length-bucketed micro-batches are cut to their longest row, so less padding is computed "
+            "; each step's samples are laid end to end into packed micro-batches, kept apart by the varlen "
+            "attention (`memtrain plan --data` says the padding computed)"
+            if packs_steps(r, r.hardware.world_size)
+            else "; length-bucketed micro-batches are cut to their longest row, so less padding is computed "
             "(`memtrain plan --data` says how much)"
             if r.data.groups_by_length
             else ""

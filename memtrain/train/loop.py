@@ -122,7 +122,12 @@ def train(t: Training, quiet: bool = False) -> RunResult:
                 state.target_tokens += t.data.train_set.target_tokens(samples)  # `targets` counts pairs
                 # as split at the step's last micro-batch size (an OOM mid-step ran its first micro-batches larger)
                 state.padded_tokens += step_positions(
-                    t.data.train_set, samples, per_rank_batch, stepper.policy.micro_batch, t.loader.trim
+                    t.data.train_set,
+                    samples,
+                    per_rank_batch,
+                    stepper.policy.micro_batch,
+                    t.loader.trim,
+                    pack_steps=t.loader.pack_steps,
                 )
                 stepper.adapt_batch()
                 _mark_first_step(t)
@@ -304,7 +309,14 @@ def _data_fields(t: Training) -> dict:
     global_batch = t.recipe.batch.global_batch
     steps = max(1, min(run.total_steps, PADDING_PRICED_STEPS, len(train_set) // global_batch or 1))
     slots = token_slots(
-        t.order, train_set, global_batch, run.per_rank_batch, t.stepper.policy.micro_batch, t.loader.trim, steps
+        t.order,
+        train_set,
+        global_batch,
+        run.per_rank_batch,
+        t.stepper.policy.micro_batch,
+        t.loader.trim,
+        steps,
+        pack_steps=t.loader.pack_steps,
     )
     tokens = train_set.tokens_of(t.order.indices(0, steps * global_batch))
     return {

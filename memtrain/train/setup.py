@@ -38,6 +38,7 @@ from memtrain.ds_config.compiler import ds_config as compile_ds_config
 from memtrain.ds_config.compiler import uses_client_optimizer
 from memtrain.errors import DataError, Problem, UserError
 from memtrain.files import write_atomically
+from memtrain.model.attention import packs_steps
 from memtrain.model.build import build_model
 from memtrain.model.compiled import compile_layers
 from memtrain.model.config import meta_model, model_config
@@ -361,7 +362,8 @@ def setup(
     else:
         note = None
     trim = r.data.groups_by_length  # micro-batches cut to their longest row (data/rows/loader.py)
-    loader = stack.enter_context(BatchLoader(data.train_set, place.device, trim=trim))
+    pack = packs_steps(r, place.world_size)  # or laid out packed within the step
+    loader = stack.enter_context(BatchLoader(data.train_set, place.device, trim=trim, pack_steps=pack))
     val_loader = stack.enter_context(BatchLoader(data.val_set, place.device, trim=trim))
     start_memory_history(place.device)
     hooks.oom.attach(model)  # OOMs from inside a decoder layer (MEMTRAIN_INJECT_OOM=…@layerK)
@@ -395,7 +397,7 @@ def setup(
         scheduler=scheduler,
         state=state,
         resumed_from=checkpoint,
-        order=sample_order(r.data, data.train_set, r.train.seed, r.batch.global_batch),
+        order=sample_order(r.data, data.train_set, r.train.seed, r.batch.global_batch, pack_steps=pack),
         loader=loader,
         val_loader=val_loader,
         metrics=metrics,

@@ -320,13 +320,21 @@ train: {{steps: 4}}
     assert 0 < data["target_tokens_per_step"] < data["tokens_per_step"] <= 8 * 64
     assert data["padding_share"] == pytest.approx(1 - train["tokens"] / (train["rows"] * 64))
     assert data["length_bucketing"] is False
-    # packing off: one conversation per row, bucketed by length, each micro-batch of 4 cut to its longest row
-    result = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--data", "data.packing=false"])
+    # packing off with sdpa: one conversation per row, bucketed by length, each micro-batch of 4 cut to its longest row
+    result = CliRunner().invoke(
+        app, ["plan", str(recipe), "--json", "--data", "data.packing=false", "model.attn_implementation=sdpa"]
+    )
     assert result.exit_code == 0, result.output
     unpacked = json.loads(result.stdout)["data"]
     rows_share = 1 - unpacked["train"]["tokens"] / (unpacked["train"]["rows"] * 64)  # were every row seq_len wide
     assert unpacked["length_bucketing"] is True and unpacked["padding_share"] < rows_share - 0.3
     assert unpacked["token_slots_per_step"] < 8 * 64
+    # attention auto on the recipe's GPU is varlen: the step's 8 conversations are laid end to end into packed
+    # micro-batches of 4 x 64, whole rows computed (one micro-batch a step where they fit 4 rows, two where not)
+    result = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--data", "data.packing=false"])
+    laid = json.loads(result.stdout)["data"]
+    assert 4 * 64 <= laid["token_slots_per_step"] <= 8 * 64
+    assert laid["padding_share"] == pytest.approx(1 - laid["tokens_per_step"] / laid["token_slots_per_step"], abs=0.02)
 
 
 def test_data_option_gives_every_column_over_the_same_steps(tmp_path):

@@ -103,14 +103,15 @@ def recipe(attention="auto", packing="true", compute="bf16", preset="tiny"):
     [
         ({}, True, "varlen"),  # packed chat on a card that runs it
         ({}, False, "sdpa"),  # the CPU keeps today's path
-        ({"packing": "false"}, True, "sdpa"),  # one sample per row: sdpa's flash path already serves
+        ({"packing": "false"}, True, "varlen"),  # unpacked: laid out packed within each step (loader.py)
+        ({"packing": "false"}, False, "sdpa"),
         ({"compute": "fp32"}, True, "sdpa"),  # the flash kernel takes fp16 / bf16 only
         ({"compute": "fp16"}, True, "varlen"),
         ({"attention": "sdpa"}, True, "sdpa"),  # asked for: kept
         ({"attention": "eager"}, True, "eager"),
     ],
 )
-def test_auto_takes_varlen_for_packed_rows_where_it_runs(kwargs, varlen, expected):
+def test_auto_takes_varlen_for_sample_rows_where_it_runs(kwargs, varlen, expected):
     assert resolve_attention(recipe(**kwargs), varlen=varlen) == expected
 
 

@@ -7,6 +7,16 @@ micro-batch cut from it) then holds rows of similar length, and the loader cuts 
 longest row (`batch_width`) instead of seq_len: padding that is never computed. It is the idea of
 Hugging Face's group_by_length; the order stays a pure function of (seed, epoch, lengths), so a resumed
 run sees the same rows in the same micro-batches.
+
+Rows laid out packed (`pack_steps`; unpacked sample rows where the attention kernel takes sample bounds without a
+mask, memtrain.model.attention.packs_steps): a step still holds its global batch of samples, but they are laid end
+to end into rows of seq_len, first fit longest first, and the rows go `micro_batch` to a micro-batch
+(`packed_micro_batches`). Micro-batches then have the packed shape, instead of one width each: on a GPU every new
+width cost a new attention plan and a recompiled layer (measured: a step of 4 cut micro-batches took 2.3 s whether
+it held 1,100 or 12,000 tokens), and short samples no longer each take a row. Steps are then not bucketed by
+length unless the recipe asks: samples of one length fill rows worst (a step of 16 conversations of 100-1,500
+tokens: 30 % padding bucketed, 11 % shuffled). The loss is the same: labels, positions and the normalisation by
+the step's targets do not depend on where a sample lies.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from memtrain.labels import IGNORE_INDEX
 from memtrain.recipe.schema import Data
 
 # Steps whose rows are sorted together: larger gives groups of more alike lengths, smaller keeps more of the
@@ -133,30 +144,54 @@ def _longest_first(indices: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return indices[np.argsort(-lengths[indices], kind="stable")]
 
 
-def sample_order(data: Data, train_set, seed: int, global_batch: int) -> SampleOrder:
-    """The training order of a run: bucketed by the rows' lengths when the recipe groups by length."""
-    if not data.groups_by_length:
+def sample_order(data: Data, train_set, seed: int, global_batch: int, pack_steps: bool = False) -> SampleOrder:
+    """The training order of a run: bucketed by the rows' lengths when the recipe groups by length (by default not
+    when steps are laid out packed: module doc)."""
+    bucketed = data.group_by_length if pack_steps else data.groups_by_length  # None: not asked
+    if not bucketed:
         return SampleOrder(len(train_set), seed)
     return SampleOrder(len(train_set), seed, lengths=train_set.lengths, group=global_batch)
 
 
 def token_slots(
-    order: SampleOrder, dataset, global_batch: int, per_rank_batch: int, micro_batch: int, trim: bool, steps: int
+    order: SampleOrder,
+    dataset,
+    global_batch: int,
+    per_rank_batch: int,
+    micro_batch: int,
+    trim: bool,
+    steps: int,
+    pack_steps: bool = False,
 ) -> int:
     """Token positions the first `steps` optimizer steps compute, over all ranks (`step_positions` of each); the
     planner prices padding with it, and the run's start record says the padding share it gives."""
     return sum(
-        step_positions(dataset, order.indices(step * global_batch, global_batch), per_rank_batch, micro_batch, trim)
+        step_positions(
+            dataset,
+            order.indices(step * global_batch, global_batch),
+            per_rank_batch,
+            micro_batch,
+            trim,
+            pack_steps=pack_steps,
+        )
         for step in range(steps)
     )
 
 
-def step_positions(dataset, samples: list[int], per_rank_batch: int, micro_batch: int, trim: bool) -> int:
+def step_positions(
+    dataset, samples: list[int], per_rank_batch: int, micro_batch: int, trim: bool, pack_steps: bool = False
+) -> int:
     """Token positions one optimizer step over `samples` (the global batch, rank after rank) computes: rows × width
-    per micro-batch, the width `batch_width` when micro-batches are cut, else seq_len. Padding included."""
+    per micro-batch, the width `batch_width` when micro-batches are cut, else seq_len; with `pack_steps`, the rows of
+    seq_len the step's samples are laid into. Padding included."""
     positions = 0
     for rank_start in range(0, len(samples), per_rank_batch):
         mine = samples[rank_start : rank_start + per_rank_batch]
+        if pack_steps:  # whole rows of seq_len, as many as the step's samples fill
+            positions += (
+                len(pack_in_rows(sorted(dataset.lengths[mine], reverse=True), dataset.seq_len)) * dataset.seq_len
+            )
+            continue
         for start in range(0, len(mine), micro_batch):
             rows = mine[start : start + micro_batch]
             width = batch_width(dataset.lengths[rows], dataset.seq_len) if trim else dataset.seq_len
@@ -164,15 +199,91 @@ def step_positions(dataset, samples: list[int], per_rank_batch: int, micro_batch
     return positions
 
 
-def collate(dataset, indices: list[int], trim: bool = False) -> dict[str, torch.Tensor]:
+def pack_in_rows(lengths, seq_len: int) -> list[list[int]]:
+    """First fit, in the order given: the positions of `lengths` (each at most seq_len) grouped into rows of seq_len
+    tokens, each sample in the first row with room for it."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for at, length in enumerate(int(n) for n in lengths):
+        for row, free in enumerate(room):
+            if length <= free:
+                rows[row].append(at)
+                room[row] -= length
+                break
+        else:
+            rows.append([at])
+            room.append(seq_len - length)
+    return rows
+
+
+def next_fit_rows(lengths, seq_len: int) -> list[list[int]]:
+    """The positions of `lengths` in rows of seq_len, in order: a new row wherever the next sample does not fit the
+    current one. On rows written out one after the other, which `packed_micro_batches` makes, it gives those rows
+    back: a row's first sample would have gone into the row before it, had it had the room (first fit)."""
+    rows: list[list[int]] = []
+    free = 0
+    for at, length in enumerate(int(n) for n in lengths):
+        if not rows or length > free:
+            rows.append([])
+            free = seq_len
+        rows[-1].append(at)
+        free -= length
+    return rows
+
+
+def packed_micro_batches(dataset, samples: list[int], micro_batch: int) -> list[list[int]]:
+    """A step's `samples` (dataset rows of one sample each) laid into rows of seq_len, first fit longest first
+    (`pack_in_rows`), and the rows taken `micro_batch` at a time: each micro-batch is its rows' samples written out
+    row after row (`next_fit_rows` reads the rows back). The last may hold fewer rows."""
+    longest_first = sorted(samples, key=lambda i: -int(dataset.lengths[i]))  # stable: ties keep the step's order
+    rows = [[longest_first[at] for at in row] for row in pack_in_rows(dataset.lengths[longest_first], dataset.seq_len)]
+    return [sum(rows[start : start + micro_batch], []) for start in range(0, len(rows), micro_batch)]
+
+
+def micro_batches_of(dataset, samples: list[int], micro_batch: int, pack_steps: bool = False) -> list[list[int]]:
+    """A rank's samples of one step in micro-batches: `micro_batch` rows each, or packed (`packed_micro_batches`)."""
+    if pack_steps:
+        return packed_micro_batches(dataset, samples, micro_batch)
+    return [samples[i : i + micro_batch] for i in range(0, len(samples), micro_batch)]
+
+
+def collate_packed(dataset, indices: list[int]) -> dict[str, torch.Tensor]:
+    """The samples at `indices` (dataset rows of one sample each, right-padded) laid end to end in rows of seq_len
+    (`next_fit_rows`): each row holds its samples' real positions, then padding (input pad_id, label -100,
+    positions going on from the last sample's). Every item's labels already ignore its first token, so no sample
+    learns to predict the one after it."""
+    seq_len = dataset.seq_len
+    lengths = dataset.lengths[np.asarray(indices, dtype=np.int64)]
+    groups = next_fit_rows(lengths, seq_len)
+    pad_id = int(getattr(dataset, "pad_id", 0))
+    input_ids = torch.full((len(groups), seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((len(groups), seq_len), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((len(groups), seq_len), dtype=torch.long)
+    for row, group in enumerate(groups):
+        at = 0
+        for member in group:
+            length, item = int(lengths[member]), dataset[indices[member]]
+            input_ids[row, at : at + length] = item["input_ids"][:length]
+            labels[row, at : at + length] = item["labels"][:length]
+            position_ids[row, at : at + length] = item["position_ids"][:length]
+            at += length
+        last = int(position_ids[row, at - 1])
+        position_ids[row, at:] = torch.arange(last + 1, last + 1 + seq_len - at)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+
+
+def collate(dataset, indices: list[int], trim: bool = False, pack: bool = False) -> dict[str, torch.Tensor]:
     """Stack dataset[i] for i in `indices` into one batch: each key becomes a [len(indices), ...] tensor.
 
     `trim`: cut the batch to `batch_width` of its rows' lengths (`dataset.lengths`, `dataset.seq_len`); rows
     are right-padded and labels are -100 on padding, so the loss is the same, on fewer positions.
+    `pack`: lay the samples end to end in rows of seq_len instead (`collate_packed`).
     A set that makes its own batches (pairs.PairRows, KtoRows: several rows per item) is asked for them.
     """
     if hasattr(dataset, "collate"):
         return dataset.collate(indices, trim)
+    if pack:
+        return collate_packed(dataset, indices)
     items = [dataset[i] for i in indices]
     batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
     if trim:
@@ -189,19 +300,25 @@ class BatchLoader:
     is ordered with the compute that uses it. `prefetch` is how many micro-batches may load ahead of
     `get` (0: every batch loads inside `get`); either call order, prefetch(next) then get(current) or
     get(current) then prefetch(next), finds its batch ready. `trim`: batches are cut to their longest row
-    (see `collate`).
+    (see `collate`); `pack_steps`: a batch's samples are laid end to end into micro_batch rows (`split`).
     """
 
-    def __init__(self, dataset, device: torch.device, prefetch: int = 2, trim: bool = False):
+    def __init__(self, dataset, device: torch.device, prefetch: int = 2, trim: bool = False, pack_steps: bool = False):
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self.dataset = dataset
         self.trim = trim
+        self.pack_steps = pack_steps
         self.device = torch.device(device)
         self.max_pending = prefetch
         self._pin = self.device.type == "cuda"
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-prefetch")
         self._pending: OrderedDict[tuple[int, ...], Future] = OrderedDict()
+
+    def split(self, samples: list[int], micro_batch: int) -> list[list[int]]:
+        """A step's samples (this rank's) in the micro-batches this loader makes of them, of `micro_batch` rows
+        (`micro_batches_of`)."""
+        return micro_batches_of(self.dataset, samples, micro_batch, self.pack_steps)
 
     def prefetch(self, indices: list[int]) -> None:
         """Start loading this micro-batch in a background thread (no-op when prefetch is 0 or already queued)."""
@@ -242,7 +359,7 @@ class BatchLoader:
         self.close()
 
     def _host_batch(self, key: tuple[int, ...]) -> dict[str, torch.Tensor]:
-        batch = collate(self.dataset, list(key), self.trim)
+        batch = collate(self.dataset, list(key), self.trim, pack=self.pack_steps)
         if self._pin:
             batch = {name: tensor.pin_memory() for name, tensor in batch.items()}
         return batch

@@ -28,10 +28,6 @@ from memtrain.train.optim.in_backward import StepInBackward
 from memtrain.train.runtime.oom import abandon_failed_frames, is_oom
 
 
-def split(indices: list[int], micro_batch: int) -> list[list[int]]:
-    return [indices[i : i + micro_batch] for i in range(0, len(indices), micro_batch)]
-
-
 class OomDuringStep(Exception):
     def __init__(self, error: BaseException, in_backward: bool):
         super().__init__(str(error))

@@ -47,7 +47,7 @@ from memtrain.train.state.storage import (
 )
 from memtrain.train.step.batch_policy import BatchPolicy, GiveUp
 from memtrain.train.step.hooks import Hooks
-from memtrain.train.step.micro_batches import OomDuringStep, run_micro_batches, split
+from memtrain.train.step.micro_batches import OomDuringStep, run_micro_batches
 
 if TYPE_CHECKING:  # for the reader only: importing DeepSpeed is slow and sets up its accelerator
     import deepspeed
@@ -151,7 +151,7 @@ class StepRunner:
         loss_sum = torch.zeros((), device=device)
         remaining, micro_batches, ooms = mine, 0, 0
         while remaining:
-            batches = split(remaining, self.policy.micro_batch)
+            batches = self.loader.split(remaining, self.policy.micro_batch)
             try:
                 micro_batches += run_micro_batches(
                     self.engine,
