@@ -439,7 +439,8 @@ class Data(Section):
         "seeded mega-batch of 50 steps, the step groups shuffled) and each micro-batch is cut to its longest row "
         "(rounded up to 8 tokens), so padding is not computed; every row is still seen once per epoch and a "
         "resumed run sees the same batches. null: on when packing is off or the data is preference or kto pairs, off "
-        "otherwise.",
+        "otherwise; off where unpacked samples are laid out packed within each step (varlen attention on one GPU: "
+        "samples of one length fill rows worst).",
     )
     cache_dir: str | None = Field(
         None,
