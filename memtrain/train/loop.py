@@ -24,9 +24,9 @@ from memtrain.monitor.profiler import phase
 from memtrain.train.eval.validation_loss import evaluate
 from memtrain.train.progress_bar import Progress
 from memtrain.train.resolve import max_steps_left
-from memtrain.train.runtime.distributed import Place, all_reduce_sum, sum_by_node
-from memtrain.train.runtime.result import RunResult
-from memtrain.train.runtime.signals import note_stop, received_stop
+from memtrain.train.runtime.distributed import Place, all_reduce_sum, peer_gone, sum_by_node
+from memtrain.train.runtime.result import EXIT_RESTART, RunResult
+from memtrain.train.runtime.signals import marked_ending, note_stop, received_stop, stop_asked
 from memtrain.train.setup import Training
 from memtrain.train.state.final_model import export_model
 from memtrain.train.state.restart_note import NOTE_FILE
@@ -69,7 +69,6 @@ class Interrupted:
 def train(t: Training, quiet: bool = False) -> RunResult:
     """Train a set-up run to its last step (or --max-steps, or an interruption); returns how it ended."""
     r, run, place, state, stepper = t.recipe, t.run, t.place, t.state, t.stepper
-    rank, global_batch, per_rank_batch = place.rank, r.batch.global_batch, run.per_rank_batch
     _announce_start(t)
     stop_at = min(run.total_steps, stepper.max_steps_stop or run.total_steps)
     interrupted = Interrupted()
@@ -77,8 +76,39 @@ def train(t: Training, quiet: bool = False) -> RunResult:
     if early is not None:
         interrupted.requested, interrupted.signum = True, early
     guard = Guard(r, t.metrics, place.world_size, place.device, run.run_dir, state.divergence)  # NaN/inf, divergence
-    status, eval_loss = "done", None
     progress = Progress(run.total_steps, enabled=place.is_main and not quiet)
+    try:
+        return _train_steps(t, stop_at, interrupted, guard, progress)
+    except RuntimeError as error:  # a collective broke: another process left, wherever this one was in the step
+        _end_after_broken_collective(t, error)
+        raise
+
+
+def _end_after_broken_collective(t: Training, error: RuntimeError) -> None:
+    """The run's end record (rank 0) when a collective broke because another process left: `restart` or
+    `ended_on_another_rank` where it ended on purpose and said why, `peer_lost` where it died without a word (the
+    worker says which, runtime/peers.py); none after a stop this process was asked for."""
+    if not t.place.is_main or not peer_gone(error):
+        return
+    ending = marked_ending()
+    if ending is not None:
+        status = "restart" if ending == EXIT_RESTART else "ended_on_another_rank"
+    elif received_stop() and stop_asked():
+        return
+    else:
+        status = "peer_lost"
+    try:
+        t.metrics.event("run", t.state.step, event="end", status=status)
+        t.metrics.close()
+    except OSError:  # metrics.jsonl's disk is the one that failed
+        pass
+
+
+def _train_steps(t: Training, stop_at: int, interrupted: Interrupted, guard: Guard, progress: Progress) -> RunResult:
+    """The steps from the state's to `stop_at`, then the run's end: evaluation, export (`_finish`)."""
+    r, run, place, state, stepper = t.recipe, t.run, t.place, t.state, t.stepper
+    rank, global_batch, per_rank_batch = place.rank, r.batch.global_batch, run.per_rank_batch
+    status, eval_loss = "done", None
     with interrupted.installed():
         with progress, t.profiler:
             progress.update(state.step)

@@ -24,8 +24,6 @@ from memtrain.recipe.schema import Recipe
 from memtrain.train.resolve import max_steps_left
 from memtrain.train.runtime.distributed import Place, any_rank, max_over_ranks, peer_gone
 from memtrain.train.runtime.oom import dump_memory_snapshot, release_memory
-from memtrain.train.runtime.result import EXIT_RESTART
-from memtrain.train.runtime.signals import marked_ending, received_stop, stop_asked
 from memtrain.train.state.checkpoint import (
     LoopState,
     kept_through,
@@ -169,13 +167,6 @@ class StepRunner:
                     any_rank=(lambda flag: any_rank(flag, device)) if self.place.world_size > 1 else None,
                 )
                 remaining = []
-            except RuntimeError as error:  # a collective broke: another process left
-                ending = marked_ending()
-                if self.place.is_main and ending is not None and peer_gone(error):  # on purpose, having said why
-                    self._end(step, "restart" if ending == EXIT_RESTART else "ended_on_another_rank")
-                elif self.place.is_main and peer_gone(error) and not (received_stop() and stop_asked()):
-                    self._end(step, "peer_lost")  # it died without a word: the worker says which (runtime/peers.py)
-                raise
             except OomDuringStep as oom:
                 if self.r.optimizer.step_in_backward:
                     raise self._oom_stepping_in_backward(oom) from None
