@@ -49,9 +49,8 @@ from memtrain.train.runtime.distributed import barrier
 from memtrain.train.state.frozen_base import (
     base_problem,
     fingerprint,
-    frozen_names,
     has_frozen_parameters,
-    module_problem,
+    load_without_base,
     read_record,
     write_record,
 )
@@ -390,15 +389,12 @@ def load_checkpoint(engine, path: Path, rank: int, base_key: str = "model") -> L
 
 def _load_without_base(checkpoint: Path) -> Callable:
     """DeepSpeed's module load (`custom_load_fn`) for a checkpoint without the frozen parameters: refuses one whose
-    keys are not this model's less its frozen parameters (frozen_base.module_problem), then loads non-strictly.
-    The key sets are compared here, both from state_dict(): torch's own report passes over keys under a parameter's
-    name (bitsandbytes' 4-bit scales) and would call LLM.int8's weight_format unexpected."""
+    keys are not this model's less its frozen parameters, else loads non-strictly (frozen_base.load_without_base)."""
 
     def load(src: dict, dst: torch.nn.Module) -> None:
-        problem = module_problem(set(src), set(dst.state_dict()), set(frozen_names(dst)), checkpoint)
+        problem = load_without_base(src, dst, checkpoint)
         if problem is not None:
             raise UserError([problem, _cannot_resume(checkpoint)])
-        dst.load_state_dict(src, strict=False)
 
     return load
 

@@ -189,6 +189,18 @@ def module_problem(saved: set[str], model: set[str], frozen: set[str], checkpoin
     )
 
 
+def load_without_base(state: dict, module: torch.nn.Module, checkpoint: Path) -> Problem | None:
+    """Load a checkpoint's module state saved without the frozen parameters into `module` (non-strictly: the frozen
+    ones stay as built), after checking its keys are the module's less those (`module_problem`, whose answer is
+    returned instead of loading). Both key sets come from state_dict(): torch's own report of a non-strict load
+    passes over keys under a parameter's name (bitsandbytes' 4-bit scales) and would call LLM.int8's weight_format
+    unexpected."""
+    problem = module_problem(set(state), set(module.state_dict()), set(frozen_names(module)), checkpoint)
+    if problem is None:
+        module.load_state_dict(state, strict=False)
+    return problem
+
+
 def base_key(model: Model) -> str:
     """The recipe key that names where the base comes from, for messages."""
     return "model.path" if model.path else "model.preset" if model.preset else "model"

@@ -32,8 +32,7 @@ from memtrain.train.state.frozen_base import (
     base_key,
     base_problem,
     fingerprint,
-    frozen_names,
-    module_problem,
+    load_without_base,
     read_record,
 )
 
@@ -163,12 +162,11 @@ def checkpoint_model(
     # saved without its frozen base (frozen_base.py): the base built again must be the one it was trained over,
     # and the checkpoint must hold every other tensor; the record names the tensors as the wrapper does
     recorded = {**recorded, "tensors": {k.removeprefix(_WRAPPER_PREFIX): v for k, v in recorded["tensors"].items()}}
-    problem = base_problem(recorded, fingerprint(model), directory, base_key(recipe.model)) or module_problem(
-        set(state), set(model.state_dict()), set(frozen_names(model)), directory
-    )
+    problem = base_problem(recorded, fingerprint(model), directory, base_key(recipe.model))
+    if problem is None:
+        problem = load_without_base(state, model, directory)
     if problem is not None:
         raise UserError(problem)
-    model.load_state_dict(state, strict=False)
     return model.to(dtype)
 
 

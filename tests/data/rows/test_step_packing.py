@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from memtrain.data.rows.dataset import build_datasets
 from memtrain.data.rows.loader import (
@@ -22,7 +21,7 @@ from memtrain.data.rows.loader import (
 )
 from memtrain.labels import IGNORE_INDEX
 from memtrain.model.wrapper import TrainableLM
-from memtrain.recipe.schema import Precision
+from tests.data.rows.test_packing import tiny_model
 
 CHAT = [{"path": "builtin:chat", "type": "chat"}]
 CHAT_VALIDATION = [{"path": "builtin:chat/validation", "type": "chat"}]
@@ -115,21 +114,6 @@ def test_packed_steps_run_fewer_micro_batches_and_price_the_rows_they_compute(ch
     )
 
 
-def _tiny_llama(vocab: int) -> TrainableLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=vocab,
-        max_position_embeddings=SEQ_LEN,
-        attn_implementation="sdpa",
-    )
-    return TrainableLM(LlamaForCausalLM(config).float(), Precision(compute="fp32"))
-
-
 def _step(model: TrainableLM, batches: list[dict], targets: int) -> tuple[float, dict]:
     """One step's mean token loss and gradients as the loop takes them: each micro-batch's sum over the step's
     targets."""
@@ -147,7 +131,7 @@ def test_a_packed_step_has_the_loss_and_gradients_of_its_cut_rows(chat_rows, cha
     _, train = chat_rows
     samples = list(range(24, 40))
     targets = train.targets(samples)
-    model = _tiny_llama(len(chat_tokenizer))
+    model = tiny_model(len(chat_tokenizer), "sdpa")  # fp32
     cut = [collate(train, samples[i : i + 4], trim=True) for i in range(0, 16, 4)]
     packed = [collate(train, b, pack=True) for b in packed_micro_batches(train, samples, 2)]
     assert len(packed) < len(cut)
