@@ -364,7 +364,7 @@ def setup(
     trim = r.data.groups_by_length  # micro-batches cut to their longest row (data/rows/loader.py)
     pack = packs_steps(r, place.world_size)  # or laid out packed within the step
     loader = stack.enter_context(BatchLoader(data.train_set, place.device, trim=trim, pack_steps=pack))
-    val_loader = stack.enter_context(BatchLoader(data.val_set, place.device, trim=trim))
+    val_loader = stack.enter_context(BatchLoader(data.val_set, place.device, trim=trim, pack_steps=pack))
     start_memory_history(place.device)
     hooks.oom.attach(model)  # OOMs from inside a decoder layer (MEMTRAIN_INJECT_OOM=…@layerK)
     hooks.nan.attach(model)  # NaN losses (MEMTRAIN_INJECT_NAN)

@@ -17,6 +17,11 @@ from memtrain.train.runtime.distributed import Place, all_reduce_sum
 from memtrain.train.runtime.oom import abandon_failed_frames, is_oom, release_memory
 
 
+def in_chunks(indices: list[int], size: int) -> list[list[int]]:
+    """`indices` in consecutive chunks of `size` (the last may be shorter)."""
+    return [indices[i : i + size] for i in range(0, len(indices), size)]
+
+
 def run_shrinking(
     indices: list[int],
     micro_batch: int,
@@ -24,13 +29,16 @@ def run_shrinking(
     device: torch.device,
     before: Callable[[int, int], None] | None = None,
     on_oom: Callable[[int], None] | None = None,
+    split: Callable[[list[int], int], list[list[int]]] = in_chunks,
 ) -> int:
-    """run_one(chunk) over `indices` in chunks of `micro_batch`; an OOM halves the size (down to 1, then
-    re-raises) and retries the chunk. `before(index, size)` runs before each chunk (a test hook);
-    `on_oom(size)` hears of each OOM. Returns the size it finished at."""
-    position, size, index = 0, max(1, micro_batch), 0
-    while position < len(indices):
-        chunk = indices[position : position + size]
+    """run_one(chunk) over `indices` in the chunks `split` makes at `micro_batch` (consecutive chunks of that many
+    samples by default; a loader that lays samples out packed makes its own: BatchLoader.split); an OOM halves the
+    size (down to 1, then re-raises) and splits the chunks not yet run again. `before(index, size)` runs before each
+    chunk (a test hook); `on_oom(size)` hears of each OOM. Returns the size it finished at."""
+    size, index = max(1, micro_batch), 0
+    chunks = split(indices, size)
+    while chunks:
+        chunk = chunks[0]
         try:
             if before is not None:
                 before(index, len(chunk))
@@ -43,8 +51,9 @@ def run_shrinking(
             if on_oom is not None:
                 on_oom(size)
             size = max(1, size // 2)
+            chunks = split([i for c in chunks for i in c], size)
             continue
-        position += len(chunk)
+        chunks.pop(0)
         index += 1
     return size
 
@@ -55,7 +64,8 @@ def evaluate(
     """Mean token loss over the first `samples` validation samples, shared out over the ranks.
 
     The sample set depends on neither the number of GPUs nor the current micro-batch, so runs on
-    different hardware report comparable numbers. An OOM halves the evaluation micro-batch (run_shrinking).
+    different hardware report comparable numbers. The loader makes the micro-batches (packed where it lays steps
+    out packed). An OOM halves the evaluation micro-batch (run_shrinking).
     """
     device, world_size, rank = place.device, place.world_size, place.rank
     engine.eval()
@@ -71,7 +81,7 @@ def evaluate(
         tokens += n_targets.double() if torch.is_tensor(n_targets) else n_targets
 
     with torch.no_grad():
-        run_shrinking(mine, micro_batch, one, device, before=before, on_oom=on_oom)
+        run_shrinking(mine, micro_batch, one, device, before=before, on_oom=on_oom, split=loader.split)
     engine.train()
     totals = all_reduce_sum(torch.stack([loss_sum, tokens]))
     return float(totals[0] / totals[1].clamp(min=1))
