@@ -118,3 +118,36 @@ def test_lora_with_added_tokens_needs_the_embeddings_in_modules_to_save(write_re
     assert run_command(write_recipe("saved", extra), []) == 0
     losses = train_losses(tmp_path / "runs" / "saved")
     assert sorted(losses) == [1, 2] and all(v == v for v in losses.values())
+
+
+def test_unpacked_chat_laid_out_packed_trains_the_cut_rows_losses_in_fewer_micro_batches(
+    write_recipe, tmp_path, monkeypatch
+):
+    """What a GPU run does with unpacked chat (varlen attention, each step laid out packed: data/rows/loader.py),
+    forced on the CPU, where sdpa keeps a packed row's samples apart with its mask: the same samples in the same
+    steps (length bucketing off on both sides), the same losses, fewer micro-batches, whole rows counted as computed,
+    and a validation loss equal to the cut rows' one."""
+    extra = chat_recipe(tmp_path, steps=4)
+    extra["data"].update(packing=False, group_by_length=False)
+    extra["batch"] = {"global_batch": 16, "micro_batch": 4}
+    extra["train"] = {"steps": 4, "save_every": 4, "eval_every": 4}
+    cut = write_recipe("cut", extra)
+    assert run_command(cut, []) == 0
+    import memtrain.train.launch as launch  # noqa: PLC0415
+    import memtrain.train.setup as setup  # noqa: PLC0415
+
+    monkeypatch.setattr(setup, "packs_steps", lambda recipe, world_size: True)
+    monkeypatch.setattr(launch, "packs_steps", lambda recipe, world_size: True)
+    laid = write_recipe("laid", extra)
+    assert run_command(laid, []) == 0
+    runs = tmp_path / "runs"
+    a, b = train_losses(runs / "cut"), train_losses(runs / "laid")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-4), step
+    cut_steps, laid_steps = read_records(runs / "cut", "train"), read_records(runs / "laid", "train")
+    assert sum(r["grad_accum"] for r in laid_steps) < sum(r["grad_accum"] for r in cut_steps) == 4 * 4
+    assert laid_steps[-1]["tokens"] == cut_steps[-1]["tokens"]
+    assert laid_steps[-1]["padded_tokens"] % 64 == 0  # whole rows of seq_len
+    evals = [read_records(runs / name, "eval")[-1]["loss"] for name in ("cut", "laid")]
+    assert evals[1] == pytest.approx(evals[0], rel=1e-4)
