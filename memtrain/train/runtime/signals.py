@@ -30,6 +30,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -174,6 +175,7 @@ EXIT_BARRIER_LOGGER = "torch.distributed.elastic.agent.server.api"
 EXIT_BARRIER_ERROR = "Error waiting on exit barrier"
 WORKERS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 SAID_DIR_ENV = "MEMTRAIN_SAID_DIR"  # where the workers of one node mark the problem lines one of them printed
+NUMBER = re.compile(r"\d+(?:[.,]\d+)*")  # left out of the problem lines' marker (say_once)
 ENDING_MARK = "ending"  # in SAID_DIR_ENV: the code a worker that ends on purpose ends with (mark_ending)
 STOP_ASKED_MARK = "stop-asked"  # in SAID_DIR_ENV: the signal the launcher forwarded (a person's or a scheduler's stop)
 CPP_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
@@ -268,11 +270,14 @@ def marked_ending() -> int | None:
 def say_once(lines: list[str]) -> bool:
     """Whether this worker should print `lines` (a UserError's problems): the first worker of a node to claim them
     (a marker file in the launcher's SAID_DIR_ENV directory) does, the others, meeting the same problem (a full
-    disk, a recipe the data refuses), do not. Different lines are all printed. True without the directory."""
+    disk, a recipe the data refuses), do not. Lines that differ only in their numbers are the same problem: each
+    rank measures the free space of the full disk a moment apart (77 GB free, 78 GB free). Other lines are all
+    printed. True without the directory."""
     said_dir = os.environ.get(SAID_DIR_ENV)
     if not said_dir:
         return True
-    marker = Path(said_dir) / hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    shape = NUMBER.sub("#", "\n".join(lines))
+    marker = Path(said_dir) / hashlib.sha256(shape.encode()).hexdigest()
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:

@@ -203,3 +203,14 @@ def test_the_launcher_says_the_stop_when_no_worker_could(tmp_path):
     finally:
         del os.environ["MEMTRAIN_SAID_DIR"]
     assert unsaid_stop_line(said, 130) is None
+
+
+def test_ranks_that_measure_the_same_full_disk_apart_say_it_once(tmp_path, monkeypatch):
+    """Each rank reads the free space when its own save fails: the same problem in lines whose numbers differ."""
+    from memtrain.train.runtime.signals import SAID_DIR_ENV, say_once
+
+    monkeypatch.setenv(SAID_DIR_ENV, str(tmp_path))
+    full = "✗ train.output_dir: no space left on / while saving the checkpoint of step 4 (needs ~9.9 MB, {} GB free)"
+    assert say_once([full.format(77)])
+    assert not say_once([full.format(78)])  # another rank, a moment later
+    assert say_once(["✗ data.train: no file at data/train.jsonl"])  # another problem is said
