@@ -10,7 +10,7 @@ run sees the same rows in the same micro-batches.
 
 Rows laid out packed (`pack_steps`; unpacked sample rows where the attention kernel takes sample bounds without a
 mask, memtrain.model.attention.packs_steps): a step still holds its global batch of samples, but they are laid end
-to end into rows of seq_len, first fit longest first, and the rows go `micro_batch` to a micro-batch
+to end into rows of seq_len as packed data is (best fit, longest first), and the rows go `micro_batch` to a micro-batch
 (`packed_micro_batches`). Micro-batches then have the packed shape, instead of one width each: on a GPU every new
 width cost a new attention plan and a recompiled layer (measured: a step of 4 cut micro-batches took 2.3 s whether
 it held 1,100 or 12,000 tokens), and short samples no longer each take a row. Steps are then not bucketed by
@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from memtrain.data.rows.packing import pack_rows
 from memtrain.labels import IGNORE_INDEX
 from memtrain.recipe.schema import Data
 
@@ -188,9 +189,7 @@ def step_positions(
     for rank_start in range(0, len(samples), per_rank_batch):
         mine = samples[rank_start : rank_start + per_rank_batch]
         if pack_steps:  # whole rows of seq_len, as many as the step's samples fill
-            positions += (
-                len(pack_in_rows(sorted(dataset.lengths[mine], reverse=True), dataset.seq_len)) * dataset.seq_len
-            )
+            positions += len(pack_rows(dataset.lengths[mine], dataset.seq_len)) * dataset.seq_len
             continue
         for start in range(0, len(mine), micro_batch):
             rows = mine[start : start + micro_batch]
@@ -199,27 +198,10 @@ def step_positions(
     return positions
 
 
-def pack_in_rows(lengths, seq_len: int) -> list[list[int]]:
-    """First fit, in the order given: the positions of `lengths` (each at most seq_len) grouped into rows of seq_len
-    tokens, each sample in the first row with room for it."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for at, length in enumerate(int(n) for n in lengths):
-        for row, free in enumerate(room):
-            if length <= free:
-                rows[row].append(at)
-                room[row] -= length
-                break
-        else:
-            rows.append([at])
-            room.append(seq_len - length)
-    return rows
-
-
 def next_fit_rows(lengths, seq_len: int) -> list[list[int]]:
     """The positions of `lengths` in rows of seq_len, in order: a new row wherever the next sample does not fit the
     current one. On rows written out one after the other, which `packed_micro_batches` makes, it gives those rows
-    back: a row's first sample would have gone into the row before it, had it had the room (first fit)."""
+    back: a row's first sample opened it, when no row before it had the room (packing.pack_rows)."""
     rows: list[list[int]] = []
     free = 0
     for at, length in enumerate(int(n) for n in lengths):
@@ -232,11 +214,10 @@ def next_fit_rows(lengths, seq_len: int) -> list[list[int]]:
 
 
 def packed_micro_batches(dataset, samples: list[int], micro_batch: int) -> list[list[int]]:
-    """A step's `samples` (dataset rows of one sample each) laid into rows of seq_len, first fit longest first
-    (`pack_in_rows`), and the rows taken `micro_batch` at a time: each micro-batch is its rows' samples written out
-    row after row (`next_fit_rows` reads the rows back). The last may hold fewer rows."""
-    longest_first = sorted(samples, key=lambda i: -int(dataset.lengths[i]))  # stable: ties keep the step's order
-    rows = [[longest_first[at] for at in row] for row in pack_in_rows(dataset.lengths[longest_first], dataset.seq_len)]
+    """A step's `samples` (dataset rows of one sample each) laid into rows of seq_len as packed data is (best fit,
+    longest first: packing.pack_rows), and the rows taken `micro_batch` at a time: each micro-batch is its rows'
+    samples written out row after row (`next_fit_rows` reads the rows back). The last may hold fewer rows."""
+    rows = [[samples[at] for at in row] for row in pack_rows(dataset.lengths[samples], dataset.seq_len)]
     return [sum(rows[start : start + micro_batch], []) for start in range(0, len(rows), micro_batch)]
 
 

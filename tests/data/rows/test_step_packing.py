@@ -13,7 +13,6 @@ from memtrain.data.rows.loader import (
     BatchLoader,
     collate,
     next_fit_rows,
-    pack_in_rows,
     packed_micro_batches,
     sample_order,
     step_positions,
@@ -36,12 +35,6 @@ def chat_rows(chat_tokenizer, make_data):
     return data, train
 
 
-def test_first_fit_in_order_and_a_sample_that_fills_its_row():
-    assert pack_in_rows([60, 70, 50, 8], 128) == [[0, 2, 3], [1]]  # 50 goes back to the first row's room
-    assert pack_in_rows([128, 1], 128) == [[0], [1]]  # a full row takes nothing more
-    assert pack_in_rows([], 128) == []
-
-
 class Lengths:
     """A dataset stand-in with only what the splitting reads: the samples' lengths and seq_len."""
 
@@ -54,7 +47,7 @@ def test_a_step_is_laid_longest_first_into_rows_taken_micro_batch_at_a_time():
     samples = [3, 1, 8, 0, 5, 7, 2, 6, 4]  # a step's shuffled samples
     batches = packed_micro_batches(data, samples, micro_batch=2)
     assert sorted(i for batch in batches for i in batch) == sorted(samples)  # every sample once
-    # longest first (ties in the step's order): 128 | 100 20 5 | 90 30 | 60 60 | 40 (first fit), two rows a
+    # longest first (ties in the step's order): 128 | 100 20 5 | 90 30 | 60 60 | 40 (best fit), two rows a
     # micro-batch, the last row alone
     assert batches == [[7, 0, 6, 8], [1, 5, 3, 2], [4]]
     for batch in batches:  # the rows read back from a micro-batch are those it was made of
