@@ -3,7 +3,7 @@
 A packed row holds several samples whose position ids restart at 0 (data/rows/row_set.py). Under sdpa, transformers
 keeps them apart with a dense (batch, 1, seq, seq) block-diagonal mask, which rules out PyTorch's flash kernel and
 costs seq² bytes per row. This kernel instead takes the rows laid end to end with the cumulative sample lengths
-(`cu_seqlens`) and the longest sample (`max_seqlen`), built once per forward from the position-id restarts
+(`cu_seqlens`) and a bound on the longest sample (`max_seqlen`), built once per forward from the position-id restarts
 (`packed_sequences`), and never builds a mask.
 
 It is registered in transformers' attention interface under ATTN_NAME (the model is built with it); its mask
@@ -59,7 +59,10 @@ def packed_sequences(position_ids: torch.Tensor) -> dict[str, torch.Tensor | int
     """The sequence kwargs of rows (batch, seq) laid end to end: every position id 0 starts a sample.
 
     cu_seq_lens_q / _k: int32 (samples + 1,) cumulative lengths, from 0 to batch × seq, on position_ids' device;
-    max_length_q / _k: the longest sample, as a Python int (the kernel's launch grid). Built on the host from one
+    max_length_q / _k: the row width, as a Python int: the kernel sizes its launch grid by it, and no sample is longer
+    (every row starts one). The longest sample itself changes from batch to batch, and a compiled layer guards on
+    the value: on the H100 the first change cost a recompile of 4 s in the fourth step of a chat run; blocks of
+    the grid past a sample's end return at once. Built on the host from one
     copy of the position ids (one device sync per forward, not one per layer as transformers' own derivation).
     Padding continues the last sample's positions, so it is counted into that sample: real tokens never attend to
     the padding after them under the causal mask, and the loss ignores the padding's outputs.
@@ -69,13 +72,15 @@ def packed_sequences(position_ids: torch.Tensor) -> dict[str, torch.Tensor | int
     if starts.numel() == 0 or int(starts[0]) != 0:
         raise ValueError("packed rows must start with position id 0 (every row starts a sample)")
     cu_seqlens = torch.cat((starts, torch.tensor([flat.numel()], dtype=torch.int32)))
-    longest = int(cu_seqlens.diff().max())
     cu_seqlens = cu_seqlens.to(position_ids.device, non_blocking=True)
+    # compiled layers take the number of samples as a size from the first call on, not after a recompile
+    torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
+    row_width = position_ids.shape[-1]
     return {
         "cu_seq_lens_q": cu_seqlens,
         "cu_seq_lens_k": cu_seqlens,
-        "max_length_q": longest,
-        "max_length_k": longest,
+        "max_length_q": row_width,
+        "max_length_k": row_width,
     }
 
 
