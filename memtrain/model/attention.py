@@ -1,9 +1,11 @@
 """`model.attn_implementation` made concrete for this machine and this data.
 
-auto: instruction and chat rows, packed or not, on a CUDA GPU that runs PyTorch's variable-length flash kernel
-(memtrain.model.varlen: compute capability 8.0 or newer, a PyTorch that has it) go through it, in fp16 or bf16;
-text windows and preference pairs keep sdpa (a plain row needs no sample bounds, and sdpa runs a flash kernel on
-it). Unpacked rows through it are laid out packed within each step (`packs_steps`, data/rows/loader.py). On the
+auto: instruction and chat rows, packed or not, and preference pairs (KTO's records aside), on a CUDA GPU that
+runs PyTorch's variable-length flash kernel (memtrain.model.varlen: compute capability 8.0 or newer, a PyTorch that
+has it) go through it, in fp16 or bf16; text windows and KTO records keep sdpa (a plain row needs no sample bounds,
+and sdpa runs a flash kernel on it). Unpacked rows and pairs through it are laid out packed within each step
+(`packs_steps`, data/rows/loader.py): one shape of micro-batch for the whole run instead of a width per micro-batch,
+each new one a kernel plan and a recompile on the GPU, and no padding to the longest row. On the
 CPU, and in fp32, the kernel cannot run, so packed rows keep sdpa's block-diagonal mask there. Models whose
 attention sdpa cannot run (Gemma-2's soft-capped scores) keep eager either way (memtrain.model.architecture).
 """
@@ -26,14 +28,21 @@ def holds_samples(recipe: Recipe) -> bool:
     return not recipe.data.is_text and not recipe.data.holds_pairs
 
 
+def holds_packable_pairs(recipe: Recipe) -> bool:
+    """Whether the rows are preference pairs whose sequences may share a row (data/rows/pairs.py): DPO's, IPO's,
+    SimPO's and ORPO's; KTO's records and their KL rows run apart (two forwards, one without gradient)."""
+    return recipe.data.holds_pairs and recipe.train.objective != "kto"
+
+
 def packs_steps(recipe: Recipe, world_size: int) -> bool:
-    """Whether unpacked sample rows are laid out packed within each step (data/rows/loader.py): where the resolved
-    attention is varlen, which keeps the samples of a row apart without a mask. One process only: several must run
-    as many micro-batches a step as each other, and packed micro-batches are cut by tokens."""
+    """Whether unpacked sample rows, or preference pairs, are laid out packed within each step
+    (data/rows/loader.py): where the resolved attention is varlen, which keeps the samples of a row apart without a
+    mask. One process only: several must run as many micro-batches a step as each other, and packed micro-batches
+    are cut by tokens."""
+    unpacked_samples = holds_samples(recipe) and not recipe.data.packing
     return (
         recipe.model.attn_implementation == "varlen"
-        and holds_samples(recipe)
-        and not recipe.data.packing
+        and (unpacked_samples or holds_packable_pairs(recipe))
         and world_size == 1
     )
 
@@ -46,7 +55,7 @@ def resolve_attention(recipe: Recipe, varlen: bool) -> str:
     asked = recipe.model.attn_implementation
     half = DTYPES[recipe.precision.compute] in HALF_DTYPES
     if asked == "auto":
-        return "varlen" if varlen and half and holds_samples(recipe) else "sdpa"
+        return "varlen" if varlen and half and (holds_samples(recipe) or holds_packable_pairs(recipe)) else "sdpa"
     if asked == "varlen" and not half:
         raise UserError(
             Problem(

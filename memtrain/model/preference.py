@@ -1,7 +1,9 @@
 """The module handed to DeepSpeed for a preference objective: (loss sum over pairs, pair count), as TrainableLM's.
 
 A micro-batch of B pairs is one forward of 2B rows (rows 0..B-1 the chosen sequences, B..2B-1 the rejected ones;
-for KTO the records and their mismatched KL rows), the layout data/rows/pairs.py collates. The step divides the
+for KTO the records and their mismatched KL rows), the layout data/rows/pairs.py collates; or, laid out packed, rows
+holding several sequences end to end, with `position_ids` restarting at each and `sequence_ids` numbering them in
+that same order (sequence k of 2B), summed per sequence instead of per row. The step divides the
 sum by the global batch's pairs, so the guard, the adaptive micro-batch and gradient accumulation work unchanged.
 
 The reference: `adapters_off` runs the same PEFT model with its adapters disabled and no gradient (no second copy in
@@ -29,7 +31,8 @@ from memtrain.model.preference_loss import (
     orpo,
     simpo,
 )
-from memtrain.model.sequence_logps import sequence_logps, target_mask, token_logps
+from memtrain.model.sequence_logps import segment_logps, sequence_logps, target_mask, token_logps
+from memtrain.model.wrapper import check_packed_attention, needs_one_sequence, sample_bounds
 from memtrain.recipe.schema import Precision, Recipe
 
 REFERENCES = ("adapters_off", "precomputed", "none")
@@ -74,11 +77,23 @@ class PreferenceLM(nn.Module):
         self.metric_sums: torch.Tensor | None = None
 
     # --- log-probabilities -------------------------------------------------------------------------------------
-    def token_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, targets: torch.Tensor):
-        """fp32 (rows, seq - 1) log-probabilities of `targets` (label t = token at t; -100 ignored), chunked."""
+    def token_logps(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        targets: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ):
+        """fp32 (rows, seq - 1) log-probabilities of `targets` (label t = token at t; -100 ignored), chunked.
+        position_ids: rows of sequences laid end to end (each restarting at 0), kept apart by the attention kernel."""
         base = hf_model(self.model)
+        bounds = {}
+        if position_ids is not None:
+            attn = base.config._attn_implementation
+            check_packed_attention(attn)
+            bounds = sample_bounds(attn, position_ids)
         hidden = base.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **bounds
         ).last_hidden_state
         return token_logps(
             base.get_output_embeddings(),
@@ -89,20 +104,35 @@ class PreferenceLM(nn.Module):
             softcap=self.logit_softcap,
         )
 
-    def sequence_logps(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None):
-        """fp32 (rows,) summed log-probabilities of each row's targets."""
-        return sequence_logps(self.token_logps(input_ids, attention_mask, labels), target_mask(labels))[0]
+    def sequence_logps(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        sequence_ids: torch.Tensor | None = None,
+    ):
+        """fp32 summed log-probabilities of each sequence's targets: (rows,), or (sequences,) for packed rows."""
+        per_token = self.token_logps(input_ids, attention_mask, labels, position_ids)
+        return _sums(per_token, target_mask(labels), sequence_ids)[0]
 
     @torch.no_grad()
     def reference_logps(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None, **_
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        sequence_ids: torch.Tensor | None = None,
+        **_,
     ) -> torch.Tensor:
-        """The reference's (rows,) summed log-probabilities: the adapters disabled under adapters_off, else the
+        """The reference's summed log-probabilities per sequence: the adapters disabled under adapters_off, else the
         model as it is (the precomputing pass runs it on the initial weights)."""
+        args = (input_ids, labels, attention_mask, position_ids, sequence_ids)
         if self.reference == "adapters_off":
             with self.model.disable_adapter():
-                return self.sequence_logps(input_ids, labels, attention_mask)
-        return self.sequence_logps(input_ids, labels, attention_mask)
+                return self.sequence_logps(*args)
+        return self.sequence_logps(*args)
 
     def _reference(self, batch: dict, ref_logps: torch.Tensor | None) -> torch.Tensor:
         if ref_logps is not None:
@@ -119,24 +149,42 @@ class PreferenceLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         ref_logps: torch.Tensor | None = None,
         kto_label: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        sequence_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
         if self.settings.objective == "kto":
+            if sequence_ids is not None:
+                raise ValueError("KTO records and their KL rows are not laid out packed")
             return self._kto(batch, ref_logps, kto_label)
+        if sequence_ids is not None:
+            attn = hf_model(self.model).config._attn_implementation
+            if needs_one_sequence(attn, input_ids.shape[0]):  # flash attention reads restarts in a batch of one
+                input_ids, labels, position_ids, sequence_ids = (
+                    t.reshape(1, -1) for t in (input_ids, labels, position_ids, sequence_ids)
+                )
+            batch.update(input_ids=input_ids, labels=labels, position_ids=position_ids, sequence_ids=sequence_ids)
         return self._pairs(batch, ref_logps)
 
     def _pairs(self, batch: dict, ref_logps: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.settings
         input_ids, labels, attention_mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
-        n = input_ids.shape[0] // 2
+        position_ids, sequence_ids = batch.get("position_ids"), batch.get("sequence_ids")
+        # sequences: 2n, the chosen ones first (a device sync for packed rows, which number them)
+        n = input_ids.shape[0] // 2 if sequence_ids is None else (int(sequence_ids.max()) + 1) // 2
         # The reference's no-grad forward first, while none of this micro-batch's activations are held for backward
         ref = self._reference(batch, ref_logps) if s.objective == "dpo" else None
         targets = labels
         if s.objective == "orpo":  # its SFT term reads the chosen prompt too: every real token is a target
-            real = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+            if sequence_ids is not None:  # but not a sequence's first, which follows another sequence in its row
+                real = (sequence_ids >= 0) & (position_ids != 0)
+            elif attention_mask is not None:
+                real = attention_mask.bool()
+            else:
+                real = torch.ones_like(input_ids, dtype=torch.bool)
             targets = input_ids.masked_fill(~real, IGNORE_INDEX)
-        per_token = self.token_logps(input_ids, attention_mask, targets)
-        sums, counts = sequence_logps(per_token, target_mask(labels))
+        per_token = self.token_logps(input_ids, attention_mask, targets, position_ids)
+        sums, counts = _sums(per_token, target_mask(labels), sequence_ids)
         if ref is not None:
             logratios = sums - ref
             if s.loss_type == "ipo":
@@ -150,7 +198,7 @@ class PreferenceLM(nn.Module):
             if s.objective == "simpo":
                 out = simpo(means[:n], means[n:], beta=s.beta, gamma=s.simpo_gamma)
             elif s.objective == "orpo":
-                nll_sums, nll_counts = sequence_logps(per_token[:n], target_mask(targets[:n]))
+                nll_sums, nll_counts = (t[:n] for t in _sums(per_token, target_mask(targets), sequence_ids))
                 out = orpo(means[:n], means[n:], -nll_sums / nll_counts.clamp(min=1.0), lam=s.orpo_lambda)
             else:
                 raise ValueError(f"unknown preference objective {s.objective!r}")
@@ -209,3 +257,12 @@ class PreferenceLM(nn.Module):
         """The (metrics, 2) sums and counts since the last take (None when no batch ran), and a fresh start."""
         sums, self.metric_sums = self.metric_sums, None
         return sums
+
+
+def _sums(
+    per_token: torch.Tensor, mask: torch.Tensor, sequence_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probs, target counts) per sequence: per row, or per numbered sequence of packed rows."""
+    if sequence_ids is None:
+        return sequence_logps(per_token, mask)
+    return segment_logps(per_token, mask, sequence_ids, int(sequence_ids.max()) + 1)

@@ -79,3 +79,19 @@ def sequence_logps(per_token: torch.Tensor, mask: torch.Tensor) -> tuple[torch.T
     """(sum of the per-token log-probs over `mask` per row, count of masked tokens per row as fp32)."""
     mask_f = mask.to(per_token.dtype)
     return (per_token * mask_f).sum(-1), mask_f.sum(-1)
+
+
+def segment_logps(
+    per_token: torch.Tensor, mask: torch.Tensor, sequence_ids: torch.Tensor, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` for rows that hold several sequences end to end (pairs laid out packed, data/rows/pairs.py):
+    per_token and mask (rows, seq - 1) as there, sequence_ids (rows, seq) each position's sequence (-1: padding);
+    returns (count,) sums and counts. A shifted position's target is the token after it, so it belongs to that
+    token's sequence."""
+    targets = sequence_ids[:, 1:]
+    keep = mask & (targets >= 0)
+    index = targets[keep]
+    values = per_token[keep]
+    sums = per_token.new_zeros(count).index_add(0, index, values)
+    counts = per_token.new_zeros(count).index_add(0, index, torch.ones_like(values))
+    return sums, counts

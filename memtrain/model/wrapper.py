@@ -78,8 +78,7 @@ class TrainableLM(nn.Module):
             check_packed_attention(attn)
             if needs_one_sequence(attn, input_ids.shape[0]):
                 input_ids, labels, position_ids = one_sequence(input_ids, labels, position_ids)
-            if PACKED_ATTENTION[attn] == "cu_seqlens":
-                sequences = packed_sequences(position_ids)
+            sequences = sample_bounds(attn, position_ids)
         hidden = body(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **sequences
         ).last_hidden_state
@@ -93,6 +92,12 @@ class TrainableLM(nn.Module):
             chunk_tokens=self.chunk_tokens,
             softcap=self.logit_softcap,
         )
+
+
+def sample_bounds(attn_implementation: str, position_ids: torch.Tensor) -> dict:
+    """The decoder's extra kwargs for packed rows: the samples' bounds where the kernel takes them ("cu_seqlens"),
+    none where transformers reads the position ids itself (PACKED_ATTENTION)."""
+    return packed_sequences(position_ids) if PACKED_ATTENTION[attn_implementation] == "cu_seqlens" else {}
 
 
 def needs_one_sequence(attn_implementation: str, batch_size: int) -> bool:

@@ -190,9 +190,10 @@ class Model(Section):
         "for plain rows; packed rows get a block-diagonal mask (micro_batch x seq_len^2 bytes), which keeps PyTorch "
         "off its flash kernel. varlen: PyTorch's variable-length flash kernel (torch.nn.attention.varlen) for packed "
         "rows, given the samples' bounds instead of a mask (sdpa for plain rows); a CUDA GPU of compute capability "
-        "8.0+ (RTX 3090 / 4090, A100, H100) and fp16 / bf16 only. auto: varlen for packed instruction and chat rows "
-        "where it runs, else sdpa (the CPU keeps sdpa). Where an architecture cannot run sdpa correctly (Gemma-2's "
-        "soft-capped attention) memtrain uses eager for sdpa, varlen and auto, and says so.",
+        "8.0+ (RTX 3090 / 4090, A100, H100) and fp16 / bf16 only. auto: varlen for instruction and chat rows and for "
+        "preference pairs (not KTO's records) where it runs, else sdpa (the CPU keeps sdpa); on one GPU it lays "
+        "unpacked samples and pairs end to end within each step. Where an architecture cannot run sdpa correctly "
+        "(Gemma-2's soft-capped attention) memtrain uses eager for sdpa, varlen and auto, and says so.",
     )
     kernels: Literal["auto", "liger", "liger_loss", "none"] = Field(
         "auto",
@@ -439,8 +440,8 @@ class Data(Section):
         "seeded mega-batch of 50 steps, the step groups shuffled) and each micro-batch is cut to its longest row "
         "(rounded up to 8 tokens), so padding is not computed; every row is still seen once per epoch and a "
         "resumed run sees the same batches. null: on when packing is off or the data is preference or kto pairs, off "
-        "otherwise; off where unpacked samples are laid out packed within each step (varlen attention on one GPU: "
-        "samples of one length fill rows worst).",
+        "otherwise; off where unpacked samples or pairs are laid out packed within each step (varlen attention on one "
+        "GPU: samples of one length fill rows worst).",
     )
     cache_dir: str | None = Field(
         None,

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from memtrain.errors import UserError
 from memtrain.model.architecture import check_attention_kernel
-from memtrain.model.attention import resolve_attention
+from memtrain.model.attention import packs_steps, resolve_attention, with_attention
 from memtrain.model.config import model_config
 from memtrain.model.varlen import ATTN_NAME, attend_by_sample, packed_sequences, varlen_available
 from memtrain.model.wrapper import TrainableLM, check_packed_attention
@@ -121,6 +121,32 @@ def recipe(attention="auto", packing="true", compute="bf16", preset="tiny"):
 )
 def test_auto_takes_varlen_for_sample_rows_where_it_runs(kwargs, varlen, expected):
     assert resolve_attention(recipe(**kwargs), varlen=varlen) == expected
+
+
+PAIRS = """
+model: {{preset: tiny, tokenizer: "builtin:shakespeare-chat"}}
+data: {{train: [{{path: "builtin:preference", type: {kind}}}], seq_len: 128}}
+batch: {{global_batch: 8, micro_batch: 2}}
+train: {{steps: 4, objective: {objective}}}
+"""
+
+
+@pytest.mark.parametrize(
+    "kind, objective, varlen, expected",
+    [
+        ("preference", "dpo", True, "varlen"),  # pairs laid end to end within each step
+        ("preference", "orpo", True, "varlen"),
+        ("preference", "dpo", False, "sdpa"),  # the CPU: pairs cut to their longest, padding masked
+        ("kto", "kto", True, "sdpa"),  # KTO's records and KL rows run apart: kept as rows
+    ],
+)
+def test_auto_takes_varlen_for_preference_pairs_and_lays_them_out_on_one_gpu(kind, objective, varlen, expected):
+    pairs = load_recipe_text(PAIRS.format(kind=kind, objective=objective), check=False).recipe
+    attention = resolve_attention(pairs, varlen=varlen)
+    assert attention == expected
+    resolved = with_attention(pairs, attention)
+    assert packs_steps(resolved, world_size=1) == (expected == "varlen")
+    assert not packs_steps(resolved, world_size=2)  # ranks must run as many micro-batches as each other
 
 
 def test_text_windows_keep_sdpa():

@@ -188,8 +188,9 @@ def step_positions(
     positions = 0
     for rank_start in range(0, len(samples), per_rank_batch):
         mine = samples[rank_start : rank_start + per_rank_batch]
-        if pack_steps:  # whole rows of seq_len, as many as the step's samples fill
-            positions += len(pack_rows(dataset.lengths[mine], dataset.seq_len)) * dataset.seq_len
+        if pack_steps:  # whole rows, as many as the step's samples fill
+            lengths, width = packing_units(dataset)
+            positions += len(pack_rows(lengths[mine], width)) * width
             continue
         for start in range(0, len(mine), micro_batch):
             rows = mine[start : start + micro_batch]
@@ -213,11 +214,21 @@ def next_fit_rows(lengths, seq_len: int) -> list[list[int]]:
     return rows
 
 
+def packing_units(dataset) -> tuple[np.ndarray, int]:
+    """(each item's tokens, the width of the rows items are laid into when a step is laid out packed): a sample
+    row's real length and seq_len; a preference pair's two sequences together and twice seq_len
+    (pairs.PairRows.packing_units: the positions of the two rows a pair takes unpacked)."""
+    units = getattr(dataset, "packing_units", None)
+    return units() if units is not None else (dataset.lengths, dataset.seq_len)
+
+
 def packed_micro_batches(dataset, samples: list[int], micro_batch: int) -> list[list[int]]:
-    """A step's `samples` (dataset rows of one sample each) laid into rows of seq_len as packed data is (best fit,
-    longest first: packing.pack_rows), and the rows taken `micro_batch` at a time: each micro-batch is its rows'
-    samples written out row after row (`next_fit_rows` reads the rows back). The last may hold fewer rows."""
-    rows = [[samples[at] for at in row] for row in pack_rows(dataset.lengths[samples], dataset.seq_len)]
+    """A step's `samples` (dataset rows of one sample each, or pairs) laid into rows (`packing_units`) as packed data
+    is (best fit, longest first: packing.pack_rows), and the rows taken `micro_batch` at a time: each micro-batch is
+    its rows' samples written out row after row (`next_fit_rows` reads the rows back). The last may hold fewer
+    rows."""
+    lengths, width = packing_units(dataset)
+    rows = [[samples[at] for at in row] for row in pack_rows(lengths[samples], width)]
     return [sum(rows[start : start + micro_batch], []) for start in range(0, len(rows), micro_batch)]
 
 
@@ -262,7 +273,7 @@ def collate(dataset, indices: list[int], trim: bool = False, pack: bool = False)
     A set that makes its own batches (pairs.PairRows, KtoRows: several rows per item) is asked for them.
     """
     if hasattr(dataset, "collate"):
-        return dataset.collate(indices, trim)
+        return dataset.collate(indices, trim, pack=pack)
     if pack:
         return collate_packed(dataset, indices)
     items = [dataset[i] for i in indices]

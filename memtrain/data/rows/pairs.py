@@ -19,6 +19,9 @@ B records give the records then their KL rows, with `kto_label` (desirable) per 
 seq_len, or to the longest row rounded up to 8 with `trim`; `labels` holds the token at a target position and -100
 elsewhere (prompt, padding, each row's first token), unshifted as SampleRows' are; `attention_mask` is 1 on real
 tokens. A set with reference log-probabilities attached (`with_reference`) adds `ref_logps` (float32 per row).
+Pairs laid out packed (`pack`, where varlen attention keeps sequences apart: model/attention.py) are written end
+to end in rows of twice seq_len instead, with `position_ids` restarting at every sequence and `sequence_ids` saying
+whose each position is, in the same order as the rows above (PairRows._collate_packed); no attention mask.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.render.templates import ensure_template_tokens
-from memtrain.data.rows.loader import batch_width
+from memtrain.data.rows.loader import batch_width, next_fit_rows
 from memtrain.data.rows.mixture import HeldOutRecords, sample_rules
 from memtrain.data.rows.row_set import DataStats, SampleViews
 from memtrain.data.rows.weights import held_out_tail, weighted_indices
@@ -122,8 +125,10 @@ class _Rows:
         attached.reference = logps
         return attached
 
-    def collate(self, indices: list[int], trim: bool = False) -> dict[str, torch.Tensor]:
-        """The micro-batch of the items at `indices` (module doc)."""
+    def collate(self, indices: list[int], trim: bool = False, pack: bool = False) -> dict[str, torch.Tensor]:
+        """The micro-batch of the items at `indices` (module doc); `pack`: laid end to end (PairRows only)."""
+        if pack:
+            return self._collate_packed(indices)
         indices = np.asarray(indices, dtype=np.int64)
         rows = self._rows(indices)
         width = batch_width(np.asarray([sum(int(v.length[i]) for v, i in row) for row in rows]), self.seq_len)
@@ -146,11 +151,19 @@ class _Rows:
             "labels": torch.from_numpy(labels),
             "attention_mask": torch.from_numpy(mask),
         }
+        return self._with_reference_logps(batch, indices)
+
+    def _with_reference_logps(self, batch: dict[str, torch.Tensor], indices: np.ndarray) -> dict[str, torch.Tensor]:
+        """The batch with `ref_logps` (the items' first rows, then their second) when reference log-probs are
+        attached: the order of the batch's sequences."""
         if self.reference is not None:
             batch["ref_logps"] = torch.from_numpy(
                 np.concatenate([self.reference[indices, 0], self.reference[indices, 1]])
             )
         return batch
+
+    def _collate_packed(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        raise ValueError(f"{type(self).__name__} batches are not laid out packed")
 
     def _rows(self, indices: np.ndarray) -> list[list[tuple[SampleViews, int]]]:
         raise NotImplementedError
@@ -170,6 +183,52 @@ class PairRows(_Rows):
     def _row_lengths(self):
         return self.views["chosen"].length, self.views["rejected"].length
 
+    def packing_units(self) -> tuple[np.ndarray, int]:
+        """(each pair's two sequences together, the width pairs are laid out in): twice seq_len, the positions of
+        the two rows a pair takes unpacked, so a pair always fits one (data/rows/loader.py lays steps out)."""
+        chosen, rejected = self._row_lengths()
+        return chosen + rejected, 2 * self.seq_len
+
+    def _collate_packed(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The pairs at `indices`, in the order loader.packed_micro_batches wrote them, laid end to end in rows of
+        twice seq_len (`next_fit_rows` finds each row's pairs): a pair's chosen sequence, then its rejected one,
+        each starting at position 0, so varlen attention keeps every sequence to itself; padding ends a row.
+        `sequence_ids` names each position's sequence as the unpacked batch orders its rows: the chosen sequence of
+        the k-th pair is k, its rejected one B + k, padding -1. Each sequence's first label is -100: nothing
+        before it in the row belongs to it."""
+        indices = np.asarray(indices, dtype=np.int64)
+        lengths, width = self.packing_units()
+        groups = next_fit_rows(lengths[indices], width)
+        shape = (len(groups), width)
+        input_ids = np.full(shape, self.pad_id, dtype=np.int64)
+        labels = np.full(shape, IGNORE_INDEX, dtype=np.int64)
+        positions = np.zeros(shape, dtype=np.int64)
+        sequence_ids = np.full(shape, -1, dtype=np.int64)
+        for r, group in enumerate(groups):
+            at = 0
+            for member in group:
+                for side, role in enumerate(self.roles):
+                    views, i = self.views[role], indices[member]
+                    source, start, length = int(views.source[i]), int(views.start[i]), int(views.length[i])
+                    ids = views.tokens[source][start : start + length].astype(np.int64)
+                    targets = views.targets[source][start : start + length] != 0
+                    input_ids[r, at : at + length] = ids
+                    labels[r, at : at + length] = np.where(targets, ids, IGNORE_INDEX)
+                    labels[r, at] = IGNORE_INDEX
+                    positions[r, at : at + length] = np.arange(length)
+                    sequence_ids[r, at : at + length] = member + side * len(indices)
+                    at += length
+            # padding goes on from the last sequence's positions: varlen counts it into that sequence, whose real
+            # tokens never attend to it under the causal mask, and its labels are -100
+            positions[r, at:] = np.arange(positions[r, at - 1] + 1, positions[r, at - 1] + 1 + width - at)
+        batch = {
+            "input_ids": torch.from_numpy(input_ids),
+            "labels": torch.from_numpy(labels),
+            "position_ids": torch.from_numpy(positions),
+            "sequence_ids": torch.from_numpy(sequence_ids),
+        }
+        return self._with_reference_logps(batch, indices)
+
 
 class KtoRows(_Rows):
     """KTO records: item i is record i, views "record" (its sequence), "prompt" and "kl_answer" (its KL row: its
@@ -186,8 +245,8 @@ class KtoRows(_Rows):
         chosen.desirable = self.desirable[np.asarray(indices, dtype=np.int64)]
         return chosen
 
-    def collate(self, indices: list[int], trim: bool = False) -> dict[str, torch.Tensor]:
-        batch = super().collate(indices, trim)
+    def collate(self, indices: list[int], trim: bool = False, pack: bool = False) -> dict[str, torch.Tensor]:
+        batch = super().collate(indices, trim, pack)
         batch["kto_label"] = torch.from_numpy(self.desirable[np.asarray(indices, dtype=np.int64)].copy())
         return batch
 
