@@ -239,9 +239,10 @@ def attach_reference(recipe: Recipe, module: PreferenceLM, data: RunData, place,
     pairs, read from beside the token cache or computed now (train/state/reference.py), carried by the sets'
     batches from here on. Called before any checkpoint is loaded: the pass must see the initial weights."""
     trim = recipe.data.groups_by_length
+    pack = packs_steps(recipe, place.world_size)  # as training lays the pairs out
     for name in ("train_set", "val_set"):
         dataset = getattr(data, name)
-        with BatchLoader(dataset, place.device, trim=trim) as loader:
+        with BatchLoader(dataset, place.device, trim=trim, pack_steps=pack) as loader:
             table = load_or_compute(recipe, module, loader, dataset, micro_batch=micro_batch, place=place)
         setattr(data, name, dataset.with_reference(table))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -159,7 +160,9 @@ def test_dpo_laid_out_packed_trains_the_pairs_layouts_losses_in_fewer_micro_batc
 
     monkeypatch.setattr(setup, "packs_steps", lambda recipe, world_size: True)
     monkeypatch.setattr(launch, "packs_steps", lambda recipe, world_size: True)
+    shutil.rmtree(tmp_path / "cache" / "reference", ignore_errors=True)  # computed again, on packed batches
     assert run_command(write_recipe("laid", extra), []) == 0
+    assert lora or any((tmp_path / "cache" / "reference").glob("*.npy"))
     runs = tmp_path / "runs"
     rows, laid = read_records(runs / "rows", "train"), read_records(runs / "laid", "train")
     assert [r["step"] for r in rows] == [r["step"] for r in laid] == [1, 2, 3, 4]

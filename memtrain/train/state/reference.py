@@ -66,13 +66,13 @@ def compute_reference(module, loader, dataset, *, micro_batch: int, place: Place
     """
     table = torch.zeros((len(dataset), 2), dtype=torch.float64, device=place.device)
     mine = list(range(place.rank, len(dataset), place.world_size))
+    batches = loader.split(mine, micro_batch)  # the loader's layout: pairs cut to their longest, or laid out packed
     was_training = module.training
     module.eval()  # no dropout: the reference is one fixed function
     try:
-        for start in range(0, len(mine), micro_batch):
-            indices = mine[start : start + micro_batch]
-            if start + micro_batch < len(mine):
-                loader.prefetch(mine[start + micro_batch : start + 2 * micro_batch])
+        for at, indices in enumerate(batches):
+            if at + 1 < len(batches):
+                loader.prefetch(batches[at + 1])
             logps = module.reference_logps(**loader.get(indices)).double()
             n = len(indices)
             table[indices] = torch.stack([logps[:n], logps[n:]], dim=1)
