@@ -232,8 +232,10 @@ def data_per_step(recipe, train_set, micro_batch: int) -> dict:
     slots_per_step, padding_share = sequences * stats.seq_len, stats.padding_share
     tokens_per_step = sequences * stats.tokens * per_sequence
     targets_per_step = sequences * stats.target_tokens * per_sequence
+    pack = recipe.data.groups_by_length and packs_steps(
+        with_attention(recipe, resolve_attention(recipe, varlen=True)), recipe.hardware.gpus
+    )
     if recipe.data.groups_by_length:  # every column over the same priced steps (padding too)
-        pack = packs_steps(with_attention(recipe, resolve_attention(recipe, varlen=True)), recipe.hardware.gpus)
         order = sample_order(recipe.data, train_set, recipe.train.seed, rows, pack_steps=pack)
         steps = max(1, min(len(train_set) // rows, PRICED_STEPS))
         per_rank = rows // recipe.hardware.gpus
@@ -248,7 +250,8 @@ def data_per_step(recipe, train_set, micro_batch: int) -> dict:
         "tokens_per_step": round(tokens_per_step),
         "target_tokens_per_step": round(targets_per_step),
         "padding_share": padding_share,
-        "length_bucketing": recipe.data.groups_by_length,
+        "length_bucketing": recipe.data.groups_by_length and not pack,
+        "laid_out_packed": pack,  # each step's samples (pairs) end to end in rows, on the recipe's CUDA card
         "train": {**dataclasses.asdict(stats)},
     }
 
@@ -262,6 +265,7 @@ def _data_table(summary: dict) -> Table:
     table.add_column("padding", justify="right")
     train = summary["train"]
     bucketed = " (length-bucketed)" if summary["length_bucketing"] else ""
+    bucketed = " (laid out packed)" if summary.get("laid_out_packed") else bucketed
     table.add_row(
         f"{summary['rows_per_step']} × {train['seq_len']}",
         f"{summary['token_slots_per_step']:,}{bucketed}",

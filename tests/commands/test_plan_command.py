@@ -333,6 +333,8 @@ train: {{steps: 4}}
     # micro-batches of 4 x 64, whole rows computed (one micro-batch a step where they fit 4 rows, two where not)
     result = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--data", "data.packing=false"])
     laid = json.loads(result.stdout)["data"]
+    assert laid["laid_out_packed"] is True and laid["length_bucketing"] is False
+    assert unpacked["laid_out_packed"] is False and data["laid_out_packed"] is False
     assert 4 * 64 <= laid["token_slots_per_step"] <= 8 * 64
     assert laid["padding_share"] == pytest.approx(1 - laid["tokens_per_step"] / laid["token_slots_per_step"], abs=0.02)
 
@@ -369,7 +371,8 @@ train: {{steps: 4}}
     result = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--data"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)["data"]
-    assert data["length_bucketing"] is True and data["train"]["rows"] == 13
+    # unpacked chat on the recipe's CUDA card: varlen, so the step's rows are laid out packed (not bucketed)
+    assert data["laid_out_packed"] is True and data["length_bucketing"] is False and data["train"]["rows"] == 13
     implied = 1 - data["tokens_per_step"] / data["token_slots_per_step"]
     assert data["padding_share"] == pytest.approx(implied, abs=0.002)
 
