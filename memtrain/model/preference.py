@@ -114,7 +114,7 @@ class PreferenceLM(nn.Module):
     ):
         """fp32 summed log-probabilities of each sequence's targets: (rows,), or (sequences,) for packed rows."""
         per_token = self.token_logps(input_ids, attention_mask, labels, position_ids)
-        return _sums(per_token, target_mask(labels), sequence_ids)[0]
+        return _sums(per_token, target_mask(labels), sequence_ids, _sequence_count(sequence_ids))[0]
 
     @torch.no_grad()
     def reference_logps(
@@ -170,8 +170,8 @@ class PreferenceLM(nn.Module):
         s = self.settings
         input_ids, labels, attention_mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
         position_ids, sequence_ids = batch.get("position_ids"), batch.get("sequence_ids")
-        # sequences: 2n, the chosen ones first (a device sync for packed rows, which number them)
-        n = input_ids.shape[0] // 2 if sequence_ids is None else (int(sequence_ids.max()) + 1) // 2
+        # sequences: 2n, the chosen ones first (packed rows number them: one device sync, read once here)
+        n = input_ids.shape[0] // 2 if sequence_ids is None else _sequence_count(sequence_ids) // 2
         # The reference's no-grad forward first, while none of this micro-batch's activations are held for backward
         ref = self._reference(batch, ref_logps) if s.objective == "dpo" else None
         targets = labels
@@ -184,7 +184,7 @@ class PreferenceLM(nn.Module):
                 real = torch.ones_like(input_ids, dtype=torch.bool)
             targets = input_ids.masked_fill(~real, IGNORE_INDEX)
         per_token = self.token_logps(input_ids, attention_mask, targets, position_ids)
-        sums, counts = _sums(per_token, target_mask(labels), sequence_ids)
+        sums, counts = _sums(per_token, target_mask(labels), sequence_ids, 2 * n)
         if ref is not None:
             logratios = sums - ref
             if s.loss_type == "ipo":
@@ -198,7 +198,7 @@ class PreferenceLM(nn.Module):
             if s.objective == "simpo":
                 out = simpo(means[:n], means[n:], beta=s.beta, gamma=s.simpo_gamma)
             elif s.objective == "orpo":
-                nll_sums, nll_counts = (t[:n] for t in _sums(per_token, target_mask(targets), sequence_ids))
+                nll_sums, nll_counts = (t[:n] for t in _sums(per_token, target_mask(targets), sequence_ids, 2 * n))
                 out = orpo(means[:n], means[n:], -nll_sums / nll_counts.clamp(min=1.0), lam=s.orpo_lambda)
             else:
                 raise ValueError(f"unknown preference objective {s.objective!r}")
@@ -259,10 +259,16 @@ class PreferenceLM(nn.Module):
         return sums
 
 
+def _sequence_count(sequence_ids: torch.Tensor | None) -> int | None:
+    """How many sequences packed rows number (a device sync); None for rows of one sequence each."""
+    return None if sequence_ids is None else int(sequence_ids.max()) + 1
+
+
 def _sums(
-    per_token: torch.Tensor, mask: torch.Tensor, sequence_ids: torch.Tensor | None
+    per_token: torch.Tensor, mask: torch.Tensor, sequence_ids: torch.Tensor | None, count: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-probs, target counts) per sequence: per row, or per numbered sequence of packed rows."""
+    """(summed log-probs, target counts) per sequence: per row, or per numbered sequence of packed rows (`count` of
+    them)."""
     if sequence_ids is None:
         return sequence_logps(per_token, mask)
-    return segment_logps(per_token, mask, sequence_ids, int(sequence_ids.max()) + 1)
+    return segment_logps(per_token, mask, sequence_ids, count)
