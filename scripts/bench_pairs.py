@@ -67,6 +67,10 @@ def main() -> int:
     parser.add_argument("--min-answer-tokens", type=int, default=None, help="draw each answer's length from here")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    for kind in ("prompt", "answer"):
+        least, most = getattr(args, f"min_{kind}_tokens"), getattr(args, f"{kind}_tokens")
+        if least is not None and not 1 <= least <= most:
+            parser.error(f"--min-{kind}-tokens {least} must be between 1 and --{kind}-tokens ({most})")
     tokenizer = load_tokenizer(load_recipe(args.recipe).recipe.model)
     text = "\n".join(read_documents("builtin:shakespeare"))
     records = pairs(
