@@ -106,15 +106,31 @@ def live_at_training_peak(snapshot: dict, train_from: int = 0, top: int = 20) ->
         elif event["action"] == "free_completed":
             live.pop(event.get("addr", index), None)
     sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    largest: dict[str, dict] = {}
     for event in live.values():
-        sites[_site(event)][0] += event["size"]
-        sites[_site(event)][1] += 1
+        site = _site(event)
+        sites[site][0] += event["size"]
+        sites[site][1] += 1
+        if event["size"] > largest.get(site, {"size": -1})["size"]:
+            largest[site] = event
     ranked = sorted(sites.items(), key=lambda item: -item[1][0])[:top]
     return {
         "event": peak_index,
         "allocated_gib": peak_bytes / GiB,
-        "sites": [{"site": site, "mib": round(size / 2**20, 1), "blocks": count} for site, (size, count) in ranked],
+        "sites": [
+            {"site": site, "mib": round(size / 2**20, 1), "blocks": count, "stack": _stack(largest[site])}
+            for site, (size, count) in ranked
+        ],
     }
+
+
+def _stack(event: dict, depth: int = 14) -> list[str]:
+    """The innermost frames of a block's allocation, so a site shared by two callers (a forward and its
+    recomputation in backward) can be told apart."""
+    return [
+        f"{f.get('filename', '').rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
+        for f in (event.get("frames") or [])[:depth]
+    ]
 
 
 def main() -> int:

@@ -69,7 +69,8 @@ def test_live_at_training_peak_groups_blocks_by_who_allocated_them():
     composition = segments.live_at_training_peak({"device_traces": [trace]}, train_from=2)
     assert composition["event"] == 4
     assert composition["allocated_gib"] == pytest.approx(170 / 1024)
-    assert composition["sites"] == [
+    assert [{k: site[k] for k in ("site", "mib", "blocks")} for site in composition["sites"]] == [
         {"site": "memtrain/model/loss.py:7 forward", "mib": 100.0, "blocks": 1},
         {"site": "transformers/models/llama/modeling_llama.py:10 forward", "mib": 70.0, "blocks": 2},
     ]
+    assert composition["sites"][1]["stack"] == ["functional.py:1 linear", "modeling_llama.py:10 forward"]
