@@ -77,11 +77,16 @@ def _wrap(mlp: nn.Module, tiles: int | str, hidden_size: int | None) -> None:
 
     @functools.wraps(original)
     def forward(hidden_states: torch.Tensor, *args, **kwargs):
-        # evaluation and generation keep nothing for backward: the plain forward is the cheaper one there
-        if args or kwargs or not (mlp.training and torch.is_grad_enabled()) or hidden_states.dim() < 2:
+        if args or kwargs or hidden_states.dim() < 2:
             return original(hidden_states, *args, **kwargs)
         count = tile_count(tiles, hidden_states.shape[-2], hidden_size or hidden_states.shape[-1])
         if count == 0:
+            return original(hidden_states)
+        if not torch.is_grad_enabled():
+            # validation and a long prompt's prefill: nothing is kept for backward, but an untiled MLP still
+            # holds the whole sequence's intermediates at once; at 32k tokens that outgrew the training peak
+            return torch.cat([original(part) for part in torch.tensor_split(hidden_states, count, dim=-2)], dim=-2)
+        if not mlp.training:
             return original(hidden_states)
         # read at each call: the trainable parameters are known only after PEFT and the recipe's freezing
         trainable = [p for p in mlp.parameters() if p.requires_grad]

@@ -106,6 +106,26 @@ def test_forward_keeps_only_the_mlp_input():
     assert torch.Size([2, 32, 128]) in sizes
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_without_grad_the_mlp_runs_tile_by_tile_to_the_untiled_output(family):
+    """Validation (no grad) at a long sequence: each tile's intermediates alone, the same output."""
+    model = tiny(family)
+    untiled = copy.deepcopy(model.model.layers[0].mlp).eval()
+    apply_mlp_tiles(model, Checkpointing(strategy="none", mlp_tiles=4))
+    mlp = model.model.layers[0].mlp.eval()
+    widths = []
+    first = next(m for m in mlp.modules() if isinstance(m, torch.nn.Linear))
+    first.register_forward_hook(lambda _m, inputs, _out: widths.append(inputs[0].shape[-2]))
+    x = torch.randn(2, 30, 64)
+    with torch.no_grad():
+        tiled_out = mlp(x)
+        torch.testing.assert_close(tiled_out, untiled(x), atol=1e-6, rtol=0)
+        assert widths == [8, 8, 7, 7]  # four tiles of the 30 tokens, none of them whole
+        widths.clear()
+        mlp(x[:, :1])  # one token (a generation step): untiled
+    assert widths == [1]
+
+
 def test_tile_count():
     assert tile_count("auto", 32_768, 3_584) == 10  # Qwen2.5-7B at 32k: ceil(32768 / 3584)
     assert tile_count("auto", 4_096, 4_096) == 0  # one tile: untiled
