@@ -14,7 +14,7 @@ from rich.table import Table
 from memtrain.checks.environment import Environment, current_environment, packages_needed
 from memtrain.checks.load import load_checked, recipe_checks
 from memtrain.commands.max_seq_len import max_seq_len_command
-from memtrain.data.rows.loader import sample_order, token_slots
+from memtrain.data.rows.loader import densest_row_samples, sample_order, token_slots
 from memtrain.data.rows.row_set import DataStats
 from memtrain.errors import Problem, RecipeError
 from memtrain.files import write_atomically
@@ -53,11 +53,25 @@ def load_for_plan(recipe: Path, overrides: list[str], env: Environment) -> Loade
     return load_checked(recipe, overrides, env, weights_fit=False, packages=False)
 
 
-def located_plan(loaded: LoadedRecipe, *, gpu: str | None, exact_pinned: bool, micro_batch: int | None = None) -> Plan:
+def located_plan(
+    loaded: LoadedRecipe,
+    *,
+    gpu: str | None,
+    exact_pinned: bool,
+    micro_batch: int | None = None,
+    densest_row_samples: int | None = None,
+) -> Plan:
     """plan_recipe as this command asks it: the recipe's name on the plan, and key-path errors placed at the
     recipe's file:line. exact_pinned: pinned host buffers priced as this PyTorch allocates them."""
     with loaded.sources.located():
-        return plan_recipe(loaded.recipe, gpu, micro_batch=micro_batch, exact_pinned=exact_pinned, name=loaded.name)
+        return plan_recipe(
+            loaded.recipe,
+            gpu,
+            micro_batch=micro_batch,
+            exact_pinned=exact_pinned,
+            name=loaded.name,
+            densest_row_samples=densest_row_samples,
+        )
 
 
 def verdict(plan: Plan) -> str:
@@ -321,7 +335,12 @@ def plan_command(
     loaded = load_for_plan(recipe, overrides, env)
     if max_seq_len:
         return max_seq_len_command(loaded, gpu=gpu, exact_pinned=exact_pinned, as_json=as_json, console=console)
-    plan = located_plan(loaded, gpu=gpu, exact_pinned=exact_pinned)
+    data = None
+    if with_data:  # built first: the plan then prices the attention backward by the densest row it holds
+        with tokenising_progress(), loaded.sources.located():
+            data = build_data(loaded.recipe)
+    densest = densest_row_samples(data.train_set) if data is not None else None
+    plan = located_plan(loaded, gpu=gpu, exact_pinned=exact_pinned, densest_row_samples=densest)
 
     advice = (
         [] if plan.fits else advise(loaded, gpu, exact_pinned=exact_pinned, checks=recipe_checks(env, packages=False))
@@ -350,9 +369,7 @@ def plan_command(
     offer_compile = plan.fits and compile_offered(loaded, plan)
     needed = packages_needed(loaded.recipe, env)
     per_step, data_warnings = None, ()
-    if with_data:
-        with tokenising_progress(), loaded.sources.located():
-            data = build_data(loaded.recipe)
+    if data is not None:
         per_step, data_warnings = data_per_step(loaded.recipe, data.train_set, plan.micro_batch), data.warnings
     if as_json:
         console.print_json(

@@ -271,6 +271,7 @@ class ActivationEstimate:
 
 # Blocks the "selective" strategy recomputes (the article's default: attention and MLP, never a residual add).
 SELECTIVE_BLOCKS = ("self_attn", "mlp")
+ATTENTION_BLOCK = SELECTIVE_BLOCKS[0]
 
 
 def _rule_blocks(
@@ -312,12 +313,14 @@ def estimate_activations(
     num_layers: int,
     layer_prefix: str = "model.layers",
     compiled: bool = False,
+    attention_backward_bytes: int = 0,
 ) -> ActivationEstimate:
     """Activation bytes of `num_layers` decoder layers under a checkpoint strategy, from one traced layer.
 
     Full checkpointing keeps one input per checkpointed layer; during backward one layer is recomputed
     in full, beside the gradients of its largest intermediate (input and output gradient). `compiled`: the
-    layers are compiled (COMPILED_RECOMPUTE_SHARE).
+    layers are compiled (COMPILED_RECOMPUTE_SHARE). attention_backward_bytes: what the attention kernel's backward
+    allocates for one call (plan/attention_backward.py; 0 where the trace holds it all).
     """
     trace = trace_layer(model, compute, micro_batch, seq_len)
     tiles = tile_count(checkpointing.mlp_tiles, seq_len, model_config(model).hidden_size)
@@ -361,18 +364,25 @@ def estimate_activations(
             host += host_bytes
     if compiled:
         recomputed += int(COMPILED_RECOMPUTE_SHARE * recomputed)
+    # what a recomputed layer's attention block brings back for its own backward (q, k, v, out, the projections' inputs)
+    attention_saved = trace.block_bytes(ATTENTION_BLOCK) if recomputed else 0
     # a tiled MLP's backward (in every layer, recomputed or not) holds one tile's intermediates at a time
     recomputed += tile_bytes
-    host_inputs = 0
+    host_inputs, brought_back = 0, 0
     if checkpointing.offload_inputs and strategy in ("every_layer", "every_n_layers", "first_n_layers"):
         # the checkpointed layers' inputs leave the GPU for pinned host memory; in backward each comes back for its
         # layer's recompute (copied on the compute stream, unpacked just before use): one input more on the GPU
         host_inputs = checkpointed
         saved -= checkpointed * trace.layer_input_bytes
-        recomputed += trace.layer_input_bytes if recomputed else 0
+        brought_back = trace.layer_input_bytes if recomputed else 0
+    # A layer's backward runs its MLP's first, then its attention's: the kernel's backward allocates for the whole
+    # call (attention_backward_bytes) once the MLP's saved tensors and their gradients are freed. Whichever phase
+    # holds more is the layer's peak.
+    mlp_phase = recomputed + gradient_transient
+    attention_phase = attention_saved + attention_backward_bytes
     return ActivationEstimate(
         saved_bytes=saved + trace.shared_bytes,
-        backward_extra_bytes=recomputed + gradient_transient,
+        backward_extra_bytes=brought_back + max(mlp_phase, attention_phase),
         host_bytes=host,
         host_inputs=host_inputs,
         host_input_bytes=trace.layer_input_bytes if host_inputs else 0,

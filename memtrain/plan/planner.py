@@ -14,18 +14,21 @@ gradient as a fifth phase, reference_forward (plan/preference.py).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from memtrain.configs import allocator_budget_bytes
 from memtrain.dtypes import DTYPE_BYTES
 from memtrain.errors import Problem, RecipeError
-from memtrain.model.attention import packs_samples, resolve_attention, with_attention
+from memtrain.model.attention import packs_samples, packs_steps, resolve_attention, with_attention
 from memtrain.model.compiled import resolve_compile
-from memtrain.model.config import model_architecture
+from memtrain.model.config import model_architecture, model_config
 from memtrain.model.kernels import uses_fused_loss
 from memtrain.model.tiled_mlp import tile_count
 from memtrain.model.varlen import ATTN_NAME as VARLEN
 from memtrain.plan.activations import estimate_activations, trace_layer
+from memtrain.plan.attention_backward import FLASH_KERNELS, flash_backward_bytes, sequences_in_micro_batch
 from memtrain.plan.calibration import Calibration, calibration
 from memtrain.plan.host import offload_host_bytes
 from memtrain.plan.host_save import checkpoint_file_bytes, checkpoint_save_bytes, host_kinds
@@ -159,6 +162,25 @@ def packed_attention_mask_bytes(recipe: Recipe, micro_batch: int) -> int:
     return micro_batch * recipe.data.seq_len * recipe.data.seq_len * element_bytes
 
 
+def _attention_backward_bytes(recipe: Recipe, rows: int, densest_row_samples: int | None) -> int:
+    """What one FlashAttention-2 backward allocates (attention_backward.py) with the kernel the run resolves on the
+    recipe's CUDA card: sequences restart inside packed rows and laid-out-packed steps (varlen or flash); eager
+    attention keeps its probabilities in the layer trace instead."""
+    resolved = with_attention(recipe, resolve_attention(recipe, varlen=True))
+    attention = model_architecture(resolved.model).attn_implementation
+    if attention not in FLASH_KERNELS:
+        return 0
+    restarts = attention != "sdpa" and (packs_samples(recipe) or packs_steps(resolved, recipe.hardware.world_size))
+    seq_len = recipe.data.seq_len
+    sequences = sequences_in_micro_batch(rows, seq_len, densest_row_samples, packed=restarts)
+    return flash_backward_bytes(
+        model_config(resolved.model),
+        tokens=rows * seq_len,
+        sequences=sequences,
+        compute_bytes=DTYPE_BYTES[recipe.precision.compute],
+    )
+
+
 def _head_bytes(counts: ParamCounts, compute_bytes: int, tokens: int) -> int:
     """Outside the layers: token ids kept by the embedding (int64) and the final norm (fp32 input copy,
     normalised and output in the compute dtype; the output is the lm_head / loss-chunk input)."""
@@ -259,6 +281,7 @@ def plan_recipe(
     micro_batch: int | None = None,
     exact_pinned: bool = True,
     name: str = "recipe",
+    densest_row_samples: int | None = None,
 ) -> Plan:
     """Predict the memory of a recipe on `gpu` (default: hardware.gpu) at `micro_batch`
     (default: the recipe's, with 'auto' resolved to the largest that fits). Pure: reads the recipe,
@@ -268,6 +291,8 @@ def plan_recipe(
     under the rounding threshold a run sets (memtrain.train.runtime.allocator); False prices PyTorch's
     power-of-two rounding, as older versions do. The run and `memtrain plan` pass what this PyTorch does.
     name: the recipe's name, for the plan's title.
+    densest_row_samples: the most samples one row of the training data holds, where the caller has counted them
+    (the variable-length attention's backward grows with them: attention_backward.py); else assumed.
     Raises RecipeError naming the key (not the file: the caller's Sources.locate adds file:line).
     """
     gpu = gpu or recipe.hardware.gpu
@@ -285,19 +310,28 @@ def plan_recipe(
         micro_batch = (
             recipe.batch.micro_batch
             if recipe.batch.micro_batch != "auto"
-            else resolve_micro_batch(recipe, gpu, exact_pinned)
+            else resolve_micro_batch(recipe, gpu, exact_pinned, densest_row_samples)
         )
     counts = _counts(recipe)
+    plan_at = functools.partial(
+        _plan,
+        name,
+        counts=counts,
+        cal=cal,
+        micro_batch=micro_batch,
+        exact_pinned=exact_pinned,
+        densest_row_samples=densest_row_samples,
+    )
     if recipe.checkpointing.strategy != "auto":
-        return _plan(name, recipe, counts, cal, micro_batch, exact_pinned)
-    on_gpu = _fewest_recomputed_layers(name, recipe, counts, cal, micro_batch, exact_pinned)
+        return plan_at(recipe)
+    on_gpu = _fewest_recomputed_layers(recipe, counts.num_layers, plan_at)
     # compiled layers cannot take the offload's saved-tensor hooks (recipe/rules.py refuses the pair)
     if _comfortable(on_gpu) or recipe.checkpointing.offload_inputs or resolve_compile(recipe, cuda=True):
         return on_gpu
     # Long sequences: the recomputed layers' inputs alone outgrow the card (16 GiB for Llama-3-8B at 65,536
     # tokens), so auto moves them to pinned host memory, and recomputes as few layers as fit then.
     on_host = _fewest_recomputed_layers(
-        name, _with_first_n_layers(recipe, 0, inputs_on_host=True), counts, cal, micro_batch, exact_pinned
+        _with_first_n_layers(recipe, 0, inputs_on_host=True), counts.num_layers, plan_at
     )
     if _comfortable(on_host):
         return on_host
@@ -306,12 +340,7 @@ def plan_recipe(
         # Longer still: one recomputed layer's MLP intermediates (seq_len x intermediate_size each) dominate what
         # is left, so auto computes the MLPs in tiles too (mlp_tiles auto), at one more MLP forward a layer.
         tiled = _fewest_recomputed_layers(
-            name,
-            _with_first_n_layers(recipe, 0, inputs_on_host=True, mlp_tiles="auto"),
-            counts,
-            cal,
-            micro_batch,
-            exact_pinned,
+            _with_first_n_layers(recipe, 0, inputs_on_host=True, mlp_tiles="auto"), counts.num_layers, plan_at
         )
         if _comfortable(tiled):
             return tiled
@@ -347,20 +376,18 @@ def _with_first_n_layers(
     return recipe.model_copy(update={"checkpointing": recipe.checkpointing.model_copy(update=update)})
 
 
-def _fewest_recomputed_layers(
-    name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micro_batch: int, exact_pinned: bool
-) -> Plan:
+def _fewest_recomputed_layers(recipe: Recipe, num_layers: int, plan_of: Callable[[Recipe], Plan]) -> Plan:
     """The plan of checkpointing 'auto': recompute the fewest decoder layers, from the first, whose plan
     fits without being tight. Memory falls as layers are added up to all but the last, so the search
     is a bisection there. The last layer is recomputed as soon as backward starts; that saves memory
     only when the loss's backward, which comes first, is larger than the layer (a large vocabulary,
     unchunked loss), so every layer is the answer only when it plans lower than all but the last,
-    which does not fit comfortably."""
+    which does not fit comfortably. plan_of: the plan of a recipe (all else fixed)."""
 
     def plan_at(layers: int) -> Plan:
-        return _plan(name, _with_first_n_layers(recipe, layers), counts, cal, micro_batch, exact_pinned)
+        return plan_of(_with_first_n_layers(recipe, layers))
 
-    low, high = 0, max(counts.num_layers - 1, 0)  # the answer lies in [low, high]
+    low, high = 0, max(num_layers - 1, 0)  # the answer lies in [low, high]
     while low < high:
         middle = (low + high) // 2
         plan = plan_at(middle)
@@ -369,20 +396,26 @@ def _fewest_recomputed_layers(
         else:
             low = middle + 1
     best = plan_at(high)
-    if not (best.fits and not best.tight) and counts.num_layers > 0:
-        every = plan_at(counts.num_layers)
+    if not (best.fits and not best.tight) and num_layers > 0:
+        every = plan_at(num_layers)
         if every.peak_reserved_bytes < best.peak_reserved_bytes:
             return every
     return best
 
 
 def resolve_checkpointing(
-    recipe: Recipe, micro_batch: int, gpu: str | None = None, exact_pinned: bool = True
+    recipe: Recipe,
+    micro_batch: int,
+    gpu: str | None = None,
+    exact_pinned: bool = True,
+    densest_row_samples: int | None = None,
 ) -> Recipe:
     """The recipe with checkpointing 'auto' made concrete (first_n_layers) at this micro-batch."""
     if recipe.checkpointing.strategy != "auto":
         return recipe
-    plan = plan_recipe(recipe, gpu, micro_batch=micro_batch, exact_pinned=exact_pinned)
+    plan = plan_recipe(
+        recipe, gpu, micro_batch=micro_batch, exact_pinned=exact_pinned, densest_row_samples=densest_row_samples
+    )
     return _with_first_n_layers(
         recipe, plan.recomputed_layers, inputs_on_host=plan.inputs_on_host, mlp_tiles=plan.mlp_tiles
     )
@@ -400,7 +433,14 @@ def _counts(recipe: Recipe) -> ParamCounts:
 
 
 def _plan(
-    name: str, recipe: Recipe, counts: ParamCounts, cal: Calibration, micro_batch: int, exact_pinned: bool
+    name: str,
+    recipe: Recipe,
+    *,
+    counts: ParamCounts,
+    cal: Calibration,
+    micro_batch: int,
+    exact_pinned: bool,
+    densest_row_samples: int | None,
 ) -> Plan:
     """The whole plan: the model states placed, the step's phases priced, reserved memory from the allocator's
     slack, the host and NVMe bytes."""
@@ -410,7 +450,9 @@ def _plan(
     # compiled layers as the run would build them on a CUDA GPU (train.compile auto resolved for the plan's card)
     compiled = resolve_compile(recipe, cuda=True)
     shape = preference_shape(recipe)  # a preference objective's micro-batch of pairs is twice as many rows
-    acts, head, logits = _forward_terms(recipe, counts, micro_batch, shape.rows_per_sample, compiled=compiled)
+    acts, head, logits = _forward_terms(
+        recipe, counts, micro_batch, shape.rows_per_sample, compiled=compiled, densest_row_samples=densest_row_samples
+    )
     buffers = _buffers(recipe, counts, stage, cal)
     model_states = states.gpu_params + states.gpu_gradients + states.gpu_optimizer_states
     saved = acts.saved_bytes + head
@@ -521,7 +563,15 @@ def _placed_states(recipe: Recipe, counts: ParamCounts) -> StateBytes:
     return with_quantized_params(states, counts, DTYPE_BYTES[p.storage])
 
 
-def _forward_terms(recipe: Recipe, counts: ParamCounts, micro_batch: int, rows_per_sample: int, *, compiled: bool):
+def _forward_terms(
+    recipe: Recipe,
+    counts: ParamCounts,
+    micro_batch: int,
+    rows_per_sample: int,
+    *,
+    compiled: bool,
+    densest_row_samples: int | None,
+):
     """What the forward leaves for backward: the decoder layers' activations, the head's input (and a packed
     attention mask), and the logits and loss. With model.kernels resolved to liger the trace is edited by what
     Liger's RMSNorm and SwiGLU keep (activations.py). rows_per_sample: a preference objective's micro-batch of
@@ -537,6 +587,7 @@ def _forward_terms(recipe: Recipe, counts: ParamCounts, micro_batch: int, rows_p
         counts.num_layers,
         counts.layers_name,
         compiled=compiled,
+        attention_backward_bytes=_attention_backward_bytes(recipe, rows, densest_row_samples),
     )
     head = _head_bytes(counts, DTYPE_BYTES[p.compute], rows * seq_len) + packed_attention_mask_bytes(
         recipe, micro_batch
@@ -769,7 +820,9 @@ def micro_batch_candidates(recipe: Recipe) -> list[int]:
     return [m for m in range(1, per_gpu + 1) if per_gpu % m == 0]
 
 
-def resolve_micro_batch(recipe: Recipe, gpu: str | None = None, exact_pinned: bool = True) -> int:
+def resolve_micro_batch(
+    recipe: Recipe, gpu: str | None = None, exact_pinned: bool = True, densest_row_samples: int | None = None
+) -> int:
     """The largest micro-batch dividing global_batch // world_size that fits the card (1 when none does),
     at the largest allocator slack measured for such runs (a tight fit is not taken).
 
@@ -779,7 +832,9 @@ def resolve_micro_batch(recipe: Recipe, gpu: str | None = None, exact_pinned: bo
         return recipe.batch.global_batch // recipe.hardware.world_size
     best = 1
     for candidate in micro_batch_candidates(recipe):
-        plan = plan_recipe(recipe, gpu, micro_batch=candidate, exact_pinned=exact_pinned)
+        plan = plan_recipe(
+            recipe, gpu, micro_batch=candidate, exact_pinned=exact_pinned, densest_row_samples=densest_row_samples
+        )
         if not plan.fits or plan.tight:
             break
         best = candidate

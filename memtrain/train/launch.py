@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from memtrain.data.rows.identity import data_files, data_fingerprint
+from memtrain.data.rows.loader import densest_row_samples
 from memtrain.errors import Problem, UserError
 from memtrain.model.architecture import check_attention_kernel
 from memtrain.model.attention import packs_steps
@@ -84,7 +85,8 @@ def prepare(
     fingerprint = data_fingerprint(r.data, data.train_set, data.val_set)  # the cache keys and row layout: no re-read
     clock.mark("data")
     exact_pinned = exact_pinned_supported()
-    warnings = [*data.warnings, *check_memory(loaded, exact_pinned)]  # the data's own (render.py), then memory
+    densest = densest_row_samples(data.train_set)  # the planner prices the attention backward by it
+    warnings = [*data.warnings, *check_memory(loaded, exact_pinned, densest)]  # the data's own (render.py), then memory
     with loaded.sources.located():
         run = resolve_run(
             r,
@@ -94,6 +96,7 @@ def prepare(
             exact_pinned,
             data_fingerprint=fingerprint,
             data_files=files,
+            densest_row_samples=densest,
         )
     clock.mark("plan")
     if r.batch.micro_batch == "auto":  # the default: the size is the planner's, for the recipe's card

@@ -168,11 +168,11 @@ def total_steps(recipe: Recipe, n_train_samples: int) -> int:
     return steps
 
 
-def resolve_micro_batch_of(recipe: Recipe, exact_pinned: bool) -> int:
+def resolve_micro_batch_of(recipe: Recipe, exact_pinned: bool, densest_row_samples: int | None = None) -> int:
     """batch.micro_batch, or for 'auto' the planner's largest fit on the recipe's card."""
     if recipe.batch.micro_batch != "auto":
         return recipe.batch.micro_batch
-    return resolve_micro_batch(recipe, exact_pinned=exact_pinned)
+    return resolve_micro_batch(recipe, exact_pinned=exact_pinned, densest_row_samples=densest_row_samples)
 
 
 def resolve_run(
@@ -184,6 +184,7 @@ def resolve_run(
     kernels: KernelSupport | None = None,
     data_fingerprint: dict[str, str] | None = None,
     data_files: dict[str, list[str]] | None = None,
+    densest_row_samples: int | None = None,
 ) -> ResolvedRun:
     """Resolve a validated recipe for this machine: attention and kernels, micro-batch, recomputed layers, steps, the
     plan's figures.
@@ -191,16 +192,18 @@ def resolve_run(
     kernels: what this machine offers Liger's kernels and compilation (default: asked of this machine). Compiled
     layers, then the kernels (which depend on them) are resolved first, so the planner prices the loss and layers
     the run will build. data_fingerprint, data_files: the built data's digests and its files' fingerprints
-    (memtrain.data.rows.identity), kept in run.json.
+    (memtrain.data.rows.identity), kept in run.json. densest_row_samples: the built data's (loader.densest_row_samples),
+    for every plan made here.
     """
     support = kernels or KernelSupport.current()
     recipe = with_attention(recipe, resolve_attention(recipe, support.varlen))
     recipe = with_compile(recipe, resolve_compile(recipe, support.cuda))
     recipe = with_kernels(recipe, resolve_kernels(recipe.model, support, compiled=recipe.train.compile))
-    recipe_micro_batch = resolve_micro_batch_of(recipe, exact_pinned)
+    dense = densest_row_samples
+    recipe_micro_batch = resolve_micro_batch_of(recipe, exact_pinned, dense)
     per_rank_batch = recipe.batch.global_batch // recipe.hardware.world_size
     micro_batch = min(recipe_micro_batch, per_rank_batch)
-    resolved = resolve_checkpointing(recipe, micro_batch, exact_pinned=exact_pinned)
+    resolved = resolve_checkpointing(recipe, micro_batch, exact_pinned=exact_pinned, densest_row_samples=dense)
     return ResolvedRun(
         name=name,
         recipe=resolved,
@@ -209,8 +212,8 @@ def resolve_run(
         micro_batch=micro_batch,
         total_steps=total_steps(recipe, n_train_samples),
         exact_pinned=exact_pinned,
-        plan_peak_reserved_bytes=_planned_peak(resolved, exact_pinned),
-        planner_prior=_planner_prior(resolved, exact_pinned),
+        plan_peak_reserved_bytes=_planned_peak(resolved, exact_pinned, dense),
+        planner_prior=_planner_prior(resolved, exact_pinned, dense),
         data_fingerprint=data_fingerprint,
         data_files=data_files,
     )
@@ -241,19 +244,25 @@ def with_kernels(recipe: Recipe, kernels: str) -> Recipe:
     return recipe.model_copy(update={"model": recipe.model.model_copy(update={"kernels": kernels})})
 
 
-def _planned_peak(recipe: Recipe, exact_pinned: bool) -> int | None:
+def _planned_peak(recipe: Recipe, exact_pinned: bool, densest_row_samples: int | None) -> int | None:
     try:
-        return int(plan_recipe(recipe, exact_pinned=exact_pinned).peak_reserved_bytes)
+        return int(
+            plan_recipe(recipe, exact_pinned=exact_pinned, densest_row_samples=densest_row_samples).peak_reserved_bytes
+        )
     except Exception:  # noqa: BLE001 — the plan is a reference line in reports, never a reason to stop training
         return None
 
 
-def _planner_prior(recipe: Recipe, exact_pinned: bool) -> tuple[float, float] | None:
+def _planner_prior(recipe: Recipe, exact_pinned: bool, densest_row_samples: int | None) -> tuple[float, float] | None:
     """The planner's peak as a + b · micro_batch (from plans at micro-batch 1 and 2): the batch
     policy's starting line before it has observed any step."""
     try:
-        one = plan_recipe(recipe, micro_batch=1, exact_pinned=exact_pinned).peak_reserved_bytes
-        two = plan_recipe(recipe, micro_batch=2, exact_pinned=exact_pinned).peak_reserved_bytes
+        one, two = (
+            plan_recipe(
+                recipe, micro_batch=size, exact_pinned=exact_pinned, densest_row_samples=densest_row_samples
+            ).peak_reserved_bytes
+            for size in (1, 2)
+        )
     except Exception:  # noqa: BLE001 — without a prior the policy learns from observed peaks
         return None
     slope = max(two - one, 1)

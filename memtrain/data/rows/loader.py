@@ -222,6 +222,17 @@ def packing_units(dataset) -> tuple[np.ndarray, int]:
     return units() if units is not None else (dataset.lengths, dataset.seq_len)
 
 
+def densest_row_samples(dataset) -> int:
+    """The most sequences one row of seq_len tokens may hold as the run lays its rows out, for the planner (the
+    attention kernel's backward grows with them): a packed row's samples; where steps are laid out packed, as many of
+    the shortest items as fit a row's width (an upper bound; a pair's two sequences over its two rows' width)."""
+    lengths, width = packing_units(dataset)
+    shortest_that_fit = int(np.searchsorted(np.cumsum(np.sort(lengths)), width, side="right")) if len(lengths) else 0
+    row_starts = getattr(dataset, "row_starts", None)
+    packed = int(np.diff(row_starts).max()) if row_starts is not None and len(row_starts) > 1 else 1
+    return max(1, packed, shortest_that_fit)
+
+
 def packed_micro_batches(dataset, samples: list[int], micro_batch: int) -> list[list[int]]:
     """A step's `samples` (dataset rows of one sample each, or pairs) laid into rows (`packing_units`) as packed data
     is (best fit, longest first: packing.pack_rows), and the rows taken `micro_batch` at a time: each micro-batch is

@@ -29,11 +29,14 @@ def host_capacity_bytes(loaded: LoadedRecipe) -> int:
     return loaded.recipe.hardware.host_memory or psutil.virtual_memory().total
 
 
-def check_memory(loaded: LoadedRecipe, exact_pinned: bool) -> list[str]:
-    """Raise UserError when the predicted host memory exceeds the host; return warnings for people."""
+def check_memory(loaded: LoadedRecipe, exact_pinned: bool, densest_row_samples: int | None = None) -> list[str]:
+    """Raise UserError when the predicted host memory exceeds the host; return warnings for people.
+    densest_row_samples: counted in the built data (loader.densest_row_samples)."""
     try:
         with loaded.sources.located():
-            plan = plan_recipe(loaded.recipe, exact_pinned=exact_pinned, name=loaded.name)
+            plan = plan_recipe(
+                loaded.recipe, exact_pinned=exact_pinned, name=loaded.name, densest_row_samples=densest_row_samples
+            )
     except UserError:
         raise
     except Exception as error:  # noqa: BLE001 — the plan advises; a model it cannot trace still trains

@@ -12,6 +12,7 @@ from memtrain.data.rows.dataset import build_datasets
 from memtrain.data.rows.loader import (
     BatchLoader,
     collate,
+    densest_row_samples,
     next_fit_rows,
     packed_micro_batches,
     sample_order,
@@ -134,3 +135,19 @@ def test_a_packed_step_has_the_loss_and_gradients_of_its_cut_rows(chat_rows, cha
     assert grads_packed.keys() == grads_cut.keys()
     for name, grad in grads_cut.items():
         assert torch.allclose(grads_packed[name], grad, atol=1e-6, rtol=1e-4), name
+
+
+def test_the_densest_row_is_the_most_of_the_shortest_samples_that_fit_one(chat_rows):
+    _, train = chat_rows
+    lengths = np.sort(train.lengths)
+    most = densest_row_samples(train)
+    assert lengths[:most].sum() <= SEQ_LEN < lengths[: most + 1].sum()
+    assert densest_row_samples(Lengths([100, 90, 60, 20, 5, 128], seq_len=128)) == 3  # 5 + 20 + 60
+
+
+def test_the_densest_packed_row_is_counted_as_packed(chat_tokenizer, make_data):
+    data = make_data(train=CHAT, validation=CHAT_VALIDATION, seq_len=SEQ_LEN, packing=True, template="chatml")
+    train, _ = build_datasets(data, chat_tokenizer, seed=0)
+    per_row = np.diff(train.row_starts)
+    assert per_row.max() > 1
+    assert densest_row_samples(train) == per_row.max()
