@@ -21,6 +21,7 @@ from memtrain.files import write_atomically
 from memtrain.model.attention import packs_steps, resolve_attention, with_attention
 from memtrain.model.compiled import resolve_compile
 from memtrain.plan.advice import Advice, advise
+from memtrain.plan.attention_backward import ASSUMED_SAMPLE_TOKENS
 from memtrain.plan.planner import TERMS, Plan, plan_recipe, resolve_micro_batch
 from memtrain.recipe.load import apply_overrides, input_paths, is_relative_path
 from memtrain.recipe.schema import gpu_spec
@@ -114,6 +115,17 @@ def plan_table(plan: Plan, auto_micro_batch: bool = False) -> Table:
         if term == "reduce_stream" and not plan.terms[term]:
             continue  # only ZeRO-3 with an offloaded optimizer has one; the article's rows always show
         table.add_row(LABELS[term], f"{gib(plan.terms[term]):.2f}")
+        if term == "activations" and plan.packed_sequences:
+            source = (
+                "the data's densest row"
+                if plan.packed_sequences_counted
+                else f"assumed: samples of {ASSUMED_SAMPLE_TOKENS} tokens; --data counts them"
+            )
+            table.add_row(
+                f"  [dim]attention backward priced for {plan.packed_sequences} packed sequences a micro-batch "
+                f"({source})[/]",
+                "",
+            )
     table.add_section()
     for phase, allocated in plan.phases.items():
         marker = " ← peak" if phase == plan.peak_phase else ""

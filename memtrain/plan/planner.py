@@ -91,6 +91,9 @@ class Plan:
     preference: str = ""  # a preference objective's rows and reference, said (plan/preference.py); "" for SFT
     host_phases: dict[str, int] = field(default_factory=dict)  # training / checkpoint_save: host_bytes is the larger
     host_kinds: dict[str, int] = field(default_factory=dict)  # the peak's pinned and pageable bytes; page_cache apart
+    # sequences a micro-batch's packed rows hold, as the attention backward is priced (0: rows are not packed for it)
+    packed_sequences: int = 0
+    packed_sequences_counted: bool = False  # counted in the data (run, plan --data), else assumed (attention_backward)
 
     @property
     def host_peak_phase(self) -> str:
@@ -162,23 +165,24 @@ def packed_attention_mask_bytes(recipe: Recipe, micro_batch: int) -> int:
     return micro_batch * recipe.data.seq_len * recipe.data.seq_len * element_bytes
 
 
-def _attention_backward_bytes(recipe: Recipe, rows: int, densest_row_samples: int | None) -> int:
-    """What one FlashAttention-2 backward allocates (attention_backward.py) with the kernel the run resolves on the
-    recipe's CUDA card: sequences restart inside packed rows and laid-out-packed steps (varlen or flash); eager
-    attention keeps its probabilities in the layer trace instead."""
+def _attention_backward(recipe: Recipe, rows: int, densest_row_samples: int | None) -> tuple[int, int]:
+    """(what one FlashAttention-2 backward allocates (attention_backward.py) with the kernel the run resolves on the
+    recipe's CUDA card, the sequences priced where they restart inside rows, else 0): sequences restart inside packed
+    rows and laid-out-packed steps (varlen or flash); eager attention keeps its probabilities in the layer trace."""
     resolved = with_attention(recipe, resolve_attention(recipe, varlen=True))
     attention = model_architecture(resolved.model).attn_implementation
     if attention not in FLASH_KERNELS:
-        return 0
+        return 0, 0
     restarts = attention != "sdpa" and (packs_samples(recipe) or packs_steps(resolved, recipe.hardware.world_size))
     seq_len = recipe.data.seq_len
     sequences = sequences_in_micro_batch(rows, seq_len, densest_row_samples, packed=restarts)
-    return flash_backward_bytes(
+    workspace = flash_backward_bytes(
         model_config(resolved.model),
         tokens=rows * seq_len,
         sequences=sequences,
         compute_bytes=DTYPE_BYTES[recipe.precision.compute],
     )
+    return workspace, sequences if restarts else 0
 
 
 def _head_bytes(counts: ParamCounts, compute_bytes: int, tokens: int) -> int:
@@ -450,8 +454,11 @@ def _plan(
     # compiled layers as the run would build them on a CUDA GPU (train.compile auto resolved for the plan's card)
     compiled = resolve_compile(recipe, cuda=True)
     shape = preference_shape(recipe)  # a preference objective's micro-batch of pairs is twice as many rows
+    attention_bytes, packed_sequences = _attention_backward(
+        recipe, micro_batch * shape.rows_per_sample, densest_row_samples
+    )
     acts, head, logits = _forward_terms(
-        recipe, counts, micro_batch, shape.rows_per_sample, compiled=compiled, densest_row_samples=densest_row_samples
+        recipe, counts, micro_batch, shape.rows_per_sample, compiled=compiled, attention_backward_bytes=attention_bytes
     )
     buffers = _buffers(recipe, counts, stage, cal)
     model_states = states.gpu_params + states.gpu_gradients + states.gpu_optimizer_states
@@ -538,6 +545,8 @@ def _plan(
         mlp_tiles=recipe.checkpointing.mlp_tiles,
         compiled_layers=compiled,
         preference=describe(shape, recipe.train.objective),
+        packed_sequences=packed_sequences,
+        packed_sequences_counted=densest_row_samples is not None,
     )
 
 
@@ -570,7 +579,7 @@ def _forward_terms(
     rows_per_sample: int,
     *,
     compiled: bool,
-    densest_row_samples: int | None,
+    attention_backward_bytes: int,
 ):
     """What the forward leaves for backward: the decoder layers' activations, the head's input (and a packed
     attention mask), and the logits and loss. With model.kernels resolved to liger the trace is edited by what
@@ -587,7 +596,7 @@ def _forward_terms(
         counts.num_layers,
         counts.layers_name,
         compiled=compiled,
-        attention_backward_bytes=_attention_backward_bytes(recipe, rows, densest_row_samples),
+        attention_backward_bytes=attention_backward_bytes,
     )
     head = _head_bytes(counts, DTYPE_BYTES[p.compute], rows * seq_len) + packed_attention_mask_bytes(
         recipe, micro_batch
