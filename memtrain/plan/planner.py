@@ -165,7 +165,9 @@ def packed_attention_mask_bytes(recipe: Recipe, micro_batch: int) -> int:
     return micro_batch * recipe.data.seq_len * recipe.data.seq_len * element_bytes
 
 
-def _attention_backward(recipe: Recipe, rows: int, densest_row_samples: int | None) -> tuple[int, int]:
+def _attention_backward(
+    recipe: Recipe, rows: int, rows_per_sample: int, densest_row_samples: int | None
+) -> tuple[int, int]:
     """(what one FlashAttention-2 backward allocates (attention_backward.py) with the kernel the run resolves on the
     recipe's CUDA card, the sequences priced where they restart inside rows, else 0): sequences restart inside packed
     rows and laid-out-packed steps (varlen or flash); eager attention keeps its probabilities in the layer trace."""
@@ -173,9 +175,12 @@ def _attention_backward(recipe: Recipe, rows: int, densest_row_samples: int | No
     attention = model_architecture(resolved.model).attn_implementation
     if attention not in FLASH_KERNELS:
         return 0, 0
-    restarts = attention != "sdpa" and (packs_samples(recipe) or packs_steps(resolved, recipe.hardware.world_size))
+    laid_out = attention != "sdpa" and packs_steps(resolved, recipe.hardware.world_size)
+    restarts = laid_out or (attention != "sdpa" and packs_samples(recipe))
     seq_len = recipe.data.seq_len
     sequences = sequences_in_micro_batch(rows, seq_len, densest_row_samples, packed=restarts)
+    if laid_out:  # a micro-batch laid out from one step's samples holds no more sequences than the step
+        sequences = min(sequences, recipe.batch.global_batch // recipe.hardware.world_size * rows_per_sample)
     workspace = flash_backward_bytes(
         model_config(resolved.model),
         tokens=rows * seq_len,
@@ -455,7 +460,7 @@ def _plan(
     compiled = resolve_compile(recipe, cuda=True)
     shape = preference_shape(recipe)  # a preference objective's micro-batch of pairs is twice as many rows
     attention_bytes, packed_sequences = _attention_backward(
-        recipe, micro_batch * shape.rows_per_sample, densest_row_samples
+        recipe, micro_batch * shape.rows_per_sample, shape.rows_per_sample, densest_row_samples
     )
     acts, head, logits = _forward_terms(
         recipe, counts, micro_batch, shape.rows_per_sample, compiled=compiled, attention_backward_bytes=attention_bytes

@@ -72,3 +72,19 @@ def test_a_few_long_samples_leave_the_mlp_phase_the_peak():
 def test_text_windows_are_one_sequence_a_row_whatever_the_count():
     text = ["data.train=builtin:shakespeare", "data.validation=null", "data.seq_len=4096"]
     assert _plan(text, None).peak_allocated_bytes == _plan(text, 5000).peak_allocated_bytes
+
+
+def test_a_step_laid_out_packed_holds_no_more_sequences_than_the_step():
+    """Unpacked chat laid out packed at run time: a micro-batch's rows come from one step's samples only."""
+    chat = [
+        "data.packing=false",
+        "data.seq_len=4096",
+        "checkpointing.mlp_tiles=0",
+        "checkpointing.offload_inputs=false",
+        "batch.micro_batch=2",
+        "batch.global_batch=6",
+    ]
+    plan = _plan(chat, 1000)
+    assert plan.packed_sequences == 6  # not 2 rows x 1,000
+    assert _plan(chat, None).packed_sequences == 6  # nor 2 rows x 16 assumed samples of 256 tokens
+    assert _plan([*chat[:-1], "batch.global_batch=64"], 3).packed_sequences == 6  # 2 rows x 3
