@@ -14,7 +14,13 @@ from memtrain.commands.run import run_command
 from memtrain.errors import UserError
 from memtrain.train.resolve import RunOptions
 from memtrain.train.state.checkpoint import DS_TAG, latest_checkpoint
-from memtrain.train.state.frozen_base import FROZEN_BASE_FILE, SAMPLES, base_problem, module_problem
+from memtrain.train.state.frozen_base import (
+    FROZEN_BASE_FILE,
+    SAMPLES,
+    base_problem,
+    module_problem,
+    sample_positions,
+)
 from memtrain.train.state.manifest import MANIFEST_FILE
 from tests.conftest import train_losses
 
@@ -267,3 +273,20 @@ def test_two_zero3_ranks_record_one_base_and_a_stopped_run_resumes_exactly(write
     assert sorted(b) == list(range(1, 9))
     for step in range(1, 9):
         assert b[step] == pytest.approx(a[step], abs=1e-5), step
+
+
+@pytest.mark.parametrize("numel", [545_259_520, 525_336_576, 65_536_000, 16_777_217])
+def test_sampled_positions_of_a_7b_embedding_stay_inside_it(numel):
+    """Qwen2.5-7B's and Llama-3-8B's embeddings (and a 1.1B's): float32 linspace put the last index one past the end,
+    and indexing there failed the first save of every 7B LoRA run on the GPU (a device-side assert)."""
+    positions = sample_positions(numel)
+    assert positions.dtype == torch.int64 and len(positions) == SAMPLES
+    assert positions.min() == 0 and positions.max() == numel - 1
+    assert bool((positions[1:] >= positions[:-1]).all())
+
+
+def test_positions_of_tensors_saved_before_are_unchanged():
+    """Where float32 linspace stayed inside the tensor, the indices (so the digests of saved checkpoints) are kept."""
+    for numel in (1, 7, 64, 1000, 2**20 + 3, 2**24):
+        before = torch.linspace(0, numel - 1, min(SAMPLES, numel)).long()
+        assert torch.equal(sample_positions(numel), before)
