@@ -27,7 +27,7 @@ from __future__ import annotations
 from memtrain.model.config import model_config
 from memtrain.plan.model_states import sub_group_elements
 from memtrain.plan.params import count_parameters
-from memtrain.plan.zero import bucket_elements, grad_accum_steps
+from memtrain.plan.zero import bucket_elements, grad_accum_steps, overlaps_comm
 from memtrain.recipe.schema import Recipe
 
 NEVER_PRINT = 2**31 - 1
@@ -100,7 +100,7 @@ def _zero(recipe: Recipe, hidden_size: int, largest_param_numel: int) -> dict:
     if stage == 0:
         return zero
     zero.update(
-        overlap_comm=o.overlap_comm and stage >= 2,
+        overlap_comm=overlaps_comm(recipe) and stage >= 2,
         contiguous_gradients=True,
         reduce_bucket_size=bucket,
     )

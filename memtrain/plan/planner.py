@@ -38,7 +38,7 @@ from memtrain.plan.params import ParamCounts, count_parameters
 from memtrain.plan.pinned import pinned_bytes
 from memtrain.plan.preference import describe, preference_shape
 from memtrain.plan.quantized import with_quantized_params
-from memtrain.plan.zero import bucket_elements, grad_accum_steps
+from memtrain.plan.zero import bucket_elements, grad_accum_steps, overlaps_comm
 from memtrain.recipe.schema import Checkpointing, Recipe
 from memtrain.units import GiB
 
@@ -258,7 +258,7 @@ def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) 
     reduce, _ = bucket_elements(recipe, counts.hidden_size)
     if recipe.offload.optimizer == "none" and stage < 3:
         reduce = min(reduce, counts.trainable)
-    factor = cal.zero_bucket_factor if recipe.offload.overlap_comm else 1.0
+    factor = cal.zero_bucket_factor if overlaps_comm(recipe) else 1.0
     reduce_bytes = int(reduce * compute_bytes * factor)
     if stage < 3:
         return ZeroBuffers(reduce_bytes=reduce_bytes)

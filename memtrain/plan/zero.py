@@ -19,6 +19,15 @@ def bucket_elements(recipe: Recipe, hidden_size: int) -> tuple[int, int]:
     return reduce, prefetch
 
 
+def overlaps_comm(recipe: Recipe) -> bool:
+    """offload.overlap_comm with auto resolved: overlap where reductions cross GPUs or states travel to the host or
+    NVMe, not on one GPU that holds everything (nothing to overlap, buckets held for nothing)."""
+    o = recipe.offload
+    if o.overlap_comm != "auto":
+        return o.overlap_comm
+    return recipe.hardware.world_size > 1 or o.optimizer != "none" or o.params != "none"
+
+
 def grad_accum_steps(global_batch: int, micro_batch: int, gpus: int) -> int:
     """Micro-batches per optimizer step per GPU (the last one may be smaller when it does not divide)."""
     return math.ceil(global_batch / (micro_batch * gpus))

@@ -690,7 +690,15 @@ class Offload(Section):
             "fp32 master weights only, offload.optimizer=cpu)."
         ),
     )
-    overlap_comm: bool = Field(True, description="Overlap gradient reduction / transfers with backward.")
+    overlap_comm: bool | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "Overlap gradient reduction and transfers with backward on a side stream (ZeRO 2 and 3), at the cost of "
+            "several reduce buckets alive at once. auto: on where there is something to overlap (several GPUs, or "
+            "states offloaded to the CPU or NVMe); off on one GPU that holds everything, where it only held memory "
+            "(0.10 GiB more reserved at the same speed for Llama-3-8B LoRA)."
+        ),
+    )
     buffer_count: int = Field(5, ge=1, description="Parameter buffers for NVMe/CPU parameter offload.")
     max_live_parameters: int = Field(1_000_000_000, ge=0, description="ZeRO-3: parameters resident on the GPU at once.")
     prefetch_bucket_size: int | Literal["auto"] = Field(

@@ -13,7 +13,7 @@ from memtrain.plan.calibration import calibration
 from memtrain.plan.model_states import place_model_states
 from memtrain.plan.params import count_parameters
 from memtrain.plan.planner import plan_recipe, resolve_micro_batch
-from memtrain.plan.zero import bucket_elements
+from memtrain.plan.zero import bucket_elements, overlaps_comm
 from memtrain.recipe.load import load_recipe_text
 from memtrain.recipe.schema import Lora, Model
 from tests.conftest import saved_for_backward_bytes
@@ -211,10 +211,15 @@ def test_lora_counts_only_trainable_parameters_for_gradients_and_optimizer():
 def test_deepspeed_buffers_are_overlapping_reduce_buckets():
     recipe = tiny().recipe
     reduce, _ = bucket_elements(recipe, 256)
-    plan = plan_recipe(tiny().recipe)
     factor = calibration("24GiB").zero_bucket_factor
-    assert plan.deepspeed_buffers == int(reduce * 2 * factor)
+    overlapping = plan_recipe(tiny(overrides=["offload.overlap_comm=true"]).recipe)
+    assert overlapping.deepspeed_buffers == int(reduce * 2 * factor)
     assert plan_recipe(tiny(overrides=["offload.overlap_comm=false"]).recipe).deepspeed_buffers == reduce * 2
+    # auto: one GPU holding everything has nothing to overlap; states on the CPU or a second GPU have
+    assert plan_recipe(recipe).deepspeed_buffers == reduce * 2
+    offloaded = tiny(overrides=["offload.optimizer=cpu"]).recipe
+    assert overlaps_comm(offloaded) and not overlaps_comm(recipe)
+    assert overlaps_comm(tiny(overrides=["hardware.gpus=2"]).recipe)
 
 
 def test_logits_term_by_hand_and_chunking_removes_most_of_it():
