@@ -459,11 +459,14 @@ def write_tables(out: Path, view: Path, rows: list[dict], expandable: bool = Tru
 
 def case_overrides(case: Case, gpu: str, runs: Path, nvme_path: Path, expandable: bool = True) -> list[str]:
     """The case's overrides plus what every accuracy run sets: the card and its cap, the CUDA allocator's
-    mode, 3 short steps, its own dirs, and the eager kernels and eager layers the calibrating rows were measured
-    with (a case may ask for model.kernels=liger or train.compile=true: its own override comes later and wins)."""
+    mode, 3 short steps, its own dirs, and the eager kernels, eager layers and overlapping reduce buckets the
+    calibrating rows were measured with (offload.overlap_comm auto turns the overlap off on one GPU holding
+    everything now; a case may ask for model.kernels=liger or train.compile=true: its own override comes later and
+    wins)."""
     overrides = [
         "model.kernels=none",
         "train.compile=false",
+        "offload.overlap_comm=true",
         *case.overrides,
         f"hardware.gpu={gpu}",
         "hardware.cap_memory=true",
