@@ -18,6 +18,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from transformers import PretrainedConfig
+
 from memtrain.configs import allocator_budget_bytes
 from memtrain.dtypes import DTYPE_BYTES
 from memtrain.errors import Problem, RecipeError
@@ -157,12 +159,19 @@ def packed_attention_mask_bytes(recipe: Recipe, micro_batch: int) -> int:
     CUDA card), and text windows need no mask."""
     if not packs_samples(recipe):
         return 0
-    resolved = with_attention(recipe, resolve_attention(recipe, varlen=True))
-    attention = model_architecture(resolved.model).attn_implementation
+    _, config = _on_card(recipe)
+    attention = config._attn_implementation
     if attention.startswith("flash") or attention == VARLEN:
         return 0
     element_bytes = DTYPE_BYTES[recipe.precision.compute] if attention == "eager" else 1
     return micro_batch * recipe.data.seq_len * recipe.data.seq_len * element_bytes
+
+
+def _on_card(recipe: Recipe) -> tuple[Recipe, PretrainedConfig]:
+    """The recipe with model.attn_implementation resolved as the run resolves it on the recipe's CUDA card, and its
+    model's config, whose _attn_implementation is the kernel the architecture then runs (Gemma-2: eager)."""
+    resolved = with_attention(recipe, resolve_attention(recipe, varlen=True))
+    return resolved, model_config(resolved.model)
 
 
 def _attention_backward(
@@ -171,18 +180,18 @@ def _attention_backward(
     """(what one FlashAttention-2 backward allocates (attention_backward.py) with the kernel the run resolves on the
     recipe's CUDA card, the sequences priced where they restart inside rows, else 0): sequences restart inside packed
     rows and laid-out-packed steps (varlen or flash); eager attention keeps its probabilities in the layer trace."""
-    resolved = with_attention(recipe, resolve_attention(recipe, varlen=True))
-    attention = model_architecture(resolved.model).attn_implementation
+    resolved, config = _on_card(recipe)
+    attention = config._attn_implementation
     if attention not in FLASH_KERNELS:
         return 0, 0
-    laid_out = attention != "sdpa" and packs_steps(resolved, recipe.hardware.world_size)
+    laid_out = packs_steps(resolved, recipe.hardware.world_size)  # varlen only
     restarts = laid_out or (attention != "sdpa" and packs_samples(recipe))
     seq_len = recipe.data.seq_len
     sequences = sequences_in_micro_batch(rows, seq_len, densest_row_samples, packed=restarts)
     if laid_out:  # a micro-batch laid out from one step's samples holds no more sequences than the step
         sequences = min(sequences, recipe.batch.global_batch // recipe.hardware.world_size * rows_per_sample)
     workspace = flash_backward_bytes(
-        model_config(resolved.model),
+        config,
         tokens=rows * seq_len,
         sequences=sequences,
         compute_bytes=DTYPE_BYTES[recipe.precision.compute],

@@ -199,11 +199,12 @@ def resolve_run(
     recipe = with_attention(recipe, resolve_attention(recipe, support.varlen))
     recipe = with_compile(recipe, resolve_compile(recipe, support.cuda))
     recipe = with_kernels(recipe, resolve_kernels(recipe.model, support, compiled=recipe.train.compile))
-    dense = densest_row_samples
-    recipe_micro_batch = resolve_micro_batch_of(recipe, exact_pinned, dense)
+    recipe_micro_batch = resolve_micro_batch_of(recipe, exact_pinned, densest_row_samples)
     per_rank_batch = recipe.batch.global_batch // recipe.hardware.world_size
     micro_batch = min(recipe_micro_batch, per_rank_batch)
-    resolved = resolve_checkpointing(recipe, micro_batch, exact_pinned=exact_pinned, densest_row_samples=dense)
+    resolved = resolve_checkpointing(
+        recipe, micro_batch, exact_pinned=exact_pinned, densest_row_samples=densest_row_samples
+    )
     return ResolvedRun(
         name=name,
         recipe=resolved,
@@ -212,8 +213,8 @@ def resolve_run(
         micro_batch=micro_batch,
         total_steps=total_steps(recipe, n_train_samples),
         exact_pinned=exact_pinned,
-        plan_peak_reserved_bytes=_planned_peak(resolved, exact_pinned, dense),
-        planner_prior=_planner_prior(resolved, exact_pinned, dense),
+        plan_peak_reserved_bytes=_planned_peak(resolved, exact_pinned, densest_row_samples),
+        planner_prior=_planner_prior(resolved, exact_pinned, densest_row_samples),
         data_fingerprint=data_fingerprint,
         data_files=data_files,
     )
