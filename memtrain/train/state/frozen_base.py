@@ -102,12 +102,13 @@ def quantisation_entries(module: torch.nn.Module, state: dict | None = None) -> 
     }
 
 
-def sample_positions(numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """SAMPLES evenly spread indices into a flat tensor of `numel` elements. linspace runs in float32, which rounds
-    the last index of a tensor past 2^24 elements up beyond its end (a 7B model's embedding: 545,259,520 for
-    545,259,519): clamped to the last element, every index a smaller tensor had before stays what it was, so the
-    digests of checkpoints already saved still match."""
-    positions = torch.linspace(0, numel - 1, min(SAMPLES, numel), device=device).long()
+def sample_positions(numel: int) -> torch.Tensor:
+    """SAMPLES evenly spread indices into a flat tensor of `numel` elements, computed on the CPU wherever the tensor
+    lives, so that a checkpoint saved on a GPU and checked on the CPU (or another GPU) samples the same elements.
+    linspace runs in float32, which rounds the last index of a tensor past 2^24 elements up beyond its end (a 7B
+    model's embedding: 545,259,520 for 545,259,519): clamped to the last element, every index a smaller tensor had
+    before stays what it was, so the digests of checkpoints already saved still match."""
+    positions = torch.linspace(0, numel - 1, min(SAMPLES, numel)).long()
     return positions.clamp_(max=numel - 1)
 
 
@@ -115,7 +116,7 @@ def _sampled_bytes(tensor: torch.Tensor) -> bytes:
     flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
         return b""
-    values = flat[sample_positions(flat.numel(), flat.device)].cpu().contiguous()
+    values = flat[sample_positions(flat.numel()).to(flat.device)].cpu().contiguous()
     return values.view(torch.uint8).numpy().tobytes() + str(tuple(tensor.shape)).encode()
 
 

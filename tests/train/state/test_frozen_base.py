@@ -18,6 +18,7 @@ from memtrain.train.state.frozen_base import (
     FROZEN_BASE_FILE,
     SAMPLES,
     base_problem,
+    fingerprint,
     module_problem,
     sample_positions,
 )
@@ -290,3 +291,12 @@ def test_positions_of_tensors_saved_before_are_unchanged():
     for numel in (1, 7, 64, 1000, 2**20 + 3, 2**24):
         before = torch.linspace(0, numel - 1, min(SAMPLES, numel)).long()
         assert torch.equal(sample_positions(numel), before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_tensor_on_the_gpu_samples_the_elements_it_does_on_the_cpu():
+    """A checkpoint saved on the GPU is checked wherever the run resumes: the sampled elements cannot depend on the
+    device, also past 2^24 elements, where float32 index arithmetic could round one way on each."""
+    embedding = torch.nn.Embedding(128_000, 512, dtype=torch.bfloat16).requires_grad_(False)
+    on_the_cpu = fingerprint(embedding)
+    assert fingerprint(embedding.cuda()) == on_the_cpu
