@@ -107,6 +107,7 @@ def command(invocation: Invocation, out: Path) -> list[str]:
     elif isinstance(first, MemtrainRun):
         argv = ["scripts.bench_run", "--out", table, "--title", RUNS_TITLE, "--timeout", str(first.timeout_s)]
         argv += ["--warmup-steps", str(first.warmup_steps)]
+        argv += ["--resume-at", str(first.resume_at)] if first.resume_at else []
         for case in invocation.cases:
             spec = shlex.join([case.recipe, *case.overrides, f"train.steps={case.steps}", *QUIET])
             argv += ["--case", f"{case.row}={spec}"]

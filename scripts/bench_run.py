@@ -36,39 +36,41 @@ COLUMNS = [
     "machine",
     "date",
     "command",
+    "save_s",
 ]
 
 
-def run_case(name: str, spec: str, runs: Path, timeout_s: int, warmup_steps: int) -> dict:
+def run_case(name: str, spec: str, runs: Path, timeout_s: int, warmup_steps: int, resume_at: int | None = None) -> dict:
+    """One case's row. With `resume_at`, the run stops after that step with a checkpoint and a second process resumes
+    it to the end: the row is the resumed run's, with the save's seconds, and its status says whether it resumed."""
     recipe, *overrides = shlex.split(spec)
     run_dir = run_dir_for(runs, name)
     overrides += [f"train.output_dir={run_dir}", "train.log_every=1"]
-    command = [sys.executable, "-m", "memtrain", "run", recipe, *overrides, "--no-resume", "--no-save"]
     shown = "memtrain run " + " ".join(shlex.quote(c) for c in [recipe, *overrides[:-2]])
+    commands = [[sys.executable, "-m", "memtrain", "run", recipe, *overrides, "--no-resume", "--no-save"]]
+    if resume_at:
+        saving = [*overrides, f"train.save_every={resume_at}"]
+        commands = [
+            [sys.executable, "-m", "memtrain", "run", recipe, *saving, "--no-resume", "--max-steps", str(resume_at)],
+            [sys.executable, "-m", "memtrain", "run", recipe, *saving, "--resume"],
+        ]
+        shown += f" train.save_every={resume_at} --max-steps {resume_at}, then again with --resume"
     row = {"recipe": name, "command": shown, "machine": machine_name(), "date": dt.date.today().isoformat()}
-    started = time.time()
     log = runs / f"{name}.log"
     runs.mkdir(parents=True, exist_ok=True)
-    try:
-        with log.open("w") as stream:
-            done = subprocess.run(
-                command,
-                cwd=ROOT,
-                stdout=stream,
-                stderr=subprocess.STDOUT,
-                timeout=timeout_s,
-                env=without_rank_variables(os.environ),
-            )
-        status = "ok" if done.returncode == 0 else f"rc {done.returncode}"
-    except subprocess.TimeoutExpired:
-        status = "timeout"
-    metrics = run_dir / "metrics.jsonl"
-    records = (
-        [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
-    )
-    train = [r for r in records if r["kind"] == "train"]
+    with log.open("w") as stream:
+        for command in commands:
+            started = time.time()
+            status = _run(command, stream, timeout_s)
+            if status != "ok":
+                break
     if "out of memory" in log.read_text(errors="replace").lower() and status != "ok":
         status = "OOM"
+    records = _records(run_dir / "metrics.jsonl")
+    if resume_at:
+        row["save_s"] = _save_seconds(records, resume_at) or ""
+        status, records = _resumed(records, resume_at, status)
+    train = [r for r in records if r["kind"] == "train"]
     row.update(status=status, steps=len(train))
     if train:
         row["time_to_first_step_s"] = f"{train[0]['time'] - started:.1f}"
@@ -85,6 +87,48 @@ def run_case(name: str, spec: str, runs: Path, timeout_s: int, warmup_steps: int
     return row
 
 
+def _run(command: list[str], stream, timeout_s: int) -> str:
+    try:
+        done = subprocess.run(
+            command,
+            cwd=ROOT,
+            stdout=stream,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+            env=without_rank_variables(os.environ),
+        )
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    return "ok" if done.returncode == 0 else f"rc {done.returncode}"
+
+
+def _records(metrics: Path) -> list[dict]:
+    if not metrics.exists():
+        return []
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def _resumed(records: list[dict], resume_at: int, status: str) -> tuple[str, list[dict]]:
+    """The resumed run's records (those after its resume record), and the status: ok only where the second process
+    resumed from the checkpoint of step `resume_at`."""
+    starts = [i for i, r in enumerate(records) if r["kind"] == "run" and r.get("event") in ("start", "resume")]
+    last = records[starts[-1]] if starts else None
+    if status != "ok":
+        saved = any(r["kind"] == "checkpoint" and r["step"] == resume_at for r in records)
+        return f"{status} ({'after' if saved else 'before'} the checkpoint of step {resume_at})", []
+    if last is None or last.get("event") != "resume" or last["step"] != resume_at:
+        where = "started over" if last is None or last.get("event") == "start" else f"resumed at step {last['step']}"
+        return f"{where}, not at step {resume_at}", []
+    return "ok", records[starts[-1] :]
+
+
+def _save_seconds(records: list[dict], resume_at: int) -> str | None:
+    """Seconds from the train record of step `resume_at` to its checkpoint record: the save as the run waited for it."""
+    train = next((r for r in records if r["kind"] == "train" and r["step"] == resume_at), None)
+    saved = next((r for r in records if r["kind"] == "checkpoint" and r["step"] == resume_at), None)
+    return f"{saved['time'] - train['time']:.1f}" if train and saved else None
+
+
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", action="append", required=True, help="NAME=RECIPE [key=value ...]")
@@ -93,6 +137,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--warmup-steps", type=int, default=3, help="steps left out of tokens/s")
     parser.add_argument("--title", default="memtrain run benchmarks")
+    parser.add_argument("--resume-at", type=int, help="stop after this step with a checkpoint, then resume to the end")
     return parser
 
 
@@ -100,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
     for case in args.case:
         name, _, spec = case.partition("=")
-        row = run_case(name, spec, args.runs, args.timeout, args.warmup_steps)
+        row = run_case(name, spec, args.runs, args.timeout, args.warmup_steps, args.resume_at)
         print(json.dumps(row), flush=True)
         upsert_row(args.out, row, COLUMNS, args.title)
     return 0

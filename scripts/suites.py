@@ -85,6 +85,15 @@ class MemtrainRun(LabelledSpec):
     # beside scripts/hold_gpu_memory.py (the card physically 24 GiB, for paged optimizer states that ignore
     # hardware.cap_memory) and scripts/sample_host_memory.py (machine-wide host memory, host-NAME.json)
     hold_gpu: bool = False
+    # stop after this many steps with a checkpoint, then resume to `steps` in a second process: the row is the
+    # resumed run's, and says how long the save took and whether the resume held (every other run passes --no-save)
+    resume_at: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _resumes_before_the_end(self) -> "MemtrainRun":
+        if self.resume_at is not None and self.resume_at >= self.steps:
+            raise ValueError(f"resume_at ({self.resume_at}) must be below steps ({self.steps})")
+        return self
 
 
 class Startup(RecipeCase):

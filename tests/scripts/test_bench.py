@@ -182,6 +182,43 @@ def test_a_run_case_appends_its_row_to_a_copy_of_the_committed_table(tmp_path, c
     assert "| quickstart-tiny |" in (out / "runs.md").read_text()
 
 
+@pytest.mark.slow  # two memtrain runs of the quickstart recipe on the CPU (~30 s each on two cores)
+def test_a_resumed_case_saves_stops_and_resumes_in_a_second_process(tmp_path, capsys):
+    """The row is the resumed run's: its steps only, the save's seconds, and ok only where it resumed at the step."""
+    suites = tmp_path / "suites.yaml"
+    tiny = "[data.seq_len=32, batch.global_batch=2, batch.micro_batch=1, schedule.warmup_steps=0]"
+    suites.write_text(
+        "baselines: {}\n"
+        "suites:\n"
+        "  tiny:\n"
+        "    about: the quickstart recipe saved at step 2 and resumed to step 3\n"
+        "    cases:\n"
+        f"      - {{name: quickstart-resumed, kind: run, recipe: recipes/quickstart.yaml, overrides: {tiny},\n"
+        "         steps: 3, resume_at: 2, warmup_steps: 0, budget_s: 900}\n"
+    )
+    out = tmp_path / "out"
+    assert bench.main(["tiny", "--suites", str(suites), "--out", str(out)]) == 0
+    row = list(csv.DictReader((out / "runs.csv").open()))[-1]
+    assert row["recipe"] == "quickstart-resumed" and row["status"] == "ok" and row["steps"] == "1"
+    assert float(row["save_s"]) >= 0 and float(row["tokens_per_s"]) > 0
+    assert row["command"].endswith("train.save_every=2 --max-steps 2, then again with --resume")
+
+
+def test_a_resume_must_come_before_the_last_step(tmp_path, capsys):
+    suites = tmp_path / "suites.yaml"
+    suites.write_text(
+        "baselines: {}\n"
+        "suites:\n"
+        "  tiny:\n"
+        "    about: a resume after the end\n"
+        "    cases:\n"
+        "      - {name: late, kind: run, recipe: recipes/quickstart.yaml, steps: 3, resume_at: 3, warmup_steps: 0,\n"
+        "         budget_s: 60}\n"
+    )
+    assert bench.main(["--suites", str(suites), "--list"]) == 2
+    assert "suites.tiny.cases.0: Value error, resume_at (3) must be below steps (3)" in capsys.readouterr().err
+
+
 def test_a_held_run_whose_gpu_memory_holder_cannot_start_is_not_run(tmp_path, capsys):
     """Without the holder a paged optimizer would find the whole card free: the row would measure another card."""
     suites = tmp_path / "suites.yaml"
