@@ -227,10 +227,48 @@ def densest_row_samples(dataset) -> int:
     attention kernel's backward grows with them): a packed row's samples; where steps are laid out packed, as many of
     the shortest items as fit a row's width (an upper bound; a pair's two sequences over its two rows' width)."""
     lengths, width = packing_units(dataset)
-    shortest_that_fit = int(np.searchsorted(np.cumsum(np.sort(lengths)), width, side="right")) if len(lengths) else 0
     row_starts = getattr(dataset, "row_starts", None)
-    packed = int(np.diff(row_starts).max()) if row_starts is not None and len(row_starts) > 1 else 1
-    return max(1, packed, shortest_that_fit)
+    return densest_row(lengths, width, np.diff(row_starts) if row_starts is not None else None)
+
+
+def densest_row(item_tokens, width: int, samples_per_item=None) -> int:
+    """`densest_row_samples` of items (a dataset's rows, or pairs) of these real token counts laid into rows of
+    `width`, holding `samples_per_item` samples each (None: one): the fullest item's samples, or as many of the
+    shortest items as fit `width` where steps are laid out packed, whichever is more; 1 at least."""
+    item_tokens = np.asarray(item_tokens, dtype=np.int64)
+    shortest_that_fit = int(np.searchsorted(np.cumsum(np.sort(item_tokens)), width, side="right"))
+    fullest = int(np.max(samples_per_item)) if samples_per_item is not None and len(samples_per_item) else 1
+    return max(1, fullest, shortest_that_fit)
+
+
+def densest_row_at(sample_tokens, width: int, *, truncation: str, packing: bool, documents=()) -> int:
+    """`densest_row_samples` of the training set these samples would make at data.seq_len `width`, fitted and laid
+    out as the data code does it at that length (data/rows/mixture.py's `_prepare` and `_rows`):
+
+    sample_tokens: each instruction or chat sample's token count, whole; one longer than the row keeps its first
+      `width` tokens (truncation "truncate") or is left out ("drop");
+    documents: each text-dataset document's token count, cut into pieces of `width`, a last piece of one token (no
+      target) left out;
+    packing: rows packed by `pack_rows` (data.packing), the fullest row's samples counted; else one sample a row.
+    """
+    if truncation not in ("truncate", "drop"):
+        raise ValueError(f"truncation must be 'truncate' or 'drop', got {truncation!r}")
+    tokens = np.asarray(sample_tokens, dtype=np.int64)
+    fitted = np.minimum(tokens, width) if truncation == "truncate" else tokens[tokens <= width]
+    fitted = np.concatenate([fitted, document_pieces(documents, width)])
+    if not packing:
+        return densest_row(fitted, width)
+    rows = pack_rows(fitted, width)
+    return densest_row([int(fitted[row].sum()) for row in rows], width, [len(row) for row in rows])
+
+
+def document_pieces(document_tokens, width: int) -> np.ndarray:
+    """The token counts of documents of these lengths cut into pieces of `width`, as a text dataset of data.train is
+    cut (mixture._prepare): whole pieces, then the rest; a piece of one token, which has no target, left out."""
+    documents = np.asarray(document_tokens, dtype=np.int64)
+    whole = np.full(int((documents // width).sum()), width, dtype=np.int64)
+    rest = documents % width
+    return np.concatenate([whole, rest[rest > 1]])
 
 
 def packed_micro_batches(dataset, samples: list[int], micro_batch: int) -> list[list[int]]:

@@ -399,6 +399,13 @@ def _prepare(spec: DatasetSpec, tokenizer, rules: SampleRules, data: Data, key: 
     return part
 
 
+def document_samples(data: Data, train_set: SampleRows) -> np.ndarray:
+    """Which of `build_rows`' training samples (train_set.samples, bool each) are pieces of a text dataset's
+    documents rather than whole samples: each dataset of data.train is one source of the samples, in its order."""
+    text = np.asarray([spec.type == "text" for spec in data.train], dtype=bool)
+    return text[train_set.samples.source]
+
+
 def _split_tail(part: _Part, spec: DatasetSpec, fraction: float, seq_len: int) -> tuple[_Part, _Part]:
     """(training, validation) samples of a dataset without data.validation: the last `fraction` of its usable
     samples (after the drops) are held out; `held_out_records` reads the same split, so keep one decision here."""
