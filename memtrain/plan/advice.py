@@ -373,8 +373,10 @@ def advise(
     limit: int = 3,
     exact_pinned: bool = True,
     checks: Checks = check_rules,
+    densest_row_samples: int | None = None,
 ) -> list[Advice]:
     """Changes that make the recipe fit, cheapest first ([] when it already fits or nothing does).
+    densest_row_samples: the data's densest row, where counted (plan_recipe's; None: assumed).
 
     Changes whose plan is tight come after every change that fits with the margin of the largest allocator
     slack measured, whatever their cost: a tight plan may run out of memory on the card (runs with that slack
@@ -388,7 +390,13 @@ def advise(
     r = loaded.recipe
 
     def plan_of(candidate: LoadedRecipe) -> Plan:
-        return plan_recipe(candidate.recipe, gpu, exact_pinned=exact_pinned, name=candidate.name)
+        return plan_recipe(
+            candidate.recipe,
+            gpu,
+            exact_pinned=exact_pinned,
+            name=candidate.name,
+            densest_row_samples=densest_row_samples,
+        )
 
     current = plan_of(loaded)
     if current.fits:

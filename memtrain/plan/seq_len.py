@@ -5,6 +5,10 @@ of the multiples of SEQ_LEN_STEP: bisection finds its end in about log2(max / st
 fitting when its plan fits without being tight, the margin `batch.micro_batch: auto` and `checkpointing.strategy:
 auto` ask for: a tight plan may run out of memory. Both `auto` keys are resolved at each length, as the run would
 resolve them. Pure: plans only, nothing is allocated.
+
+Packed rows are priced by how many samples the densest row holds at each length (the attention backward grows with
+them): counted in the data where the caller read it (`densest_row_samples`, a function of the length), else rows of
+ASSUMED_SAMPLE_TOKENS-token samples are assumed (plan/attention_backward.py).
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ def with_seq_len(recipe: Recipe, seq_len: int) -> Recipe:
     return recipe.model_copy(update={"data": recipe.data.model_copy(update={"seq_len": seq_len})})
 
 
+def search_limit(recipe: Recipe, step: int = SEQ_LEN_STEP) -> int:
+    """The longest length the search may try: the model's positions, rounded down to the step."""
+    return max_positions(recipe) // step * step
+
+
 def max_positions(recipe: Recipe) -> int:
     """The longest sequence the model's config allows (max_position_embeddings), within the schema's ceiling."""
     positions = getattr(model_config(recipe.model), "max_position_embeddings", None)
@@ -49,6 +58,7 @@ class LongestSeqLen:
     limit: int  # the model's positions, rounded down to the step: the search's upper end
     step: int = SEQ_LEN_STEP
     first_miss: int = 0  # the shortest length whose plan misses outright, tight ones aside (0: none up to limit)
+    densest_row_samples: int | None = None  # the data's densest row at seq_len, as `plan` priced it (None: assumed)
 
     @property
     def model_limited(self) -> bool:
@@ -69,6 +79,10 @@ class LongestSeqLen:
             "next_seq_len": self.next_plan.seq_len if self.next_plan else None,
             "next_peak_reserved_bytes": self.next_plan.peak_reserved_bytes if self.next_plan else None,
             "first_miss": self.first_miss or None,
+            # the attention backward's sequences a micro-batch at seq_len, and whether the data counted them
+            "packed_sequences": self.plan.packed_sequences if self.plan else None,
+            "packed_sequences_counted": self.plan.packed_sequences_counted if self.plan else None,
+            "densest_row_samples": self.densest_row_samples,
         }
 
 
@@ -80,17 +94,29 @@ def longest_seq_len(
     name: str = "recipe",
     step: int = SEQ_LEN_STEP,
     planner: Callable[..., Plan] = plan_recipe,
+    densest_row_samples: Callable[[int], int] | None = None,
 ) -> LongestSeqLen:
     """The longest multiple of `step` (up to the model's positions) at which `recipe` fits `gpu` comfortably.
 
     planner: plan_recipe, or a caller's wrapper of it (the command's places key-path errors at file:line).
+    densest_row_samples: seq_len -> the most samples one row of the training data holds at that length
+    (data/rows/densest_by_length.py); None: the planner's assumption.
     """
-    limit = max_positions(recipe) // step * step
+    limit = search_limit(recipe, step)
     cache: dict[int, Plan] = {}
+
+    def densest_at(seq_len: int) -> int | None:
+        return densest_row_samples(seq_len) if densest_row_samples is not None and seq_len else None
 
     def plan_at(seq_len: int) -> Plan:
         if seq_len not in cache:
-            cache[seq_len] = planner(with_seq_len(recipe, seq_len), gpu, exact_pinned=exact_pinned, name=name)
+            cache[seq_len] = planner(
+                with_seq_len(recipe, seq_len),
+                gpu,
+                exact_pinned=exact_pinned,
+                name=name,
+                densest_row_samples=densest_at(seq_len),
+            )
         return cache[seq_len]
 
     def last(fitting: Callable[[Plan], bool], low: int = 0) -> int:
@@ -114,4 +140,5 @@ def longest_seq_len(
         limit=limit,
         step=step,
         first_miss=fitting + step if fitting + step <= limit else 0,
+        densest_row_samples=densest_at(seq_len),
     )
