@@ -201,7 +201,8 @@ def plan(
     max_seq_len: bool = typer.Option(
         False,
         "--max-seq-len",
-        help="Search the longest data.seq_len (a multiple of 256) that fits the card, and changes that lengthen it.",
+        help="Search the longest data.seq_len (a multiple of 256) that fits the card, and changes that lengthen it; "
+        "with --data, each length priced by the densest row the data makes at it.",
     ),
 ):
     """Predict peak GPU memory, host RAM and NVMe bytes, without a GPU; say whether it fits.

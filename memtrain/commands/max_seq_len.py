@@ -1,19 +1,31 @@
-"""`memtrain plan --max-seq-len`: the longest data.seq_len a recipe fits on the card, and what would lengthen it."""
+"""`memtrain plan --max-seq-len`: the longest data.seq_len a recipe fits on the card, and what would lengthen it.
+
+With --data the training data is read once and every length planned prices the attention backward by the densest
+row the data has at that length; without it, rows of ASSUMED_SAMPLE_TOKENS-token samples are assumed.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rich.table import Table
 
 from memtrain.checks.environment import current_environment
 from memtrain.checks.load import recipe_checks
+from memtrain.data.rows.densest_by_length import densest_row_by_length
 from memtrain.plan.advice import advise, with_overrides
+from memtrain.plan.attention_backward import ASSUMED_SAMPLE_TOKENS
 from memtrain.plan.planner import plan_recipe
-from memtrain.plan.seq_len import LongestSeqLen, longest_seq_len
+from memtrain.plan.seq_len import LongestSeqLen, longest_seq_len, search_limit, with_seq_len
 from memtrain.recipe.sources import LoadedRecipe
+from memtrain.train.progress_bar import tokenising_progress
+from memtrain.train.setup import build_data
 from memtrain.units import gib
+
+# seq_len -> the most samples one row of the training data holds at that length (None: the planner's assumption)
+DensestRow = Callable[[int], int] | None
 
 # Levers priced: the cheapest changes that make the next length fit, each searched for its own longest length.
 LEVERS = 3
@@ -38,18 +50,42 @@ class Lever:
         }
 
 
-def _longest(loaded: LoadedRecipe, gpu: str | None, exact_pinned: bool) -> LongestSeqLen:
+def data_densest_row(loaded: LoadedRecipe) -> Callable[[int], int]:
+    """--data: the training data read once (tokenised into the cache, a bar per file), built at the longest length
+    the search may try with one sample a row, and the densest row it makes at each length
+    (data/rows/densest_by_length.py). Text windows hold one sequence each at any length: nothing to read."""
+    recipe = loaded.recipe
+    if recipe.data.is_text:
+        return lambda seq_len: 1
+    longest = with_seq_len(recipe, search_limit(recipe))
+    one_a_row = longest.model_copy(update={"data": longest.data.model_copy(update={"packing": False})})
+    with tokenising_progress(), loaded.sources.located():
+        data = build_data(one_a_row)
+    return densest_row_by_length(data.train_set, recipe.data)
+
+
+def _longest(loaded: LoadedRecipe, gpu: str | None, exact_pinned: bool, densest_row: DensestRow) -> LongestSeqLen:
     def planner(recipe, card, **options):
         with loaded.sources.located():  # key-path errors at the recipe's file:line
             return plan_recipe(recipe, card, **options)
 
-    return longest_seq_len(loaded.recipe, gpu, exact_pinned=exact_pinned, name=loaded.name, planner=planner)
+    return longest_seq_len(
+        loaded.recipe,
+        gpu,
+        exact_pinned=exact_pinned,
+        name=loaded.name,
+        planner=planner,
+        densest_row_samples=densest_row,
+    )
 
 
-def levers(loaded: LoadedRecipe, found: LongestSeqLen, *, gpu: str | None, exact_pinned: bool) -> list[Lever]:
+def levers(
+    loaded: LoadedRecipe, found: LongestSeqLen, *, gpu: str | None, exact_pinned: bool, densest_row: DensestRow = None
+) -> list[Lever]:
     """The advice's cheapest changes that make the shortest missing length fit (plan/advice.py's decision tree:
-    checkpointing, chunked loss, micro-batch, offload, ...), each with the longest length it reaches. None when the
-    model's positions stop the search first."""
+    checkpointing, chunked loss, micro-batch, offload, ...), each with the longest length it reaches; with
+    `densest_row`, every plan priced by the data's densest row at its length (no change the advice makes touches the
+    data). None when the model's positions stop the search first."""
     if not found.first_miss:
         return []
     longer = with_overrides(loaded, [f"data.seq_len={found.first_miss}"])
@@ -59,11 +95,13 @@ def levers(loaded: LoadedRecipe, found: LongestSeqLen, *, gpu: str | None, exact
         limit=LEVERS,
         exact_pinned=exact_pinned,
         checks=recipe_checks(current_environment(), packages=False),
+        densest_row_samples=densest_row(found.first_miss) if densest_row is not None else None,
     )
     out = []
     for item in advice:
         changed = with_overrides(loaded, item.overrides)
-        out.append(Lever(item.overrides, item.reason, item.speed_cost, _longest(changed, gpu, exact_pinned)))
+        longest = _longest(changed, gpu, exact_pinned, densest_row)
+        out.append(Lever(item.overrides, item.reason, item.speed_cost, longest))
     return sorted(out, key=lambda lever: (-lever.longest.seq_len, lever.speed_cost))
 
 
@@ -89,6 +127,16 @@ def _table(found: LongestSeqLen, name: str) -> Table:
         )
     else:
         table.add_row(f"< {found.step}", "", "", "", f"[red]not even {found.step} tokens fit[/]")
+    if plan is not None and plan.packed_sequences:
+        source = (
+            f"the data's densest row at {found.seq_len:,} tokens: {found.densest_row_samples:,} samples"
+            if found.densest_row_samples is not None
+            else f"assumed: samples of {ASSUMED_SAMPLE_TOKENS} tokens; --data counts them"
+        )
+        table.caption = (
+            f"attention backward priced for {plan.packed_sequences:,} packed sequences a micro-batch ({source})"
+        )
+        table.caption_justify = "left"
     if found.next_plan is not None:
         over = found.next_plan
         said = "tight" if over.fits else "misses"
@@ -115,10 +163,14 @@ def _levers_table(found_levers: list[Lever]) -> Table:
     return table
 
 
-def max_seq_len_command(loaded: LoadedRecipe, *, gpu: str | None, exact_pinned: bool, as_json: bool, console) -> int:
-    """Print the longest length (rich tables or --json); 0 when some length fits, 1 when none does."""
-    found = _longest(loaded, gpu, exact_pinned)
-    found_levers = levers(loaded, found, gpu=gpu, exact_pinned=exact_pinned)
+def max_seq_len_command(
+    loaded: LoadedRecipe, *, gpu: str | None, exact_pinned: bool, as_json: bool, console, with_data: bool = False
+) -> int:
+    """Print the longest length (rich tables or --json); 0 when some length fits, 1 when none does.
+    with_data: price each length by the data's densest row at it (`data_densest_row`)."""
+    densest_row = data_densest_row(loaded) if with_data else None
+    found = _longest(loaded, gpu, exact_pinned, densest_row)
+    found_levers = levers(loaded, found, gpu=gpu, exact_pinned=exact_pinned, densest_row=densest_row)
     code = 0 if found.seq_len else 1
     if as_json:
         console.print_json(

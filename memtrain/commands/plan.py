@@ -324,10 +324,10 @@ def plan_command(
 ) -> int:
     """Print the plan (rich table or --json); 0 when it fits or --fit wrote a fitting recipe, else 1.
     --fit -o writes a recipe that fits either way: with the cheapest change, or as it is (overrides applied)."""
-    if max_seq_len and (fit or with_data):
+    if max_seq_len and fit:
         raise RecipeError(
             Problem(
-                "--max-seq-len searches the length; it does not combine with --fit or --data",
+                "--max-seq-len searches the length; it does not combine with --fit",
                 file=COMMAND_LINE,
                 hint="run `memtrain plan --max-seq-len` alone, then --fit with the data.seq_len you chose",
             )
@@ -346,7 +346,9 @@ def plan_command(
     exact_pinned = exact_pinned_supported()
     loaded = load_for_plan(recipe, overrides, env)
     if max_seq_len:
-        return max_seq_len_command(loaded, gpu=gpu, exact_pinned=exact_pinned, as_json=as_json, console=console)
+        return max_seq_len_command(
+            loaded, gpu=gpu, exact_pinned=exact_pinned, as_json=as_json, console=console, with_data=with_data
+        )
     data = None
     if with_data:  # built first: the plan then prices the attention backward by the densest row it holds
         with tokenising_progress(), loaded.sources.located():

@@ -81,3 +81,69 @@ def test_the_table_names_the_length_and_the_step_that_misses():
 def test_max_seq_len_with_fit_is_a_recipe_error():
     with pytest.raises(RecipeError, match="--max-seq-len"):
         run(RECIPES / "quickstart.yaml", fit=True)
+
+
+def long_chats(tmp_path: Path, conversations: int = 40) -> Path:
+    """The 32k Qwen recipe over conversations of about 4,000 to 12,000 tokens (the bundled ones are a few hundred):
+    far fewer sequences a packed row than rows of 256-token samples."""
+    lines = [
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": f"Tell the whole story, number {i}."},
+                    {"role": "assistant", "content": "the king and the queen spoke of war. " * (400 + 30 * i)},
+                ]
+            }
+        )
+        for i in range(conversations)
+    ]
+    (tmp_path / "long.jsonl").write_text("\n".join(lines) + "\n")
+    recipe = tmp_path / "long-chat.yaml"
+    recipe.write_text(f"""
+extends: {RECIPES / "qwen2.5-7b-lora-long-24gb.yaml"}
+data:
+  train: [{{path: {tmp_path / "long.jsonl"}, type: chat}}]
+  validation: [{{path: {tmp_path / "long.jsonl"}, type: chat}}]
+  cache_dir: {tmp_path / "cache"}
+""")
+    return recipe
+
+
+def test_data_of_long_samples_lengthens_the_answer_and_plans_it_as_plan_data_does(tmp_path):
+    """Without the data the search prices rows of 256-token samples (306 sequences at 78k tokens); the data's rows at
+    the same lengths hold ten or so conversations, so more tokens fit. The answer's plan is `plan --data`'s there."""
+    recipe = long_chats(tmp_path)
+    assumed = longest_seq_len(load_recipe(recipe).recipe)
+    code, text = run(recipe, as_json=True, with_data=True)
+    assert code == 0
+    found = json.loads(text)["max_seq_len"]
+    assert found["seq_len"] > assumed.seq_len and not found["model_limited"]
+    assert found["packed_sequences_counted"] and found["densest_row_samples"] == found["packed_sequences"]
+    assert assumed.plan.packed_sequences == assumed.seq_len // 256
+    assert found["densest_row_samples"] < 20  # against 327 assumed at the answer's length
+    _, at_answer = run(recipe, f"data.seq_len={found['seq_len']}", as_json=True, with_data=True, max_seq_len=False)
+    plan = json.loads(at_answer)["plan"]
+    assert plan["seq_len"] == found["seq_len"] and plan["packed_sequences_counted"]
+    assert plan["packed_sequences"] == found["packed_sequences"]
+    assert plan["peak_reserved_bytes"] == found["peak_reserved_bytes"]
+
+
+def test_json_and_table_say_which_count_priced_the_attention_backward(tmp_path):
+    """The data's densest row at the answer with --data, the assumption without; an 80 GiB card makes the model's
+    131,072 positions the answer, which keeps the search short."""
+    recipe = long_chats(tmp_path, conversations=16)
+    card = "hardware.gpu=80GiB"
+    _, assumed = run(recipe, card, as_json=True)
+    _, counted = run(recipe, card, as_json=True, with_data=True)
+    assumed, counted = json.loads(assumed)["max_seq_len"], json.loads(counted)["max_seq_len"]
+    assert assumed["model_limited"] and counted["model_limited"] and counted["seq_len"] == 131_072
+    assert (assumed["packed_sequences"], assumed["packed_sequences_counted"], assumed["densest_row_samples"]) == (
+        512,  # 131,072 / 256
+        False,
+        None,
+    )
+    assert counted["packed_sequences_counted"] and counted["densest_row_samples"] == 16  # all in one row of 131,072
+    said = {data: " ".join(run(recipe, card, with_data=data)[1].split()) for data in (True, False)}  # caption unwrapped
+    assert f"priced for {counted['packed_sequences']} packed sequences a micro-batch" in said[True]
+    assert f"(the data's densest row at 131,072 tokens: {counted['densest_row_samples']} samples)" in said[True]
+    assert "priced for 512 packed sequences a micro-batch (assumed: samples of 256 tokens; --data counts" in said[False]
