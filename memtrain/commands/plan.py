@@ -207,7 +207,9 @@ def gpu_override(gpu: str) -> str:
     return f"hardware.gpu={gpu}" if isinstance(yaml.safe_load(gpu), str) else f"hardware.gpu='{gpu}'"
 
 
-def larger_micro_batch(loaded: LoadedRecipe, plan: Plan, *, gpu: str | None, exact_pinned: bool) -> Plan | None:
+def larger_micro_batch(
+    loaded: LoadedRecipe, plan: Plan, *, gpu: str | None, exact_pinned: bool, densest_row_samples: int | None = None
+) -> Plan | None:
     """The plan at the largest micro-batch that also fits (not tight), when it is larger than the recipe's.
 
     Spare memory spent on a larger micro-batch means fewer micro-batches per step at the same global
@@ -216,13 +218,17 @@ def larger_micro_batch(loaded: LoadedRecipe, plan: Plan, *, gpu: str | None, exa
     """
     if not plan.fits or plan.tight or loaded.recipe.batch.micro_batch == "auto":
         return None
-    best = resolve_micro_batch(loaded.recipe, gpu, exact_pinned)
+    best = resolve_micro_batch(loaded.recipe, gpu, exact_pinned, densest_row_samples)
     if best <= plan.micro_batch:
         return None
-    return located_plan(loaded, gpu=gpu, exact_pinned=exact_pinned, micro_batch=best)
+    return located_plan(
+        loaded, gpu=gpu, exact_pinned=exact_pinned, micro_batch=best, densest_row_samples=densest_row_samples
+    )
 
 
-def fewer_recomputed_layers(loaded: LoadedRecipe, plan: Plan, *, gpu: str | None, exact_pinned: bool) -> Plan | None:
+def fewer_recomputed_layers(
+    loaded: LoadedRecipe, plan: Plan, *, gpu: str | None, exact_pinned: bool, densest_row_samples: int | None = None
+) -> Plan | None:
     """The plan of checkpointing.strategy=auto at this micro-batch, when it recomputes fewer decoder
     layers than the recipe's whole-layer strategy and still fits (docs/BENCHMARKS.md: 7B LoRA 25 of 32
     layers instead of 32: 1.12x HF + DeepSpeed, where every layer gave 0.98x in an earlier invocation)."""
@@ -230,7 +236,13 @@ def fewer_recomputed_layers(loaded: LoadedRecipe, plan: Plan, *, gpu: str | None
         return None
     checkpointing = loaded.recipe.checkpointing.model_copy(update={"strategy": "auto"})
     auto = dataclasses.replace(loaded, recipe=loaded.recipe.model_copy(update={"checkpointing": checkpointing}))
-    fewer = located_plan(auto, gpu=gpu, exact_pinned=exact_pinned, micro_batch=plan.micro_batch)
+    fewer = located_plan(
+        auto,
+        gpu=gpu,
+        exact_pinned=exact_pinned,
+        micro_batch=plan.micro_batch,
+        densest_row_samples=densest_row_samples,
+    )
     return fewer if fewer.fits and fewer.recomputed_layers < plan.recomputed_layers else None
 
 
@@ -356,8 +368,10 @@ def plan_command(
     densest = densest_row_samples(data.train_set) if data is not None else None
     plan = located_plan(loaded, gpu=gpu, exact_pinned=exact_pinned, densest_row_samples=densest)
 
+    # with --data every plan below prices the densest row counted, as the run will
+    checks = recipe_checks(env, packages=False)
     advice = (
-        [] if plan.fits else advise(loaded, gpu, exact_pinned=exact_pinned, checks=recipe_checks(env, packages=False))
+        [] if plan.fits else advise(loaded, gpu, exact_pinned=exact_pinned, checks=checks, densest_row_samples=densest)
     )
     written, replaced = None, False
     if fit and output is not None and (plan.fits or advice):
@@ -373,13 +387,17 @@ def plan_command(
             write_atomically(output, fitted_yaml(recipe, chosen, output))
         if not plan.fits:
             # planned as the file says, without --gpu: it names the card
-            fitted = located_plan(load_for_plan(output, [], env), gpu=None, exact_pinned=exact_pinned)
+            fitted = located_plan(
+                load_for_plan(output, [], env), gpu=None, exact_pinned=exact_pinned, densest_row_samples=densest
+            )
             if not fitted.fits:  # the advice was planned on the same recipe; a mismatch is a bug, say so
                 raise RuntimeError(f"fitted recipe {output} does not fit: {verdict(fitted)}")
         written = output
     code = 0 if plan.fits or written is not None else 1
-    faster = larger_micro_batch(loaded, plan, gpu=gpu, exact_pinned=exact_pinned)
-    recompute_less = fewer_recomputed_layers(loaded, plan, gpu=gpu, exact_pinned=exact_pinned)
+    faster = larger_micro_batch(loaded, plan, gpu=gpu, exact_pinned=exact_pinned, densest_row_samples=densest)
+    recompute_less = fewer_recomputed_layers(
+        loaded, plan, gpu=gpu, exact_pinned=exact_pinned, densest_row_samples=densest
+    )
     offer_compile = plan.fits and compile_offered(loaded, plan)
     needed = packages_needed(loaded.recipe, env)
     per_step, data_warnings = None, ()

@@ -649,3 +649,20 @@ def test_plan_and_validate_work_without_the_packages_the_run_will_need(tmp_path)
     load_checked(recipe, [], without, packages=False)  # validate's check: passes
     with pytest.raises(RecipeError, match="needs bitsandbytes, which is not installed"):
         load_checked(recipe, [], without)  # run's check: refuses
+
+
+def test_data_that_misses_gets_advice_priced_by_its_densest_row(tmp_path):
+    """At 55,040 tokens the 32k recipe fits rows of 256-token samples (the assumption) but not its own short
+    conversations (1,802 in the densest row): the advice, the fitted recipe and its check must price that row too,
+    or every change looks as if it did nothing and the table says nothing fits."""
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "qwen2.5-7b-lora-long-24gb.yaml"
+    longer = ["data.seq_len=55040", "batch.global_batch=2", f"data.cache_dir={tmp_path / 'cache'}"]
+    assumed = json.loads(CliRunner().invoke(app, ["plan", str(recipe), *longer, "--json"]).stdout)
+    assert assumed["verdict"].startswith("fits")
+    fitted = tmp_path / "fitted.yaml"
+    result = CliRunner().invoke(app, ["plan", str(recipe), *longer, "--json", "--data", "--fit", "-o", str(fitted)])
+    assert result.exit_code == 0, result.output
+    counted = json.loads(result.stdout)
+    assert counted["verdict"].startswith("misses") and counted["plan"]["packed_sequences_counted"]
+    assert counted["advice"] and all(option["headroom_bytes"] > 0 for option in counted["advice"])
+    assert counted["fitted_recipe"] == str(fitted) and fitted.exists()
