@@ -4,6 +4,7 @@ committed tables (a CSV keyed by some columns, each row with its command, machin
 from __future__ import annotations
 
 import csv
+import os
 import platform
 import re
 import subprocess
@@ -49,6 +50,26 @@ def cpu_name() -> str:
 def run_dir_for(runs: Path, name: str) -> Path:
     """A directory for a case whose label may hold spaces, colons or commas (an override would misread them)."""
     return runs / re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
+
+
+def run_logged(command: list[str], stream, timeout_s: int) -> int | None:
+    """Run a measuring command from the project root, its output into `stream`, without the rank variables of a
+    launcher that started this script (they would make the run join that launcher's group); its exit code, or None
+    when it ran past `timeout_s`."""
+    from memtrain.train.runtime.distributed import without_rank_variables  # imports torch: only when a run starts
+
+    try:
+        done = subprocess.run(
+            command,
+            cwd=ROOT,
+            stdout=stream,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+            env=without_rank_variables(os.environ),
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    return done.returncode
 
 
 def write_markdown(rows: list[dict], path: Path, title: str, columns: list[str]) -> None:

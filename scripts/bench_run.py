@@ -13,16 +13,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import shlex
+import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from memtrain.train.runtime.distributed import without_rank_variables
-from scripts.bench_common import ROOT, GiB, machine_name, run_dir_for, upsert_row
+from scripts.bench_common import GiB, machine_name, run_dir_for, run_logged, upsert_row
 
 COLUMNS = [
     "recipe",
@@ -49,6 +47,7 @@ def run_case(name: str, spec: str, runs: Path, timeout_s: int, warmup_steps: int
     shown = "memtrain run " + " ".join(shlex.quote(c) for c in [recipe, *overrides[:-2]])
     commands = [[sys.executable, "-m", "memtrain", "run", recipe, *overrides, "--no-resume", "--no-save"]]
     if resume_at:
+        shutil.rmtree(run_dir, ignore_errors=True)  # a saving run starts in an empty directory, not over the last one
         saving = [*overrides, f"train.save_every={resume_at}"]
         commands = [
             [sys.executable, "-m", "memtrain", "run", recipe, *saving, "--no-resume", "--max-steps", str(resume_at)],
@@ -88,18 +87,8 @@ def run_case(name: str, spec: str, runs: Path, timeout_s: int, warmup_steps: int
 
 
 def _run(command: list[str], stream, timeout_s: int) -> str:
-    try:
-        done = subprocess.run(
-            command,
-            cwd=ROOT,
-            stdout=stream,
-            stderr=subprocess.STDOUT,
-            timeout=timeout_s,
-            env=without_rank_variables(os.environ),
-        )
-    except subprocess.TimeoutExpired:
-        return "timeout"
-    return "ok" if done.returncode == 0 else f"rc {done.returncode}"
+    code = run_logged(command, stream, timeout_s)
+    return "timeout" if code is None else "ok" if code == 0 else f"rc {code}"
 
 
 def _records(metrics: Path) -> list[dict]:

@@ -18,16 +18,13 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from memtrain.monitor.metrics import METRICS_FILE, read_metrics
-from memtrain.train.runtime.distributed import without_rank_variables
-from scripts.bench_common import ROOT, machine_name, run_dir_for, upsert_row
+from scripts.bench_common import machine_name, run_dir_for, run_logged, upsert_row
 
 TOLERANCE = 0.02  # a variant converges alike when its final validation loss is within 2 % of the reference's
 COLUMNS = [
@@ -78,19 +75,9 @@ def run_variant(label: str, name: str, recipe: str, settings: list[str], runs: P
     shown = "memtrain run " + " ".join(shlex.quote(c) for c in [recipe, *overrides[:-1]])
     started = time.time()
     runs.mkdir(parents=True, exist_ok=True)
-    try:
-        with (runs / f"{run_dir.name}.log").open("w") as log:
-            done = subprocess.run(
-                command,
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=timeout_s,
-                env=without_rank_variables(os.environ),
-            )
-        status = "ok" if done.returncode == 0 else f"rc {done.returncode}"
-    except subprocess.TimeoutExpired:
-        status = "timeout"
+    with (runs / f"{run_dir.name}.log").open("w") as log:
+        code = run_logged(command, log, timeout_s)
+    status = "timeout" if code is None else "ok" if code == 0 else f"rc {code}"
     metrics = run_dir / METRICS_FILE
     records = read_metrics(metrics) if metrics.exists() else []
     evals = [r["loss"] for r in records if r["kind"] == "eval"]

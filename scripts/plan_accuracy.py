@@ -20,7 +20,6 @@ import argparse
 import csv
 import datetime as dt
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -34,8 +33,7 @@ import torch
 
 from memtrain.plan.planner import plan_recipe
 from memtrain.recipe.load import load_recipe
-from memtrain.train.runtime.distributed import without_rank_variables
-from scripts.bench_common import ROOT, GiB
+from scripts.bench_common import ROOT, GiB, run_logged
 
 COLUMNS = [
     "recipe",
@@ -345,21 +343,13 @@ def measure(case: Case, overrides: list[str], run_dir: Path, timeout_s: int) -> 
     command = [sys.executable, "-m", "memtrain", "run", case.recipe, *overrides, "--no-resume", "--no-save"]
     log = run_dir.parent / f"{run_dir.name}.log"  # not with_suffix: case names contain dots ("1.1b-...")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with log.open("w") as stream:
-            done = subprocess.run(
-                command,
-                cwd=ROOT,
-                stdout=stream,
-                stderr=subprocess.STDOUT,
-                timeout=timeout_s,
-                env=without_rank_variables(os.environ),
-            )
-    except subprocess.TimeoutExpired:
+    with log.open("w") as stream:
+        code = run_logged(command, stream, timeout_s)
+    if code is None:
         return "timeout"
     text = log.read_text(errors="replace")
-    if done.returncode != 0:
-        return "OOM" if "out of memory" in text.lower() else f"failed (rc {done.returncode})"
+    if code != 0:
+        return "OOM" if "out of memory" in text.lower() else f"failed (rc {code})"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("kind") == "train"]
     ooms = [r for r in records if r.get("kind") == "oom"]

@@ -24,6 +24,16 @@ MODULES["plan-accuracy"] = "scripts.plan_accuracy"
 MODULES["longest"] = "scripts.bench_long_context"
 
 
+TINY = "[data.seq_len=32, batch.global_batch=2, batch.micro_batch=1, schedule.warmup_steps=0]"  # quickstart, seconds
+
+
+def suite_file(tmp_path: Path, suite: str, about: str, cases: str) -> Path:
+    """A suites file of one suite, no baselines: `cases` is the YAML of its case list, one `- {...}` a line."""
+    path = tmp_path / "suites.yaml"
+    path.write_text(f"baselines: {{}}\nsuites:\n  {suite}:\n    about: {about}\n    cases:\n{cases}")
+    return path
+
+
 def test_the_suites_a_user_compares_are_there():
     assert {"lora-vs-hf", "offload", "startup", "plan-accuracy", "levers", "chat"} <= set(SUITES.suites)
     assert {"hf", "hf-liger"} <= set(SUITES.baselines)
@@ -154,18 +164,14 @@ def test_a_bad_suites_file_says_where_and_exits_2(tmp_path, capsys):
 @pytest.mark.slow  # one memtrain run of the quickstart recipe on the CPU (~30 s on two cores, more if
 # DeepSpeed's CPU ops are built first: the budget leaves room for that)
 def test_a_run_case_appends_its_row_to_a_copy_of_the_committed_table(tmp_path, capsys):
-    suites = tmp_path / "suites.yaml"
-    tiny = "[data.seq_len=32, batch.global_batch=2, batch.micro_batch=1, schedule.warmup_steps=0]"
-    suites.write_text(
-        "baselines: {}\n"
-        "suites:\n"
-        "  tiny:\n"
-        "    about: the quickstart recipe for three steps\n"
-        "    cases:\n"
-        f"      - {{name: quickstart-tiny, kind: run, recipe: recipes/quickstart.yaml, overrides: {tiny},\n"
+    suites = suite_file(
+        tmp_path,
+        "tiny",
+        "the quickstart recipe for three steps",
+        f"      - {{name: quickstart-tiny, kind: run, recipe: recipes/quickstart.yaml, overrides: {TINY},\n"
         "         steps: 3, warmup_steps: 1, budget_s: 900}\n"
-        f"      - {{name: not-in-the-budget, kind: run, recipe: recipes/quickstart.yaml, overrides: {tiny},\n"
-        "         steps: 3, warmup_steps: 1, budget_s: 2000}\n"
+        f"      - {{name: not-in-the-budget, kind: run, recipe: recipes/quickstart.yaml, overrides: {TINY},\n"
+        "         steps: 3, warmup_steps: 1, budget_s: 2000}\n",
     )
     out = tmp_path / "out"
     assert bench.main(["tiny", "--suites", str(suites), "--out", str(out), "--budget-s", "1200"]) == 0
@@ -185,16 +191,12 @@ def test_a_run_case_appends_its_row_to_a_copy_of_the_committed_table(tmp_path, c
 @pytest.mark.slow  # two memtrain runs of the quickstart recipe on the CPU (~30 s each on two cores)
 def test_a_resumed_case_saves_stops_and_resumes_in_a_second_process(tmp_path, capsys):
     """The row is the resumed run's: its steps only, the save's seconds, and ok only where it resumed at the step."""
-    suites = tmp_path / "suites.yaml"
-    tiny = "[data.seq_len=32, batch.global_batch=2, batch.micro_batch=1, schedule.warmup_steps=0]"
-    suites.write_text(
-        "baselines: {}\n"
-        "suites:\n"
-        "  tiny:\n"
-        "    about: the quickstart recipe saved at step 2 and resumed to step 3\n"
-        "    cases:\n"
-        f"      - {{name: quickstart-resumed, kind: run, recipe: recipes/quickstart.yaml, overrides: {tiny},\n"
-        "         steps: 3, resume_at: 2, warmup_steps: 0, budget_s: 900}\n"
+    suites = suite_file(
+        tmp_path,
+        "tiny",
+        "the quickstart recipe saved at step 2 and resumed to step 3",
+        f"      - {{name: quickstart-resumed, kind: run, recipe: recipes/quickstart.yaml, overrides: {TINY},\n"
+        "         steps: 3, resume_at: 2, warmup_steps: 0, budget_s: 900}\n",
     )
     out = tmp_path / "out"
     assert bench.main(["tiny", "--suites", str(suites), "--out", str(out)]) == 0
@@ -205,15 +207,12 @@ def test_a_resumed_case_saves_stops_and_resumes_in_a_second_process(tmp_path, ca
 
 
 def test_a_resume_must_come_before_the_last_step(tmp_path, capsys):
-    suites = tmp_path / "suites.yaml"
-    suites.write_text(
-        "baselines: {}\n"
-        "suites:\n"
-        "  tiny:\n"
-        "    about: a resume after the end\n"
-        "    cases:\n"
+    suites = suite_file(
+        tmp_path,
+        "tiny",
+        "a resume after the end",
         "      - {name: late, kind: run, recipe: recipes/quickstart.yaml, steps: 3, resume_at: 3, warmup_steps: 0,\n"
-        "         budget_s: 60}\n"
+        "         budget_s: 60}\n",
     )
     assert bench.main(["--suites", str(suites), "--list"]) == 2
     assert "suites.tiny.cases.0: Value error, resume_at (3) must be below steps (3)" in capsys.readouterr().err
@@ -221,15 +220,12 @@ def test_a_resume_must_come_before_the_last_step(tmp_path, capsys):
 
 def test_a_held_run_whose_gpu_memory_holder_cannot_start_is_not_run(tmp_path, capsys):
     """Without the holder a paged optimizer would find the whole card free: the row would measure another card."""
-    suites = tmp_path / "suites.yaml"
-    suites.write_text(
-        "baselines: {}\n"
-        "suites:\n"
-        "  held:\n"
-        "    about: one run beside the GPU memory holder\n"
-        "    cases:\n"
+    suites = suite_file(
+        tmp_path,
+        "held",
+        "one run beside the GPU memory holder",
         "      - {name: quickstart-held, kind: run, recipe: recipes/quickstart.yaml, steps: 1, warmup_steps: 0,\n"
-        "         hold_gpu: true, budget_s: 60}\n"
+        "         hold_gpu: true, budget_s: 60}\n",
     )
     out = tmp_path / "out"
     environment = bench.child_environment()
