@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from memtrain.data.rows.mixture import build_rows, validation_rows
 from memtrain.data.rows.pairs import KtoRows, PairRows, build_pair_sets, pair_validation_set
+from memtrain.data.rows.pieces import cut_documents
 from memtrain.data.rows.row_set import DataStats, SampleRows
 from memtrain.data.tokens.cache import cached_documents
 from memtrain.errors import DataError, Problem
@@ -102,11 +103,7 @@ def document_windows(tokens: np.ndarray, doc_ends: np.ndarray, seq_len: int, pad
     first seq_len tokens alone). A last piece of one token, which holds no target, is left out."""
     ends = np.asarray(doc_ends, dtype=np.int64)
     starts = np.concatenate([np.zeros(1, dtype=np.int64), ends[:-1]]) if len(ends) else ends
-    lengths = ends - starts
-    pieces = -(-lengths // seq_len)
-    offsets = np.arange(int(pieces.sum()), dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-    window_starts = np.repeat(starts, pieces) + offsets * seq_len
-    window_lengths = np.minimum(np.repeat(lengths, pieces) - offsets * seq_len, seq_len)
+    _, window_starts, window_lengths = cut_documents(starts, ends - starts, seq_len)
     keep = window_lengths > 1
     return TokenWindows(tokens, window_starts[keep], window_lengths[keep], seq_len, pad_id)
 

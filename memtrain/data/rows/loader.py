@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from memtrain.data.rows.packing import pack_rows
+from memtrain.data.rows.pieces import cut_documents
 from memtrain.labels import IGNORE_INDEX
 from memtrain.recipe.schema import Data
 
@@ -264,11 +265,10 @@ def densest_row_at(sample_tokens, width: int, *, truncation: str, packing: bool,
 
 def document_pieces(document_tokens, width: int) -> np.ndarray:
     """The token counts of documents of these lengths cut into pieces of `width`, as a text dataset of data.train is
-    cut (mixture._prepare): whole pieces, then the rest; a piece of one token, which has no target, left out."""
+    cut (pieces.cut_documents); a piece of one token, which has no target, left out."""
     documents = np.asarray(document_tokens, dtype=np.int64)
-    whole = np.full(int((documents // width).sum()), width, dtype=np.int64)
-    rest = documents % width
-    return np.concatenate([whole, rest[rest > 1]])
+    _, _, lengths = cut_documents(np.zeros(len(documents), dtype=np.int64), documents, width)
+    return lengths[lengths > 1]
 
 
 def packed_micro_batches(dataset, samples: list[int], micro_batch: int) -> list[list[int]]:

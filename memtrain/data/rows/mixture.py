@@ -27,6 +27,7 @@ from memtrain.data.render.templates import (
 )
 from memtrain.data.rows.overlap import CONVERSATION_TYPES, HeldOutOverlap, in_training, joined, keys_of
 from memtrain.data.rows.packing import pack_rows
+from memtrain.data.rows.pieces import cut_documents
 from memtrain.data.rows.row_set import DataStats, SampleRows, SampleViews
 from memtrain.data.rows.weights import held_out_tail, weighted_indices
 from memtrain.data.tokens.tokenized import SampleRules, Tokenized, tokenized_dataset
@@ -354,11 +355,8 @@ def _prepare(spec: DatasetSpec, tokenizer, rules: SampleRules, data: Data, key: 
     seq_len = data.seq_len
     dropped_too_long = 0
     if spec.type == "text":  # documents are cut into seq_len pieces, as the text path cuts its stream
-        pieces = -(-lengths // seq_len)
-        offsets = np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-        starts = np.repeat(starts, pieces) + offsets * seq_len
-        records = np.repeat(records, pieces)
-        lengths = np.minimum(np.repeat(lengths, pieces) - offsets * seq_len, seq_len)
+        owners, starts, lengths = cut_documents(starts, lengths, seq_len)
+        records = records[owners]
         truncated = np.zeros(len(starts), dtype=bool)
     else:
         too_long = lengths > seq_len
