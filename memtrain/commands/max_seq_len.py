@@ -14,7 +14,7 @@ from rich.table import Table
 
 from memtrain.checks.environment import current_environment
 from memtrain.checks.load import recipe_checks
-from memtrain.data.rows.densest_by_length import densest_row_by_length
+from memtrain.data.rows.densest_by_length import densest_row_by_length, rows_by_length
 from memtrain.plan.advice import advise, with_overrides
 from memtrain.plan.attention_backward import ASSUMED_SAMPLE_TOKENS
 from memtrain.plan.planner import plan_recipe
@@ -50,18 +50,28 @@ class Lever:
         }
 
 
-def data_densest_row(loaded: LoadedRecipe) -> Callable[[int], int]:
+def data_by_length(loaded: LoadedRecipe) -> tuple[Callable[[int], int], Callable[[int], int] | None]:
     """--data: the training data read once (tokenised into the cache, a bar per file), built at the longest length
-    the search may try with one sample a row, and the densest row it makes at each length
-    (data/rows/densest_by_length.py). Text windows hold one sequence each at any length: nothing to read."""
+    the search may try with one sample a row; the densest row it makes at each length, and the rows it makes there
+    (data/rows/densest_by_length.py; None where not counted: text windows, which hold one sequence each at any
+    length and are not read, pairs and KTO records)."""
     recipe = loaded.recipe
     if recipe.data.is_text:
-        return lambda seq_len: 1
+        return (lambda seq_len: 1), None
     longest = with_seq_len(recipe, search_limit(recipe))
     one_a_row = longest.model_copy(update={"data": longest.data.model_copy(update={"packing": False})})
     with tokenising_progress(), loaded.sources.located():
         data = build_data(one_a_row)
-    return densest_row_by_length(data.train_set, recipe.data)
+    return densest_row_by_length(data.train_set, recipe.data), rows_by_length(data.train_set, recipe.data)
+
+
+def too_few_rows(loaded: LoadedRecipe, seq_len: int, rows: Callable[[int], int] | None) -> int | None:
+    """The rows the data makes at `seq_len` where they are fewer than one global batch (the run refuses such data:
+    train/setup.py), else None. The search is over memory; this says when its answer is one the data cannot fill."""
+    if rows is None or not seq_len:
+        return None
+    made = rows(seq_len)
+    return made if made < loaded.recipe.batch.global_batch else None
 
 
 def _longest(loaded: LoadedRecipe, gpu: str | None, exact_pinned: bool, densest_row: DensestRow) -> LongestSeqLen:
@@ -167,10 +177,12 @@ def max_seq_len_command(
     loaded: LoadedRecipe, *, gpu: str | None, exact_pinned: bool, as_json: bool, console, with_data: bool = False
 ) -> int:
     """Print the longest length (rich tables or --json); 0 when some length fits, 1 when none does.
-    with_data: price each length by the data's densest row at it (`data_densest_row`)."""
-    densest_row = data_densest_row(loaded) if with_data else None
+    with_data: price each length by the data's densest row at it (`data_by_length`), and say when the data cannot
+    fill one step at the answer."""
+    densest_row, rows = data_by_length(loaded) if with_data else (None, None)
     found = _longest(loaded, gpu, exact_pinned, densest_row)
     found_levers = levers(loaded, found, gpu=gpu, exact_pinned=exact_pinned, densest_row=densest_row)
+    few = too_few_rows(loaded, found.seq_len, rows)
     code = 0 if found.seq_len else 1
     if as_json:
         console.print_json(
@@ -179,6 +191,8 @@ def max_seq_len_command(
                     "max_seq_len": found.to_json(),
                     "recipe_seq_len": loaded.recipe.data.seq_len,
                     "levers": [lever.to_json() for lever in found_levers],
+                    **({"rows_at_seq_len": rows(found.seq_len) if found.seq_len else None} if rows else {}),
+                    **({"too_few_rows": few} if rows else {}),
                 }
             )
         )
@@ -186,6 +200,14 @@ def max_seq_len_command(
     console.print(_table(found, loaded.name))
     if found_levers:
         console.print(_levers_table(found_levers))
+    if few is not None:
+        global_batch = loaded.recipe.batch.global_batch
+        console.print(
+            f"[yellow]![/] at {found.seq_len:,} tokens the data makes {few} {loaded.recipe.data.item_name}, fewer than "
+            f"one global batch of {global_batch}: a run there is refused — lower batch.global_batch, add data, or "
+            "choose a shorter data.seq_len",
+            highlight=False,
+        )
     if found.seq_len and found.seq_len < loaded.recipe.data.seq_len:
         console.print(
             f"[yellow]![/] the recipe's data.seq_len {loaded.recipe.data.seq_len:,} does not fit: "

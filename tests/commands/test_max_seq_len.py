@@ -135,7 +135,8 @@ def test_json_and_table_say_which_count_priced_the_attention_backward(tmp_path):
     card = "hardware.gpu=80GiB"
     _, assumed = run(recipe, card, as_json=True)
     _, counted = run(recipe, card, as_json=True, with_data=True)
-    assumed, counted = json.loads(assumed)["max_seq_len"], json.loads(counted)["max_seq_len"]
+    assumed_json, counted_json = json.loads(assumed), json.loads(counted)
+    assumed, counted = assumed_json["max_seq_len"], counted_json["max_seq_len"]
     assert assumed["model_limited"] and counted["model_limited"] and counted["seq_len"] == 131_072
     assert (assumed["packed_sequences"], assumed["packed_sequences_counted"], assumed["densest_row_samples"]) == (
         512,  # 131,072 / 256
@@ -143,7 +144,12 @@ def test_json_and_table_say_which_count_priced_the_attention_backward(tmp_path):
         None,
     )
     assert counted["packed_sequences_counted"] and counted["densest_row_samples"] == 16  # all in one row of 131,072
+    # one packed row at the answer, against the recipe's global batch of 4 rows: an answer the run would refuse, said
+    assert counted_json["rows_at_seq_len"] == counted_json["too_few_rows"] == 1
+    assert "rows_at_seq_len" not in assumed_json
     said = {data: " ".join(run(recipe, card, with_data=data)[1].split()) for data in (True, False)}  # caption unwrapped
     assert f"priced for {counted['packed_sequences']} packed sequences a micro-batch" in said[True]
     assert f"(the data's densest row at 131,072 tokens: {counted['densest_row_samples']} samples)" in said[True]
     assert "priced for 512 packed sequences a micro-batch (assumed: samples of 256 tokens; --data counts" in said[False]
+    assert "at 131,072 tokens the data makes 1 packed rows, fewer than one global batch of 4" in said[True]
+    assert "fewer than one global batch" not in said[False]

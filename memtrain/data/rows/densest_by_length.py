@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from memtrain.data.rows.loader import densest_row, densest_row_at, packing_units
+from memtrain.data.rows.loader import densest_row, densest_row_at, packing_units, rows_at
 from memtrain.data.rows.mixture import document_samples
 from memtrain.data.rows.pairs import PairRows, fit, prompt_lengths
 from memtrain.data.rows.row_set import SampleRows
@@ -50,14 +50,31 @@ def densest_row_by_length(train_set, data: Data) -> Callable[[int], int]:
     return at
 
 
+def rows_by_length(train_set, data: Data) -> Callable[[int], int] | None:
+    """seq_len -> the rows the training data makes at that length (what batch.global_batch counts), for instruction,
+    chat and text-list data, fitted and packed as `densest_row_by_length` does; None for pairs and KTO records."""
+    if not isinstance(train_set, SampleRows):
+        return None
+    samples, documents = _sample_tokens(train_set, data)
+    return lambda seq_len: rows_at(
+        samples, seq_len, truncation=data.truncation, packing=data.packing, documents=documents
+    )
+
+
 def _samples(train_set: SampleRows, data: Data) -> Callable[[int], int]:
+    samples, documents = _sample_tokens(train_set, data)
+    return lambda seq_len: densest_row_at(
+        samples, seq_len, truncation=data.truncation, packing=data.packing, documents=documents
+    )
+
+
+def _sample_tokens(train_set: SampleRows, data: Data) -> tuple[np.ndarray, np.ndarray]:
+    """(instruction and chat samples' token counts, text documents' token counts) of a set of one sample a row."""
     if len(train_set.samples) != len(train_set):
         raise ValueError("the training set must hold one sample a row (built with data.packing off)")
     tokens = train_set.samples.length
     pieces = document_samples(data, train_set)
-    return lambda seq_len: densest_row_at(
-        tokens[~pieces], seq_len, truncation=data.truncation, packing=data.packing, documents=tokens[pieces]
-    )
+    return tokens[~pieces], tokens[pieces]
 
 
 def _pairs(pairs: PairRows, truncation: str) -> Callable[[int], int]:

@@ -252,15 +252,28 @@ def densest_row_at(sample_tokens, width: int, *, truncation: str, packing: bool,
       target) left out;
     packing: rows packed by `pack_rows` (data.packing), the fullest row's samples counted; else one sample a row.
     """
-    if truncation not in ("truncate", "drop"):
-        raise ValueError(f"truncation must be 'truncate' or 'drop', got {truncation!r}")
-    tokens = np.asarray(sample_tokens, dtype=np.int64)
-    fitted = np.minimum(tokens, width) if truncation == "truncate" else tokens[tokens <= width]
-    fitted = np.concatenate([fitted, document_pieces(documents, width)])
+    fitted = fitted_tokens(sample_tokens, width, truncation=truncation, documents=documents)
     if not packing:
         return densest_row(fitted, width)
     rows = pack_rows(fitted, width)
     return densest_row([int(fitted[row].sum()) for row in rows], width, [len(row) for row in rows])
+
+
+def rows_at(sample_tokens, width: int, *, truncation: str, packing: bool, documents=()) -> int:
+    """The rows (what batch.global_batch counts) the training set of these samples makes at data.seq_len `width`,
+    fitted as `densest_row_at` fits them: packed rows where data.packing, else one sample a row."""
+    fitted = fitted_tokens(sample_tokens, width, truncation=truncation, documents=documents)
+    return len(pack_rows(fitted, width)) if packing else len(fitted)
+
+
+def fitted_tokens(sample_tokens, width: int, *, truncation: str, documents=()) -> np.ndarray:
+    """The token counts of the samples at data.seq_len `width` (`densest_row_at`'s arguments): samples truncated or
+    left out, documents cut into pieces."""
+    if truncation not in ("truncate", "drop"):
+        raise ValueError(f"truncation must be 'truncate' or 'drop', got {truncation!r}")
+    tokens = np.asarray(sample_tokens, dtype=np.int64)
+    fitted = np.minimum(tokens, width) if truncation == "truncate" else tokens[tokens <= width]
+    return np.concatenate([fitted, document_pieces(documents, width)])
 
 
 def document_pieces(document_tokens, width: int) -> np.ndarray:

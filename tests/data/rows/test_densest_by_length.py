@@ -8,7 +8,7 @@ import pytest
 
 from memtrain.data.rows.dataset import build_datasets
 from memtrain.data.rows.densest_by_length import densest_row_by_length
-from memtrain.data.rows.loader import densest_row_at, densest_row_samples, document_pieces
+from memtrain.data.rows.loader import densest_row_at, densest_row_samples, document_pieces, rows_at
 from tests.data.rows.test_pairs import answer, user
 
 WIDTHS = (64, 96, 128, 192, 256)
@@ -130,3 +130,13 @@ def test_a_cut_pair_loses_its_prompts_start_on_both_sides(chat_tokenizer, make_d
     built, _ = build_datasets(data(96), chat_tokenizer, seed=0)
     assert sorted(built.packing_units()[0].tolist()) == [19 + 18, 96 + 57]
     assert densest_row_by_length(longest, data(512))(96) == densest_row_samples(built) == 2
+
+
+def test_rows_at_a_length_count_what_the_global_batch_counts():
+    """Packed rows where data.packing, else one sample a row; samples longer than the row truncated or left out."""
+    tokens = [50, 60, 70, 300]
+    assert rows_at(tokens, 256, truncation="truncate", packing=False) == 4
+    assert rows_at(tokens, 256, truncation="drop", packing=False) == 3
+    assert rows_at(tokens, 256, truncation="truncate", packing=True) == 2  # 256 alone; 50 + 60 + 70 in one
+    assert rows_at(tokens, 1024, truncation="truncate", packing=True) == 1
+    assert rows_at([], 256, truncation="truncate", packing=True, documents=[600]) == 3  # pieces of 256, 256, 88
