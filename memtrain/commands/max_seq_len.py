@@ -65,13 +65,11 @@ def data_by_length(loaded: LoadedRecipe) -> tuple[Callable[[int], int], Callable
     return densest_row_by_length(data.train_set, recipe.data), rows_by_length(data.train_set, recipe.data)
 
 
-def too_few_rows(loaded: LoadedRecipe, seq_len: int, rows: Callable[[int], int] | None) -> int | None:
-    """The rows the data makes at `seq_len` where they are fewer than one global batch (the run refuses such data:
-    train/setup.py), else None. The search is over memory; this says when its answer is one the data cannot fill."""
-    if rows is None or not seq_len:
-        return None
-    made = rows(seq_len)
-    return made if made < loaded.recipe.batch.global_batch else None
+def too_few_rows(loaded: LoadedRecipe, rows_there: int | None) -> int | None:
+    """`rows_there` (the rows the data makes at the answer) where they are fewer than one global batch (the run
+    refuses such data: train/setup.py), else None. The search is over memory; this says when its answer is one the
+    data cannot fill."""
+    return rows_there if rows_there is not None and rows_there < loaded.recipe.batch.global_batch else None
 
 
 def _longest(loaded: LoadedRecipe, gpu: str | None, exact_pinned: bool, densest_row: DensestRow) -> LongestSeqLen:
@@ -182,7 +180,8 @@ def max_seq_len_command(
     densest_row, rows = data_by_length(loaded) if with_data else (None, None)
     found = _longest(loaded, gpu, exact_pinned, densest_row)
     found_levers = levers(loaded, found, gpu=gpu, exact_pinned=exact_pinned, densest_row=densest_row)
-    few = too_few_rows(loaded, found.seq_len, rows)
+    rows_there = rows(found.seq_len) if rows is not None and found.seq_len else None  # packs the data once more
+    few = too_few_rows(loaded, rows_there)
     code = 0 if found.seq_len else 1
     if as_json:
         console.print_json(
@@ -191,8 +190,7 @@ def max_seq_len_command(
                     "max_seq_len": found.to_json(),
                     "recipe_seq_len": loaded.recipe.data.seq_len,
                     "levers": [lever.to_json() for lever in found_levers],
-                    **({"rows_at_seq_len": rows(found.seq_len) if found.seq_len else None} if rows else {}),
-                    **({"too_few_rows": few} if rows else {}),
+                    **({"rows_at_seq_len": rows_there, "too_few_rows": few} if rows is not None else {}),
                 }
             )
         )
