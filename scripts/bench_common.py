@@ -72,6 +72,11 @@ def run_logged(command: list[str], stream, timeout_s: int) -> int | None:
     return done.returncode
 
 
+def run_status(code: int | None) -> str:
+    """A table's status word for `run_logged`'s result: ok, rc N, or timeout."""
+    return "timeout" if code is None else "ok" if code == 0 else f"rc {code}"
+
+
 def write_markdown(rows: list[dict], path: Path, title: str, columns: list[str]) -> None:
     lines = [f"# {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:

@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.bench_common import GiB, machine_name, run_dir_for, run_logged, upsert_row
+from memtrain.monitor.metrics import METRICS_FILE, read_metrics
+from scripts.bench_common import GiB, machine_name, run_dir_for, run_logged, run_status, upsert_row
 
 COLUMNS = [
     "recipe",
@@ -60,12 +61,13 @@ def run_case(name: str, spec: str, runs: Path, timeout_s: int, warmup_steps: int
     with log.open("w") as stream:
         for command in commands:
             started = time.time()
-            status = _run(command, stream, timeout_s)
+            status = run_status(run_logged(command, stream, timeout_s))
             if status != "ok":
                 break
     if "out of memory" in log.read_text(errors="replace").lower() and status != "ok":
         status = "OOM"
-    records = _records(run_dir / "metrics.jsonl")
+    metrics = run_dir / METRICS_FILE
+    records = read_metrics(metrics) if metrics.exists() else []  # a torn last line (a run timed out) is skipped
     if resume_at:
         row["save_s"] = _save_seconds(records, resume_at) or ""
         status, records = _resumed(records, resume_at, status)
@@ -84,17 +86,6 @@ def run_case(name: str, spec: str, runs: Path, timeout_s: int, warmup_steps: int
         else:
             row["tokens_per_s"] = f"{statistics.median(r['tokens'] / max(r['step_time_s'], 1e-9) for r in train):.0f}"
     return row
-
-
-def _run(command: list[str], stream, timeout_s: int) -> str:
-    code = run_logged(command, stream, timeout_s)
-    return "timeout" if code is None else "ok" if code == 0 else f"rc {code}"
-
-
-def _records(metrics: Path) -> list[dict]:
-    if not metrics.exists():
-        return []
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
 
 
 def _resumed(records: list[dict], resume_at: int, status: str) -> tuple[str, list[dict]]:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from memtrain.monitor.metrics import METRICS_FILE, read_metrics
-from scripts.bench_common import machine_name, run_dir_for, run_logged, upsert_row
+from scripts.bench_common import machine_name, run_dir_for, run_logged, run_status, upsert_row
 
 TOLERANCE = 0.02  # a variant converges alike when its final validation loss is within 2 % of the reference's
 COLUMNS = [
@@ -77,7 +77,7 @@ def run_variant(label: str, name: str, recipe: str, settings: list[str], runs: P
     runs.mkdir(parents=True, exist_ok=True)
     with (runs / f"{run_dir.name}.log").open("w") as log:
         code = run_logged(command, log, timeout_s)
-    status = "timeout" if code is None else "ok" if code == 0 else f"rc {code}"
+    status = run_status(code)
     metrics = run_dir / METRICS_FILE
     records = read_metrics(metrics) if metrics.exists() else []
     evals = [r["loss"] for r in records if r["kind"] == "eval"]
