@@ -54,7 +54,7 @@ def data_by_length(loaded: LoadedRecipe) -> tuple[Callable[[int], int], Callable
     """--data: the training data read once (tokenised into the cache, a bar per file), built at the longest length
     the search may try with one sample a row; the densest row it makes at each length, and the rows it makes there
     (data/rows/densest_by_length.py; None where not counted: text windows, which hold one sequence each at any
-    length and are not read, pairs and KTO records)."""
+    length and are not read)."""
     recipe = loaded.recipe
     if recipe.data.is_text:
         return (lambda seq_len: 1), None

@@ -50,15 +50,23 @@ def densest_row_by_length(train_set, data: Data) -> Callable[[int], int]:
     return at
 
 
-def rows_by_length(train_set, data: Data) -> Callable[[int], int] | None:
-    """seq_len -> the rows the training data makes at that length (what batch.global_batch counts), for instruction,
-    chat and text-list data, fitted and packed as `densest_row_by_length` does; None for pairs and KTO records."""
-    if not isinstance(train_set, SampleRows):
-        return None
-    samples, documents = _sample_tokens(train_set, data)
-    return lambda seq_len: rows_at(
-        samples, seq_len, truncation=data.truncation, packing=data.packing, documents=documents
-    )
+def rows_by_length(train_set, data: Data) -> Callable[[int], int]:
+    """seq_len -> the rows the training data makes at that length (what batch.global_batch counts): instruction, chat
+    and text-list data fitted and packed as `densest_row_by_length` does; a pair or KTO record is one row, kept at any
+    length with truncation truncate, left out where its longer sequence is over the length with drop."""
+    if isinstance(train_set, SampleRows):
+        samples, documents = _sample_tokens(train_set, data)
+        return lambda seq_len: rows_at(
+            samples, seq_len, truncation=data.truncation, packing=data.packing, documents=documents
+        )
+    if isinstance(train_set, PairRows):
+        longer = np.maximum(train_set.views["chosen"].length, train_set.views["rejected"].length)
+    else:
+        longer, _ = packing_units(train_set)
+    longer = np.asarray(longer, dtype=np.int64)
+    if data.truncation != "drop":
+        return lambda seq_len: len(longer)
+    return lambda seq_len: int(np.count_nonzero(longer <= seq_len))
 
 
 def _samples(train_set: SampleRows, data: Data) -> Callable[[int], int]:

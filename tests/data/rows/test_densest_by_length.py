@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from memtrain.data.rows.dataset import build_datasets
-from memtrain.data.rows.densest_by_length import densest_row_by_length
+from memtrain.data.rows.densest_by_length import densest_row_by_length, rows_by_length
 from memtrain.data.rows.loader import densest_row_at, densest_row_samples, document_pieces, rows_at
 from tests.data.rows.test_pairs import answer, user
 
@@ -107,11 +107,16 @@ def test_pairs_built_once_count_what_each_length_builds(chat_tokenizer, make_dat
 
     longest, _ = build_datasets(data(512), chat_tokenizer, seed=0)
     counted = densest_row_by_length(longest, data(512))
+    rows = rows_by_length(longest, data(512))
     lengths = np.maximum(longest.views["chosen"].length, longest.views["rejected"].length)
     assert (lengths > 64).sum() > 5  # cut (or left out) at the shortest widths
+    seen = set()
     for width in WIDTHS:
         built, _ = build_datasets(data(width), chat_tokenizer, seed=0)
         assert counted(width) == densest_row_samples(built), width
+        assert rows(width) == len(built), width  # a pair is a row: what batch.global_batch counts
+        seen.add(rows(width))
+    assert len(seen) == 1 if truncation == "truncate" else len(seen) > 2  # drop leaves out fewer as the length grows
 
 
 def test_a_cut_pair_loses_its_prompts_start_on_both_sides(chat_tokenizer, make_data, write_jsonl):
