@@ -270,9 +270,7 @@ def data_per_step(recipe, train_set, micro_batch: int) -> dict:
     slots_per_step, padding_share = sequences * stats.seq_len, stats.padding_share
     tokens_per_step = sequences * stats.tokens * per_sequence
     targets_per_step = sequences * stats.target_tokens * per_sequence
-    pack = recipe.data.groups_by_length and packs_steps(
-        with_attention(recipe, resolve_attention(recipe, varlen=True)), recipe.hardware.gpus
-    )
+    pack = recipe.data.groups_by_length and packs_steps(with_attention(recipe, resolve_attention(recipe, varlen=True)))
     if recipe.data.groups_by_length:  # every column over the same priced steps (padding too)
         order = sample_order(recipe.data, train_set, recipe.train.seed, rows, pack_steps=pack)
         steps = max(1, min(len(train_set) // rows, PRICED_STEPS))

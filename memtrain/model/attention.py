@@ -34,17 +34,12 @@ def holds_packable_pairs(recipe: Recipe) -> bool:
     return recipe.data.holds_pairs and recipe.train.objective != "kto"
 
 
-def packs_steps(recipe: Recipe, world_size: int) -> bool:
+def packs_steps(recipe: Recipe) -> bool:
     """Whether unpacked sample rows, or preference pairs, are laid out packed within each step
     (data/rows/loader.py): where the resolved attention is varlen, which keeps the samples of a row apart without a
-    mask. One process only: several must run as many micro-batches a step as each other, and packed micro-batches
-    are cut by tokens."""
+    mask. Several processes run as many micro-batches a step as each other (loader.packed_micro_batches' count)."""
     unpacked_samples = holds_samples(recipe) and not recipe.data.packing
-    return (
-        recipe.model.attn_implementation == "varlen"
-        and (unpacked_samples or holds_packable_pairs(recipe))
-        and world_size == 1
-    )
+    return recipe.model.attn_implementation == "varlen" and (unpacked_samples or holds_packable_pairs(recipe))
 
 
 def resolve_attention(recipe: Recipe, varlen: bool) -> str:

@@ -184,7 +184,7 @@ def _attention_backward(
     attention = config._attn_implementation
     if attention not in FLASH_KERNELS:
         return 0, 0
-    laid_out = packs_steps(resolved, recipe.hardware.world_size)  # varlen only
+    laid_out = packs_steps(resolved)  # varlen only
     restarts = laid_out or (attention != "sdpa" and packs_samples(recipe))
     seq_len = recipe.data.seq_len
     sequences = sequences_in_micro_batch(rows, seq_len, densest_row_samples, packed=restarts)

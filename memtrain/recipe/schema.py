@@ -440,7 +440,7 @@ class Data(Section):
         "seeded mega-batch of 50 steps, the step groups shuffled) and each micro-batch is cut to its longest row "
         "(rounded up to 8 tokens), so padding is not computed; every row is still seen once per epoch and a "
         "resumed run sees the same batches. null: on when packing is off or the data is preference or kto pairs, off "
-        "otherwise; off where unpacked samples or pairs are laid out packed within each step (varlen attention on one "
+        "otherwise; off where unpacked samples or pairs are laid out packed within each step (varlen attention on a "
         "GPU: samples of one length fill rows worst).",
     )
     cache_dir: str | None = Field(

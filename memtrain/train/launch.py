@@ -114,7 +114,7 @@ def prepare(
         cut = (
             "; each step's samples are laid end to end into packed micro-batches, kept apart by the varlen "
             "attention (`memtrain plan --data` says the padding computed)"
-            if packs_steps(r, r.hardware.world_size)
+            if packs_steps(r)
             else "; length-bucketed micro-batches are cut to their longest row, so less padding is computed "
             "(`memtrain plan --data` says how much)"
             if r.data.groups_by_length

@@ -239,7 +239,7 @@ def attach_reference(recipe: Recipe, module: PreferenceLM, data: RunData, place,
     pairs, read from beside the token cache or computed now (train/state/reference.py), carried by the sets'
     batches from here on. Called before any checkpoint is loaded: the pass must see the initial weights."""
     trim = recipe.data.groups_by_length
-    pack = packs_steps(recipe, place.world_size)  # as training lays the pairs out
+    pack = packs_steps(recipe)  # as training lays the pairs out
     for name in ("train_set", "val_set"):
         dataset = getattr(data, name)
         with BatchLoader(dataset, place.device, trim=trim, pack_steps=pack) as loader:
@@ -363,7 +363,7 @@ def setup(
     else:
         note = None
     trim = r.data.groups_by_length  # micro-batches cut to their longest row (data/rows/loader.py)
-    pack = packs_steps(r, place.world_size)  # or laid out packed within the step
+    pack = packs_steps(r)  # or laid out packed within the step
     loader = stack.enter_context(BatchLoader(data.train_set, place.device, trim=trim, pack_steps=pack))
     val_loader = stack.enter_context(BatchLoader(data.val_set, place.device, trim=trim, pack_steps=pack))
     start_memory_history(place.device)

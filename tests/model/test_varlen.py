@@ -140,13 +140,12 @@ train: {{steps: 4, objective: {objective}}}
         ("kto", "kto", True, "sdpa"),  # KTO's records and KL rows run apart: kept as rows
     ],
 )
-def test_auto_takes_varlen_for_preference_pairs_and_lays_them_out_on_one_gpu(kind, objective, varlen, expected):
+def test_auto_takes_varlen_for_preference_pairs_and_lays_them_out_packed(kind, objective, varlen, expected):
     pairs = load_recipe_text(PAIRS.format(kind=kind, objective=objective), check=False).recipe
     attention = resolve_attention(pairs, varlen=varlen)
     assert attention == expected
     resolved = with_attention(pairs, attention)
-    assert packs_steps(resolved, world_size=1) == (expected == "varlen")
-    assert not packs_steps(resolved, world_size=2)  # ranks must run as many micro-batches as each other
+    assert packs_steps(resolved) == (expected == "varlen")
 
 
 def test_text_windows_keep_sdpa():

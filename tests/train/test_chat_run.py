@@ -4,6 +4,9 @@ rows, response-only targets, the template's markers added to the tokenizer, and 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,9 +14,13 @@ import torch
 from safetensors.torch import load_file
 
 from memtrain.commands.run import run_command
+from memtrain.data.rows.loader import packed_rows
 from memtrain.errors import UserError
+from memtrain.recipe.load import load_recipe
 from memtrain.train.resolve import RunOptions
+from memtrain.train.setup import build_data
 from tests.conftest import read_records, train_losses
+from tests.train.test_run import clean_env
 
 pytestmark = pytest.mark.slow
 
@@ -136,8 +143,8 @@ def test_unpacked_chat_laid_out_packed_trains_the_cut_rows_losses_in_fewer_micro
     import memtrain.train.launch as launch  # noqa: PLC0415
     import memtrain.train.setup as setup  # noqa: PLC0415
 
-    monkeypatch.setattr(setup, "packs_steps", lambda recipe, world_size: True)
-    monkeypatch.setattr(launch, "packs_steps", lambda recipe, world_size: True)
+    monkeypatch.setattr(setup, "packs_steps", lambda recipe: True)
+    monkeypatch.setattr(launch, "packs_steps", lambda recipe: True)
     laid = write_recipe("laid", extra)
     assert run_command(laid, []) == 0
     runs = tmp_path / "runs"
@@ -151,3 +158,65 @@ def test_unpacked_chat_laid_out_packed_trains_the_cut_rows_losses_in_fewer_micro
     assert laid_steps[-1]["padded_tokens"] % 64 == 0  # whole rows of seq_len
     evals = [read_records(runs / name, "eval")[-1]["loss"] for name in ("cut", "laid")]
     assert evals[1] == pytest.approx(evals[0], rel=1e-4)
+
+
+def _traced_micro_batches(trace: Path) -> dict[tuple[int, int], list[list[int]]]:
+    """(step, rank) -> the micro-batches of sample ids that went into the applied step (MEMTRAIN_TRACE_SAMPLES)."""
+    out: dict[tuple[int, int], list[list[int]]] = {}
+    for line in trace.read_text().splitlines():
+        record = json.loads(line)
+        out.setdefault((record["step"], record["rank"]), []).append(record["indices"])
+    return out
+
+
+def test_two_processes_lay_unpacked_chat_out_packed_and_train_one_process_losses(write_recipe, tmp_path, monkeypatch):
+    """What two GPUs do with unpacked chat (varlen attention, each step laid out packed), forced on the CPU in the
+    child processes by a sitecustomize module (sdpa keeps a packed row's samples apart with its mask). Each rank packs
+    its share of the step into rows of its own; at micro-batch 1 the ranks' row counts differ, and both run the most
+    either makes (the other's rows split), so their gradient reductions pair and the run ends. Every step holds the
+    samples and the losses of one process laid out the same way."""
+    extra = chat_recipe(tmp_path, steps=4)
+    extra["data"].update(packing=False, group_by_length=False)
+    extra["batch"] = {"global_batch": 8, "micro_batch": 1}
+    extra["train"] = {"steps": 4, "save_every": 4, "eval_every": 100}
+    forced = tmp_path / "forced"
+    forced.mkdir()
+    (forced / "sitecustomize.py").write_text(
+        "import memtrain.model.attention as attention\n\nattention.packs_steps = lambda recipe: True\n"
+    )
+    two = write_recipe("two", {**extra, "hardware": {"gpus": 2}})
+    two_trace = tmp_path / "two.samples.jsonl"
+    env = clean_env(
+        OMP_NUM_THREADS="1",
+        MEMTRAIN_TRACE_SAMPLES=str(two_trace),
+        PYTHONPATH=os.pathsep.join([str(forced), str(Path.cwd()), os.environ.get("PYTHONPATH", "")]),
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "memtrain", "run", str(two)], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    import memtrain.train.launch as launch  # noqa: PLC0415
+    import memtrain.train.setup as setup  # noqa: PLC0415
+
+    monkeypatch.setattr(setup, "packs_steps", lambda recipe: True)
+    monkeypatch.setattr(launch, "packs_steps", lambda recipe: True)
+    one_trace = tmp_path / "one.samples.jsonl"
+    monkeypatch.setenv("MEMTRAIN_TRACE_SAMPLES", str(one_trace))
+    one = write_recipe("one", {**extra, "hardware": {"gpus": 1}})
+    assert run_command(one, []) == 0
+    train_set = build_data(load_recipe(one).recipe).train_set
+    two_batches, one_batches = _traced_micro_batches(two_trace), _traced_micro_batches(one_trace)
+    split_steps = laid_out = 0
+    for step in range(4):
+        ranks = [two_batches[(step, rank)] for rank in (0, 1)]
+        assert len(ranks[0]) == len(ranks[1]), step  # as many micro-batches on each rank
+        shares = [sorted(i for batch in rank for i in batch) for rank in ranks]
+        assert sorted(shares[0] + shares[1]) == sorted(i for batch in one_batches[(step, 0)] for i in batch)
+        split_steps += any(len(packed_rows(train_set, share)) < len(ranks[0]) for share in shares)
+        laid_out += any(len(batch) > 1 for rank in ranks for batch in rank)  # cut rows hold one sample each
+    assert laid_out and split_steps  # laid out packed; some step's shares made unequal rows, the lighter one's split
+    runs = tmp_path / "runs"
+    a, b = train_losses(runs / "one"), train_losses(runs / "two")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-4), step

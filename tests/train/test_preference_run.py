@@ -158,8 +158,8 @@ def test_dpo_laid_out_packed_trains_the_pairs_layouts_losses_in_fewer_micro_batc
     import memtrain.train.launch as launch  # noqa: PLC0415
     import memtrain.train.setup as setup  # noqa: PLC0415
 
-    monkeypatch.setattr(setup, "packs_steps", lambda recipe, world_size: True)
-    monkeypatch.setattr(launch, "packs_steps", lambda recipe, world_size: True)
+    monkeypatch.setattr(setup, "packs_steps", lambda recipe: True)
+    monkeypatch.setattr(launch, "packs_steps", lambda recipe: True)
     shutil.rmtree(tmp_path / "cache" / "reference", ignore_errors=True)  # computed again, on packed batches
     assert run_command(write_recipe("laid", extra), []) == 0
     assert lora or any((tmp_path / "cache" / "reference").glob("*.npy"))

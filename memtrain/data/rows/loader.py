@@ -16,7 +16,10 @@ width cost a new attention plan and a recompiled layer (measured: a step of 4 cu
 it held 1,100 or 12,000 tokens), and short samples no longer each take a row. Steps are then not bucketed by
 length unless the recipe asks: samples of one length fill rows worst (a step of 16 conversations of 100-1,500
 tokens: 30 % padding bucketed, 11 % shuffled). The loss is the same: labels, positions and the normalisation by
-the step's targets do not depend on where a sample lies.
+the step's targets do not depend on where a sample lies. With several processes each rank lays its share of the step
+into rows of its own, and every rank runs the most micro-batches any makes (`packed_step_micro_batches`): the ranks
+share an out-of-memory flag at every micro-batch and ZeRO-2 reduces gradients in every backward, so their
+micro-batches must pair. A rank with fewer rows deals them out thinner, or splits its fullest rows.
 """
 
 from __future__ import annotations
@@ -184,14 +187,15 @@ def step_positions(
     dataset, samples: list[int], per_rank_batch: int, micro_batch: int, trim: bool, pack_steps: bool = False
 ) -> int:
     """Token positions one optimizer step over `samples` (the global batch, rank after rank) computes: rows × width
-    per micro-batch, the width `batch_width` when micro-batches are cut, else seq_len; with `pack_steps`, the rows of
-    seq_len the step's samples are laid into. Padding included."""
+    per micro-batch, the width `batch_width` when micro-batches are cut, else seq_len; with `pack_steps`, the rows
+    each rank's share is laid into (split where ranks run more micro-batches than it fills). Padding included."""
     positions = 0
+    count = packed_step_micro_batches(dataset, samples, per_rank_batch, micro_batch) if pack_steps else 0
     for rank_start in range(0, len(samples), per_rank_batch):
         mine = samples[rank_start : rank_start + per_rank_batch]
-        if pack_steps:  # whole rows, as many as the step's samples fill
-            lengths, width = packing_units(dataset)
-            positions += len(pack_rows(lengths[mine], width)) * width
+        if pack_steps:  # whole rows: as many as the rank's samples fill, or one a micro-batch where ranks need more
+            _, width = packing_units(dataset)
+            positions += max(len(packed_rows(dataset, mine)), count) * width
             continue
         for start in range(0, len(mine), micro_batch):
             rows = mine[start : start + micro_batch]
@@ -284,21 +288,56 @@ def document_pieces(document_tokens, width: int) -> np.ndarray:
     return lengths[lengths > 1]
 
 
-def packed_micro_batches(dataset, samples: list[int], micro_batch: int) -> list[list[int]]:
+def packed_rows(dataset, samples: list[int]) -> list[list[int]]:
     """A step's `samples` (dataset rows of one sample each, or pairs) laid into rows (`packing_units`) as packed data
-    is (best fit, longest first: packing.pack_rows), and the rows taken `micro_batch` at a time: each micro-batch is
-    its rows' samples written out row after row (`next_fit_rows` reads the rows back). The last may hold fewer
-    rows."""
+    is (best fit, longest first: packing.pack_rows): each row's samples."""
     lengths, width = packing_units(dataset)
-    rows = [[samples[at] for at in row] for row in pack_rows(lengths[samples], width)]
-    return [sum(rows[start : start + micro_batch], []) for start in range(0, len(rows), micro_batch)]
+    return [[samples[at] for at in row] for row in pack_rows(lengths[samples], width)]
 
 
-def micro_batches_of(dataset, samples: list[int], micro_batch: int, pack_steps: bool = False) -> list[list[int]]:
-    """A rank's samples of one step in micro-batches: `micro_batch` rows each, or packed (`packed_micro_batches`)."""
+def packed_micro_batches(dataset, samples: list[int], micro_batch: int, count: int | None = None) -> list[list[int]]:
+    """`packed_rows` taken `micro_batch` at a time: each micro-batch is its rows' samples written out row after row
+    (`next_fit_rows` reads the rows back). The last may hold fewer rows.
+
+    count: exactly this many micro-batches, the most any rank's share of the step makes (several processes must run
+    as many as each other). The rows then go to them in order, as evenly as they divide (at most `micro_batch`
+    each); where there are fewer rows than that, the rows of most samples are split in two until there are as many,
+    and each micro-batch is one row (a row's halves in two micro-batches, where reading back cannot join them). It
+    must lie between the micro-batches the rows need and the samples there are."""
+    rows = packed_rows(dataset, samples)
+    if count is None:
+        return [sum(rows[start : start + micro_batch], []) for start in range(0, len(rows), micro_batch)]
+    if not -(-len(rows) // micro_batch) <= count <= len(samples):
+        raise ValueError(
+            f"{len(samples)} samples in {len(rows)} rows cannot make {count} micro-batches of at most "
+            f"{micro_batch} rows"
+        )
+    while len(rows) < count:
+        fullest = max(range(len(rows)), key=lambda at: len(rows[at]))
+        half = len(rows[fullest]) // 2
+        rows[fullest : fullest + 1] = [rows[fullest][:half], rows[fullest][half:]]
+    sizes = [len(rows) // count + (at < len(rows) % count) for at in range(count)]
+    starts = np.cumsum([0, *sizes])
+    return [sum(rows[starts[at] : starts[at + 1]], []) for at in range(count)]
+
+
+def micro_batches_of(
+    dataset, samples: list[int], micro_batch: int, pack_steps: bool = False, count: int | None = None
+) -> list[list[int]]:
+    """A rank's samples of one step in micro-batches: `micro_batch` rows each, or packed (`packed_micro_batches`, in
+    `count` micro-batches where given)."""
     if pack_steps:
-        return packed_micro_batches(dataset, samples, micro_batch)
+        return packed_micro_batches(dataset, samples, micro_batch, count)
     return [samples[i : i + micro_batch] for i in range(0, len(samples), micro_batch)]
+
+
+def packed_step_micro_batches(dataset, samples: list[int], per_rank_batch: int, micro_batch: int) -> int:
+    """The micro-batches a step laid out packed runs on every rank: the most any rank's share of `samples` (the
+    global batch, rank after rank) makes (`packed_micro_batches`)."""
+    return max(
+        -(-len(packed_rows(dataset, samples[start : start + per_rank_batch])) // micro_batch)
+        for start in range(0, len(samples), per_rank_batch)
+    )
 
 
 def collate_packed(dataset, indices: list[int]) -> dict[str, torch.Tensor]:
@@ -369,10 +408,10 @@ class BatchLoader:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-prefetch")
         self._pending: OrderedDict[tuple[int, ...], Future] = OrderedDict()
 
-    def split(self, samples: list[int], micro_batch: int) -> list[list[int]]:
+    def split(self, samples: list[int], micro_batch: int, count: int | None = None) -> list[list[int]]:
         """A step's samples (this rank's) in the micro-batches this loader makes of them, of `micro_batch` rows
-        (`micro_batches_of`)."""
-        return micro_batches_of(self.dataset, samples, micro_batch, self.pack_steps)
+        (`micro_batches_of`; `count` of them where steps are laid out packed and ranks must agree)."""
+        return micro_batches_of(self.dataset, samples, micro_batch, self.pack_steps, count)
 
     def prefetch(self, indices: list[int]) -> None:
         """Start loading this micro-batch in a background thread (no-op when prefetch is 0 or already queued)."""

@@ -148,8 +148,11 @@ class StepRunner:
         injector, backward_injector = self.hooks.oom, self.hooks.oom_backward
         loss_sum = torch.zeros((), device=device)
         remaining, micro_batches, ooms = mine, 0, 0
+        failed: tuple[int, str] | None = None  # the micro-batch a forward OOM of this step failed at, and its error
         while remaining:
             batches = self.loader.split(remaining, self.policy.micro_batch)
+            if self.place.world_size > 1 and self.loader.pack_steps:
+                batches = self._as_many_as_every_rank(remaining, batches, failed)
             try:
                 micro_batches += run_micro_batches(
                     self.engine,
@@ -173,6 +176,7 @@ class StepRunner:
                 if oom.in_backward and self.place.world_size > 1:
                     raise self._restart_every_process(oom) from None
                 ooms += 1
+                failed = (self.policy.micro_batch, _said(oom.error))
                 self._shrink_after_oom(oom, dump_memory_snapshot(self.run_dir, step) if ooms == 1 else None)
                 if oom.in_backward and not self.zero3:
                     if not self.save:
@@ -206,7 +210,7 @@ class StepRunner:
         """No retry when each micro-batch is an optimizer step: smaller pieces would be more, smaller steps, and
         a backward that ran out of memory has already updated part of the model. The last checkpoint stands."""
         step = self.state.step
-        said = str(oom.error).splitlines()[0] if str(oom.error) else type(oom.error).__name__  # PyTorch's numbers
+        said = _said(oom.error)
         self.metrics.event(
             "oom", step, micro_batch=self.policy.micro_batch, in_backward=oom.in_backward, fatal=True, error=said
         )
@@ -225,20 +229,44 @@ class StepRunner:
             )
         )
 
+    def _as_many_as_every_rank(
+        self, remaining: list[int], batches: list[list[int]], failed: tuple[int, str] | None
+    ) -> list[list[int]]:
+        """Steps laid out packed on several processes: each rank's share fills rows of its own, and every rank runs
+        the most micro-batches any makes (loader.packed_micro_batches), so that their gradient reductions pair. At a
+        step's start that is always possible (equal shares, each at least as many samples as rows); after a forward
+        OOM the shares left may not be (a rank with fewer samples left than the micro-batches another needs), and
+        every process starts again from the last checkpoint at the smaller size instead."""
+        device = self.place.device
+        count = max_over_ranks(len(batches), device)
+        if failed is None or count <= -max_over_ranks(-len(remaining), device):  # the fewest samples left on a rank
+            return batches if count == len(batches) else self.loader.split(remaining, self.policy.micro_batch, count)
+        failed_micro_batch, said = failed
+        what = (
+            f"out of memory in a forward of step {self.state.step + 1} (micro-batch {failed_micro_batch}); the "
+            "samples left on the processes are too uneven to lay out packed in as many micro-batches on each, so it "
+            "cannot be retried in place"
+        )
+        raise self._start_every_process_again(what, failed_micro_batch, said)
+
     def _restart_every_process(self, oom: OomDuringStep) -> Exception:
         """An OOM in backward with several processes: the others wait for this one inside a gradient reduction, so it
-        cannot retry in place or save (both need them). On one node it leaves a note (restart_note.py) and every
-        process starts again from the last checkpoint at a smaller micro-batch; across nodes, or without a checkpoint
-        to go back to, the run stops and says what to run."""
-        step, rank = self.state.step, self.place.rank
-        said = str(oom.error).splitlines()[0] if str(oom.error) else type(oom.error).__name__
+        cannot retry in place or save (both need them); every process starts again (`_start_every_process_again`)."""
+        said = _said(oom.error)
         release_memory(self.place.device)
-        decision = self.policy.on_oom()  # GiveUp (a UserError) at the smallest size: said once, exit 2
-        failed, smaller = decision.old_micro_batch, decision.new_micro_batch
+        failed = self.policy.micro_batch
+        self.policy.on_oom()  # GiveUp (a UserError) at the smallest size: said once, exit 2
         what = (
-            f"out of memory in backward at step {step + 1} on rank {rank} (micro-batch {failed}); the other "
-            "processes wait for it in their gradient reduction, so it cannot be retried in place"
+            f"out of memory in backward at step {self.state.step + 1} on rank {self.place.rank} (micro-batch "
+            f"{failed}); the other processes wait for it in their gradient reduction, so it cannot be retried in place"
         )
+        return self._start_every_process_again(what, failed, said)
+
+    def _start_every_process_again(self, what: str, failed: int, said: str) -> Exception:
+        """After an OOM at micro-batch `failed` that no process can retry in place (the policy has shrunk since): on
+        one node a note (restart_note.py), and every process starts again from the last checkpoint at the smaller
+        micro-batch; across nodes, or without a checkpoint to go back to, the run stops and says what to run."""
+        step, rank, smaller = self.state.step, self.place.rank, self.policy.micro_batch
         if smaller >= failed:
             return UserError(
                 Problem(
@@ -323,3 +351,8 @@ class StepRunner:
 
 def _str(path) -> str | None:
     return str(path) if path is not None else None
+
+
+def _said(error: BaseException) -> str:
+    """An error's first line (PyTorch's numbers for an OOM), or its type where it says nothing."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__

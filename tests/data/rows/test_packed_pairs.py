@@ -54,6 +54,20 @@ def test_packed_pairs_hold_the_pairs_layouts_sequences_numbered_as_its_rows(pair
         assert torch.equal(loader.get(micro[0])["sequence_ids"], collate(pairs, micro[0], pack=True)["sequence_ids"])
 
 
+def test_pairs_split_into_as_many_micro_batches_as_another_rank_runs(pairs):
+    """A rank whose pairs fill fewer rows than another rank's micro-batches: its fullest rows split in two, each
+    micro-batch one row holding whole pairs (each sequence numbered), every pair once."""
+    share = list(range(6))
+    rows = len(micro_batches_of(pairs, share, micro_batch=1, pack_steps=True))
+    assert rows < 6  # several pairs to a row
+    micro = micro_batches_of(pairs, share, micro_batch=1, pack_steps=True, count=6)
+    assert len(micro) == 6 and sorted(sum(micro, [])) == share
+    for indices in micro:
+        packed = collate(pairs, indices, pack=True)
+        assert packed["input_ids"].shape == (1, 2 * pairs.seq_len)
+        assert sorted(set(packed["sequence_ids"].flatten().tolist()) - {-1}) == list(range(2 * len(indices)))
+
+
 def _model(vocab: int) -> torch.nn.Module:
     torch.manual_seed(0)
     config = tiny_config("llama", vocab_size=vocab, attn_implementation=ATTN_NAME)

@@ -15,6 +15,7 @@ from memtrain.data.rows.loader import (
     densest_row_samples,
     next_fit_rows,
     packed_micro_batches,
+    packed_step_micro_batches,
     sample_order,
     step_positions,
     token_slots,
@@ -55,6 +56,47 @@ def test_a_step_is_laid_longest_first_into_rows_taken_micro_batch_at_a_time():
         rows = next_fit_rows(data.lengths[batch], 128)
         assert len(rows) <= 2 and all(sum(data.lengths[[batch[i] for i in row]]) <= 128 for row in rows)
     assert [len(next_fit_rows(data.lengths[b], 128)) for b in batches] == [2, 2, 1]
+
+
+def _rows_read_back(data, batches: list[list[int]]) -> list[list[int]]:
+    """Each micro-batch's rows as collate reads them back (next_fit_rows), as sample ids."""
+    return [[batch[at] for at in row] for batch in batches for row in next_fit_rows(data.lengths[batch], data.seq_len)]
+
+
+def test_ranks_run_as_many_micro_batches_rows_dealt_evenly_or_split():
+    """Two ranks' shares of a step: one packs into 5 rows, the other into 2. At micro-batch 2 both run 3, the first
+    its rows 2, 2, 1, the second its 2 rows split into 3 (the fuller one in two, each micro-batch one row); at
+    micro-batch 1 both run 5. Every sample once, every row read back as it was laid, none over the width."""
+    data = Lengths([128, 120, 110, 100, 90, 60, 50, 40, 30, 20], seq_len=128)
+    busy, light = [0, 1, 2, 3, 4], [5, 6, 7, 8, 9]  # rows: each of the first alone; 60 50 | 40 30 20
+    assert packed_step_micro_batches(data, busy + light, per_rank_batch=5, micro_batch=2) == 3
+    assert packed_step_micro_batches(data, busy + light, per_rank_batch=5, micro_batch=1) == 5
+    for micro_batch, count in ((2, 3), (1, 5)):
+        for share in (busy, light):
+            batches = packed_micro_batches(data, share, micro_batch, count=count)
+            assert len(batches) == count and sorted(i for b in batches for i in b) == share
+            rows = _rows_read_back(data, batches)
+            assert all(data.lengths[row].sum() <= 128 for row in rows)
+            assert all(len(next_fit_rows(data.lengths[b], 128)) <= micro_batch for b in batches)
+    assert [len(b) for b in packed_micro_batches(data, busy, 2, count=3)] == [2, 2, 1]
+    light_rows = packed_micro_batches(data, light, 1)
+    assert len(light_rows) == 2
+    split = packed_micro_batches(data, light, 1, count=5)  # 2 rows of 2 and 3 samples become 5 of one
+    assert sorted(map(len, split)) == [1, 1, 1, 1, 1]
+    with pytest.raises(ValueError, match="cannot make 6 micro-batches"):
+        packed_micro_batches(data, light, 1, count=6)  # more micro-batches than samples
+    with pytest.raises(ValueError, match="cannot make 2 micro-batches"):
+        packed_micro_batches(data, busy, 2, count=2)  # 5 rows do not go into 2 of at most 2
+
+
+def test_the_positions_of_a_step_on_two_ranks_count_the_rows_each_runs():
+    """Padding computed: the busy rank's 5 rows, the light rank's 2 split into 3 at micro-batch 2 (and into 5 at 1),
+    each a row of seq_len."""
+    data = Lengths([128, 120, 110, 100, 90, 60, 50, 40, 30, 20], seq_len=128)
+    step = list(range(10))
+    assert step_positions(data, step, 5, 2, True, pack_steps=True) == (5 + 3) * 128
+    assert step_positions(data, step, 5, 1, True, pack_steps=True) == (5 + 5) * 128
+    assert step_positions(data, step, 10, 2, True, pack_steps=True) == 7 * 128  # one rank: its 7 rows
 
 
 def test_a_packed_batch_holds_the_samples_end_to_end(chat_rows):
