@@ -147,11 +147,20 @@ def test_unpacked_chat_laid_out_packed_trains_the_cut_rows_losses_in_fewer_micro
     monkeypatch.setattr(launch, "packs_steps", lambda recipe: True)
     laid = write_recipe("laid", extra)
     assert run_command(laid, []) == 0
+    # an OOM before the second micro-batch of step 2: the samples of the micro-batches not done are laid out again
+    # at a smaller size (micro-batches laid out packed are not consecutive slices of the step's samples)
+    monkeypatch.setenv("MEMTRAIN_INJECT_OOM", "1:1")
+    oom = write_recipe("laid-oom", {**extra, "batch": {**extra["batch"], "micro_batch": 2, "policy": "adaptive"}})
+    assert run_command(oom, []) == 0
     runs = tmp_path / "runs"
-    a, b = train_losses(runs / "cut"), train_losses(runs / "laid")
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-4), step
+    assert [o["step"] for o in read_records(runs / "laid-oom", "oom")] == [1]
+    a = train_losses(runs / "cut")
+    assert sorted(a) == [1, 2, 3, 4]
+    for name in ("laid", "laid-oom"):
+        b = train_losses(runs / name)
+        assert sorted(b) == sorted(a), name
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-4), (name, step)
     cut_steps, laid_steps = read_records(runs / "cut", "train"), read_records(runs / "laid", "train")
     assert sum(r["grad_accum"] for r in laid_steps) < sum(r["grad_accum"] for r in cut_steps) == 4 * 4
     assert laid_steps[-1]["tokens"] == cut_steps[-1]["tokens"]
@@ -184,17 +193,27 @@ def test_two_processes_lay_unpacked_chat_out_packed_and_train_one_process_losses
     (forced / "sitecustomize.py").write_text(
         "import memtrain.model.attention as attention\n\nattention.packs_steps = lambda recipe: True\n"
     )
-    two = write_recipe("two", {**extra, "hardware": {"gpus": 2}})
-    two_trace = tmp_path / "two.samples.jsonl"
-    env = clean_env(
-        OMP_NUM_THREADS="1",
-        MEMTRAIN_TRACE_SAMPLES=str(two_trace),
-        PYTHONPATH=os.pathsep.join([str(forced), str(Path.cwd()), os.environ.get("PYTHONPATH", "")]),
+    pythonpath = os.pathsep.join([str(forced), str(Path.cwd()), os.environ.get("PYTHONPATH", "")])
+
+    def two_processes(name: str, batch: dict, **env) -> Path:
+        recipe = write_recipe(name, {**extra, "hardware": {"gpus": 2}, "batch": batch})
+        trace = tmp_path / f"{name}.samples.jsonl"
+        env = clean_env(OMP_NUM_THREADS="1", MEMTRAIN_TRACE_SAMPLES=str(trace), PYTHONPATH=pythonpath, **env)
+        result = subprocess.run(
+            [sys.executable, "-m", "memtrain", "run", str(recipe)], capture_output=True, text=True, timeout=900, env=env
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return trace
+
+    two_trace = two_processes("two", extra["batch"])
+    # an OOM on rank 1 before the second micro-batch of step 2, at micro-batch 2: both ranks retry the rest at 1,
+    # laid out again in as many micro-batches on each
+    two_processes(
+        "two-oom",
+        {"global_batch": 8, "micro_batch": 2, "policy": "adaptive"},
+        MEMTRAIN_INJECT_OOM="1:1",
+        MEMTRAIN_INJECT_RANK="1",
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "memtrain", "run", str(two)], capture_output=True, text=True, timeout=900, env=env
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     import memtrain.train.launch as launch  # noqa: PLC0415
     import memtrain.train.setup as setup  # noqa: PLC0415
 
@@ -216,7 +235,11 @@ def test_two_processes_lay_unpacked_chat_out_packed_and_train_one_process_losses
         laid_out += any(len(batch) > 1 for rank in ranks for batch in rank)  # cut rows hold one sample each
     assert laid_out and split_steps  # laid out packed; some step's shares made unequal rows, the lighter one's split
     runs = tmp_path / "runs"
-    a, b = train_losses(runs / "one"), train_losses(runs / "two")
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-4), step
+    assert [o["step"] for o in read_records(runs / "two-oom", "oom")] == [1]
+    a = train_losses(runs / "one")
+    assert sorted(a) == [1, 2, 3, 4]
+    for name in ("two", "two-oom"):
+        b = train_losses(runs / name)
+        assert sorted(b) == sorted(a), name
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-4), (name, step)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -202,7 +203,7 @@ class StepRunner:
                     remaining, micro_batches = mine, 0
                 else:  # forward: the finished micro-batches' gradients stand
                     micro_batches += oom.done
-                    remaining = remaining[sum(len(b) for b in batches[: oom.done]) :]
+                    remaining = _left(remaining, batches[: oom.done])
         self.hooks.nan.arm(-1)
         return loss_sum, micro_batches, ooms
 
@@ -356,3 +357,17 @@ def _str(path) -> str | None:
 def _said(error: BaseException) -> str:
     """An error's first line (PyTorch's numbers for an OOM), or its type where it says nothing."""
     return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _left(samples: list[int], done: list[list[int]]) -> list[int]:
+    """`samples` without those of the `done` micro-batches, in order. Micro-batches laid out packed hold the step's
+    samples longest first, not as consecutive slices; a sample twice in a step (a step across an epoch's end) is
+    taken out as often as it was done."""
+    counts = Counter(i for batch in done for i in batch)
+    left = []
+    for sample in samples:
+        if counts[sample]:
+            counts[sample] -= 1
+        else:
+            left.append(sample)
+    return left
