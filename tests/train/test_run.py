@@ -613,3 +613,30 @@ def test_bad_input_fails_before_any_work_with_nothing_written(write_recipe, tmp_
     assert "line 2" in result.output and "text" in result.output
     assert "Traceback" not in result.output
     assert not run_dir_of(recipe).exists()
+
+
+def test_two_processes_under_zero3_evaluate_an_uneven_split_as_one_process(write_recipe):
+    """Three validation batches of one sample over two ranks: one rank's share makes two micro-batches, the other's
+    one. ZeRO-3 gathers the parameters in every forward (max_live_parameters 0: none stay gathered, as a 7B's do
+    not), so the second rank runs its first again uncounted; the run used to wait in that gather for ever. Its
+    validation losses are one process's."""
+    common = {
+        "offload": {"zero_stage": 3, "max_live_parameters": 0},
+        "batch": {"global_batch": 2, "micro_batch": 1},
+        "train": {"steps": 2, "eval_every": 1, "eval_batches": 3, "save_every": 100},
+    }
+    two = write_recipe("two-zero3", {**common, "hardware": {"gpus": 2}})
+    one = write_recipe("one-zero3", {**common, "hardware": {"gpus": 1}})
+    result = subprocess.run(
+        [sys.executable, "-m", "memtrain", "run", str(two)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(OMP_NUM_THREADS="1"),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert run(one) == 0
+    a, b = (read_records(run_dir_of(r), "eval") for r in (one, two))
+    assert [e["step"] for e in b] == [e["step"] for e in a] == [1, 2]
+    for ea, eb in zip(a, b, strict=True):
+        assert eb["loss"] == pytest.approx(ea["loss"], rel=1e-5)

@@ -3,8 +3,10 @@ evaluation micro-batch and retries those samples, instead of ending a run whose 
 report OOM in eval after training fit: eval runs at the training micro-batch with other buffers live).
 
 Sums are added only after a forward completes, so a retried chunk is counted once. With ZeRO-3 and
-several GPUs each forward gathers parameters collectively; a rank that shrinks alone runs more
-forwards than the others, so there an OOM in evaluation still ends the run.
+several GPUs each forward gathers parameters collectively, so every rank runs as many forwards: a rank whose
+share makes fewer micro-batches (the samples do not divide evenly) runs its first again and counts nothing of it
+(`pair_forwards`; without it the others waited in a gather that never came). A rank that shrinks alone after an
+OOM runs more forwards than the others, so there an OOM in evaluation still ends the run.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from memtrain.train.runtime.distributed import Place, all_reduce_sum
+from memtrain.train.runtime.distributed import Place, all_reduce_sum, pair_forwards
 from memtrain.train.runtime.oom import abandon_failed_frames, is_oom, release_memory
 
 
@@ -81,7 +83,10 @@ def evaluate(
         tokens += n_targets.double() if torch.is_tensor(n_targets) else n_targets
 
     with torch.no_grad():
+        extra = pair_forwards(len(loader.split(mine, micro_batch)), place)
         run_shrinking(mine, micro_batch, one, device, before=before, on_oom=on_oom, split=loader.split)
+        for _ in range(extra):
+            engine(**loader.get(loader.split(mine or [0], micro_batch)[0]))  # its gathers only: nothing counted
     engine.train()
     totals = all_reduce_sum(torch.stack([loss_sum, tokens]))
     return float(totals[0] / totals[1].clamp(min=1))

@@ -163,6 +163,13 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
+def pair_forwards(micro_batches: int, place: Place) -> int:
+    """The forwards a rank runs beyond its own `micro_batches` so that every rank runs the most any does (one tiny
+    all-reduce; every rank calls it, before its first forward): ZeRO-3 gathers parameters in each forward, and a
+    rank that stopped early left the others waiting in a gather."""
+    return max_over_ranks(micro_batches, place.device) - micro_batches if place.world_size > 1 else 0
+
+
 def sum_by_node(number: int, node: int, nodes: int, device: torch.device) -> list[int]:
     """Each node's sum of its ranks' `number` (e.g. host memory), in node order, the same on every rank
     (one all-reduce of `nodes` values; every rank must call it)."""

@@ -25,7 +25,7 @@ from memtrain.data.rows.identity import dataset_digest
 from memtrain.data.tokens.cache import cache_dir_of
 from memtrain.files import write_atomically
 from memtrain.recipe.schema import Recipe
-from memtrain.train.runtime.distributed import Place, all_reduce_sum
+from memtrain.train.runtime.distributed import Place, all_reduce_sum, pair_forwards
 
 REFERENCE_VERSION = "1"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".json")
@@ -67,6 +67,7 @@ def compute_reference(module, loader, dataset, *, micro_batch: int, place: Place
     table = torch.zeros((len(dataset), 2), dtype=torch.float64, device=place.device)
     mine = list(range(place.rank, len(dataset), place.world_size))
     batches = loader.split(mine, micro_batch)  # the loader's layout: pairs cut to their longest, or laid out packed
+    extra = pair_forwards(len(batches), place)  # ZeRO-3 gathers in every forward: each rank runs as many
     was_training = module.training
     module.eval()  # no dropout: the reference is one fixed function
     try:
@@ -76,6 +77,8 @@ def compute_reference(module, loader, dataset, *, micro_batch: int, place: Place
             logps = module.reference_logps(**loader.get(indices)).double()
             n = len(indices)
             table[indices] = torch.stack([logps[:n], logps[n:]], dim=1)
+        for _ in range(extra):  # its gathers only: nothing is kept
+            module.reference_logps(**loader.get(loader.split(mine or [0], micro_batch)[0]))
     finally:
         module.train(was_training)
     return all_reduce_sum(table).float().cpu().numpy()
