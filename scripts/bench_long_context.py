@@ -19,6 +19,7 @@ import argparse
 import datetime as dt
 import json
 import shlex
+import subprocess
 from pathlib import Path
 
 from scripts.bench_common import RUN_FAILURES, machine_name, run_dir_for, upsert_row
@@ -61,9 +62,11 @@ def ladder_command(method: str, spec: str, lengths: list[int], steps: int, warmu
     )
 
 
-def run_once(method: str, recipe: str, overrides: list[str], *, steps: int, warmup: int, runs: Path, timeout_s: int):
-    """One method's few steps at one length: tokens/s and peak reserved GiB (a RUN_FAILURES exception when it fails)."""
-    name = f"{method}-{overrides[-1].partition('=')[2]}"
+def run_once(
+    method: str, recipe: str, overrides: list[str], *, name: str, steps: int, warmup: int, runs: Path, timeout_s: int
+):
+    """One method's few steps at one length: tokens/s and peak reserved GiB (a RUN_FAILURES exception when it fails).
+    Its output goes to runs/NAME.log."""
     if method == MEMTRAIN:
         return memtrain_side(recipe, overrides, steps, warmup, run_dir_for(runs, name), timeout_s)
     baseline = load_suites().baselines[method]
@@ -72,23 +75,37 @@ def run_once(method: str, recipe: str, overrides: list[str], *, steps: int, warm
     return baseline_side(baseline, recipe, overrides, steps, warmup, out, timeout_s)
 
 
+def failure(error: Exception, log: Path) -> str:
+    """What ended a length, in words: out of memory where the run's log says so, a timeout, else the log's last line
+    (a refusal says why there), or the error's kind where there is no log."""
+    if isinstance(error, subprocess.TimeoutExpired):
+        return "timeout"
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    if any("OutOfMemoryError" in line or "out of memory" in line.lower() for line in lines):
+        return "out of memory"
+    last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+    return last[:120] or type(error).__name__
+
+
 def ladder(method: str, spec: str, lengths: list[int], *, steps: int, warmup: int, runs: Path, timeout_s: int) -> dict:
     """Climb the lengths until one fails: the row of the longest that trained."""
     recipe, *overrides = shlex.split(spec)
     row = {"method": method, "longest_seq_len": 0, "failed_at": ""}
     for length in sorted(lengths):
+        name = f"{method}-{length}"
         try:
             result = run_once(
                 method,
                 recipe,
                 [*overrides, f"data.seq_len={length}"],
+                name=name,
                 steps=steps,
                 warmup=warmup,
                 runs=runs,
                 timeout_s=timeout_s,
             )
         except RUN_FAILURES as error:
-            row["failed_at"] = f"{length} ({type(error).__name__})"
+            row["failed_at"] = f"{length} ({failure(error, runs / f'{name}.log')})"
             break
         row.update(
             longest_seq_len=length,
