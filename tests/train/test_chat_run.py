@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from memtrain.recipe.load import load_recipe
 from memtrain.train.resolve import RunOptions
 from memtrain.train.setup import build_data
 from tests.conftest import read_records, train_losses
-from tests.train.test_run import clean_env
+from tests.train.test_run import run_in_child
 
 pytestmark = pytest.mark.slow
 
@@ -154,13 +152,7 @@ def test_unpacked_chat_laid_out_packed_trains_the_cut_rows_losses_in_fewer_micro
     assert run_command(oom, []) == 0
     runs = tmp_path / "runs"
     assert [o["step"] for o in read_records(runs / "laid-oom", "oom")] == [1]
-    a = train_losses(runs / "cut")
-    assert sorted(a) == [1, 2, 3, 4]
-    for name in ("laid", "laid-oom"):
-        b = train_losses(runs / name)
-        assert sorted(b) == sorted(a), name
-        for step in a:
-            assert b[step] == pytest.approx(a[step], rel=1e-4), (name, step)
+    _same_losses(runs, "cut", ("laid", "laid-oom"), steps=4)
     cut_steps, laid_steps = read_records(runs / "cut", "train"), read_records(runs / "laid", "train")
     assert sum(r["grad_accum"] for r in laid_steps) < sum(r["grad_accum"] for r in cut_steps) == 4 * 4
     assert laid_steps[-1]["tokens"] == cut_steps[-1]["tokens"]
@@ -196,13 +188,9 @@ def test_two_processes_lay_unpacked_chat_out_packed_and_train_one_process_losses
     pythonpath = os.pathsep.join([str(forced), str(Path.cwd()), os.environ.get("PYTHONPATH", "")])
 
     def two_processes(name: str, batch: dict, **env) -> Path:
-        recipe = write_recipe(name, {**extra, "hardware": {"gpus": 2}, "batch": batch})
         trace = tmp_path / f"{name}.samples.jsonl"
-        env = clean_env(OMP_NUM_THREADS="1", MEMTRAIN_TRACE_SAMPLES=str(trace), PYTHONPATH=pythonpath, **env)
-        result = subprocess.run(
-            [sys.executable, "-m", "memtrain", "run", str(recipe)], capture_output=True, text=True, timeout=900, env=env
-        )
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        recipe = write_recipe(name, {**extra, "hardware": {"gpus": 2}, "batch": batch})
+        run_in_child(recipe, MEMTRAIN_TRACE_SAMPLES=str(trace), PYTHONPATH=pythonpath, **env)
         return trace
 
     two_trace = two_processes("two", extra["batch"])
@@ -236,10 +224,15 @@ def test_two_processes_lay_unpacked_chat_out_packed_and_train_one_process_losses
     assert laid_out and split_steps  # laid out packed; some step's shares made unequal rows, the lighter one's split
     runs = tmp_path / "runs"
     assert [o["step"] for o in read_records(runs / "two-oom", "oom")] == [1]
-    a = train_losses(runs / "one")
-    assert sorted(a) == [1, 2, 3, 4]
-    for name in ("two", "two-oom"):
-        b = train_losses(runs / name)
-        assert sorted(b) == sorted(a), name
-        for step in a:
-            assert b[step] == pytest.approx(a[step], rel=1e-4), (name, step)
+    _same_losses(runs, "one", ("two", "two-oom"), steps=4)
+
+
+def _same_losses(runs: Path, reference: str, names: tuple[str, ...], steps: int) -> None:
+    """Every run of `names` logged the reference run's training loss at each of its `steps` steps."""
+    expected = train_losses(runs / reference)
+    assert sorted(expected) == list(range(1, steps + 1))
+    for name in names:
+        losses = train_losses(runs / name)
+        assert sorted(losses) == sorted(expected), name
+        for step, loss in expected.items():
+            assert losses[step] == pytest.approx(loss, rel=1e-4), (name, step)

@@ -35,6 +35,18 @@ def run(path: Path, *overrides: str, **options) -> int:
     return run_command(path, list(overrides), RunOptions(**options))
 
 
+def run_in_child(path: Path, timeout_s: int = 900, **env: str) -> None:
+    """`memtrain run` in a child process (two processes launch their own workers), one thread each; it must pass."""
+    result = subprocess.run(
+        [sys.executable, "-m", "memtrain", "run", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=clean_env(OMP_NUM_THREADS="1", **env),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
 def run_dir_of(path: Path) -> Path:
     import yaml
 
@@ -211,14 +223,7 @@ def test_two_processes_match_one_process_with_twice_the_accumulation(write_recip
     }
     two = write_recipe("two", {**common, "hardware": {"gpus": 2}})
     one = write_recipe("one", {**common, "hardware": {"gpus": 1}})
-    result = subprocess.run(
-        [sys.executable, "-m", "memtrain", "run", str(two)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=clean_env(OMP_NUM_THREADS="1"),
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_in_child(two)
     assert run(one) == 0
     a, b = train_losses(run_dir_of(one)), train_losses(run_dir_of(two))
     assert sorted(b) == list(range(1, 7))
@@ -627,14 +632,7 @@ def test_two_processes_under_zero3_evaluate_an_uneven_split_as_one_process(write
     }
     two = write_recipe("two-zero3", {**common, "hardware": {"gpus": 2}})
     one = write_recipe("one-zero3", {**common, "hardware": {"gpus": 1}})
-    result = subprocess.run(
-        [sys.executable, "-m", "memtrain", "run", str(two)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=clean_env(OMP_NUM_THREADS="1"),
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_in_child(two, timeout_s=300)
     assert run(one) == 0
     a, b = (read_records(run_dir_of(r), "eval") for r in (one, two))
     assert [e["step"] for e in b] == [e["step"] for e in a] == [1, 2]
