@@ -189,14 +189,13 @@ def step_positions(
     """Token positions one optimizer step over `samples` (the global batch, rank after rank) computes: rows × width
     per micro-batch, the width `batch_width` when micro-batches are cut, else seq_len; with `pack_steps`, the rows
     each rank's share is laid into (split where ranks run more micro-batches than it fills). Padding included."""
+    if pack_steps:  # whole rows: as many as a rank's share fills, or one a micro-batch where ranks need more
+        rows = _rows_of_ranks(dataset, samples, per_rank_batch)
+        count = _most_micro_batches(rows, micro_batch)
+        return sum(max(made, count) for made in rows) * packing_units(dataset)[1]
     positions = 0
-    count = packed_step_micro_batches(dataset, samples, per_rank_batch, micro_batch) if pack_steps else 0
     for rank_start in range(0, len(samples), per_rank_batch):
         mine = samples[rank_start : rank_start + per_rank_batch]
-        if pack_steps:  # whole rows: as many as the rank's samples fill, or one a micro-batch where ranks need more
-            _, width = packing_units(dataset)
-            positions += max(len(packed_rows(dataset, mine)), count) * width
-            continue
         for start in range(0, len(mine), micro_batch):
             rows = mine[start : start + micro_batch]
             width = batch_width(dataset.lengths[rows], dataset.seq_len) if trim else dataset.seq_len
@@ -334,10 +333,19 @@ def micro_batches_of(
 def packed_step_micro_batches(dataset, samples: list[int], per_rank_batch: int, micro_batch: int) -> int:
     """The micro-batches a step laid out packed runs on every rank: the most any rank's share of `samples` (the
     global batch, rank after rank) makes (`packed_micro_batches`)."""
-    return max(
-        -(-len(packed_rows(dataset, samples[start : start + per_rank_batch])) // micro_batch)
+    return _most_micro_batches(_rows_of_ranks(dataset, samples, per_rank_batch), micro_batch)
+
+
+def _rows_of_ranks(dataset, samples: list[int], per_rank_batch: int) -> list[int]:
+    """How many rows each rank's share of `samples` (the global batch, rank after rank) is laid into (`packed_rows`)."""
+    return [
+        len(packed_rows(dataset, samples[start : start + per_rank_batch]))
         for start in range(0, len(samples), per_rank_batch)
-    )
+    ]
+
+
+def _most_micro_batches(rows_of_ranks: list[int], micro_batch: int) -> int:
+    return max(-(-rows // micro_batch) for rows in rows_of_ranks)
 
 
 def collate_packed(dataset, indices: list[int]) -> dict[str, torch.Tensor]:

@@ -85,8 +85,9 @@ def evaluate(
     with torch.no_grad():
         extra = pair_forwards(len(loader.split(mine, micro_batch)), place)
         run_shrinking(mine, micro_batch, one, device, before=before, on_oom=on_oom, split=loader.split)
+        spare = loader.split(mine or [0], micro_batch)[0] if extra else []
         for _ in range(extra):
-            engine(**loader.get(loader.split(mine or [0], micro_batch)[0]))  # its gathers only: nothing counted
+            engine(**loader.get(spare))  # its gathers only: nothing counted
     engine.train()
     totals = all_reduce_sum(torch.stack([loss_sum, tokens]))
     return float(totals[0] / totals[1].clamp(min=1))

@@ -77,8 +77,9 @@ def compute_reference(module, loader, dataset, *, micro_batch: int, place: Place
             logps = module.reference_logps(**loader.get(indices)).double()
             n = len(indices)
             table[indices] = torch.stack([logps[:n], logps[n:]], dim=1)
+        spare = batches[0] if batches else loader.split([0], micro_batch)[0]
         for _ in range(extra):  # its gathers only: nothing is kept
-            module.reference_logps(**loader.get(loader.split(mine or [0], micro_batch)[0]))
+            module.reference_logps(**loader.get(spare))
     finally:
         module.train(was_training)
     return all_reduce_sum(table).float().cpu().numpy()
