@@ -14,7 +14,9 @@ from rich.table import Table
 
 from memtrain.checks.environment import current_environment
 from memtrain.checks.load import recipe_checks
+from memtrain.data.rows.dataset import text_rows_by_length
 from memtrain.data.rows.densest_by_length import densest_row_by_length, rows_by_length
+from memtrain.data.tokens.tokenizer import load_tokenizer
 from memtrain.plan.advice import advise, with_overrides
 from memtrain.plan.attention_backward import ASSUMED_SAMPLE_TOKENS
 from memtrain.plan.planner import plan_recipe
@@ -50,14 +52,15 @@ class Lever:
         }
 
 
-def data_by_length(loaded: LoadedRecipe) -> tuple[Callable[[int], int], Callable[[int], int] | None]:
+def data_by_length(loaded: LoadedRecipe) -> tuple[Callable[[int], int], Callable[[int], int]]:
     """--data: the training data read once (tokenised into the cache, a bar per file), built at the longest length
     the search may try with one sample a row; the densest row it makes at each length, and the rows it makes there
-    (data/rows/densest_by_length.py; None where not counted: text windows, which hold one sequence each at any
-    length and are not read)."""
+    (data/rows/densest_by_length.py). Text windows hold one sequence each at any length; their count is the text's
+    tokens cut at each length (data/rows/dataset.py)."""
     recipe = loaded.recipe
     if recipe.data.is_text:
-        return (lambda seq_len: 1), None
+        with tokenising_progress(), loaded.sources.located():
+            return (lambda seq_len: 1), text_rows_by_length(recipe.data, load_tokenizer(recipe.model))
     longest = with_seq_len(recipe, search_limit(recipe))
     one_a_row = longest.model_copy(update={"data": longest.data.model_copy(update={"packing": False})})
     with tokenising_progress(), loaded.sources.located():
@@ -199,11 +202,11 @@ def max_seq_len_command(
     if found_levers:
         console.print(_levers_table(found_levers))
     if few is not None:
-        global_batch = loaded.recipe.batch.global_batch
+        global_batch, items = loaded.recipe.batch.global_batch, loaded.recipe.data.item_name
         console.print(
-            f"[yellow]![/] at {found.seq_len:,} tokens the data makes {few} {loaded.recipe.data.item_name}, fewer than "
-            f"one global batch of {global_batch}: a run there is refused — lower batch.global_batch, add data, or "
-            "choose a shorter data.seq_len",
+            f"[yellow]![/] at {found.seq_len:,} tokens the data makes {few} {items if few != 1 else items[:-1]}, "
+            f"fewer than one global batch of {global_batch}: a run there is refused — lower batch.global_batch, add "
+            "data, or choose a shorter data.seq_len",
             highlight=False,
         )
     if found.seq_len and found.seq_len < loaded.recipe.data.seq_len:

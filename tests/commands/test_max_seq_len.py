@@ -14,6 +14,7 @@ from memtrain.errors import RecipeError
 from memtrain.plan.planner import plan_recipe
 from memtrain.plan.seq_len import SEQ_LEN_STEP, longest_seq_len, with_seq_len
 from memtrain.recipe.load import load_recipe
+from memtrain.train.setup import build_data
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -151,5 +152,31 @@ def test_json_and_table_say_which_count_priced_the_attention_backward(tmp_path):
     assert f"priced for {counted['packed_sequences']} packed sequences a micro-batch" in said[True]
     assert f"(the data's densest row at 131,072 tokens: {counted['densest_row_samples']} samples)" in said[True]
     assert "priced for 512 packed sequences a micro-batch (assumed: samples of 256 tokens; --data counts" in said[False]
-    assert "at 131,072 tokens the data makes 1 packed rows, fewer than one global batch of 4" in said[True]
+    assert "at 131,072 tokens the data makes 1 packed row, fewer than one global batch of 4" in said[True]
     assert "fewer than one global batch" not in said[False]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),  # windows end to end, validation from its own file
+        ("data.packing=false", "data.validation=null"),  # each play cut into its own windows, a tail held out
+    ],
+)
+def test_text_windows_are_counted_at_the_answer_as_the_run_builds_them(overrides):
+    """Text holds one sequence a window at any length, but the windows get fewer as they get longer: with --data the
+    answer says how many a run there trains on (the held-out tail left out), which the data built at that length
+    gives too, and too few for the global batch is said."""
+    recipe = RECIPES / "quickstart.yaml"
+    _, text = run(recipe, *overrides, as_json=True, with_data=True)
+    data = json.loads(text)
+    answer = data["max_seq_len"]["seq_len"]
+    assert answer == 2048  # the quickstart model's positions
+    at_answer = load_recipe(recipe, [*overrides, f"data.seq_len={answer}", "batch.global_batch=1", "batch.micro_batch=1"]).recipe
+    windows = len(build_data(at_answer).train_set)
+    assert data["rows_at_seq_len"] == windows > 0
+    assert data["too_few_rows"] is None  # the quickstart's global batch of 16 fits in them
+    crowded = f"batch.global_batch={windows + 1}", "batch.micro_batch=1"
+    _, said = run(recipe, *overrides, *crowded, with_data=True)
+    said = " ".join(said.split())
+    assert f"at 2,048 tokens the data makes {windows} windows, fewer than one global batch of {windows + 1}" in said

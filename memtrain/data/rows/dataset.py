@@ -6,6 +6,8 @@ windows; a list of datasets (instruction, chat, ...) becomes rows of whole sampl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -137,7 +139,7 @@ def build_datasets(
     if data.validation is not None:
         return windows, _windows(data, data.validation, "data.validation", tokenizer)
     n_windows = len(windows)
-    n_validation = max(1, round(data.validation_fraction * n_windows))
+    n_validation = held_out_windows(n_windows, data)
     if n_windows - n_validation < 1:
         raise DataError(
             Problem(
@@ -150,6 +152,34 @@ def build_datasets(
         )
     boundary = n_windows - n_validation
     return windows.select(np.arange(boundary)), windows.select(np.arange(boundary, n_windows))
+
+
+def held_out_windows(n_windows: int, data: Data) -> int:
+    """The training windows' tail held out for validation where data.validation names no file of its own: at least
+    one, data.validation_fraction of them (0 where data.validation is given)."""
+    if data.validation is not None:
+        return 0
+    return max(1, round(data.validation_fraction * n_windows))
+
+
+def text_rows_by_length(data: Data, tokenizer: PreTrainedTokenizerBase) -> Callable[[int], int]:
+    """seq_len -> the training windows data.train's text gives at that length, its held-out tail left out (what
+    batch.global_batch counts); the text is read (tokenised into the cache) once, here."""
+    tokens, doc_ends = cached_documents(data.train, data.format, data.field, tokenizer, data.cache_dir)
+
+    def at(seq_len: int) -> int:
+        windows = len(text_windows(tokens, doc_ends, seq_len, data.packing, pad_id=0))
+        return max(0, windows - held_out_windows(windows, data))
+
+    return at
+
+
+def text_windows(tokens: np.ndarray, doc_ends: np.ndarray, seq_len: int, packing: bool, pad_id: int) -> TokenWindows:
+    """A text's windows: end to end across documents where data.packing (`packed_windows`), else each document cut
+    into its own (`document_windows`)."""
+    if packing:
+        return packed_windows(tokens, seq_len, pad_id)
+    return document_windows(tokens, doc_ends, seq_len, pad_id)
 
 
 def build_validation(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) -> TokenWindows | SampleRows:
@@ -166,10 +196,7 @@ def build_validation(data: Data, tokenizer: PreTrainedTokenizerBase, seed: int) 
 
 def _windows(data: Data, spec: str, key: str, tokenizer: PreTrainedTokenizerBase) -> TokenWindows:
     tokens, doc_ends = cached_documents(spec, data.format, data.field, tokenizer, data.cache_dir)
-    if data.packing:
-        windows = packed_windows(tokens, data.seq_len, tokenizer.pad_token_id)
-    else:
-        windows = document_windows(tokens, doc_ends, data.seq_len, tokenizer.pad_token_id)
+    windows = text_windows(tokens, doc_ends, data.seq_len, data.packing, tokenizer.pad_token_id)
     if len(windows) == 0:
         raise DataError(
             Problem(
