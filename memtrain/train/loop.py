@@ -237,26 +237,28 @@ def _announce_start(t: Training) -> None:
     note = t.restarted_after
     if note is None:
         return
-    t.metrics.event(
-        "oom",
-        note.oom_step,
-        micro_batch=note.failed_micro_batch,
-        in_backward=True,
-        rank=note.rank,
-        error=note.error,
-        restarted_from=note.resume_step,
-    )
-    t.metrics.event(
-        "batch",
-        state.step,
-        old_micro_batch=note.failed_micro_batch,
-        new_micro_batch=stepper.policy.micro_batch,
-        reason="oom",
-    )
+    if not note.recorded:  # a backward's OOM: the failed attempt could not write it (restart_note.py)
+        t.metrics.event(
+            "oom",
+            note.oom_step,
+            micro_batch=note.failed_micro_batch,
+            in_backward=note.in_backward,
+            rank=note.rank,
+            error=note.error,
+            restarted_from=note.resume_step,
+        )
+        t.metrics.event(
+            "batch",
+            state.step,
+            old_micro_batch=note.failed_micro_batch,
+            new_micro_batch=stepper.policy.micro_batch,
+            reason="oom",
+        )
     if place.is_main:
+        where = "backward" if note.in_backward else "forward"
         print(
             f"· starting at micro-batch {stepper.policy.micro_batch}: rank {note.rank} ran out of memory in the "
-            f"backward of step {note.oom_step + 1} at micro-batch {note.failed_micro_batch} ({NOTE_FILE} in "
+            f"{where} of step {note.oom_step + 1} at micro-batch {note.failed_micro_batch} ({NOTE_FILE} in "
             "the run directory, until the next checkpoint)",
             file=sys.stderr,
             flush=True,

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from memtrain.commands.run import run_command
-from memtrain.data.rows.loader import packed_rows
+from memtrain.data.rows.loader import packed_micro_batches, packed_rows, sample_order
 from memtrain.errors import UserError
 from memtrain.recipe.load import load_recipe
 from memtrain.train.resolve import RunOptions
@@ -236,3 +236,104 @@ def _same_losses(runs: Path, reference: str, names: tuple[str, ...], steps: int)
         assert sorted(losses) == sorted(expected), name
         for step, loss in expected.items():
             assert losses[step] == pytest.approx(loss, rel=1e-4), (name, step)
+
+
+def _uneven_after_an_oom(train_set, order, global_batch: int, step: int) -> tuple[int, int] | None:
+    """(micro-batch index, samples of rank 1's micro-batch there) of the first forward OOM of `step` after which the
+    shares left are too uneven to lay out in as many micro-batches on each rank at micro-batch 1 (one rank has fewer
+    samples left than the micro-batches another needs), where rank 1's micro-batch at that index holds more samples
+    than any micro-batch of the step at micro-batch 1 does, so the injected OOM does not fire again after the
+    restart; two ranks, steps laid out packed at micro-batch 2; None when the step has none."""
+    per_rank = global_batch // 2
+    samples = order.indices(step * global_batch, global_batch)
+    shares = [list(samples[start : start + per_rank]) for start in (0, per_rank)]
+    count = max(-(-len(packed_rows(train_set, share)) // 2) for share in shares)
+    laid = [packed_micro_batches(train_set, share, 2, count) for share in shares]
+    smaller = max(len(packed_rows(train_set, share)) for share in shares)
+    widest_at_one = max(len(batch) for share in shares for batch in packed_micro_batches(train_set, share, 1, smaller))
+    for index in range(1, count):
+        left = [[i for batch in batches[index:] for i in batch] for batches in laid]
+        needed = max(len(packed_rows(train_set, share)) for share in left)
+        if needed > min(len(share) for share in left) and len(laid[1][index]) > widest_at_one:
+            return index, len(laid[1][index])
+    return None
+
+
+def test_two_processes_start_again_when_a_forward_oom_leaves_shares_too_uneven_to_pair(
+    write_recipe, tmp_path, monkeypatch
+):
+    """Steps laid out packed on two processes, an OOM in a forward on rank 1: where one rank has fewer samples left
+    than the micro-batches the other now needs, the two cannot run as many micro-batches as each other, which their
+    gradient reductions need; every process starts again from the last checkpoint at micro-batch 1 (a note in the
+    run directory), and the run trains every sample once with one process's losses. The step and micro-batch come
+    from the data's own layout (the seed the first that makes such a step)."""
+    extra = chat_recipe(tmp_path, steps=4)
+    extra["data"].update(packing=False, group_by_length=False)
+    extra["train"] = {"steps": 4, "save_every": 2, "eval_every": 100}
+    for seed in range(16):
+        extra["train"]["seed"] = seed
+        probe = write_recipe(f"probe-{seed}", {**extra, "batch": {"global_batch": 16, "micro_batch": 2}})
+        recipe = load_recipe(probe).recipe
+        train_set = build_data(recipe).train_set
+        order = sample_order(recipe.data, train_set, seed, 16, pack_steps=True)
+        # the step after the checkpoint of step 2, where the restart goes back to
+        point = _uneven_after_an_oom(train_set, order, global_batch=16, step=2)
+        if point is not None:
+            break
+    else:
+        pytest.fail("no seed of 16 makes shares too uneven after an OOM: the data's lengths changed")
+    (index, samples), step = point, 2
+    forced = tmp_path / "forced"
+    forced.mkdir()
+    (forced / "sitecustomize.py").write_text(
+        "import memtrain.model.attention as attention\n\nattention.packs_steps = lambda recipe: True\n"
+    )
+    pythonpath = os.pathsep.join([str(forced), str(Path.cwd()), os.environ.get("PYTHONPATH", "")])
+    trace = tmp_path / "uneven.samples.jsonl"
+    uneven = write_recipe(
+        "uneven",
+        {**extra, "hardware": {"gpus": 2}, "batch": {"global_batch": 16, "micro_batch": 2, "policy": "adaptive"}},
+    )
+    said = run_in_child(
+        uneven,
+        MEMTRAIN_TRACE_SAMPLES=str(trace),
+        PYTHONPATH=pythonpath,
+        MEMTRAIN_INJECT_OOM=f"{step}:{index}:mb>={samples}",
+        MEMTRAIN_INJECT_RANK="1",
+    )
+    import memtrain.train.launch as launch  # noqa: PLC0415
+    import memtrain.train.setup as setup  # noqa: PLC0415
+
+    monkeypatch.setattr(setup, "packs_steps", lambda recipe: True)
+    monkeypatch.setattr(launch, "packs_steps", lambda recipe: True)
+    one_trace = tmp_path / "one.samples.jsonl"
+    monkeypatch.setenv("MEMTRAIN_TRACE_SAMPLES", str(one_trace))
+    assert run_command(write_recipe("one", {**extra, "batch": {"global_batch": 16, "micro_batch": 1}}), []) == 0
+    runs = tmp_path / "runs"
+    # recorded once, by the attempt that shrank, and said once by each attempt
+    ooms = read_records(runs / "uneven", "oom")
+    assert [(o["step"], o["micro_batch"], o["in_backward"]) for o in ooms] == [(step, 2, False)]
+    said = " ".join(said.split())
+    assert (
+        said.count(
+            f"out of memory in a forward of step {step + 1} on rank 1 (micro-batch 2); the samples left on the "
+            "processes are too uneven to lay out packed in as many micro-batches on each, so it cannot be retried in "
+            "place: every process starts again from step 2, its last checkpoint, at micro-batch 1"
+        )
+        == 1
+    ), said[-3000:]
+    assert (
+        said.count(
+            f"· starting at micro-batch 1: rank 1 ran out of memory in the forward of step {step + 1} at micro-batch 2"
+        )
+        == 1
+    ), said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
+    assert [r["micro_batch"] for r in read_records(runs / "uneven", "train")] == [2, 2] + [1] * 2
+    two_batches, one_batches = _traced_micro_batches(trace), _traced_micro_batches(one_trace)
+    for at in range(4):  # every sample of each step once, none lost, none twice
+        ranks = [two_batches[(at, rank)] for rank in (0, 1)]
+        assert len(ranks[0]) == len(ranks[1]), at
+        both = sorted(i for rank in ranks for batch in rank for i in batch)
+        assert both == sorted(i for batch in one_batches[(at, 0)] for i in batch), at
+    _same_losses(runs, "one", ("uneven",), steps=4)

@@ -35,8 +35,9 @@ def run(path: Path, *overrides: str, **options) -> int:
     return run_command(path, list(overrides), RunOptions(**options))
 
 
-def run_in_child(path: Path, timeout_s: int = 900, **env: str) -> None:
-    """`memtrain run` in a child process (two processes launch their own workers), one thread each; it must pass."""
+def run_in_child(path: Path, timeout_s: int = 900, **env: str) -> str:
+    """`memtrain run` in a child process (two processes launch their own workers), one thread each; it must pass.
+    Returns what it wrote to stderr."""
     result = subprocess.run(
         [sys.executable, "-m", "memtrain", "run", str(path)],
         capture_output=True,
@@ -45,6 +46,7 @@ def run_in_child(path: Path, timeout_s: int = 900, **env: str) -> None:
         env=clean_env(OMP_NUM_THREADS="1", **env),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stderr
 
 
 def run_dir_of(path: Path) -> Path:

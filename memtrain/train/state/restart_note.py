@@ -1,9 +1,11 @@
-"""What a worker that ran out of memory in backward, with other processes, tells the next attempt.
+"""What a worker that ran out of memory, with other processes, tells the next attempt.
 
-Its peers are then waiting for it inside a gradient reduction: it can neither retry in place nor save (both
+In backward its peers are waiting for it inside a gradient reduction: it can neither retry in place nor save (both
 would need them), so it leaves this note in the run directory and ends with EXIT_RESTART. torchrun then stops
 the others, and the launcher starts every process again from the last checkpoint. Each of them reads the note
-and starts at the smaller micro-batch; the same size on every rank keeps their collectives paired.
+and starts at the smaller micro-batch; the same size on every rank keeps their collectives paired. In a forward,
+where steps are laid out packed and the samples left are too uneven to lay out in as many micro-batches on each
+rank, every process writes the same note (whichever ends first, the note is there) and ends so.
 
 The note applies to the attempt that resumes from `resume_step` only. The first checkpoint saved after it
 carries the batch policy's state, and the note is removed then.
@@ -21,8 +23,8 @@ NOTE_FILE = "oom-restart.json"
 
 
 class RestartEveryProcess(Exception):
-    """Raised by the worker that ran out of memory in backward once its note is written: it ends with
-    EXIT_RESTART, saying `line` once."""
+    """Raised once the note is written, by the worker that ran out of memory in backward or by every worker after
+    a forward's: it ends with EXIT_RESTART, saying `line` once."""
 
     def __init__(self, line: str):
         super().__init__(line)
@@ -32,12 +34,14 @@ class RestartEveryProcess(Exception):
 @dataclass(frozen=True)
 class RestartNote:
     resume_step: int  # the checkpoint's step the next attempt starts from (0: the start of the run)
-    oom_step: int  # the step whose backward ran out of memory (0-based, as the loop counts)
-    rank: int  # the process that ran out of memory
+    oom_step: int  # the step that ran out of memory (0-based, as the loop counts)
+    rank: int  # the process that ran out of memory (the lowest, where several did in one forward)
     failed_micro_batch: int
     micro_batch: int  # where the next attempt starts, on every rank
     error: str  # PyTorch's first line
     max_steps_left: int | None = None  # the next attempt's --max-steps: the same stop step (None: no --max-steps)
+    in_backward: bool = True  # where it ran out: in backward, or in a forward
+    recorded: bool = False  # the failed attempt wrote the OOM's records already (a forward's: it shrank first)
 
     def applies_to(self, resumed_step: int) -> bool:
         return self.resume_step == resumed_step

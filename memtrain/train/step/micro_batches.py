@@ -29,9 +29,12 @@ from memtrain.train.runtime.oom import abandon_failed_frames, is_oom
 
 
 class OomDuringStep(Exception):
-    def __init__(self, error: BaseException, in_backward: bool):
+    """An OOM in a micro-batch's forward or backward; `elsewhere`: another rank's forward ran out, and this rank
+    stopped with it."""
+
+    def __init__(self, error: BaseException, in_backward: bool, elsewhere: bool = False):
         super().__init__(str(error))
-        self.error, self.in_backward = error, in_backward
+        self.error, self.in_backward, self.elsewhere = error, in_backward, elsewhere
 
 
 def run_micro_batches(
@@ -69,7 +72,7 @@ def run_micro_batches(
                 raise oom from error
         if any_rank is not None and any_rank(oom is not None) and oom is None:
             token_loss_sum = None  # drop this forward's graph; another rank must retry smaller
-            oom = OomDuringStep(RuntimeError("out of memory on another rank"), False)
+            oom = OomDuringStep(RuntimeError("out of memory on another rank"), False, elsewhere=True)
             oom.done = done
         if oom is not None:
             raise oom

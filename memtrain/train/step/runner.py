@@ -149,7 +149,7 @@ class StepRunner:
         injector, backward_injector = self.hooks.oom, self.hooks.oom_backward
         loss_sum = torch.zeros((), device=device)
         remaining, micro_batches, ooms = mine, 0, 0
-        failed: tuple[int, str] | None = None  # the micro-batch a forward OOM of this step failed at, and its error
+        failed: Failed | None = None  # the last forward OOM of this step
         while remaining:
             batches = self.loader.split(remaining, self.policy.micro_batch)
             if self.place.world_size > 1 and self.loader.pack_steps:
@@ -177,7 +177,7 @@ class StepRunner:
                 if oom.in_backward and self.place.world_size > 1:
                     raise self._restart_every_process(oom) from None
                 ooms += 1
-                failed = (self.policy.micro_batch, _said(oom.error))
+                failed = Failed(self.policy.micro_batch, _said(oom.error), here=not oom.elsewhere)
                 self._shrink_after_oom(oom, dump_memory_snapshot(self.run_dir, step) if ooms == 1 else None)
                 if oom.in_backward and not self.zero3:
                     if not self.save:
@@ -231,7 +231,7 @@ class StepRunner:
         )
 
     def _as_many_as_every_rank(
-        self, remaining: list[int], batches: list[list[int]], failed: tuple[int, str] | None
+        self, remaining: list[int], batches: list[list[int]], failed: Failed | None
     ) -> list[list[int]]:
         """Steps laid out packed on several processes: each rank's share fills rows of its own, and every rank runs
         the most micro-batches any makes (loader.packed_micro_batches), so that their gradient reductions pair. At a
@@ -242,13 +242,15 @@ class StepRunner:
         count = max_over_ranks(len(batches), device)
         if failed is None or count <= -max_over_ranks(-len(remaining), device):  # the fewest samples left on a rank
             return batches if count == len(batches) else self.loader.split(remaining, self.policy.micro_batch, count)
-        failed_micro_batch, said = failed
+        world = self.place.world_size
+        rank = -max_over_ranks(-(self.place.rank if failed.here else world), device)  # the lowest that ran out
         what = (
-            f"out of memory in a forward of step {self.state.step + 1} (micro-batch {failed_micro_batch}); the "
-            "samples left on the processes are too uneven to lay out packed in as many micro-batches on each, so it "
-            "cannot be retried in place"
+            f"out of memory in a forward of step {self.state.step + 1} on rank {rank} (micro-batch "
+            f"{failed.micro_batch}); the samples left on the processes are too uneven to lay out packed in as many "
+            "micro-batches on each, so it cannot be retried in place"
         )
-        raise self._start_every_process_again(what, failed_micro_batch, said)
+        said = failed.said if failed.here else f"out of memory on rank {rank}"
+        raise self._start_every_process_again(what, failed.micro_batch, said, rank=rank, in_backward=False)
 
     def _restart_every_process(self, oom: OomDuringStep) -> Exception:
         """An OOM in backward with several processes: the others wait for this one inside a gradient reduction, so it
@@ -261,13 +263,17 @@ class StepRunner:
             f"out of memory in backward at step {self.state.step + 1} on rank {self.place.rank} (micro-batch "
             f"{failed}); the other processes wait for it in their gradient reduction, so it cannot be retried in place"
         )
-        return self._start_every_process_again(what, failed, said)
+        return self._start_every_process_again(what, failed, said, rank=self.place.rank, in_backward=True)
 
-    def _start_every_process_again(self, what: str, failed: int, said: str) -> Exception:
-        """After an OOM at micro-batch `failed` that no process can retry in place (the policy has shrunk since): on
-        one node a note (restart_note.py), and every process starts again from the last checkpoint at the smaller
-        micro-batch; across nodes, or without a checkpoint to go back to, the run stops and says what to run."""
-        step, rank, smaller = self.state.step, self.place.rank, self.policy.micro_batch
+    def _start_every_process_again(
+        self, what: str, failed: int, said: str, *, rank: int, in_backward: bool
+    ) -> Exception:
+        """After an OOM on `rank` at micro-batch `failed` that no process can retry in place (the policy has shrunk
+        since): on one node a note (restart_note.py), and every process starts again from the last checkpoint at the
+        smaller micro-batch; across nodes, or without a checkpoint to go back to, the run stops and says what to run.
+        A forward's OOM was recorded when the policy shrank (`_shrink_after_oom`); a backward's is recorded by the
+        next attempt."""
+        step, smaller = self.state.step, self.policy.micro_batch
         if smaller >= failed:
             return UserError(
                 Problem(
@@ -299,7 +305,15 @@ class StepRunner:
         write_note(
             self.run_dir,
             RestartNote(
-                resume_step, step, rank, failed, smaller, said, max_steps_left(self.max_steps_stop, resume_step)
+                resume_step,
+                step,
+                rank,
+                failed,
+                smaller,
+                said,
+                max_steps_left(self.max_steps_stop, resume_step),
+                in_backward=in_backward,
+                recorded=not in_backward,
             ),
         )
         where = f"step {resume_step}, its last checkpoint" if resume_step else "the start (no checkpoint yet)"
@@ -348,6 +362,16 @@ class StepRunner:
                 new_micro_batch=decision.new_micro_batch,
                 reason=decision.reason,
             )
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A forward OOM of the step being run: the micro-batch it failed at, its error's first line, and whether this
+    rank ran out (else another did, and this one stopped with it)."""
+
+    micro_batch: int
+    said: str
+    here: bool
 
 
 def _str(path) -> str | None:
