@@ -193,16 +193,19 @@ def plan(
     ),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="With --fit: write the fitted recipe here."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    data: bool = typer.Option(
-        False,
-        "--data",
-        help="Also read the data (tokenised once, then cached): tokens, target tokens and padding per step.",
+    data: Optional[bool] = typer.Option(
+        None,
+        "--data/--no-data",
+        help="Read the data (tokenised once, then cached): tokens, target tokens and padding per step, and the "
+        "attention backward priced for the densest packed row; --no-data assumes 256-token samples. Default: read "
+        "where the data is on this machine and under 16 MiB.",
+        show_default=False,
     ),
     max_seq_len: bool = typer.Option(
         False,
         "--max-seq-len",
         help="Search the longest data.seq_len (a multiple of 256) that fits the card, and changes that lengthen it; "
-        "with --data, each length priced by the densest row the data makes at it.",
+        "with the data read, each length priced by the densest row the data makes at it.",
     ),
 ):
     """Predict peak GPU memory, host RAM and NVMe bytes, without a GPU; say whether it fits.

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from memtrain.checks.environment import current_environment
 from memtrain.checks.load import recipe_checks
+from memtrain.commands.plan_data import read_data, reads_data, unread_note
 from memtrain.data.rows.dataset import text_rows_by_length
 from memtrain.data.rows.densest_by_length import densest_row_by_length, rows_by_length
 from memtrain.data.tokens.tokenizer import load_tokenizer
@@ -175,12 +176,21 @@ def _levers_table(found_levers: list[Lever]) -> Table:
 
 
 def max_seq_len_command(
-    loaded: LoadedRecipe, *, gpu: str | None, exact_pinned: bool, as_json: bool, console, with_data: bool = False
+    loaded: LoadedRecipe,
+    *,
+    gpu: str | None,
+    exact_pinned: bool,
+    as_json: bool,
+    console,
+    with_data: bool | None = False,
 ) -> int:
     """Print the longest length (rich tables or --json); 0 when some length fits, 1 when none does.
     with_data: price each length by the data's densest row at it (`data_by_length`), and say when the data cannot
-    fill one step at the answer."""
-    densest_row, rows = data_by_length(loaded) if with_data else (None, None)
+    fill one step at the answer; None: where the data is small and here (plan_data.py)."""
+    densest_row, rows, unread = None, None, None
+    if reads_data(loaded.recipe, with_data):
+        counted, unread = read_data(lambda: data_by_length(loaded), with_data)
+        densest_row, rows = counted or (None, None)
     found = _longest(loaded, gpu, exact_pinned, densest_row)
     found_levers = levers(loaded, found, gpu=gpu, exact_pinned=exact_pinned, densest_row=densest_row)
     rows_there = rows(found.seq_len) if rows is not None and found.seq_len else None  # packs the data once more
@@ -194,6 +204,7 @@ def max_seq_len_command(
                     "recipe_seq_len": loaded.recipe.data.seq_len,
                     "levers": [lever.to_json() for lever in found_levers],
                     **({"rows_at_seq_len": rows_there, "too_few_rows": few} if rows is not None else {}),
+                    **({"data_unread": unread} if unread else {}),
                 }
             )
         )
@@ -201,6 +212,8 @@ def max_seq_len_command(
     console.print(_table(found, loaded.name))
     if found_levers:
         console.print(_levers_table(found_levers))
+    if unread:
+        console.print(unread_note(unread), highlight=False, soft_wrap=True)
     if few is not None:
         global_batch, items = loaded.recipe.batch.global_batch, loaded.recipe.data.item_name
         console.print(

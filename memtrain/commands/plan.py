@@ -14,6 +14,7 @@ from rich.table import Table
 from memtrain.checks.environment import Environment, current_environment, packages_needed
 from memtrain.checks.load import load_checked, recipe_checks
 from memtrain.commands.max_seq_len import max_seq_len_command
+from memtrain.commands.plan_data import read_data, reads_data, unread_note
 from memtrain.data.rows.loader import densest_row_samples, sample_order, token_slots
 from memtrain.data.rows.row_set import DataStats
 from memtrain.errors import Problem, RecipeError
@@ -329,11 +330,12 @@ def plan_command(
     output: Path | None,
     as_json: bool,
     console,
-    with_data: bool = False,
+    with_data: bool | None = False,
     max_seq_len: bool = False,
 ) -> int:
     """Print the plan (rich table or --json); 0 when it fits or --fit wrote a fitting recipe, else 1.
-    --fit -o writes a recipe that fits either way: with the cheapest change, or as it is (overrides applied)."""
+    --fit -o writes a recipe that fits either way: with the cheapest change, or as it is (overrides applied).
+    with_data: read the data (--data), or not (--no-data); None: where it is small and here (plan_data.py)."""
     if max_seq_len and fit:
         raise RecipeError(
             Problem(
@@ -355,14 +357,20 @@ def plan_command(
     env = current_environment()
     exact_pinned = exact_pinned_supported()
     loaded = load_for_plan(recipe, overrides, env)
+    asked = with_data
     if max_seq_len:
         return max_seq_len_command(
-            loaded, gpu=gpu, exact_pinned=exact_pinned, as_json=as_json, console=console, with_data=with_data
+            loaded, gpu=gpu, exact_pinned=exact_pinned, as_json=as_json, console=console, with_data=asked
         )
-    data = None
-    if with_data:  # built first: the plan then prices the attention backward by the densest row it holds
-        with tokenising_progress(), loaded.sources.located():
-            data = build_data(loaded.recipe)
+    data, unread = None, None
+    if reads_data(loaded.recipe, asked):  # built first: the plan then prices the attention backward by its densest row
+
+        def read():
+            with tokenising_progress(), loaded.sources.located():
+                return build_data(loaded.recipe)
+
+        data, unread = read_data(read, asked)
+    with_data = data is not None
     densest = densest_row_samples(data.train_set) if data is not None else None
     plan = located_plan(loaded, gpu=gpu, exact_pinned=exact_pinned, densest_row_samples=densest)
 
@@ -408,6 +416,7 @@ def plan_command(
                     "plan": plan.to_json(),
                     "verdict": verdict(plan),
                     **({"data": per_step, "data_warnings": list(data_warnings)} if with_data else {}),
+                    **({"data_unread": unread} if unread else {}),
                     **({"packages_needed": needed} if needed else {}),
                     "advice": [a.to_json() for a in advice],
                     "fitted_recipe": str(written) if written else None,
@@ -423,6 +432,8 @@ def plan_command(
         console.print(_data_table(per_step))
     for warning in data_warnings:
         console.print(f"[yellow]![/] {warning}", highlight=False, soft_wrap=True)
+    if unread:
+        console.print(unread_note(unread), highlight=False, soft_wrap=True)
     for package in needed:
         console.print(f"[yellow]![/] the run needs {package}: not installed here", highlight=False, soft_wrap=True)
     if faster is not None:

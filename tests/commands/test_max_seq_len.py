@@ -172,7 +172,9 @@ def test_text_windows_are_counted_at_the_answer_as_the_run_builds_them(overrides
     data = json.loads(text)
     answer = data["max_seq_len"]["seq_len"]
     assert answer == 2048  # the quickstart model's positions
-    at_answer = load_recipe(recipe, [*overrides, f"data.seq_len={answer}", "batch.global_batch=1", "batch.micro_batch=1"]).recipe
+    at_answer = load_recipe(
+        recipe, [*overrides, f"data.seq_len={answer}", "batch.global_batch=1", "batch.micro_batch=1"]
+    ).recipe
     windows = len(build_data(at_answer).train_set)
     assert data["rows_at_seq_len"] == windows > 0
     assert data["too_few_rows"] is None  # the quickstart's global batch of 16 fits in them

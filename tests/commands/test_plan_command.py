@@ -290,7 +290,7 @@ train: {steps: 10, compile: %s}
 
 
 def test_data_option_reports_tokens_targets_and_padding_per_step(tmp_path):
-    """`plan --data` reads the data once (cached) and says what a step trains on; without it the JSON has no
+    """`plan --data` reads the data once (cached) and says what a step trains on; with --no-data the JSON has no
     data key and the plan reads no data."""
     recipe = tmp_path / "chat.yaml"
     recipe.write_text(f"""
@@ -304,7 +304,7 @@ data:
 batch: {{global_batch: 8, micro_batch: 4}}
 train: {{steps: 4}}
 """)
-    plain = CliRunner().invoke(app, ["plan", str(recipe), "--json"])
+    plain = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--no-data"])
     assert plain.exit_code == 0 and "data" not in json.loads(plain.stdout)
     assert not (tmp_path / "cache").exists()
     result = CliRunner().invoke(app, ["plan", str(recipe), "--json", "--data"])
@@ -657,7 +657,7 @@ def test_data_that_misses_gets_advice_priced_by_its_densest_row(tmp_path):
     or every change looks as if it did nothing and the table says nothing fits."""
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "qwen2.5-7b-lora-long-24gb.yaml"
     longer = ["data.seq_len=55040", "batch.global_batch=2", f"data.cache_dir={tmp_path / 'cache'}"]
-    assumed = json.loads(CliRunner().invoke(app, ["plan", str(recipe), *longer, "--json"]).stdout)
+    assumed = json.loads(CliRunner().invoke(app, ["plan", str(recipe), *longer, "--json", "--no-data"]).stdout)
     assert assumed["verdict"].startswith("fits")
     fitted = tmp_path / "fitted.yaml"
     result = CliRunner().invoke(app, ["plan", str(recipe), *longer, "--json", "--data", "--fit", "-o", str(fitted)])
@@ -666,3 +666,44 @@ def test_data_that_misses_gets_advice_priced_by_its_densest_row(tmp_path):
     assert counted["verdict"].startswith("misses") and counted["plan"]["packed_sequences_counted"]
     assert counted["advice"] and all(option["headroom_bytes"] > 0 for option in counted["advice"])
     assert counted["fitted_recipe"] == str(fitted) and fitted.exists()
+
+
+def test_small_data_on_this_machine_is_read_without_being_asked_and_large_data_is_not(tmp_path):
+    """The plan of long packed rows depends on how many samples a row holds, which only the data says: where the data
+    is here and small (under 16 MiB: the bundled sets, a few thousand conversations) `plan` reads it as --data does;
+    a larger file it leaves to the assumption (minutes of tokenising), as it does data it cannot read, saying so."""
+    from memtrain.commands.plan_data import READ_DATA_BELOW_BYTES
+
+    def planned(*args: str) -> dict:
+        result = CliRunner().invoke(app, ["plan", str(RECIPES / "quickstart-chat.yaml"), "--json", *args])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    # bf16: the GPU's flash kernels, whose backward grows with the sequences a row holds (fp32 takes another path)
+    cache = [f"data.cache_dir={tmp_path / 'cache'}", "precision.compute=bf16"]
+    unasked, asked, refused = planned(*cache), planned(*cache, "--data"), planned(*cache, "--no-data")
+    assert unasked["plan"]["packed_sequences_counted"] and not refused["plan"]["packed_sequences_counted"]
+    assert unasked["plan"] == asked["plan"] and unasked["data"] == asked["data"]
+    assert "data" not in refused and unasked["plan"]["packed_sequences"] > refused["plan"]["packed_sequences"]
+    # one more conversation than fits under the size: not read unless asked
+    line = json.dumps({"messages": [{"role": "user", "content": "Speak."}, {"role": "assistant", "content": "Aye."}]})
+    large = tmp_path / "large.jsonl"
+    large.write_text((line + "\n") * (READ_DATA_BELOW_BYTES // (len(line) + 1) + 1))
+    assert large.stat().st_size >= READ_DATA_BELOW_BYTES
+    train = f"data.train=[{{path: {large}, type: chat}}]"
+    assert not planned(*cache, train, "data.validation=null")["plan"]["packed_sequences_counted"]
+    # small but unreadable: the assumption, and the record's problem said; asked, the problem is the command's
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(line + "\nnot json\n")
+    train = f"data.train=[{{path: {bad}, type: chat}}]"
+    unread = planned(*cache, train, "data.validation=null")
+    assert not unread["plan"]["packed_sequences_counted"]
+    assert unread["data_unread"] == f"{bad}:2: invalid JSON: Expecting value (column 1)"
+    said = CliRunner().invoke(
+        app, ["plan", str(RECIPES / "quickstart-chat.yaml"), *cache, train, "data.validation=null"]
+    )
+    assert said.exit_code == 0 and "the data was not read" in " ".join(said.output.split())
+    asked = CliRunner().invoke(
+        app, ["plan", str(RECIPES / "quickstart-chat.yaml"), *cache, train, "data.validation=null", "--data"]
+    )
+    assert asked.exit_code == 2 and "invalid JSON" in asked.output
