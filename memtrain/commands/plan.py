@@ -357,20 +357,18 @@ def plan_command(
     env = current_environment()
     exact_pinned = exact_pinned_supported()
     loaded = load_for_plan(recipe, overrides, env)
-    asked = with_data
     if max_seq_len:
         return max_seq_len_command(
-            loaded, gpu=gpu, exact_pinned=exact_pinned, as_json=as_json, console=console, with_data=asked
+            loaded, gpu=gpu, exact_pinned=exact_pinned, as_json=as_json, console=console, with_data=with_data
         )
     data, unread = None, None
-    if reads_data(loaded.recipe, asked):  # built first: the plan then prices the attention backward by its densest row
+    if reads_data(loaded.recipe, with_data):  # built first: the plan prices the attention backward by its densest row
 
         def read():
             with tokenising_progress(), loaded.sources.located():
                 return build_data(loaded.recipe)
 
-        data, unread = read_data(read, asked)
-    with_data = data is not None
+        data, unread = read_data(read, with_data)
     densest = densest_row_samples(data.train_set) if data is not None else None
     plan = located_plan(loaded, gpu=gpu, exact_pinned=exact_pinned, densest_row_samples=densest)
 
@@ -415,7 +413,7 @@ def plan_command(
                 {
                     "plan": plan.to_json(),
                     "verdict": verdict(plan),
-                    **({"data": per_step, "data_warnings": list(data_warnings)} if with_data else {}),
+                    **({"data": per_step, "data_warnings": list(data_warnings)} if data is not None else {}),
                     **({"data_unread": unread} if unread else {}),
                     **({"packages_needed": needed} if needed else {}),
                     "advice": [a.to_json() for a in advice],
