@@ -237,7 +237,7 @@ def _announce_start(t: Training) -> None:
     note = t.restarted_after
     if note is None:
         return
-    if not note.recorded:  # a backward's OOM: the failed attempt could not write it (restart_note.py)
+    if note.in_backward:  # the failed attempt could not record it (restart_note.py); a forward's it recorded
         t.metrics.event(
             "oom",
             note.oom_step,

@@ -40,8 +40,9 @@ class RestartNote:
     micro_batch: int  # where the next attempt starts, on every rank
     error: str  # PyTorch's first line
     max_steps_left: int | None = None  # the next attempt's --max-steps: the same stop step (None: no --max-steps)
-    in_backward: bool = True  # where it ran out: in backward, or in a forward
-    recorded: bool = False  # the failed attempt wrote the OOM's records already (a forward's: it shrank first)
+    # where it ran out: in backward (the next attempt records the OOM: the failed one could not), or in a forward
+    # (recorded by the failed attempt, which shrank before it found the shares too uneven)
+    in_backward: bool = True
 
     def applies_to(self, resumed_step: int) -> bool:
         return self.resume_step == resumed_step

@@ -313,7 +313,6 @@ class StepRunner:
                 said,
                 max_steps_left(self.max_steps_stop, resume_step),
                 in_backward=in_backward,
-                recorded=not in_backward,
             ),
         )
         where = f"step {resume_step}, its last checkpoint" if resume_step else "the start (no checkpoint yet)"
