@@ -68,6 +68,11 @@ class Calibration:
     expandable_zero3_min_slack_loss_tensors: float = 1.2
     zero_bucket_factor: float = 4.5  # live reduce buckets with overlap_comm (1 without)
     host_baseline_bytes: int = int(2.2 * GiB)  # torch + DeepSpeed + tokenizer + loader, before model states
+    # Page-locked memory costs the machine more than its bytes: measured machine-wide (MemTotal - MemAvailable),
+    # runs with pinned buffers used 2.3-2.9 % of those buffers beyond every other host term (3B ZeRO-3 offload
+    # +0.98 GiB on 38.6 pinned; layer inputs on the host: Llama-3-8B at 64k +0.38 on 15.5, Qwen2.5-7B at 32k
+    # +0.20 on 7.0 and at 4k +0.08 on 3.5; benchmarks/host_memory), where runs without them were within their plan
+    host_pinned_overhead_ratio: float = 0.03
     init_slack_ratio: float = 0.07  # reserved over allocated while deepspeed.initialize builds flat buffers
     # deepspeed.initialize under ZeRO-1/2 holds this many extra compute-dtype copies of the trainable
     # parameters beside the module (its flat buffer and the copy it is built from). The H200 anchors
@@ -136,6 +141,7 @@ def calibration(gpu: str) -> Calibration:
         ),
         zero_bucket_factor=value("zero_bucket_factor", defaults.zero_bucket_factor),
         host_baseline_bytes=value("host_baseline", defaults.host_baseline_bytes, parse_bytes),
+        host_pinned_overhead_ratio=value("host_pinned_overhead_ratio", defaults.host_pinned_overhead_ratio),
         zero_init_flat_copies=value("zero_init_flat_copies", defaults.zero_init_flat_copies),
         init_slack_ratio=value("init_slack_ratio", defaults.init_slack_ratio),
         pcie_gbps=float(profile.pcie_gbps or defaults.pcie_gbps),

@@ -71,6 +71,9 @@ def checkpoint_file_bytes(recipe: Recipe, counts: ParamCounts, states: StateByte
 # cannot swap or reclaim it, and it counts against the lock limit) or pageable.
 ALWAYS_PINNED = ("swap_buffers", "offloaded_activations", "offloaded_layer_inputs")
 PINNED_WITH_PIN_MEMORY = ("params", "gradients", "staging_buffers")
+# What the kernel and the driver keep for the page-locked pages (planner._host_breakdown prices it from the pinned
+# terms): not page-locked itself, but no more swappable, so the kinds count it with the pinned bytes.
+PINNED_OVERHEAD = "pinned_overhead"
 
 
 def pinned_terms(recipe: Recipe) -> tuple[str, ...]:
@@ -83,9 +86,10 @@ def pinned_terms(recipe: Recipe) -> tuple[str, ...]:
 
 
 def host_kinds(recipe: Recipe, breakdown: dict[str, int], save_bytes: int, file_bytes: int) -> dict[str, int]:
-    """The host's peak bytes as pinned and pageable, and the page cache a save fills (apart: reclaimable).
-    breakdown: the training phase's terms; save_bytes: what a save adds (pageable: torch.save's CPU copies)."""
-    pinned = sum(value for key, value in breakdown.items() if key in pinned_terms(recipe))
+    """The host's peak bytes as pinned (with what the kernel keeps for those pages) and pageable, and the page cache a
+    save fills (apart: reclaimable). breakdown: the training phase's terms; save_bytes: what a save adds (pageable:
+    torch.save's CPU copies)."""
+    pinned = sum(value for key, value in breakdown.items() if key in (*pinned_terms(recipe), PINNED_OVERHEAD))
     load_copy = breakdown.get("model_copy_at_load", 0)
     pageable = sum(breakdown.values()) - pinned - load_copy + max(load_copy, save_bytes)
     return {"pinned": pinned, "pageable": pageable, "page_cache": file_bytes if save_bytes or file_bytes else 0}

@@ -33,7 +33,13 @@ from memtrain.plan.activations import estimate_activations, trace_layer
 from memtrain.plan.attention_backward import FLASH_KERNELS, flash_backward_bytes, sequences_in_micro_batch
 from memtrain.plan.calibration import Calibration, calibration
 from memtrain.plan.host import offload_host_bytes
-from memtrain.plan.host_save import checkpoint_file_bytes, checkpoint_save_bytes, host_kinds
+from memtrain.plan.host_save import (
+    PINNED_OVERHEAD,
+    checkpoint_file_bytes,
+    checkpoint_save_bytes,
+    host_kinds,
+    pinned_terms,
+)
 from memtrain.plan.logits import estimate_fused_logits, estimate_logits
 from memtrain.plan.model_states import StateBytes, master_bytes, place_model_states
 from memtrain.plan.params import ParamCounts, count_parameters
@@ -708,7 +714,7 @@ def _host_breakdown(
     """Host bytes of this machine by what holds them. compiled_graphs: the compiled layers' graphs (0 eager)."""
     p, o, hw = recipe.precision, recipe.offload, recipe.hardware
     accumulates = grad_accum_steps(recipe.batch.global_batch, micro_batch, hw.world_size) > 1
-    return {
+    breakdown = {
         "baseline": cal.host_baseline_bytes * hw.gpus,
         "compiled_layers": compiled_graphs * COMPILED_GRAPH_HOST_BYTES * hw.gpus,
         **offload_host_bytes(
@@ -735,6 +741,9 @@ def _host_breakdown(
         # A local model's weights pass through host memory once while loading.
         "model_copy_at_load": counts.weight_bytes(DTYPE_BYTES[p.compute]) if recipe.model.path else 0,
     }
+    pinned = sum(breakdown[key] for key in pinned_terms(recipe) if key in breakdown)
+    breakdown[PINNED_OVERHEAD] = int(cal.host_pinned_overhead_ratio * pinned)  # the pages' bookkeeping, machine-wide
+    return breakdown
 
 
 def _host_phases(breakdown: dict[str, int], save_bytes: int) -> dict[str, int]:
