@@ -106,7 +106,10 @@ def test_packed_pairs_give_the_pairs_layouts_losses_metrics_and_gradients(pairs,
     assert packed[1] == pytest.approx(rows[1], rel=1e-5, abs=1e-6)
     assert packed[2].keys() == rows[2].keys()
     for name, grad in packed[2].items():
-        torch.testing.assert_close(grad, rows[2][name], rtol=1e-4, atol=1e-6, msg=name)
+        # fp32 sums in another order: the error of an element near zero scales with the largest element it was summed
+        # beside (IPO's squared loss gives gradients of ~5, where an element's 4e-6 is within rounding)
+        scale = max(1.0, rows[2][name].abs().max().item())
+        torch.testing.assert_close(grad, rows[2][name], rtol=1e-4, atol=1e-6 * scale, msg=name)
 
 
 def test_kto_records_are_not_packed(chat_tokenizer, make_data, write_jsonl):
