@@ -85,11 +85,16 @@ def pinned_terms(recipe: Recipe) -> tuple[str, ...]:
     return ALWAYS_PINNED + PINNED_WITH_PIN_MEMORY + master
 
 
+def pinned_term_bytes(recipe: Recipe, breakdown: dict[str, int]) -> int:
+    """The bytes of the host breakdown's page-locked terms (`pinned_terms`), without their bookkeeping."""
+    return sum(breakdown.get(key, 0) for key in pinned_terms(recipe))
+
+
 def host_kinds(recipe: Recipe, breakdown: dict[str, int], save_bytes: int, file_bytes: int) -> dict[str, int]:
     """The host's peak bytes as pinned (with what the kernel keeps for those pages) and pageable, and the page cache a
     save fills (apart: reclaimable). breakdown: the training phase's terms; save_bytes: what a save adds (pageable:
     torch.save's CPU copies)."""
-    pinned = sum(value for key, value in breakdown.items() if key in (*pinned_terms(recipe), PINNED_OVERHEAD))
+    pinned = pinned_term_bytes(recipe, breakdown) + breakdown.get(PINNED_OVERHEAD, 0)
     load_copy = breakdown.get("model_copy_at_load", 0)
     pageable = sum(breakdown.values()) - pinned - load_copy + max(load_copy, save_bytes)
     return {"pinned": pinned, "pageable": pageable, "page_cache": file_bytes if save_bytes or file_bytes else 0}

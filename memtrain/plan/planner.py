@@ -38,7 +38,7 @@ from memtrain.plan.host_save import (
     checkpoint_file_bytes,
     checkpoint_save_bytes,
     host_kinds,
-    pinned_terms,
+    pinned_term_bytes,
 )
 from memtrain.plan.logits import estimate_fused_logits, estimate_logits
 from memtrain.plan.model_states import StateBytes, master_bytes, place_model_states
@@ -741,8 +741,8 @@ def _host_breakdown(
         # A local model's weights pass through host memory once while loading.
         "model_copy_at_load": counts.weight_bytes(DTYPE_BYTES[p.compute]) if recipe.model.path else 0,
     }
-    pinned = sum(breakdown[key] for key in pinned_terms(recipe) if key in breakdown)
-    breakdown[PINNED_OVERHEAD] = int(cal.host_pinned_overhead_ratio * pinned)  # the pages' bookkeeping, machine-wide
+    # the pages' bookkeeping, machine-wide
+    breakdown[PINNED_OVERHEAD] = int(cal.host_pinned_overhead_ratio * pinned_term_bytes(recipe, breakdown))
     return breakdown
 
 
