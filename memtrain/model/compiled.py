@@ -3,8 +3,16 @@
 The matmuls already run in cuBLAS; what compiling a layer buys is the element-wise work between them —
 RMSNorm's fp32 upcast, the rotary embedding, SwiGLU's SiLU and product, LoRA's dropout, scaling and
 addition — fused into a few kernels, in forward, in backward and in checkpointed recomputation alike.
-All decoder layers share one code object, so one compilation serves them all. Activation
-checkpointing stays outside: transformers' checkpoint wrapper calls the compiled layer.
+All decoder layers share one code object, so one compilation serves them all (two under LoRA: the first layer's input,
+from the frozen embeddings, needs no gradient).
+
+Activation checkpointing stays outside the compiled region: each layer's own `forward` is compiled first, and
+memtrain.model.recompute then wraps the compiled forward in its checkpoint, whatever transformers release is
+installed. Compiled the other way round, dynamo traces the checkpoint as a higher-order op, whose region must have
+no side effects; transformers' output recording writes a context variable inside every layer, so with transformers
+5.25 (whose checkpoint sits in the layer's `forward`) dynamo broke the graph at each layer's checkpoint and compiled
+only the frame inside it. That frame ran as fast (docs/BENCHMARKS.md, "Compiled layers"), but what was compiled
+depended on where a transformers release put its checkpoint.
 
 `auto` compiles where it was measured to win (docs/BENCHMARKS.md, "7B LoRA": the 7B LoRA recipe 11,583
 tokens/s compiled against 7,701 for HF eager and 8,268 for HF + Liger in one invocation; Mistral-7B and
@@ -46,7 +54,8 @@ def resolve_compile(recipe: Recipe, cuda: bool) -> bool:
 
 
 def compile_layers(model: nn.Module) -> int:
-    """Compile every decoder layer in place (nn.Module.compile); returns how many were compiled.
+    """Compile every decoder layer's forward in place; returns how many were compiled. Call before
+    memtrain.model.recompute.apply_checkpointing, so that the checkpoint wraps the compiled forward.
 
     A layer the compiler fails on runs eager, with PyTorch's warning saying why (dynamo's suppress_errors, set for
     the process: compilation is the default now, and a model, PyTorch or driver it was not measured on should cost
@@ -57,5 +66,8 @@ def compile_layers(model: nn.Module) -> int:
     modules = dict(hf_model(model).named_modules())
     names = decoder_layer_names(model)
     for name in names:
-        modules[name].compile()
+        layer = modules[name]
+        if hasattr(layer.forward, "checkpoint_action"):
+            raise ValueError(f"{name} is already wrapped for checkpointing: compile the layers before that")
+        layer.forward = torch.compile(layer.forward)
     return len(names)

@@ -2,15 +2,15 @@
 
 Every strategy resolves to one action per module: `save` (keep its activations, the default),
 `recompute` (non-reentrant `torch.utils.checkpoint` around its forward) or `offload` (its saved
-activations go to host memory during forward and come back for backward). Whole decoder layers
-are handed to transformers' own `activation_checkpointing_enable`; everything finer is wrapped here.
+activations go to host memory during forward and come back for backward). Every module is wrapped here,
+whole decoder layers too: transformers' own `activation_checkpointing_enable` puts its checkpoint inside the layer's
+`forward` in newer releases, where a compiled layer would trace it (memtrain.model.compiled).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import functools
-import inspect
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -202,12 +202,8 @@ def _wrap(module: nn.Module, action: str, stats: OffloadStats, inputs_on_host: b
         with _HostOffload(module, stats):
             return original(*args, **kwargs)
 
+    forward.checkpoint_action = action  # what memtrain.model.compiled looks for: it must compile inside, not around
     module.forward = forward
-
-
-def _hf_supports_every_n(model: nn.Module) -> bool:
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    return enable is not None and "every_n_layers" in inspect.signature(enable).parameters
 
 
 def apply_checkpointing(model: nn.Module, config: Checkpointing) -> CheckpointPlan:
@@ -217,15 +213,7 @@ def apply_checkpointing(model: nn.Module, config: Checkpointing) -> CheckpointPl
     Call before `deepspeed.initialize`; the model must be called with use_cache=False in training.
     """
     plan = checkpoint_plan(model, config)
-    base = hf_model(model)
-    whole_layers = config.strategy in ("every_layer", "every_n_layers") and not config.offload_inputs
-    if whole_layers and _hf_supports_every_n(base):
-        every = config.every_n_layers if config.strategy == "every_n_layers" else 1
-        base.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every
-        )
-        return plan
-    modules = dict(base.named_modules())
+    modules = dict(hf_model(model).named_modules())
     for name, action in plan.actions.items():
         if action != "save":
             # checkpointing.offload_inputs applies to whole layers only (the recipe checks say so)

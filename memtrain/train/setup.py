@@ -189,11 +189,11 @@ def build_policy_model(recipe: Recipe, place: Place, ds_config: dict, vocab_size
     model = build_model(
         recipe.model, recipe.precision.storage, place.device, ds_config, seed=recipe.train.seed, vocab_size=vocab_size
     )
+    if recipe.train.compile is True:  # resolved (memtrain.train.resolve); an unresolved 'auto' builds eager layers
+        compile_layers(model)  # first: the checkpoint wraps the compiled layer, it is not traced inside it
     apply_checkpointing(model, recipe.checkpointing)
     apply_mlp_tiles(model, recipe.checkpointing)
     apply_precision(model, recipe.precision)
-    if recipe.train.compile is True:  # resolved (memtrain.train.resolve); an unresolved 'auto' builds eager layers
-        compile_layers(model)
     return model
 
 
