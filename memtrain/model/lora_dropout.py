@@ -31,8 +31,12 @@ def dropout_mask(
     return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - p, generator=generator)
 
 
+@torch.compiler.disable
 def draw_seed(x: torch.Tensor) -> int:
     """A seed from the CPU default generator: a host op, so no device sync.
+
+    Run eager inside a compiled layer too: traced, the draw became a random op of the compiled graph, whose numbers
+    are not the generator's sequence, so a compiled layer drew other masks than the eager one for the same seed.
 
     A fake tensor (the planner's trace) has no values, and `.item()` would fail under FakeTensorMode."""
     if isinstance(x, FakeTensor):
