@@ -37,7 +37,7 @@ def test_compiles_exactly_the_decoder_layers_under_a_peft_wrapper():
     assert all(hasattr(model.get_submodule(name).forward, "_torchdynamo_orig_callable") for name in compiled)
 
 
-def test_checkpointed_layers_compile_into_one_graph_inside_the_checkpoint():
+def test_checkpointed_layers_compile_inside_the_checkpoint_without_a_break():
     """The order the run builds them in (memtrain.train.setup): compiled forward, then the checkpoint around it. The
     three layers share two graphs with no break, and train as the eager, checkpointed layers do. Compiling around the
     checkpoint instead made dynamo trace it, and transformers' output recording inside it broke the graph there."""
