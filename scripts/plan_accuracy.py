@@ -57,6 +57,9 @@ class Case:
 
 # LoRA dropout as PEFT keeps it (the default), or lean (memtrain.model.lora_dropout): explicit in each case.
 PEFT_DROPOUT, LEAN_DROPOUT = ("model.lora.lean_dropout=false",), ("model.lora.lean_dropout=true",)
+# The stage a one-GPU case without offload was measured at before `offload.zero_stage: auto` meant stage 0 there
+# (memtrain.recipe.schema.Recipe.zero_stage): ZeRO-2, named so its prediction is for what ran.
+ZERO2 = ("offload.zero_stage=2",)
 
 
 def _batch(micro: int, seq: int) -> tuple[str, ...]:
@@ -91,7 +94,7 @@ GROUPS: dict[str, list[Case]] = {
     # TinyLlama-1.1B, the full fine-tune with the optimizer on the CPU (ZeRO-2), and its variations
     "tinyllama-1.1b": [
         Case("1.1b-opt-cpu-every-mb4-s1024", TINY, _batch(4, 1024)),
-        Case("1.1b-no-offload-every-mb4-s1024", TINY, ("offload.optimizer=none",) + _batch(4, 1024)),
+        Case("1.1b-no-offload-every-mb4-s1024", TINY, ZERO2 + ("offload.optimizer=none",) + _batch(4, 1024)),
         Case("1.1b-opt-cpu-none-mb2-s512", TINY, ("checkpointing.strategy=none",) + _batch(2, 512)),
         Case(
             "1.1b-opt-cpu-every2-mb8-s1024",
@@ -102,7 +105,8 @@ GROUPS: dict[str, list[Case]] = {
         Case(
             "1.1b-lora-none-mb8-s512",
             TINY,
-            PEFT_DROPOUT
+            ZERO2
+            + PEFT_DROPOUT
             + ("model.lora.r=16", "offload.optimizer=none", "checkpointing.strategy=none")
             + _batch(8, 512),
         ),
@@ -136,7 +140,10 @@ GROUPS: dict[str, list[Case]] = {
         Case(
             "3b-lora-every-mb4-s2048",
             OPEN3B,
-            PEFT_DROPOUT + ("model.lora.r=16", "offload.optimizer=none", "offload.params=none") + _batch(4, 2048),
+            ZERO2
+            + PEFT_DROPOUT
+            + ("model.lora.r=16", "offload.optimizer=none", "offload.params=none")
+            + _batch(4, 2048),
         ),
         # held out (as the 1.1B recipe's mb 16 rows)
         Case("3b-zero3-cpu-first22-mb16-s1024", OPEN3B, ("batch.micro_batch=16",) + _first_n(22)),
@@ -160,28 +167,33 @@ GROUPS: dict[str, list[Case]] = {
     ],
     # Llama-2-7B LoRA (ZeRO-2, nothing offloaded): checkpointing, micro-batch, dropout, DoRA, kernels, compiled layers
     "llama2-7b-lora": [
-        Case("7b-lora-every-mb4-s1024", LORA7B, PEFT_DROPOUT + _batch(4, 1024)),
+        Case("7b-lora-every-mb4-s1024", LORA7B, ZERO2 + PEFT_DROPOUT + _batch(4, 1024)),
         Case(
             "7b-lora-every2-mb8-s512",
             LORA7B,
-            PEFT_DROPOUT + ("checkpointing.strategy=every_n_layers", "checkpointing.every_n_layers=2") + _batch(8, 512),
+            ZERO2
+            + PEFT_DROPOUT
+            + ("checkpointing.strategy=every_n_layers", "checkpointing.every_n_layers=2")
+            + _batch(8, 512),
         ),
-        Case("7b-lora-every-mb1-s4096", LORA7B, PEFT_DROPOUT + _batch(1, 4096)),
+        Case("7b-lora-every-mb1-s4096", LORA7B, ZERO2 + PEFT_DROPOUT + _batch(1, 4096)),
         # held out (as the 1.1B recipe's mb 16 rows): what `auto` chose at each micro-batch
-        Case("7b-lora-first0-mb1-s1024", LORA7B, PEFT_DROPOUT + ("batch.micro_batch=1",) + _first_n(0)),
-        Case("7b-lora-first16-mb2-s1024", LORA7B, PEFT_DROPOUT + ("batch.micro_batch=2",) + _first_n(16)),
-        Case("7b-lora-first25-mb4-s1024", LORA7B, PEFT_DROPOUT + _first_n(25)),
-        Case("7b-lora-first29-mb8-s1024", LORA7B, PEFT_DROPOUT + ("batch.micro_batch=8",) + _first_n(29)),
+        Case("7b-lora-first0-mb1-s1024", LORA7B, ZERO2 + PEFT_DROPOUT + ("batch.micro_batch=1",) + _first_n(0)),
+        Case("7b-lora-first16-mb2-s1024", LORA7B, ZERO2 + PEFT_DROPOUT + ("batch.micro_batch=2",) + _first_n(16)),
+        Case("7b-lora-first25-mb4-s1024", LORA7B, ZERO2 + PEFT_DROPOUT + _first_n(25)),
+        Case("7b-lora-first29-mb8-s1024", LORA7B, ZERO2 + PEFT_DROPOUT + ("batch.micro_batch=8",) + _first_n(29)),
         # held out, lean LoRA dropout (`model.lora.lean_dropout: true`): what `auto` then chooses at mb 4 and 8
-        Case("7b-lora-lean-first20-mb4-s1024", LORA7B, LEAN_DROPOUT + _first_n(20)),
-        Case("7b-lora-lean-first27-mb8-s1024", LORA7B, LEAN_DROPOUT + ("batch.micro_batch=8",) + _first_n(27)),
+        Case("7b-lora-lean-first20-mb4-s1024", LORA7B, ZERO2 + LEAN_DROPOUT + _first_n(20)),
+        Case("7b-lora-lean-first27-mb8-s1024", LORA7B, ZERO2 + LEAN_DROPOUT + ("batch.micro_batch=8",) + _first_n(27)),
         # held out: a packed chat recipe
-        Case("7b-lora-chat-packed-every-mb2-s2048", LORA7B, PEFT_DROPOUT + CHAT + _batch(2, 2048)),
+        Case("7b-lora-chat-packed-every-mb2-s2048", LORA7B, ZERO2 + PEFT_DROPOUT + CHAT + _batch(2, 2048)),
         # held out: DoRA's magnitude vectors and its per-module weight-norm transient
-        Case("7b-dora-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("model.lora.use_dora=true",) + _batch(4, 1024)),
+        Case("7b-dora-every-mb4-s1024", LORA7B, ZERO2 + PEFT_DROPOUT + ("model.lora.use_dora=true",) + _batch(4, 1024)),
         # held out: Liger's kernels (model.kernels), priced from its source: fused linear cross-entropy in place of
         # the chunked loss, eager-traced layers
-        Case("7b-lora-liger-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("model.kernels=liger",) + _batch(4, 1024)),
+        Case(
+            "7b-lora-liger-every-mb4-s1024", LORA7B, ZERO2 + PEFT_DROPOUT + ("model.kernels=liger",) + _batch(4, 1024)
+        ),
         # held out: compiled decoder layers (train.compile), with and without Liger's kernels. The predictions priced
         # eager layers (15.57 / 15.80 / 15.80 / 15.81 GiB); the compiled rows ran 0.41-0.46 GiB over that pricing,
         # which COMPILED_RECOMPUTE_SHARE (plan/activations.py) was then fitted on. The peaks are those of the
@@ -189,38 +201,54 @@ GROUPS: dict[str, list[Case]] = {
         Case(
             "7b-lora-compiled-liger-every-mb4-s1024",
             LORA7B,
-            PEFT_DROPOUT + ("train.compile=true", "model.kernels=liger") + _batch(4, 1024),
+            ZERO2 + PEFT_DROPOUT + ("train.compile=true", "model.kernels=liger") + _batch(4, 1024),
         ),
         Case(
             "7b-lora-compiled-every-mb4-s1024",
             LORA7B,
-            PEFT_DROPOUT + ("train.compile=true", "model.kernels=none") + _batch(4, 1024),
+            ZERO2 + PEFT_DROPOUT + ("train.compile=true", "model.kernels=none") + _batch(4, 1024),
         ),
         Case(
             "7b-lora-compiled-ligerloss-every-mb4-s1024",
             LORA7B,
-            PEFT_DROPOUT + ("train.compile=true", "model.kernels=liger_loss") + _batch(4, 1024),
+            ZERO2 + PEFT_DROPOUT + ("train.compile=true", "model.kernels=liger_loss") + _batch(4, 1024),
         ),
         Case(
             "7b-lora-chat-packed-compiled-ligerloss-every-mb2-s2048",
             LORA7B,
-            PEFT_DROPOUT + CHAT + ("train.compile=true", "model.kernels=liger_loss") + _batch(2, 2048),
+            ZERO2 + PEFT_DROPOUT + CHAT + ("train.compile=true", "model.kernels=liger_loss") + _batch(2, 2048),
+        ),
+        # held out: stage 0, what `offload.zero_stage: auto` gives one GPU without offload; the recipe as shipped,
+        # and 16 micro-batches of one row with nothing recomputed
+        Case(
+            "7b-lora-zero0-compiled-ligerloss-every-mb4-s1024",
+            LORA7B,
+            PEFT_DROPOUT + ("train.compile=true", "model.kernels=liger_loss") + _batch(4, 1024),
+        ),
+        Case(
+            "7b-lora-zero0-compiled-ligerloss-none-mb1-s1024",
+            LORA7B,
+            PEFT_DROPOUT
+            + ("train.compile=true", "model.kernels=liger_loss", "checkpointing.strategy=none")
+            + _batch(1, 1024),
         ),
     ],
     # QLoRA (NF4 base weights) at 7B and 13B
     "llama2-qlora": [
-        Case("7b-qlora-nf4-every-mb8-s1024", QLORA7B, PEFT_DROPOUT + _batch(8, 1024)),
-        Case("13b-qlora-nf4-every-mb8-s1024", QLORA13B, PEFT_DROPOUT + _batch(8, 1024)),
+        Case("7b-qlora-nf4-every-mb8-s1024", QLORA7B, ZERO2 + PEFT_DROPOUT + _batch(8, 1024)),
+        Case("13b-qlora-nf4-every-mb8-s1024", QLORA13B, ZERO2 + PEFT_DROPOUT + _batch(8, 1024)),
         # held out, lean LoRA dropout
-        Case("7b-qlora-nf4-lean-every-mb8-s1024", QLORA7B, LEAN_DROPOUT + _batch(8, 1024)),
-        Case("13b-qlora-nf4-lean-every-mb8-s1024", QLORA13B, LEAN_DROPOUT + _batch(8, 1024)),
+        Case("7b-qlora-nf4-lean-every-mb8-s1024", QLORA7B, ZERO2 + LEAN_DROPOUT + _batch(8, 1024)),
+        Case("13b-qlora-nf4-lean-every-mb8-s1024", QLORA13B, ZERO2 + LEAN_DROPOUT + _batch(8, 1024)),
+        # held out: stage 0, what `offload.zero_stage: auto` gives one GPU without offload
+        Case("7b-qlora-nf4-zero0-every-mb8-s1024", QLORA7B, PEFT_DROPOUT + _batch(8, 1024)),
         # held out: compiled layers, priced as eager ones (9.53 GiB), as the LoRA group's compiled rows; memtrain
         # has refused compiled layers over quantised weights since (torch.compile's partitioner stopped), so the row
         # stays as measured and is not run again
         Case(
             "7b-qlora-nf4-compiled-ligerloss-every-mb8-s1024",
             QLORA7B,
-            ("train.compile=true", "model.kernels=liger_loss"),
+            ZERO2 + ("train.compile=true", "model.kernels=liger_loss"),
         ),
     ],
     # Llama-2-7B full fine-tunes on one GPU: ZeRO-3 / ZeRO-2 offload, the 64 GiB- and 32 GiB-host recipes
@@ -281,17 +309,25 @@ GROUPS: dict[str, list[Case]] = {
     # 7B-class families on the 7B ZeRO-3 recipe's (optimizer and parameters on the CPU, bf16 master weights and
     # states, unpinned: a 7.6B model's pinned buffers would not leave the 125 GiB host room for the run)
     "other-families": [
-        Case("qwen2.5-7b-lora-every-mb4-s1024", LORA7B, PEFT_DROPOUT + ("model.preset=qwen2.5-7b",) + _batch(4, 1024)),
+        Case(
+            "qwen2.5-7b-lora-every-mb4-s1024",
+            LORA7B,
+            ZERO2 + PEFT_DROPOUT + ("model.preset=qwen2.5-7b",) + _batch(4, 1024),
+        ),
         Case(
             "mistral-7b-lora-every-mb4-s1024",
             LORA7B,
-            PEFT_DROPOUT + ("model.preset=mistral-7b-v0.3",) + _batch(4, 1024),
+            ZERO2 + PEFT_DROPOUT + ("model.preset=mistral-7b-v0.3",) + _batch(4, 1024),
         ),
-        Case("gemma2-9b-lora-every-mb2-s1024", LORA7B, PEFT_DROPOUT + ("model.preset=gemma2-9b",) + _batch(2, 1024)),
+        Case(
+            "gemma2-9b-lora-every-mb2-s1024",
+            LORA7B,
+            ZERO2 + PEFT_DROPOUT + ("model.preset=gemma2-9b",) + _batch(2, 1024),
+        ),
         Case(
             "gemma2-9b-lora-liger-every-mb1-s1024",
             LORA7B,
-            PEFT_DROPOUT + ("model.preset=gemma2-9b", "model.kernels=liger") + _batch(1, 1024),
+            ZERO2 + PEFT_DROPOUT + ("model.preset=gemma2-9b", "model.kernels=liger") + _batch(1, 1024),
         ),
         Case("phi3-mini-opt-cpu-every-mb4-s1024", TINY, ("model.preset=phi3-mini",) + _batch(4, 1024)),
         Case(
@@ -322,14 +358,16 @@ GROUPS: dict[str, list[Case]] = {
         Case(
             "mistral-7b-lora-compiled-ligerloss-every-mb4-s1024",
             LORA7B,
-            PEFT_DROPOUT
+            ZERO2
+            + PEFT_DROPOUT
             + ("model.preset=mistral-7b-v0.3", "train.compile=true", "model.kernels=liger_loss")
             + _batch(4, 1024),
         ),
         Case(
             "qwen2.5-7b-lora-compiled-ligerloss-every-mb4-s1024",
             LORA7B,
-            PEFT_DROPOUT
+            ZERO2
+            + PEFT_DROPOUT
             + ("model.preset=qwen2.5-7b", "train.compile=true", "model.kernels=liger_loss")
             + _batch(4, 1024),
         ),

@@ -336,7 +336,7 @@ def check_weights_fit(loaded: LoadedRecipe, env: Environment) -> list[Problem]:
     weights_bytes = counts.weight_bytes(bytes_per_param) - (counts.trainable * bytes_per_param if r.model.lora else 0)
     stored_as = f"{r.model.quant_type} + {r.precision.compute}" if counts.quantized else r.precision.compute
     # ZeRO-3 shards the weights over the GPUs of every node; stages 0-2 keep a whole copy on each
-    weights_per_gpu_bytes = weights_bytes / r.hardware.world_size if r.offload.stage == 3 else weights_bytes
+    weights_per_gpu_bytes = weights_bytes / r.hardware.world_size if r.zero_stage == 3 else weights_bytes
     if weights_per_gpu_bytes <= profile.memory_bytes:
         return []
     return [

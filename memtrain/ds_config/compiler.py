@@ -94,7 +94,7 @@ def _offload_block(tier: str, recipe: Recipe, params: bool, largest_param_numel:
 
 def _zero(recipe: Recipe, hidden_size: int, largest_param_numel: int) -> dict:
     o = recipe.offload
-    stage = o.stage
+    stage = recipe.zero_stage
     bucket, prefetch = bucket_elements(recipe, hidden_size)
     zero: dict = {"stage": stage}
     if stage == 0:

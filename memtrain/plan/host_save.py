@@ -39,7 +39,7 @@ from memtrain.recipe.schema import Recipe
 def saved_module_bytes(recipe: Recipe, counts: ParamCounts, states: StateBytes) -> int:
     """Bytes of the module state dict a save copies and writes on rank 0 (see the module's text): every weight, or
     with frozen parameters the trained ones and a quantised base's constants; nothing under ZeRO-3."""
-    if recipe.offload.stage == 3:
+    if recipe.zero_stage == 3:
         return 0
     if not counts.frozen:
         return states.gpu_params
@@ -49,7 +49,7 @@ def saved_module_bytes(recipe: Recipe, counts: ParamCounts, states: StateBytes) 
 
 def checkpoint_save_bytes(recipe: Recipe, counts: ParamCounts, states: StateBytes) -> int:
     """Host bytes a checkpoint save adds on this node, beside the training phase's (see the module's text)."""
-    stage, master = recipe.offload.stage, 4 if recipe.precision.master == "fp32" else 2
+    stage, master = recipe.zero_stage, 4 if recipe.precision.master == "fp32" else 2
     module = saved_module_bytes(recipe, counts, states)  # rank 0's module state dict, copied to the CPU
     if stage == 0:
         # the optimizer's GPU states cloned beside it; paged states are read where they are (measured: nothing)
@@ -81,7 +81,7 @@ def pinned_terms(recipe: Recipe) -> tuple[str, ...]:
     ZeRO-1/2 pin the master weights, ZeRO-3 keeps them in plain memory)."""
     if not recipe.offload.pin_memory:
         return ALWAYS_PINNED
-    master = ("master_weights",) if recipe.offload.stage < 3 else ()
+    master = ("master_weights",) if recipe.zero_stage < 3 else ()
     return ALWAYS_PINNED + PINNED_WITH_PIN_MEMORY + master
 
 

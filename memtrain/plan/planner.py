@@ -261,7 +261,7 @@ def whole_on_one_gpu(recipe: Recipe) -> bool:
     from the host or another rank. Measured there (benchmarks/plan_accuracy.csv, the params-gpu and ratio0.9
     rows): gathered parameters stay a layer, and the side streams add no segments of their own (reserved
     was 0.2-0.9 GiB over allocated where the side-stream model priced 2.4-3.4)."""
-    return recipe.offload.stage == 3 and recipe.offload.params == "none" and recipe.hardware.world_size == 1
+    return recipe.zero_stage == 3 and recipe.offload.params == "none" and recipe.hardware.world_size == 1
 
 
 def _buffers(recipe: Recipe, counts: ParamCounts, stage: int, cal: Calibration) -> ZeroBuffers:
@@ -468,7 +468,7 @@ def _plan(
 ) -> Plan:
     """The whole plan: the model states placed, the step's phases priced, reserved memory from the allocator's
     slack, the host and NVMe bytes."""
-    hw, stage = recipe.hardware, recipe.offload.stage
+    hw, stage = recipe.hardware, recipe.zero_stage
     compute_bytes = DTYPE_BYTES[recipe.precision.compute]
     states = _placed_states(recipe, counts)
     # compiled layers as the run would build them on a CUDA GPU (train.compile auto resolved for the plan's card)
@@ -576,7 +576,7 @@ def _placed_states(recipe: Recipe, counts: ParamCounts) -> StateBytes:
     # ZeRO partitions over every rank of every node; host and NVMe hold this node's `hw.gpus` ranks
     states = place_model_states(
         counts,
-        stage=o.stage,
+        stage=recipe.zero_stage,
         gpus=hw.world_size,
         compute=p.storage,
         master=p.master,
@@ -622,7 +622,7 @@ def _forward_terms(
         recipe, micro_batch
     )
     # Liger's fused linear cross-entropy (model.kernels resolved to liger); a preference loss is always chunked
-    if uses_fused_loss(recipe.model, p, recipe.offload.stage) and recipe.train.objective == "sft":
+    if uses_fused_loss(recipe.model, p, recipe.zero_stage) and recipe.train.objective == "sft":
         logits = estimate_fused_logits(
             counts.hidden_size,
             counts.vocab_size,
@@ -651,7 +651,7 @@ def _backward_extra_bytes(recipe: Recipe, counts: ParamCounts, acts, logits, com
 
     Backward frees the loss's logits gradients before it reaches the last decoder layer, so the layer's
     recompute and gradient transients come after them, not on top."""
-    stage = recipe.offload.stage
+    stage = recipe.zero_stage
     if stage == 3 and recipe.hardware.expandable_segments:
         # ZeRO-3, per stream (gathered parameters and the reduce stream are priced as side streams): the compute
         # stream peaks either in the loss's backward, beside the head's gradient and its partitioned copy, or
@@ -671,7 +671,7 @@ def _backward_extra_bytes(recipe: Recipe, counts: ParamCounts, acts, logits, com
 
 def _step_transient_bytes(recipe: Recipe, counts: ParamCounts, buffers, compute_bytes: int) -> int:
     """What the optimizer step allocates beside the model states."""
-    p, stage, world_size = recipe.precision, recipe.offload.stage, recipe.hardware.world_size
+    p, stage, world_size = recipe.precision, recipe.zero_stage, recipe.hardware.world_size
     if recipe.optimizer.step_in_backward:  # each parameter updated during backward: no step afterwards
         return 0
     if recipe.offload.optimizer == "none":
@@ -689,7 +689,7 @@ def _side_streams(recipe: Recipe, buffers, logits, cal: Calibration) -> SideStre
     peak of the sum (benchmarks/segments/*.json: the sum of the streams' segments, in every run).
     The compute stream's own slack is at least about one loss-sized tensor: the loss allocates and frees
     tokens x vocabulary fp32 tensors between the layers' blocks."""
-    if recipe.offload.stage != 3 or not recipe.hardware.expandable_segments or whole_on_one_gpu(recipe):
+    if recipe.zero_stage != 3 or not recipe.hardware.expandable_segments or whole_on_one_gpu(recipe):
         return SideStreams()
     min_slack = int(cal.expandable_zero3_min_slack_loss_tensors * logits.loss_tensor_bytes)
     return SideStreams(buffers.gathered_bytes, buffers.side_stream_bytes, min_slack)
@@ -719,7 +719,7 @@ def _host_breakdown(
         "compiled_layers": compiled_graphs * COMPILED_GRAPH_HOST_BYTES * hw.gpus,
         **offload_host_bytes(
             counts,
-            stage=o.stage,
+            stage=recipe.zero_stage,
             gpus=hw.gpus,
             storage=p.storage,
             master=p.master,

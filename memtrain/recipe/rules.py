@@ -185,7 +185,7 @@ def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
                     "remove offload.ratio or set offload.optimizer=cpu",
                 )
             )
-        elif loaded.recipe.offload.stage != 3:
+        elif loaded.recipe.zero_stage != 3:
             problems.append(
                 src.problem(
                     ("offload", "ratio"),
@@ -427,7 +427,7 @@ def _check_warmup(loaded: LoadedRecipe) -> list[Problem]:
 
 def compile_unsupported(r) -> tuple[str, str] | None:
     """(what is wrong, what to do) when this recipe's layers cannot be compiled (train.compile), else None."""
-    if r.offload.stage == 3:
+    if r.zero_stage == 3:
         # optimizer states on NVMe need ZeRO-3 too (_nvme_optimizer_below_zero3): ZeRO-2 keeps them on the CPU
         below = "offload.params=none, offload.optimizer=cpu" if r.offload.optimizer == "nvme" else "offload.params=none"
         return (
@@ -519,7 +519,7 @@ def _check_quantize(loaded: LoadedRecipe) -> list[Problem]:
                 "add model.lora (for example model.lora.r=16), or remove model.quantize",
             )
         )
-    if r.offload.stage == 3:
+    if r.zero_stage == 3:
         o = r.offload
         # the line that makes it ZeRO-3: parameters offloaded, optimizer states on NVMe (auto), or zero_stage itself
         if o.params != "none":
@@ -658,7 +658,7 @@ def _check_eval_generate(loaded: LoadedRecipe) -> list[Problem]:
                 "conversations to data.validation",
             )
         ]
-    if r.offload.stage == 3:
+    if r.zero_stage == 3:
         return [
             src.problem(
                 ("train", "eval_generate"),

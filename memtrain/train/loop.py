@@ -311,7 +311,7 @@ def _finish(t: Training, status: str, interrupted: Interrupted, progress: Progre
     if status == "done" and t.options.save:
         try:
             exported = export_model(
-                t.engine, t.model, t.data.tokenizer, run.run_dir / "final", t.place.rank, r.offload.stage == 3, r.data
+                t.engine, t.model, t.data.tokenizer, run.run_dir / "final", t.place.rank, r.zero_stage == 3, r.data
             )
         except UserError:  # could not write (full, read-only): the run's end is on record for `report`
             t.metrics.event("run", state.step, event="end", status="export_failed")

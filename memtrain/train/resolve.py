@@ -66,7 +66,7 @@ class ResolvedRun:
     """The recipe as it will run on this machine."""
 
     name: str
-    recipe: Recipe  # checkpointing, train.compile and model.kernels 'auto' made concrete
+    recipe: Recipe  # offload.zero_stage, checkpointing, train.compile and model.kernels 'auto' made concrete
     run_dir: Path
     recipe_micro_batch: int  # batch.micro_batch with 'auto' resolved by the planner
     micro_batch: int  # the starting micro-batch: at most this rank's share of the global batch
@@ -196,6 +196,7 @@ def resolve_run(
     for every plan made here.
     """
     support = kernels or KernelSupport.current()
+    recipe = with_zero_stage(recipe)
     recipe = with_attention(recipe, resolve_attention(recipe, support.varlen))
     recipe = with_compile(recipe, resolve_compile(recipe, support.cuda))
     recipe = with_kernels(recipe, resolve_kernels(recipe.model, support, compiled=recipe.train.compile))
@@ -218,6 +219,15 @@ def resolve_run(
         data_fingerprint=data_fingerprint,
         data_files=data_files,
     )
+
+
+def with_zero_stage(recipe: Recipe) -> Recipe:
+    """The recipe with offload.zero_stage 'auto' made the stage it runs with (Recipe.zero_stage), so that each
+    checkpoint records the stage its optimizer files were written by, whatever a later memtrain's 'auto' picks."""
+    offload = recipe.offload
+    if offload.zero_stage == recipe.zero_stage:
+        return recipe
+    return recipe.model_copy(update={"offload": offload.model_copy(update={"zero_stage": recipe.zero_stage})})
 
 
 def with_compile(recipe: Recipe, compiled: bool) -> Recipe:

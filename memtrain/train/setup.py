@@ -230,7 +230,7 @@ def training_module(recipe: Recipe, model: torch.nn.Module) -> torch.nn.Module:
     if recipe.train.objective != "sft":
         return PreferenceLM(model, recipe.precision, PreferenceSettings.of(recipe), reference_of(recipe))
     return TrainableLM(
-        model, recipe.precision, fused_loss=uses_fused_loss(recipe.model, recipe.precision, recipe.offload.stage)
+        model, recipe.precision, fused_loss=uses_fused_loss(recipe.model, recipe.precision, recipe.zero_stage)
     )
 
 
@@ -380,7 +380,7 @@ def setup(
         loader=loader,
         hooks=hooks,
         run_dir=run.run_dir,
-        zero3=r.offload.stage == 3,
+        zero3=r.zero_stage == 3,
         save=options.save,
         state=state,
         cap_bytes=cap_bytes,

@@ -20,8 +20,8 @@ offload:
 
 
 def test_auto_stage_is_three_for_optimizer_states_on_nvme():
-    assert load_recipe_text(NVME).recipe.offload.stage == 3
-    assert load_recipe_text(NVME, overrides=["offload.optimizer=cpu"]).recipe.offload.stage == 2
+    assert load_recipe_text(NVME).recipe.zero_stage == 3
+    assert load_recipe_text(NVME, overrides=["offload.optimizer=cpu"]).recipe.zero_stage == 2
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -57,7 +57,7 @@ def test_host_refusals_hint_names_an_nvme_change_that_validates(recipe):
 
     base = "model: {preset: tiny}\ndata: {train: 'builtin:shakespeare', seq_len: 64}\ntrain: {steps: 10}\n"
     changed = load_recipe_text(base + recipe, overrides=[*NVME_OPTIMIZER, "hardware.nvme_path=/tmp"]).recipe
-    assert changed.offload.optimizer == "nvme" and changed.offload.stage == 3
+    assert changed.offload.optimizer == "nvme" and changed.zero_stage == 3
 
 
 def test_changes_away_from_zero3_also_move_nvme_optimizer_states_to_the_cpu():

@@ -140,7 +140,19 @@ def recorded_recipe(checkpoint: Path) -> dict:
         recipe = json.loads((checkpoint / STATE_FILE).read_text()).get("recipe") or {}
     except (OSError, ValueError):
         return {}
-    return absolute_input_paths(recipe) if isinstance(recipe, dict) else {}
+    return with_recorded_zero_stage(absolute_input_paths(recipe)) if isinstance(recipe, dict) else {}
+
+
+def with_recorded_zero_stage(recipe: dict) -> dict:
+    """A recorded recipe with offload.zero_stage 'auto' made the stage it ran with. Runs record the stage itself
+    (memtrain.train.resolve.with_zero_stage); a recorded 'auto' comes from a memtrain whose 'auto' meant 3 with
+    parameters offloaded or optimizer states on NVMe, else 2 (one GPU too), and those checkpoints hold that stage's
+    optimizer files."""
+    offload = recipe.get("offload")
+    if not isinstance(offload, dict) or offload.get("zero_stage") != "auto":
+        return recipe
+    stage = 3 if offload.get("params", "none") != "none" or offload.get("optimizer") == "nvme" else 2
+    return {**recipe, "offload": {**offload, "zero_stage": stage}}
 
 
 def recorded_data_files(run_dir: Path) -> dict[str, list[str]] | None:
@@ -261,6 +273,11 @@ def _changed_files_problem(key: str, recipe: Recipe) -> Problem:
 
 def _change_hint(change: Change) -> str:
     """The way back for a change with one: a Hub model whose branch moved is resumed on the commit it trained."""
+    if change.key == "offload.zero_stage" and isinstance(change.old, int):
+        return (
+            f"the checkpoint's optimizer files were written by ZeRO stage {change.old}: set "
+            f"offload.zero_stage={change.old} to resume it"
+        )
     if change.key == "model.revision" and isinstance(change.old, str):
         return (
             f"the Hub repo's revision now names another commit: pin model.revision={change.old} to resume on the "

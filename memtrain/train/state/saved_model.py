@@ -172,7 +172,7 @@ def checkpoint_model(
 
 def checkpoint_state_dict(directory: Path, recipe: Recipe) -> dict[str, torch.Tensor]:
     """The model's weights in a checkpoint, named as the model inside memtrain's wrapper names them."""
-    if recipe.offload.stage == 3:  # partitioned: DeepSpeed puts the fp32 partitions back together
+    if recipe.zero_stage == 3:  # partitioned: DeepSpeed puts the fp32 partitions back together
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: PLC0415 — ZeRO-3
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=DS_TAG)

@@ -92,7 +92,7 @@ class StepRunner:
             saved_optimizer_bytes_per_param(
                 p.storage,
                 p.master,
-                zero_stage=self.r.offload.stage,
+                zero_stage=self.r.zero_stage,
                 eight_bit=o.eight_bit,
                 in_backward=o.step_in_backward,
             ),

@@ -79,6 +79,6 @@ def test_the_first_save_is_priced_within_a_few_percent_of_what_a_real_tiny_save_
     [saved] = complete_checkpoints(run_dir_of(recipe_path))
     r = load_recipe(recipe_path).recipe
     model = build_model(r.model, r.precision.storage, torch.device("cpu"), seed=r.train.seed)
-    per_param = saved_optimizer_bytes_per_param(r.precision.storage, r.precision.master, zero_stage=r.offload.stage)
+    per_param = saved_optimizer_bytes_per_param(r.precision.storage, r.precision.master, zero_stage=r.zero_stage)
     expected = expected_checkpoint_bytes(saved.parent / "none", model, per_param)
     assert expected == pytest.approx(directory_bytes(saved), rel=0.03), (expected, directory_bytes(saved))
