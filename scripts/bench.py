@@ -4,7 +4,7 @@
     python -m scripts.bench lora-vs-hf --list               # a suite's cases
     python -m scripts.bench lora-vs-hf --dry-run            # the commands it would run
     python -m scripts.bench lora-vs-hf --out $OUT           # run it; the tables land in $OUT
-    python -m scripts.bench levers --only 7b-lora-zero0     # one case (comma-separated: several)
+    python -m scripts.bench levers --only 7b-lora-zero2     # one case (comma-separated: several)
 
 Each case appends its rows to its table (vs-hf: vs_hf.csv, run: runs.csv, startup: startup.csv, plan-accuracy:
 plan_accuracy.csv, longest: long_context.csv; each row with its command, machine and date) and rewrites the

@@ -57,7 +57,7 @@ class Case:
 
 # LoRA dropout as PEFT keeps it (the default), or lean (memtrain.model.lora_dropout): explicit in each case.
 PEFT_DROPOUT, LEAN_DROPOUT = ("model.lora.lean_dropout=false",), ("model.lora.lean_dropout=true",)
-# The stage a one-GPU case without offload was measured at before `offload.zero_stage: auto` meant stage 0 there
+# The stage a one-GPU case without offload was measured at before `offload.zero_stage: auto` meant ZeRO-1 there
 # (memtrain.recipe.schema.Recipe.zero_stage): ZeRO-2, named so its prediction is for what ran.
 ZERO2 = ("offload.zero_stage=2",)
 
@@ -218,15 +218,15 @@ GROUPS: dict[str, list[Case]] = {
             LORA7B,
             ZERO2 + PEFT_DROPOUT + CHAT + ("train.compile=true", "model.kernels=liger_loss") + _batch(2, 2048),
         ),
-        # held out: stage 0, what `offload.zero_stage: auto` gives one GPU without offload; the recipe as shipped,
+        # held out: ZeRO-1, what `offload.zero_stage: auto` gives one GPU without offload; the recipe as shipped,
         # and 16 micro-batches of one row with nothing recomputed
         Case(
-            "7b-lora-zero0-compiled-ligerloss-every-mb4-s1024",
+            "7b-lora-zero1-compiled-ligerloss-every-mb4-s1024",
             LORA7B,
             PEFT_DROPOUT + ("train.compile=true", "model.kernels=liger_loss") + _batch(4, 1024),
         ),
         Case(
-            "7b-lora-zero0-compiled-ligerloss-none-mb1-s1024",
+            "7b-lora-zero1-compiled-ligerloss-none-mb1-s1024",
             LORA7B,
             PEFT_DROPOUT
             + ("train.compile=true", "model.kernels=liger_loss", "checkpointing.strategy=none")
@@ -240,8 +240,8 @@ GROUPS: dict[str, list[Case]] = {
         # held out, lean LoRA dropout
         Case("7b-qlora-nf4-lean-every-mb8-s1024", QLORA7B, ZERO2 + LEAN_DROPOUT + _batch(8, 1024)),
         Case("13b-qlora-nf4-lean-every-mb8-s1024", QLORA13B, ZERO2 + LEAN_DROPOUT + _batch(8, 1024)),
-        # held out: stage 0, what `offload.zero_stage: auto` gives one GPU without offload
-        Case("7b-qlora-nf4-zero0-every-mb8-s1024", QLORA7B, PEFT_DROPOUT + _batch(8, 1024)),
+        # held out: ZeRO-1, what `offload.zero_stage: auto` gives one GPU without offload
+        Case("7b-qlora-nf4-zero1-every-mb8-s1024", QLORA7B, PEFT_DROPOUT + _batch(8, 1024)),
         # held out: compiled layers, priced as eager ones (9.53 GiB), as the LoRA group's compiled rows; memtrain
         # has refused compiled layers over quantised weights since (torch.compile's partitioner stopped), so the row
         # stays as measured and is not run again

@@ -667,8 +667,9 @@ class Offload(Section):
     zero_stage: Literal["auto", 0, 1, 2, 3] = Field(
         "auto",
         description="ZeRO stage; auto: 3 when parameters are offloaded or the optimizer states go to NVMe "
-        "(only ZeRO-3 swaps them to disk); 0 on one GPU that holds everything with fp32 master weights (one rank has "
-        "nothing to partition, and ZeRO-2's gradient hooks cost host time at every micro-batch); else 2.",
+        "(only ZeRO-3 swaps them to disk); 1 on one GPU that holds everything (one rank has nothing to partition, and "
+        "ZeRO-1 reduces gradients once a step where ZeRO-2's hooks reduce at every micro-batch); else 2. 0 only with "
+        "optimizer.step_in_backward, or compute fp32: DeepSpeed's stage-0 bf16 optimizer took shorter Adam steps.",
     )
     optimizer: Tier = Field("none", description="Where optimizer states (fp32 master + Adam moments) live.")
     params: Tier = Field("none", description="Where parameters live between uses (needs ZeRO-3).")
@@ -967,18 +968,19 @@ class Recipe(Section):
         """The ZeRO stage this runs with: offload.zero_stage, or for 'auto'
         - 3 when parameters are offloaded or the optimizer states go to NVMe: DeepSpeed's ZeRO-1/2 optimizer has no
           NVMe swapper and keeps states offloaded to any device in host memory (stage_1_and_2.py, 0.19.8);
-        - 0 on one process with everything on its GPU and fp32 master weights: a single rank has nothing to partition,
-          while ZeRO-2's per-parameter gradient hooks run at every micro-batch (7B LoRA at 16 micro-batches of 1 x 1024
-          tokens: 5,170 tokens/s under ZeRO-2, about 9,700 at stage 0; docs/BENCHMARKS.md). bf16 master weights need
-          ZeRO (DeepSpeed's bf16_optimizer_states is a ZeRO 1-3 option);
+        - 1 on one process with everything on its GPU: a single rank has nothing to partition, and ZeRO-1 reduces the
+          gradients once a step at the accumulation boundary, where ZeRO-2's per-parameter hooks reduce at every
+          micro-batch (7B LoRA at 16 micro-batches of 1 x 1024 tokens: docs/BENCHMARKS.md, "ZeRO's hooks"). The same
+          optimizer as ZeRO-2 with the same numbers (tests/train/test_deepspeed_engine.py). Not 0: DeepSpeed's stage-0
+          bf16 optimizer took Adam steps 0.75x as long as ZeRO's on the same gradients (same test file);
         - else 2."""
         o = self.offload
         if o.zero_stage != "auto":
             return int(o.zero_stage)
         if o.params != "none" or o.optimizer == "nvme":
             return 3
-        if self.hardware.world_size == 1 and o.optimizer == "none" and self.precision.master == "fp32":
-            return 0
+        if self.hardware.world_size == 1 and o.optimizer == "none":
+            return 1
         return 2
 
     @property

@@ -73,3 +73,33 @@ def test_changes_away_from_zero3_also_move_nvme_optimizer_states_to_the_cpu():
     compiled = load_recipe_text(NVME + "  zero_stage: 3\n", "r.yaml", overrides=["train.compile=true"], check=False)
     [problem] = [p for p in check_rules(compiled) if p.key == "train.compile"]
     assert "offload.optimizer=cpu and offload.zero_stage=2" in problem.hint
+
+
+ONE_GPU = """\
+model: {preset: tiny}
+data: {train: "builtin:shakespeare", seq_len: 64}
+train: {steps: 10}
+offload:
+  zero_stage: 0
+"""
+
+
+def test_stage_zero_with_bf16_weights_is_refused_at_its_line_with_the_stage_auto_gives():
+    with pytest.raises(RecipeError) as refused:
+        load_recipe_text(ONE_GPU, "r.yaml")
+    [problem] = refused.value.problems
+    assert (problem.key, problem.file, problem.line) == ("offload.zero_stage", "r.yaml", 5)
+    assert "DeepSpeed's stage-0 bf16 optimizer took Adam steps 0.75x as long" in problem.message
+    assert problem.hint.startswith("set offload.zero_stage=auto (ZeRO-1 on one GPU")
+    assert load_recipe_text(ONE_GPU.replace("  zero_stage: 0", "  zero_stage: auto")).recipe.zero_stage == 1
+
+
+def test_stage_zero_stays_for_fp32_weights_and_for_the_update_in_backward():
+    assert load_recipe_text(ONE_GPU + "precision: {compute: fp32}\n").recipe.zero_stage == 0
+    assert load_recipe_text(ONE_GPU + "precision: {compute: bf16, mode: autocast}\n").recipe.zero_stage == 0
+    in_backward = ONE_GPU + (
+        "precision: {master: bf16}\n"
+        "optimizer: {step_in_backward: true, grad_clip: 0}\n"
+        "batch: {global_batch: 4, micro_batch: 4}\n"
+    )
+    assert load_recipe_text(in_backward).recipe.zero_stage == 0

@@ -134,17 +134,17 @@ def test_dry_run_prints_each_command_and_runs_nothing(capsys, tmp_path):
     assert len(commands) == 2 and "--baseline hf,hf-liger" in commands[0]
     assert ":: batch.micro_batch=auto" in commands[0]
     assert not list(tmp_path.iterdir())
-    assert bench.main(["levers", "--dry-run", "--only", "7b-lora-zero0"]) == 0
+    assert bench.main(["levers", "--dry-run", "--only", "7b-lora-zero2"]) == 0
     [command] = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
-    assert command.count("--case") == 1 and "offload.zero_stage=0" in command
+    assert command.count("--case") == 1 and "offload.zero_stage=2" in command
 
 
 def test_an_unknown_suite_or_case_is_a_message_and_exit_2(capsys):
     assert bench.main(["no-such-suite", "--dry-run"]) == 2
     assert "no suite no-such-suite; the suites are lora-vs-hf" in capsys.readouterr().err
-    assert bench.main(["levers", "--only", "7b-lora,7b-lora-zero1"]) == 2
+    assert bench.main(["levers", "--only", "7b-lora,7b-lora-zero3"]) == 2
     err = capsys.readouterr().err
-    assert "suite levers has no case 7b-lora-zero1" in err and "7b-lora-zero0" in err
+    assert "suite levers has no case 7b-lora-zero3" in err and "7b-lora-zero2" in err
 
 
 def test_a_bad_suites_file_says_where_and_exits_2(tmp_path, capsys):

@@ -88,6 +88,50 @@ def test_checkpointing_under_zero_matches_no_checkpointing(stage):
         assert torch.allclose(losses, runs["none"], rtol=0, atol=1e-5), (stage, name, losses - runs["none"])
 
 
+def accumulated_run(stage: int, compute: str, batches) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Losses of the micro-batches, 4 accumulated a step, and each weight's change over the steps."""
+    config = {"zero_optimization": {"stage": stage}, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0}
+    if compute == "bf16":
+        config["bf16"] = {"enabled": True}
+    model = tiny_llama()
+    start = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    eng = engine(model, Precision(compute=compute, loss_chunk_tokens=16), config)
+    losses = []
+    for ids in batches:
+        loss_sum, n_tokens = eng(input_ids=ids, labels=ids)
+        eng.backward(loss_sum / n_tokens)
+        eng.step()
+        losses.append((loss_sum / n_tokens).item())
+    assert eng.global_steps == len(batches) // 4
+    moved = {name: p.detach().float() - start[name] for name, p in model.named_parameters()}
+    return torch.tensor(losses, dtype=torch.float64), moved
+
+
+@pytest.mark.parametrize("compute", ["fp32", "bf16"])
+def test_zero1_trains_as_zero2_does_over_accumulated_micro_batches(compute):
+    """ZeRO-1, what `offload.zero_stage: auto` gives one GPU holding everything, reduces the gradients once a step
+    where ZeRO-2 reduces at every micro-batch: the same optimizer steps, so the same losses and weights."""
+    batches = shakespeare_batches(8)
+    losses_1, moved_1 = accumulated_run(1, compute, batches)
+    losses_2, moved_2 = accumulated_run(2, compute, batches)
+    assert torch.equal(losses_1, losses_2), losses_1 - losses_2
+    assert losses_1[4:].mean() < losses_1[:4].mean()  # the first step trained
+    assert all(torch.equal(moved_1[name], moved_2[name]) for name in moved_1)
+
+
+def test_stage_0_bf16_takes_shorter_adam_steps_than_zero():
+    """Why recipes refuse offload.zero_stage=0 with bf16 weights (memtrain.recipe.rules): DeepSpeed's stage-0 bf16
+    optimizer (FP16_UnfusedOptimizer) moves the weights about 0.75x as far as ZeRO-1 on the same micro-batches. Adam's
+    first steps are about lr long whatever the gradients' scale, as ZeRO-1's are."""
+    batches = shakespeare_batches(4)  # one step
+    _, moved_0 = accumulated_run(0, "bf16", batches)
+    _, moved_1 = accumulated_run(1, "bf16", batches)
+    matrices = [name for name in moved_1 if name.endswith("proj.weight")]
+    ratio = sum(moved_0[n].abs().mean() for n in matrices) / sum(moved_1[n].abs().mean() for n in matrices)
+    assert 0.6 < ratio < 0.9, ratio
+    assert 0.9e-3 < sum(moved_1[n].abs().mean() for n in matrices) / len(matrices) < 1.1e-3  # lr 1e-3
+
+
 @pytest.mark.skipif(not cpu_fp16_supported(), reason="DeepSpeed's CPU accelerator has no fp16 on this CPU")
 @pytest.mark.parametrize("hysteresis", [1, 2])
 def test_fp16_overflow_lowers_the_scale_and_skips_the_step(hysteresis):

@@ -10,7 +10,7 @@ import pytest
 from memtrain.data.rows.identity import data_files, data_fingerprint
 from memtrain.errors import UserError
 from memtrain.recipe.schema import Recipe
-from memtrain.train.resolve import RUN_FILE, ResolvedRun, RunOptions
+from memtrain.train.resolve import RUN_FILE, ResolvedRun, RunOptions, with_zero_stage
 from memtrain.train.setup import build_data
 from memtrain.train.state.checkpoint import STATE_FILE, checkpoint_root
 from memtrain.train.state.resume import (
@@ -65,7 +65,7 @@ def resolved(recipe: Recipe) -> ResolvedRun:
     data = build_data(recipe)
     return ResolvedRun(
         name="run",
-        recipe=recipe,
+        recipe=with_zero_stage(recipe),
         run_dir=Path(recipe.train.output_dir),
         recipe_micro_batch=4,
         micro_batch=4,
@@ -96,6 +96,38 @@ def test_the_same_data_built_again_has_the_same_fingerprint_and_resumes_without_
     trained(resolved(chat_recipe(tmp_path)))
     plan = check_resume(resolved(chat_recipe(tmp_path)), RunOptions())
     assert plan is not None and plan.step == 3 and plan.notes == ()
+
+
+def test_the_run_records_the_zero_stage_it_runs_with_not_auto(tmp_path):
+    run = resolved(chat_recipe(tmp_path))
+    assert run.recipe.offload.zero_stage == 1  # one GPU holding everything
+    trained(run)
+    recorded = json.loads(next(checkpoint_root(run.run_dir).iterdir()).joinpath(STATE_FILE).read_text())["recipe"]
+    assert recorded["offload"]["zero_stage"] == 1
+
+
+def older_auto_checkpoint(run: ResolvedRun) -> None:
+    """A checkpoint as a memtrain that recorded `offload.zero_stage: auto` wrote it: auto meant ZeRO-2 on one GPU."""
+    trained(run)
+    state = next(checkpoint_root(run.run_dir).iterdir()) / STATE_FILE
+    record = json.loads(state.read_text())
+    record["recipe"]["offload"]["zero_stage"] = "auto"
+    state.write_text(json.dumps(record))
+
+
+def test_a_checkpoint_recorded_with_auto_was_zero2_and_is_not_resumed_at_zero1(tmp_path):
+    older_auto_checkpoint(resolved(chat_recipe(tmp_path)))
+    said = refusal(resolved(chat_recipe(tmp_path)))
+    assert "offload.zero_stage: changed since the checkpoint: offload.zero_stage 2 → 1" in said
+    assert "written by ZeRO stage 2: set offload.zero_stage=2 to resume it" in said
+
+
+def test_the_way_back_resumes_it(tmp_path):
+    older_auto_checkpoint(resolved(chat_recipe(tmp_path)))
+    recipe = chat_recipe(tmp_path)
+    at_zero2 = recipe.model_copy(update={"offload": recipe.offload.model_copy(update={"zero_stage": 2})})
+    plan = check_resume(resolved(at_zero2), RunOptions())
+    assert plan is not None and plan.step == 3 and plan.applied == ()
 
 
 def test_one_changed_record_of_the_training_file_is_refused_at_data_train(tmp_path):
