@@ -149,7 +149,7 @@ def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
                 ("offload", "zero_stage"),
                 "ZeRO stage 0 with bf16 weights trains differently: DeepSpeed's stage-0 bf16 optimizer took Adam "
                 "steps 0.75x as long as ZeRO's on the same gradients",
-                "set offload.zero_stage=auto (ZeRO-1 on one GPU: no partitioning, gradients reduced once a step)",
+                "set offload.zero_stage=auto (ZeRO-1 for LoRA on one GPU, else ZeRO-2), or precision.compute=fp32",
             )
         )
     if o.params != "none" and o.zero_stage not in ("auto", 3):

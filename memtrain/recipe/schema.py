@@ -667,9 +667,10 @@ class Offload(Section):
     zero_stage: Literal["auto", 0, 1, 2, 3] = Field(
         "auto",
         description="ZeRO stage; auto: 3 when parameters are offloaded or the optimizer states go to NVMe "
-        "(only ZeRO-3 swaps them to disk); 1 on one GPU that holds everything (one rank has nothing to partition, and "
-        "ZeRO-1 reduces gradients once a step where ZeRO-2's hooks reduce at every micro-batch); else 2. 0 only with "
-        "optimizer.step_in_backward, or compute fp32: DeepSpeed's stage-0 bf16 optimizer took shorter Adam steps.",
+        "(only ZeRO-3 swaps them to disk); 1 for LoRA on one GPU that holds everything (one rank has nothing to "
+        "partition, and ZeRO-1 reduces the adapters' gradients once a step where ZeRO-2's hooks reduce them at every "
+        "micro-batch); else 2. 0 only with optimizer.step_in_backward or fp32 weights: DeepSpeed's stage-0 bf16 "
+        "optimizer took shorter Adam steps.",
     )
     optimizer: Tier = Field("none", description="Where optimizer states (fp32 master + Adam moments) live.")
     params: Tier = Field("none", description="Where parameters live between uses (needs ZeRO-3).")
@@ -968,18 +969,20 @@ class Recipe(Section):
         """The ZeRO stage this runs with: offload.zero_stage, or for 'auto'
         - 3 when parameters are offloaded or the optimizer states go to NVMe: DeepSpeed's ZeRO-1/2 optimizer has no
           NVMe swapper and keeps states offloaded to any device in host memory (stage_1_and_2.py, 0.19.8);
-        - 1 on one process with everything on its GPU: a single rank has nothing to partition, and ZeRO-1 reduces the
-          gradients once a step at the accumulation boundary, where ZeRO-2's per-parameter hooks reduce at every
-          micro-batch (7B LoRA at 16 micro-batches of 1 x 1024 tokens: docs/BENCHMARKS.md, "ZeRO's hooks"). The same
-          optimizer as ZeRO-2 with the same numbers (tests/train/test_deepspeed_engine.py). Not 0: DeepSpeed's stage-0
-          bf16 optimizer took Adam steps 0.75x as long as ZeRO's on the same gradients (same test file);
+        - 1 for LoRA on one process with everything on its GPU: a single rank has nothing to partition, and ZeRO-1
+          reduces the gradients once a step at the accumulation boundary, where ZeRO-2's per-parameter hooks reduce
+          them at every micro-batch (7B LoRA at 16 micro-batches of 1 x 1024 tokens: docs/BENCHMARKS.md, "ZeRO's
+          hooks"). The same optimizer as ZeRO-2 with the same numbers (tests/train/test_deepspeed_engine.py). Not for a
+          full fine-tune: ZeRO-1 keeps the accumulated gradients in the parameters and copies them into its partition
+          at the boundary, a second copy of every gradient that the adapters' few do not make count. Not 0: DeepSpeed's
+          stage-0 bf16 optimizer took Adam steps 0.75x as long as ZeRO's on the same gradients (same test file);
         - else 2."""
         o = self.offload
         if o.zero_stage != "auto":
             return int(o.zero_stage)
         if o.params != "none" or o.optimizer == "nvme":
             return 3
-        if self.hardware.world_size == 1 and o.optimizer == "none":
+        if self.model.lora is not None and self.hardware.world_size == 1 and o.optimizer == "none":
             return 1
         return 2
 

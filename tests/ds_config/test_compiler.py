@@ -67,11 +67,14 @@ def recipe_with(extra: str = "", overrides: list[str] | None = None):
 
 
 def test_stage_follows_offload_tiers_and_gpus():
-    # one GPU that holds everything: nothing to partition, gradients reduced once a step (not at every micro-batch)
-    assert recipe_with().zero_stage == 1
-    assert recipe_with(overrides=["precision.master=bf16"]).zero_stage == 1
-    assert recipe_with(overrides=["hardware.gpus=2", "batch.global_batch=8"]).zero_stage == 2
-    assert recipe_with(overrides=["hardware.nodes=2", "batch.global_batch=8"]).zero_stage == 2
+    assert recipe_with().zero_stage == 2
+    # LoRA on one GPU that holds everything: nothing to partition, gradients reduced once a step, not per micro-batch
+    lora = ["model.lora.r=4"]
+    assert recipe_with(overrides=lora).zero_stage == 1
+    assert recipe_with(overrides=lora + ["precision.master=bf16"]).zero_stage == 1
+    assert recipe_with(overrides=lora + ["hardware.gpus=2", "batch.global_batch=8"]).zero_stage == 2
+    assert recipe_with(overrides=lora + ["hardware.nodes=2", "batch.global_batch=8"]).zero_stage == 2
+    assert recipe_with(overrides=lora + ["offload.optimizer=cpu"]).zero_stage == 2
     assert recipe_with(overrides=["offload.optimizer=cpu"]).zero_stage == 2
     assert recipe_with(overrides=["offload.optimizer=cpu", "offload.params=cpu"]).zero_stage == 3
     assert recipe_with(overrides=["offload.zero_stage=0", "precision.compute=fp32"]).zero_stage == 0

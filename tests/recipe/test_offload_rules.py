@@ -90,8 +90,10 @@ def test_stage_zero_with_bf16_weights_is_refused_at_its_line_with_the_stage_auto
     [problem] = refused.value.problems
     assert (problem.key, problem.file, problem.line) == ("offload.zero_stage", "r.yaml", 5)
     assert "DeepSpeed's stage-0 bf16 optimizer took Adam steps 0.75x as long" in problem.message
-    assert problem.hint.startswith("set offload.zero_stage=auto (ZeRO-1 on one GPU")
-    assert load_recipe_text(ONE_GPU.replace("  zero_stage: 0", "  zero_stage: auto")).recipe.zero_stage == 1
+    assert problem.hint.startswith("set offload.zero_stage=auto (ZeRO-1 for LoRA on one GPU")
+    auto = ONE_GPU.replace("  zero_stage: 0", "  zero_stage: auto")
+    assert load_recipe_text(auto, overrides=["model.lora.r=4"]).recipe.zero_stage == 1
+    assert load_recipe_text(auto).recipe.zero_stage == 2  # a full fine-tune
 
 
 def test_stage_zero_stays_for_fp32_weights_and_for_the_update_in_backward():

@@ -9,7 +9,7 @@ import pytest
 
 from memtrain.data.rows.identity import data_files, data_fingerprint
 from memtrain.errors import UserError
-from memtrain.recipe.schema import Recipe
+from memtrain.recipe.schema import Lora, Recipe
 from memtrain.train.resolve import RUN_FILE, ResolvedRun, RunOptions, with_zero_stage
 from memtrain.train.setup import build_data
 from memtrain.train.state.checkpoint import STATE_FILE, checkpoint_root
@@ -98,8 +98,15 @@ def test_the_same_data_built_again_has_the_same_fingerprint_and_resumes_without_
     assert plan is not None and plan.step == 3 and plan.notes == ()
 
 
+def lora_recipe(tmp_path: Path) -> Recipe:
+    """chat_recipe with LoRA adapters: `offload.zero_stage: auto` gives it ZeRO-1 on one GPU."""
+    recipe = chat_recipe(tmp_path)
+    lora = Lora(r=4, modules_to_save=["embed_tokens", "lm_head"])  # the chat markers are new tokens
+    return recipe.model_copy(update={"model": recipe.model.model_copy(update={"lora": lora})})
+
+
 def test_the_run_records_the_zero_stage_it_runs_with_not_auto(tmp_path):
-    run = resolved(chat_recipe(tmp_path))
+    run = resolved(lora_recipe(tmp_path))
     assert run.recipe.offload.zero_stage == 1  # one GPU holding everything
     trained(run)
     recorded = json.loads(next(checkpoint_root(run.run_dir).iterdir()).joinpath(STATE_FILE).read_text())["recipe"]
@@ -116,18 +123,22 @@ def older_auto_checkpoint(run: ResolvedRun) -> None:
 
 
 def test_a_checkpoint_recorded_with_auto_was_zero2_and_is_not_resumed_at_zero1(tmp_path):
-    older_auto_checkpoint(resolved(chat_recipe(tmp_path)))
-    said = refusal(resolved(chat_recipe(tmp_path)))
+    older_auto_checkpoint(resolved(lora_recipe(tmp_path)))
+    said = refusal(resolved(lora_recipe(tmp_path)))
     assert "offload.zero_stage: changed since the checkpoint: offload.zero_stage 2 → 1" in said
     assert "written by ZeRO stage 2: set offload.zero_stage=2 to resume it" in said
 
 
-def test_the_way_back_resumes_it(tmp_path):
-    older_auto_checkpoint(resolved(chat_recipe(tmp_path)))
-    recipe = chat_recipe(tmp_path)
+def test_the_way_back_resumes_it_and_a_full_fine_tune_recorded_with_auto_resumes_as_it_was(tmp_path):
+    older_auto_checkpoint(resolved(lora_recipe(tmp_path)))
+    recipe = lora_recipe(tmp_path)
     at_zero2 = recipe.model_copy(update={"offload": recipe.offload.model_copy(update={"zero_stage": 2})})
     plan = check_resume(resolved(at_zero2), RunOptions())
     assert plan is not None and plan.step == 3 and plan.applied == ()
+    (tmp_path / "full").mkdir()
+    full = chat_recipe(tmp_path / "full")  # auto still gives a full fine-tune ZeRO-2
+    older_auto_checkpoint(resolved(full))
+    assert check_resume(resolved(full), RunOptions()).applied == ()
 
 
 def test_one_changed_record_of_the_training_file_is_refused_at_data_train(tmp_path):
