@@ -136,9 +136,9 @@ def _check_bf16_support(loaded: LoadedRecipe) -> list[Problem]:
 
 @reads("offload", "precision", "optimizer")
 def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
-    o, src = loaded.recipe.offload, loaded.sources
+    r, src = loaded.recipe, loaded.sources
+    o = r.offload
     problems = []
-    r = loaded.recipe
     # (stage 0 with states offloaded is refused below, with the stage that offload needs)
     bf16_stage0 = o.zero_stage == 0 and o.optimizer == o.params == "none" and r.precision.storage == "bf16"
     if bf16_stage0 and not r.optimizer.step_in_backward:  # in backward, memtrain's hooks update the bf16 weights
@@ -171,7 +171,7 @@ def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
                 "set offload.zero_stage=auto",
             )
         )
-    if o.optimizer == "nvme" and loaded.recipe.precision.master == "bf16":
+    if o.optimizer == "nvme" and r.precision.master == "bf16":
         # DeepSpeed 0.19's optimizer swapper sizes its pinned buffers in the master dtype but swaps fp32 tensors
         # through them: the first optimizer step stops on an assertion
         problems.append(
@@ -199,7 +199,7 @@ def _check_offload(loaded: LoadedRecipe) -> list[Problem]:
                     "remove offload.ratio or set offload.optimizer=cpu",
                 )
             )
-        elif loaded.recipe.zero_stage != 3:
+        elif r.zero_stage != 3:
             problems.append(
                 src.problem(
                     ("offload", "ratio"),

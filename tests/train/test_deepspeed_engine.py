@@ -96,12 +96,7 @@ def accumulated_run(stage: int, compute: str, batches) -> tuple[torch.Tensor, di
     model = tiny_llama()
     start = {name: p.detach().float().clone() for name, p in model.named_parameters()}
     eng = engine(model, Precision(compute=compute, loss_chunk_tokens=16), config)
-    losses = []
-    for ids in batches:
-        loss_sum, n_tokens = eng(input_ids=ids, labels=ids)
-        eng.backward(loss_sum / n_tokens)
-        eng.step()
-        losses.append((loss_sum / n_tokens).item())
+    losses = [step(eng, ids) for ids in batches]
     assert eng.global_steps == len(batches) // 4
     moved = {name: p.detach().float() - start[name] for name, p in model.named_parameters()}
     return torch.tensor(losses, dtype=torch.float64), moved
