@@ -23,7 +23,7 @@ from memtrain.model.attention import packs_steps, resolve_attention, with_attent
 from memtrain.model.compiled import resolve_compile
 from memtrain.plan.advice import Advice, advise
 from memtrain.plan.attention_backward import ASSUMED_SAMPLE_TOKENS
-from memtrain.plan.planner import TERMS, Plan, plan_recipe, recompute_before_micro_batches, resolve_micro_batch
+from memtrain.plan.planner import TERMS, Plan, plan_recipe, resolve_micro_batch
 from memtrain.recipe.load import apply_overrides, input_paths, is_relative_path
 from memtrain.recipe.schema import gpu_spec
 from memtrain.recipe.sources import COMMAND_LINE, LoadedRecipe, Sources
@@ -230,24 +230,18 @@ def larger_micro_batch(
 def fewer_recomputed_layers(
     loaded: LoadedRecipe, plan: Plan, *, gpu: str | None, exact_pinned: bool, densest_row_samples: int | None = None
 ) -> Plan | None:
-    """The plan of checkpointing.strategy=auto, when it recomputes fewer decoder layers than the recipe's whole-layer
-    strategy and still fits (docs/BENCHMARKS.md: 7B LoRA 25 of 32 layers instead of 32: 1.12x HF + DeepSpeed, where
-    every layer gave 0.98x in an earlier invocation): at this micro-batch, or where a micro-batch more costs little
-    (planner.recompute_before_micro_batches), at the one batch.micro_batch auto would take with it (7B LoRA: 1 x 1024
-    with nothing recomputed, 1.14x the recipe's 4 x 1024 with every layer)."""
-    r = loaded.recipe
-    if not plan.fits or plan.tight or r.checkpointing.strategy not in ("every_layer", "every_n_layers"):
+    """The plan of checkpointing.strategy=auto at this micro-batch, when it recomputes fewer decoder
+    layers than the recipe's whole-layer strategy and still fits (docs/BENCHMARKS.md: 7B LoRA 25 of 32
+    layers instead of 32: 1.12x HF + DeepSpeed, where every layer gave 0.98x in an earlier invocation)."""
+    if not plan.fits or plan.tight or loaded.recipe.checkpointing.strategy not in ("every_layer", "every_n_layers"):
         return None
-    auto = r.model_copy(update={"checkpointing": r.checkpointing.model_copy(update={"strategy": "auto"})})
-    micro_batch = plan.micro_batch
-    if recompute_before_micro_batches(auto):
-        both = auto.model_copy(update={"batch": auto.batch.model_copy(update={"micro_batch": "auto"})})
-        micro_batch = resolve_micro_batch(both, gpu, exact_pinned, densest_row_samples)
+    checkpointing = loaded.recipe.checkpointing.model_copy(update={"strategy": "auto"})
+    auto = dataclasses.replace(loaded, recipe=loaded.recipe.model_copy(update={"checkpointing": checkpointing}))
     fewer = located_plan(
-        dataclasses.replace(loaded, recipe=auto),
+        auto,
         gpu=gpu,
         exact_pinned=exact_pinned,
-        micro_batch=micro_batch,
+        micro_batch=plan.micro_batch,
         densest_row_samples=densest_row_samples,
     )
     return fewer if fewer.fits and fewer.recomputed_layers < plan.recomputed_layers else None
@@ -426,7 +420,6 @@ def plan_command(
                     "fitted_recipe": str(written) if written else None,
                     "larger_micro_batch": faster.micro_batch if faster else None,
                     "fewer_recomputed_layers": recompute_less.recomputed_layers if recompute_less else None,
-                    "fewer_recomputed_layers_micro_batch": recompute_less.micro_batch if recompute_less else None,
                     "compile_layers": offer_compile,
                 }
             )
@@ -448,17 +441,10 @@ def plan_command(
             "micro-batches per step) — or batch.micro_batch=auto"
         )
     if recompute_less is not None:
-        other_size = recompute_less.micro_batch != plan.micro_batch
-        where = (
-            f"at micro-batch {recompute_less.micro_batch}: on ZeRO-{recompute_less.zero_stage} a micro-batch more "
-            "costs less than a recomputed layer"
-            if other_size
-            else "at this micro-batch"
-        )
         console.print(
-            f"faster: {f'batch.micro_batch={recompute_less.micro_batch} ' if other_size else ''}"
-            f"checkpointing.strategy=auto recomputes {recompute_less.recomputed_layers} decoder layers "
-            f"instead of {plan.recomputed_layers} ({gib(recompute_less.peak_reserved_bytes):.2f} GiB reserved {where})"
+            f"faster: checkpointing.strategy=auto recomputes {recompute_less.recomputed_layers} decoder layers "
+            f"instead of {plan.recomputed_layers} ({gib(recompute_less.peak_reserved_bytes):.2f} GiB reserved "
+            "at this micro-batch)"
         )
     if offer_compile:
         console.print(

@@ -856,49 +856,18 @@ def resolve_micro_batch(
     recipe: Recipe, gpu: str | None = None, exact_pinned: bool = True, densest_row_samples: int | None = None
 ) -> int:
     """The largest micro-batch dividing global_batch // world_size that fits the card (1 when none does),
-    at the largest allocator slack measured for such runs (a tight fit is not taken). With checkpointing auto
-    where a micro-batch more costs little (recompute_before_micro_batches), the largest of those that recompute
-    the least.
+    at the largest allocator slack measured for such runs (a tight fit is not taken).
 
-    Memory grows with the micro-batch, and so does what checkpointing auto recomputes, so the search stops at the
-    first size that misses, or that recomputes more than the last.
+    Memory grows with the micro-batch, so the search stops at the first size that misses.
     """
     if recipe.optimizer.step_in_backward:  # every micro-batch is an optimizer step: the whole batch, the only size
         return recipe.batch.global_batch // recipe.hardware.world_size
-    fewest_recomputed = recompute_before_micro_batches(recipe)
-    best, best_cost = 1, None
+    best = 1
     for candidate in micro_batch_candidates(recipe):
         plan = plan_recipe(
             recipe, gpu, micro_batch=candidate, exact_pinned=exact_pinned, densest_row_samples=densest_row_samples
         )
         if not plan.fits or plan.tight:
             break
-        cost = recompute_cost(plan)
-        if fewest_recomputed and best_cost is not None and cost > best_cost:
-            break
-        best, best_cost = candidate, cost
+        best = candidate
     return best
-
-
-def recompute_before_micro_batches(recipe: Recipe) -> bool:
-    """Whether `batch.micro_batch: auto` weighs recomputation before the number of micro-batches: with checkpointing
-    auto, on ZeRO-0 or 1 with everything on the GPU and unquantised weights. There a micro-batch more costs its
-    kernel launches, and a recomputed layer its forward again: the 7B LoRA recipe made 12,266 tokens/s at 16
-    micro-batches of 1 x 1024 with nothing recomputed, against 10,788 at 4 of 4 x 1024 with every layer recomputed
-    (docs/BENCHMARKS.md, 7B LoRA). Elsewhere each micro-batch costs more, so the fewest stay the aim: ZeRO-2 reduces
-    the gradients in hooks at every micro-batch (8,353 tokens/s at 16 there), an offloaded optimizer takes them
-    through the host, and quantised weights are dequantised for every micro-batch's forward and backward."""
-    o = recipe.offload
-    return (
-        recipe.checkpointing.strategy == "auto"
-        and recipe.zero_stage <= 1
-        and o.optimizer == "none"
-        and o.params == "none"
-        and not recipe.model.quant_type
-    )
-
-
-def recompute_cost(plan: Plan) -> tuple[int, bool, bool]:
-    """What a plan's checkpointing adds to a step, to compare micro-batches by: the layers recomputed, then their
-    inputs' trips through the host, then the MLP's tiles (one more MLP forward a layer)."""
-    return plan.recomputed_layers, plan.inputs_on_host, plan.mlp_tiles != 0

@@ -736,9 +736,7 @@ class Batch(Section):
         "auto",
         description="Samples per forward pass per GPU, or 'auto': the planner's largest size that divides "
         "the per-GPU share of global_batch and fits the card with its measured margin (fewer micro-batches per step; "
-        "with an offloaded optimizer each one costs a gradient round trip through the host). With "
-        "checkpointing.strategy auto on ZeRO-0/1, nothing offloaded and unquantised weights, the largest of the sizes "
-        "that recompute the fewest layers: there a recomputed layer costs more than a micro-batch more.",
+        "with an offloaded optimizer each one costs a gradient round trip through the host).",
     )
     policy: Literal["fixed", "adaptive"] = Field(
         "fixed", description="adaptive: grow/shrink micro_batch with memory, global batch fixed."

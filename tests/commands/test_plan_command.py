@@ -216,19 +216,6 @@ train: {steps: 10}
     )
 
 
-def test_lora_on_zero1_is_offered_the_micro_batch_that_recomputes_nothing():
-    """The 7B LoRA recipe (ZeRO-1, every layer recomputed at 4 x 1024) is offered 1 x 1024 with nothing recomputed,
-    what batch.micro_batch and checkpointing.strategy auto take together; on ZeRO-2 the offer keeps the micro-batch."""
-    recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "llama2-7b-lora-24gb.yaml")
-    runner = CliRunner()
-    zero1 = json.loads(runner.invoke(app, ["plan", recipe, "--json"]).output)
-    assert (zero1["fewer_recomputed_layers"], zero1["fewer_recomputed_layers_micro_batch"]) == (0, 1)
-    zero2 = json.loads(runner.invoke(app, ["plan", recipe, "offload.zero_stage=2", "--json"]).output)
-    assert zero2["fewer_recomputed_layers_micro_batch"] == 4 and 0 < zero2["fewer_recomputed_layers"] < 32
-    table = runner.invoke(app, ["plan", recipe]).output
-    assert "batch.micro_batch=1 checkpointing.strategy=auto recomputes 0 decoder layers" in " ".join(table.split())
-
-
 def test_the_plan_says_what_checkpointing_auto_resolved_to(tmp_path):
     from typer.testing import CliRunner
 

@@ -14,9 +14,9 @@ from memtrain.plan.model_states import place_model_states
 from memtrain.plan.params import count_parameters
 from memtrain.plan.planner import plan_recipe, resolve_micro_batch
 from memtrain.plan.zero import bucket_elements, overlaps_comm
-from memtrain.recipe.load import load_recipe, load_recipe_text
+from memtrain.recipe.load import load_recipe_text
 from memtrain.recipe.schema import Lora, Model
-from tests.conftest import ROOT, saved_for_backward_bytes
+from tests.conftest import saved_for_backward_bytes
 
 GiB = 1024**3
 
@@ -439,27 +439,3 @@ def test_a_layer_trace_does_not_depend_on_what_was_traced_before():
     # of the eye graph's weight-sized tensors
     out_features = 4 * 4096 + 2 * 11008 + 4096  # q, k, v, o; gate, up; down
     assert fresh - lora == 2 * (4 * 1024 * out_features * 2) + out_features * (4 + 2)
-
-
-@pytest.mark.parametrize(
-    ("overrides", "why"),
-    [
-        ([], "ZeRO-1, nothing offloaded: recompute first"),
-        (["offload.zero_stage=2"], "ZeRO-2 reduces in hooks at every micro-batch"),
-        (["offload.optimizer=cpu"], "an offloaded optimizer takes the gradients through the host"),
-    ],
-)
-def test_auto_micro_batch_with_auto_checkpointing_recomputes_least_where_micro_batches_cost_little(overrides, why):
-    """7B LoRA with both auto: on ZeRO-1 with everything on the GPU the micro-batch that recomputes nothing (one row
-    here), the largest of those; where each micro-batch costs a gradient trip, the largest that fits, recomputing
-    more."""
-    loaded = load_recipe(
-        ROOT / "recipes" / "llama2-7b-lora-24gb.yaml",
-        ["batch.micro_batch=auto", "checkpointing.strategy=auto", *overrides],
-    )
-    chosen = resolve_micro_batch(loaded.recipe)
-    plans = {m: plan_recipe(loaded.recipe, micro_batch=m) for m in (1, 2, 16)}
-    assert all(p.fits and not p.tight for p in plans.values())
-    assert plans[1].recomputed_layers == 0 < plans[2].recomputed_layers < plans[16].recomputed_layers
-    assert chosen == (1 if not overrides else 16), why
-    assert plan_recipe(loaded.recipe).recomputed_layers == plans[chosen].recomputed_layers
