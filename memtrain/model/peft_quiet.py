@@ -1,8 +1,9 @@
 """PEFT's calls without transformers' warning about them.
 
-PEFT reads `model.is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning at each read, so
-every LoRA run, `plan` of a LoRA recipe, `eval` and `export --merge` printed a warning about two libraries' versions
-that a user cannot act on. It is silenced around PEFT's calls, and nothing else is.
+PEFT before 0.22 reads `model.is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning at each
+read, so every LoRA run, `plan` of a LoRA recipe, `eval` and `export --merge` printed a warning about two libraries'
+versions that a user cannot act on (PEFT 0.22 reads it quietly itself). It is silenced around PEFT's calls, and
+nothing else is.
 """
 
 from __future__ import annotations
