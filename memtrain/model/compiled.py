@@ -21,15 +21,25 @@ CUDA GPU. A quantised base cannot be compiled (memtrain.recipe.rules.compile_uns
 layers are built without Liger's layer kernels (the same run with them: 8,021 tokens/s — dynamo cannot
 trace their Triton launches and splits the layer around them), so `model.kernels: auto` then keeps only
 Liger's fused loss (memtrain.model.kernels.resolve_kernels).
+
+`train.cuda_graphs` replays each compiled layer as a CUDA graph (PyTorch's CUDA graph trees, torch.compile's
+reduce-overhead mode). A compiled Llama-2-7B LoRA layer still launches some dozens of kernels and matmuls from Python;
+at one 1,024-token row a micro-batch and nothing recomputed, that launch work outran the GPU (docs/BENCHMARKS.md,
+"7B LoRA"). A replay is one launch. Graphs replay fixed shapes at fixed addresses, so they serve only micro-batches of
+one width with nothing recomputed (memtrain.recipe.rules.cuda_graphs_unsupported), and the step keeps two promises to
+the graph trees before each micro-batch (`ready_for_replay`): every trainable parameter already has its gradient
+buffer, so backward adds the graph's gradient into it rather than keeping the graph's own output (which the next
+replay overwrites), and a new micro-batch is announced, so the last one's outputs may be reused.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from memtrain.model.config import model_architecture
 from memtrain.model.layers import decoder_layer_names, hf_model
-from memtrain.recipe.rules import compile_unsupported
+from memtrain.recipe.rules import compile_unsupported, cuda_graphs_unsupported
 from memtrain.recipe.schema import Recipe
 
 # model_type of the families whose compiled layers were measured on the GPU (benchmarks/vs_hf.csv)
@@ -53,21 +63,47 @@ def resolve_compile(recipe: Recipe, cuda: bool) -> bool:
     )
 
 
-def compile_layers(model: nn.Module) -> int:
+def resolve_cuda_graphs(recipe: Recipe, cuda: bool) -> bool:
+    """`train.cuda_graphs` made concrete for a recipe whose train.compile and checkpointing are resolved. `false`
+    stands; `true` and `auto` replay graphs on a CUDA GPU with compiled layers where nothing rules them out (`true`
+    where something does was refused by the recipe checks)."""
+    if recipe.train.cuda_graphs is False or not cuda or recipe.train.compile is not True:
+        return False
+    return cuda_graphs_unsupported(recipe) is None
+
+
+# Graphs for fixed shapes only: a layer that meets a new shape (generation's growing cache, an evaluation's last
+# short batch) recompiles with dynamic shapes, and that graph runs without replay instead of recording one per length.
+CUDA_GRAPH_OPTIONS = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
+
+
+def ready_for_replay(trainable: list[nn.Parameter]) -> None:
+    """Before a micro-batch's forward when the layers replay CUDA graphs: a zero gradient buffer for every trainable
+    parameter without one (after the optimizer step cleared them), and the graph trees told that a new micro-batch
+    starts, so they may overwrite the last one's outputs."""
+    for parameter in trainable:
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+    torch.compiler.cudagraph_mark_step_begin()
+
+
+def compile_layers(model: nn.Module, cuda_graphs: bool = False) -> int:
     """Compile every decoder layer's forward in place; returns how many were compiled. Call before
     memtrain.model.recompute.apply_checkpointing, so that the checkpoint wraps the compiled forward.
 
     A layer the compiler fails on runs eager, with PyTorch's warning saying why (dynamo's suppress_errors, set for
     the process: compilation is the default now, and a model, PyTorch or driver it was not measured on should cost
-    speed, not the run). The QLoRA failure measured on the GPU is refused before anything is built instead."""
+    speed, not the run). The QLoRA failure measured on the GPU is refused before anything is built instead.
+    cuda_graphs: replay each layer as a CUDA graph (train.cuda_graphs resolved)."""
     import torch._dynamo  # noqa: PLC0415 — heavy; only runs that compile their layers need it
 
     torch._dynamo.config.suppress_errors = True
+    options = CUDA_GRAPH_OPTIONS if cuda_graphs else None
     modules = dict(hf_model(model).named_modules())
     names = decoder_layer_names(model)
     for name in names:
         layer = modules[name]
         if hasattr(layer.forward, "checkpoint_action"):
             raise ValueError(f"{name} is already wrapped for checkpointing: compile the layers before that")
-        layer.forward = torch.compile(layer.forward)
+        layer.forward = torch.compile(layer.forward, options=options)
     return len(names)

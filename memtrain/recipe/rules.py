@@ -477,6 +477,39 @@ def _check_compile(loaded: LoadedRecipe) -> list[Problem]:
     return [loaded.sources.problem(("train", "compile"), *unsupported)] if unsupported else []
 
 
+def cuda_graphs_unsupported(r) -> tuple[str, str] | None:
+    """(what is wrong, what to do) when this recipe's compiled layers cannot replay CUDA graphs (train.cuda_graphs),
+    else None. A graph replays fixed shapes and addresses: every micro-batch must have one width, no layer may be
+    recomputed (a checkpoint reruns the layer in backward, outside the recorded order), and the layers must be
+    compiled."""
+    if r.train.compile is False:
+        return (
+            "train.cuda_graphs replays the compiled layers' kernels, and train.compile is false",
+            "set train.compile=auto (or true), or train.cuda_graphs=auto",
+        )
+    c = r.checkpointing
+    if c.strategy != "none" or c.offload_inputs or c.mlp_tiles != 0:
+        return (
+            "train.cuda_graphs works only with nothing recomputed (checkpointing.strategy: none): a checkpoint reruns "
+            "each layer inside backward, where its recorded graph cannot replay",
+            "set checkpointing.strategy=none, or train.cuda_graphs=auto",
+        )
+    if not r.data.is_text or r.data.groups_by_length:
+        return (
+            "train.cuda_graphs needs micro-batches of one width (plain text in seq_len windows): rows cut to their "
+            "longest sample or packed samples change shape from one micro-batch to the next, and each new shape "
+            "records another graph",
+            "set train.cuda_graphs=auto, or train on text with data.packing=true",
+        )
+    return None
+
+
+@reads("train", "checkpointing", "data")
+def _check_cuda_graphs(loaded: LoadedRecipe) -> list[Problem]:
+    unsupported = cuda_graphs_unsupported(loaded.recipe) if loaded.recipe.train.cuda_graphs is True else None
+    return [loaded.sources.problem(("train", "cuda_graphs"), *unsupported)] if unsupported else []
+
+
 @reads("checkpointing")
 def _check_checkpointing(loaded: LoadedRecipe) -> list[Problem]:
     c, src = loaded.recipe.checkpointing, loaded.sources

@@ -842,6 +842,14 @@ class Train(Section):
         "true: wherever allowed; false: never. A layer the compiler fails on runs eager (PyTorch's warning says "
         "why). `memtrain plan` prices compiled layers where the run on a GPU would compile them.",
     )
+    cuda_graphs: bool | Literal["auto"] = Field(
+        "auto",
+        description="Replay each compiled layer's kernels as a CUDA graph (torch.compile's reduce-overhead "
+        "mode): one launch instead of dozens, for steps that would otherwise wait on the host (many small "
+        "micro-batches). Needs compiled layers on a CUDA GPU, nothing recomputed (checkpointing.strategy: none) "
+        "and micro-batches of one width (text in seq_len windows). auto: on wherever those hold; true: the recipe "
+        "checks refuse it where they do not (a machine without CUDA runs the layers without graphs); false: never.",
+    )
     output_dir: str = Field(
         "runs/{name}", description="Run directory; {name} is the run name (the recipe's name, else its file's stem)."
     )

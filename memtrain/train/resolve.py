@@ -18,7 +18,7 @@ from memtrain.errors import Problem, UserError
 from memtrain.files import write_atomically
 from memtrain.hub import hub_repo, pinned_revision
 from memtrain.model.attention import resolve_attention, with_attention
-from memtrain.model.compiled import resolve_compile
+from memtrain.model.compiled import resolve_compile, resolve_cuda_graphs
 from memtrain.model.kernels import KernelSupport, resolve_kernels
 from memtrain.plan.planner import plan_recipe, resolve_checkpointing, resolve_micro_batch
 from memtrain.recipe.schema import Recipe
@@ -206,6 +206,7 @@ def resolve_run(
     resolved = resolve_checkpointing(
         recipe, micro_batch, exact_pinned=exact_pinned, densest_row_samples=densest_row_samples
     )
+    resolved = with_cuda_graphs(resolved, resolve_cuda_graphs(resolved, support.cuda))  # once nothing is left auto
     return ResolvedRun(
         name=name,
         recipe=resolved,
@@ -235,6 +236,13 @@ def with_compile(recipe: Recipe, compiled: bool) -> Recipe:
     if recipe.train.compile is compiled:
         return recipe
     return recipe.model_copy(update={"train": recipe.train.model_copy(update={"compile": compiled})})
+
+
+def with_cuda_graphs(recipe: Recipe, graphs: bool) -> Recipe:
+    """The recipe with train.cuda_graphs set (the same object when it already says so)."""
+    if recipe.train.cuda_graphs is graphs:
+        return recipe
+    return recipe.model_copy(update={"train": recipe.train.model_copy(update={"cuda_graphs": graphs})})
 
 
 def with_model_commit(recipe: Recipe) -> Recipe:

@@ -190,7 +190,8 @@ def build_policy_model(recipe: Recipe, place: Place, ds_config: dict, vocab_size
         recipe.model, recipe.precision.storage, place.device, ds_config, seed=recipe.train.seed, vocab_size=vocab_size
     )
     if recipe.train.compile is True:  # resolved (memtrain.train.resolve); an unresolved 'auto' builds eager layers
-        compile_layers(model)  # first: the checkpoint wraps the compiled layer, it is not traced inside it
+        # first: the checkpoint wraps the compiled layer, it is not traced inside it
+        compile_layers(model, cuda_graphs=recipe.train.cuda_graphs is True)
     apply_checkpointing(model, recipe.checkpointing)
     apply_mlp_tiles(model, recipe.checkpointing)
     apply_precision(model, recipe.precision)

@@ -78,6 +78,7 @@ def evaluate(
     def one(indices):
         nonlocal loss_sum, tokens
         batch = loader.get(indices)
+        torch.compiler.cudagraph_mark_step_begin()  # layers that replay CUDA graphs may reuse the last outputs' memory
         token_loss_sum, n_targets = engine(**batch)
         loss_sum += token_loss_sum.double()
         tokens += n_targets.double() if torch.is_tensor(n_targets) else n_targets

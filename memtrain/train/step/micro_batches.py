@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from memtrain.model.compiled import ready_for_replay
 from memtrain.monitor.profiler import phase
 from memtrain.train.optim.in_backward import StepInBackward
 from memtrain.train.runtime.oom import abandon_failed_frames, is_oom
@@ -48,6 +49,7 @@ def run_micro_batches(
     after=None,
     in_backward=None,
     any_rank=None,
+    replay_graphs: bool = False,
 ) -> int:
     """Forward + backward over micro-batches, adding to loss_sum; returns how many completed.
 
@@ -55,7 +57,10 @@ def run_micro_batches(
     any_rank(flag) -> bool, with several processes: whether any rank ran out of memory in this
     forward. Then every rank skips this backward and shrinks alike, so their gradient reductions
     stay paired (a rank that went on alone would wait in a collective for the one retrying).
+    replay_graphs: the compiled layers replay CUDA graphs (train.cuda_graphs resolved); each micro-batch first makes
+    them ready for it (memtrain.model.compiled.ready_for_replay).
     """
+    trainable = [p for p in engine.module.parameters() if p.requires_grad] if replay_graphs else []
     for done, indices in enumerate(batches):
         if done + 1 < len(batches):
             loader.prefetch(batches[done + 1])
@@ -64,6 +69,8 @@ def run_micro_batches(
         try:
             if before is not None:
                 before(done, len(indices))
+            if replay_graphs:
+                ready_for_replay(trainable)
             with phase("forward"):
                 token_loss_sum, _ = engine(**batch)  # input_ids, labels (and position_ids for packed samples)
         except Exception as error:  # noqa: BLE001 — only OOMs are handled; the rest re-raise

@@ -169,6 +169,7 @@ class StepRunner:
                     if backward_injector
                     else None,
                     any_rank=(lambda flag: any_rank(flag, device)) if self.place.world_size > 1 else None,
+                    replay_graphs=self.r.train.cuda_graphs is True,
                 )
                 remaining = []
             except OomDuringStep as oom:
