@@ -488,7 +488,8 @@ def cuda_graphs_unsupported(r) -> tuple[str, str] | None:
             "set train.compile=auto (or true), or train.cuda_graphs=auto",
         )
     c = r.checkpointing
-    if c.strategy != "none" or c.offload_inputs or c.mlp_tiles != 0:
+    recomputes = c.strategy != "none" and not (c.strategy == "first_n_layers" and c.first_n_layers == 0)
+    if recomputes or c.offload_inputs or c.mlp_tiles != 0:
         return (
             "train.cuda_graphs works only with nothing recomputed (checkpointing.strategy: none): a checkpoint reruns "
             "each layer inside backward, where its recorded graph cannot replay",

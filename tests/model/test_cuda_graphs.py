@@ -27,6 +27,7 @@ def graphs(*overrides: str, cuda: bool = True) -> bool:
 
 def test_auto_replays_compiled_layers_that_recompute_nothing_on_text():
     assert graphs(NONE, "batch.micro_batch=1")
+    assert graphs("checkpointing.strategy=first_n_layers", "checkpointing.first_n_layers=0")  # what auto may resolve to
     assert not graphs(NONE, cuda=False)  # no CUDA, no graphs, and the run goes on
 
 
