@@ -114,10 +114,12 @@ def memtrain_side(recipe: str, overrides: list[str], steps: int, warmup: int, ru
 
 
 def _setup(start: dict, recipe: dict) -> str:
-    """What memtrain ran with, 'auto' resolved: micro-batch, checkpointing, allocator."""
+    """What memtrain ran with, 'auto' resolved: micro-batch, checkpointing, allocator, compiled layers (replayed as
+    CUDA graphs or not), Liger."""
     checkpointing = describe_checkpointing(Checkpointing.model_validate(recipe["checkpointing"]))
     allocator = "expandable" if recipe["hardware"].get("expandable_segments") else "caching"
     compiled = ", compiled layers" if recipe.get("train", {}).get("compile") is True else ""
+    compiled += " as CUDA graphs" if recipe.get("train", {}).get("cuda_graphs") is True else ""
     liger = {"liger": ", liger kernels", "liger_loss": ", liger loss"}.get(recipe.get("model", {}).get("kernels"), "")
     return f"mb {start.get('micro_batch')}, {checkpointing}, {allocator}{compiled}{liger}"
 

@@ -69,3 +69,17 @@ def test_one_memtrain_run_and_a_row_per_baseline(tmp_path, monkeypatch):
     assert "| 7b | hf-liger |" in out.with_suffix(".md").read_text()
     bench.main(argv[:5] + ["hf-liger"] + argv[6:])  # a rerun of one baseline replaces only its row
     assert len(list(csv.DictReader(out.open()))) == 3
+
+
+def test_the_setup_column_says_whether_the_compiled_layers_replayed_cuda_graphs():
+    """The row names what memtrain resolved: the same shape launched and replayed must not read alike."""
+    recipe = {
+        "checkpointing": {"strategy": "none"},
+        "hardware": {"expandable_segments": True},
+        "model": {"kernels": "liger_loss"},
+        "train": {"compile": True, "cuda_graphs": True},
+    }
+    start = {"micro_batch": 1}
+    assert bench._setup(start, recipe) == "mb 1, none, expandable, compiled layers as CUDA graphs, liger loss"
+    recipe["train"]["cuda_graphs"] = False
+    assert bench._setup(start, recipe) == "mb 1, none, expandable, compiled layers, liger loss"
