@@ -52,6 +52,7 @@ SAFE_TO_CHANGE = (
     "train.log_every",
     "train.output_dir",
     "train.compile",
+    "train.cuda_graphs",  # how the same kernels are launched, not what they compute
     "train.max_bad_steps",
     "train.report_to",  # where the metrics go, not what is trained
     # held-out questions answered at step 0 and at the end, greedily and with the RNG states restored around it

@@ -263,3 +263,12 @@ def test_a_path_recorded_as_typed_resumes_as_the_same_file(tmp_path, monkeypatch
         f'data.train.0.path: changed since the checkpoint: data.train.0.path "{tmp_path}/other.jsonl" '
         f'→ "{tmp_path}/train.jsonl"'
     )
+
+
+def test_a_run_resumed_on_a_machine_that_replays_no_cuda_graphs_goes_on():
+    """train.cuda_graphs resolves per machine (no CUDA, no graphs): how the same kernels are launched may change on
+    resume; what they compute, such as the seed, may not."""
+    breaking, safe = differences(
+        {"train": {"seed": 7, "cuda_graphs": True}}, {"train": {"seed": 8, "cuda_graphs": False}}
+    )
+    assert [c.key for c in breaking] == ["train.seed"] and [c.key for c in safe] == ["train.cuda_graphs"]
