@@ -481,11 +481,18 @@ def cuda_graphs_unsupported(r) -> tuple[str, str] | None:
     """(what is wrong, what to do) when this recipe's compiled layers cannot replay CUDA graphs (train.cuda_graphs),
     else None. A graph replays fixed shapes and addresses: every micro-batch must have one width, no layer may be
     recomputed (a checkpoint reruns the layer in backward, outside the recorded order), and the layers must be
-    compiled."""
+    compiled, with LoRA adapters the only trainable weights."""
     if r.train.compile is False:
         return (
             "train.cuda_graphs replays the compiled layers' kernels, and train.compile is false",
             "set train.compile=auto (or true), or train.cuda_graphs=auto",
+        )
+    if r.model.lora is None:
+        return (
+            "train.cuda_graphs is for LoRA adapters: each micro-batch first gives every trainable weight a gradient "
+            "buffer for the replay to add into, which for a full fine-tune is a gradient of the whole model that the "
+            "plan does not price, and it was measured only on LoRA",
+            "remove train.cuda_graphs (auto leaves full fine-tunes without graphs), or set it to false",
         )
     c = r.checkpointing
     recomputes = c.strategy != "none" and not (c.strategy == "first_n_layers" and c.first_n_layers == 0)
@@ -505,7 +512,7 @@ def cuda_graphs_unsupported(r) -> tuple[str, str] | None:
     return None
 
 
-@reads("train", "checkpointing", "data")
+@reads("train", "checkpointing", "data", "model")
 def _check_cuda_graphs(loaded: LoadedRecipe) -> list[Problem]:
     unsupported = cuda_graphs_unsupported(loaded.recipe) if loaded.recipe.train.cuda_graphs is True else None
     return [loaded.sources.problem(("train", "cuda_graphs"), *unsupported)] if unsupported else []

@@ -846,9 +846,10 @@ class Train(Section):
         "auto",
         description="Replay each compiled layer's kernels as a CUDA graph (torch.compile's reduce-overhead "
         "mode): one launch instead of dozens, for steps that would otherwise wait on the host (many small "
-        "micro-batches). Needs compiled layers on a CUDA GPU, nothing recomputed (checkpointing.strategy: none) "
-        "and micro-batches of one width (text in seq_len windows). auto: on wherever those hold; true: the recipe "
-        "checks refuse it where they do not (a machine without CUDA runs the layers without graphs); false: never.",
+        "micro-batches). Needs compiled layers on a CUDA GPU, LoRA adapters, nothing recomputed "
+        "(checkpointing.strategy: none) and micro-batches of one width (text in seq_len windows). auto: on wherever "
+        "those hold; true: the recipe checks refuse it where they do not (a machine without CUDA runs the layers "
+        "without graphs); false: never.",
     )
     output_dir: str = Field(
         "runs/{name}", description="Run directory; {name} is the run name (the recipe's name, else its file's stem)."

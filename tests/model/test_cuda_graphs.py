@@ -44,6 +44,7 @@ def test_auto_replays_compiled_layers_that_recompute_nothing_on_text():
             "chat rows change width",
         ),
         ((NONE, "train.cuda_graphs=false"), "false stands"),
+        ((NONE, "model.lora=null", "train.compile=true"), "a full fine-tune: a gradient buffer for every weight"),
     ],
 )
 def test_auto_leaves_the_rest_without_graphs(overrides, why):
@@ -56,6 +57,7 @@ def test_auto_leaves_the_rest_without_graphs(overrides, why):
         (("checkpointing.strategy=every_layer",), "checkpointing.strategy=none"),
         ((NONE, "train.compile=false"), "train.compile=auto"),
         ((NONE, "data.packing=false"), "one width"),
+        ((NONE, "model.lora=null"), "LoRA adapters"),
     ],
 )
 def test_true_where_graphs_cannot_replay_is_refused_with_what_to_change(overrides, said):
