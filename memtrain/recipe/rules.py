@@ -471,10 +471,16 @@ def compile_unsupported(r) -> tuple[str, str] | None:
     return None
 
 
+def _refused_where_true(loaded: LoadedRecipe, key: str, unsupported) -> list[Problem]:
+    """The problem at train.<key> when the recipe says `true` and unsupported(recipe) says why it cannot hold; `auto`
+    resolves around the same reasons instead."""
+    why = unsupported(loaded.recipe) if getattr(loaded.recipe.train, key) is True else None
+    return [loaded.sources.problem(("train", key), *why)] if why else []
+
+
 @reads("train", "offload", "checkpointing", "model")
 def _check_compile(loaded: LoadedRecipe) -> list[Problem]:
-    unsupported = compile_unsupported(loaded.recipe) if loaded.recipe.train.compile is True else None
-    return [loaded.sources.problem(("train", "compile"), *unsupported)] if unsupported else []
+    return _refused_where_true(loaded, "compile", compile_unsupported)
 
 
 def cuda_graphs_unsupported(r) -> tuple[str, str] | None:
@@ -514,8 +520,7 @@ def cuda_graphs_unsupported(r) -> tuple[str, str] | None:
 
 @reads("train", "checkpointing", "data", "model")
 def _check_cuda_graphs(loaded: LoadedRecipe) -> list[Problem]:
-    unsupported = cuda_graphs_unsupported(loaded.recipe) if loaded.recipe.train.cuda_graphs is True else None
-    return [loaded.sources.problem(("train", "cuda_graphs"), *unsupported)] if unsupported else []
+    return _refused_where_true(loaded, "cuda_graphs", cuda_graphs_unsupported)
 
 
 @reads("checkpointing")

@@ -198,7 +198,7 @@ def resolve_run(
     support = kernels or KernelSupport.current()
     recipe = with_zero_stage(recipe)
     recipe = with_attention(recipe, resolve_attention(recipe, support.varlen))
-    recipe = with_compile(recipe, resolve_compile(recipe, support.cuda))
+    recipe = with_train(recipe, compile=resolve_compile(recipe, support.cuda))
     recipe = with_kernels(recipe, resolve_kernels(recipe.model, support, compiled=recipe.train.compile))
     recipe_micro_batch = resolve_micro_batch_of(recipe, exact_pinned, densest_row_samples)
     per_rank_batch = recipe.batch.global_batch // recipe.hardware.world_size
@@ -206,7 +206,8 @@ def resolve_run(
     resolved = resolve_checkpointing(
         recipe, micro_batch, exact_pinned=exact_pinned, densest_row_samples=densest_row_samples
     )
-    resolved = with_cuda_graphs(resolved, resolve_cuda_graphs(resolved, support.cuda))  # once nothing is left auto
+    # graphs last: they depend on the compiled layers and the recomputed ones, resolved above
+    resolved = with_train(resolved, cuda_graphs=resolve_cuda_graphs(resolved, support.cuda))
     return ResolvedRun(
         name=name,
         recipe=resolved,
@@ -231,18 +232,12 @@ def with_zero_stage(recipe: Recipe) -> Recipe:
     return recipe.model_copy(update={"offload": offload.model_copy(update={"zero_stage": recipe.zero_stage})})
 
 
-def with_compile(recipe: Recipe, compiled: bool) -> Recipe:
-    """The recipe with train.compile set (the same object when it already says so)."""
-    if recipe.train.compile is compiled:
+def with_train(recipe: Recipe, **resolved: bool) -> Recipe:
+    """The recipe with train settings resolved to true or false (train.compile, train.cuda_graphs); the same object
+    when it already says so."""
+    if all(getattr(recipe.train, key) is value for key, value in resolved.items()):
         return recipe
-    return recipe.model_copy(update={"train": recipe.train.model_copy(update={"compile": compiled})})
-
-
-def with_cuda_graphs(recipe: Recipe, graphs: bool) -> Recipe:
-    """The recipe with train.cuda_graphs set (the same object when it already says so)."""
-    if recipe.train.cuda_graphs is graphs:
-        return recipe
-    return recipe.model_copy(update={"train": recipe.train.model_copy(update={"cuda_graphs": graphs})})
+    return recipe.model_copy(update={"train": recipe.train.model_copy(update=resolved)})
 
 
 def with_model_commit(recipe: Recipe) -> Recipe:

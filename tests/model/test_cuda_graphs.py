@@ -11,7 +11,7 @@ import torch
 from memtrain.errors import RecipeError
 from memtrain.model.compiled import ready_for_replay, resolve_compile, resolve_cuda_graphs
 from memtrain.recipe.load import load_recipe
-from memtrain.train.resolve import with_compile
+from memtrain.train.resolve import with_train
 
 ROOT = Path(__file__).resolve().parents[2]
 LORA = ROOT / "recipes/llama2-7b-lora-24gb.yaml"
@@ -22,7 +22,7 @@ def graphs(*overrides: str, cuda: bool = True) -> bool:
     """train.cuda_graphs as the run resolves it: train.compile first, then the graphs (checkpointing is explicit in
     every case here, so nothing else is left to resolve)."""
     recipe = load_recipe(LORA, list(overrides)).recipe
-    return resolve_cuda_graphs(with_compile(recipe, resolve_compile(recipe, cuda)), cuda)
+    return resolve_cuda_graphs(with_train(recipe, compile=resolve_compile(recipe, cuda)), cuda)
 
 
 def test_auto_replays_compiled_layers_that_recompute_nothing_on_text():
