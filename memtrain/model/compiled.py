@@ -50,9 +50,12 @@ def resolve_compile(recipe: Recipe, cuda: bool) -> bool:
     """`train.compile` made concrete for this machine. `true` / `false` stand (the recipe checks refused a
     `true` that cannot work); `auto` compiles LoRA of a measured family on CUDA, where nothing rules
     compilation out (ZeRO-3, activation offload, a quantised base) and lean LoRA dropout is off (its
-    autograd function is not fused: measured slower compiled, docs/BENCHMARKS.md)."""
+    autograd function is not fused: measured slower compiled, docs/BENCHMARKS.md). Under checkpointing.strategy
+    memory_budget it compiles wherever it can, the CPU included: only the compiler keeps that budget."""
     if recipe.train.compile != "auto":
         return recipe.train.compile
+    if recipe.checkpointing.strategy == "memory_budget":  # the compiler carries that strategy out, on any device
+        return compile_unsupported(recipe) is None
     lora = recipe.model.lora
     return (
         cuda
@@ -87,17 +90,22 @@ def ready_for_replay(trainable: list[nn.Parameter]) -> None:
     torch.compiler.cudagraph_mark_step_begin()
 
 
-def compile_layers(model: nn.Module, cuda_graphs: bool = False) -> int:
+def compile_layers(model: nn.Module, cuda_graphs: bool = False, memory_budget: float = 1.0) -> int:
     """Compile every decoder layer's forward in place; returns how many were compiled. Call before
     memtrain.model.recompute.apply_checkpointing, so that the checkpoint wraps the compiled forward.
 
     A layer the compiler fails on runs eager, with PyTorch's warning saying why (dynamo's suppress_errors, set for
     the process: compilation is the default now, and a model, PyTorch or driver it was not measured on should cost
     speed, not the run). The QLoRA failure measured on the GPU is refused before anything is built instead.
-    cuda_graphs: replay each layer as a CUDA graph (train.cuda_graphs resolved)."""
+    cuda_graphs: replay each layer as a CUDA graph (train.cuda_graphs resolved). memory_budget: the share of each
+    layer's activations beyond its inputs that backward may keep (checkpointing.strategy memory_budget; 1, PyTorch's
+    default, keeps what its partitioner chooses for speed). It is set for the process, like suppress_errors, and read
+    when a layer compiles, at its first call."""
     import torch._dynamo  # noqa: PLC0415 — heavy; only runs that compile their layers need it
+    import torch._functorch.config  # noqa: PLC0415
 
     torch._dynamo.config.suppress_errors = True
+    torch._functorch.config.activation_memory_budget = memory_budget
     options = CUDA_GRAPH_OPTIONS if cuda_graphs else None
     modules = dict(hf_model(model).named_modules())
     names = decoder_layer_names(model)

@@ -799,6 +799,8 @@ def describe_checkpointing(checkpointing: Checkpointing) -> str:
         return f"every_n_layers={checkpointing.every_n_layers}{on_host}"
     if checkpointing.strategy == "first_n_layers":
         return f"first_n_layers={checkpointing.first_n_layers}{on_host}"
+    if checkpointing.strategy == "memory_budget":
+        return f"memory_budget={checkpointing.memory_budget:g}"
     return checkpointing.strategy + on_host
 
 

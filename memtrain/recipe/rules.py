@@ -501,12 +501,15 @@ def cuda_graphs_unsupported(r) -> tuple[str, str] | None:
             "remove train.cuda_graphs (auto leaves full fine-tunes without graphs), or set it to false",
         )
     c = r.checkpointing
-    recomputes = c.strategy != "none" and not (c.strategy == "first_n_layers" and c.first_n_layers == 0)
-    if recomputes or c.offload_inputs or c.mlp_tiles != 0:
+    checkpoints = c.strategy not in ("none", "memory_budget") and not (
+        c.strategy == "first_n_layers" and c.first_n_layers == 0
+    )
+    if checkpoints or c.offload_inputs or c.mlp_tiles != 0:
         return (
-            "train.cuda_graphs works only with nothing recomputed (checkpointing.strategy: none): a checkpoint reruns "
-            "each layer inside backward, where its recorded graph cannot replay",
-            "set checkpointing.strategy=none, or train.cuda_graphs=auto",
+            "train.cuda_graphs works only with no layer checkpointed (checkpointing.strategy: none, or memory_budget, "
+            "whose recompute is inside the compiled layer): a checkpoint reruns each layer inside backward, where its "
+            "recorded graph cannot replay",
+            "set checkpointing.strategy=memory_budget (or none), or train.cuda_graphs=auto",
         )
     if not r.data.is_text or r.data.groups_by_length:
         return (
@@ -523,10 +526,30 @@ def _check_cuda_graphs(loaded: LoadedRecipe) -> list[Problem]:
     return _refused_where_true(loaded, "cuda_graphs", cuda_graphs_unsupported)
 
 
-@reads("checkpointing")
+def memory_budget_unsupported(r) -> tuple[str, str] | None:
+    """(what is wrong, what to do) when checkpointing.strategy memory_budget cannot hold for this recipe, else None:
+    the budget is what torch.compile's partitioner recomputes, so the decoder layers must be compiled."""
+    if r.checkpointing.strategy != "memory_budget":
+        return None
+    if r.train.compile is False:
+        return (
+            "checkpointing.strategy memory_budget is carried out by torch.compile, which decides what each compiled "
+            "decoder layer recomputes, and train.compile is false",
+            "set train.compile=auto (or true), or checkpointing.strategy=every_layer",
+        )
+    why = compile_unsupported(r)
+    if why is not None:
+        return (f"checkpointing.strategy memory_budget needs compiled layers, and {why[0]}", why[1])
+    return None
+
+
+@reads("checkpointing", "train", "offload", "model")
 def _check_checkpointing(loaded: LoadedRecipe) -> list[Problem]:
     c, src = loaded.recipe.checkpointing, loaded.sources
     problems = []
+    why = memory_budget_unsupported(loaded.recipe)
+    if why is not None:
+        problems.append(src.problem(("checkpointing", "strategy"), *why))
     if c.strategy == "rules" and not c.rules:
         problems.append(
             src.problem(

@@ -583,11 +583,24 @@ CheckpointAction = Literal["save", "recompute", "offload"]
 
 
 class Checkpointing(Section):
-    strategy: Literal["none", "every_layer", "every_n_layers", "first_n_layers", "auto", "selective", "rules"] = Field(
+    strategy: Literal[
+        "none", "every_layer", "every_n_layers", "first_n_layers", "auto", "selective", "rules", "memory_budget"
+    ] = Field(
         "every_layer",
         description="none: keep all activations; every_layer / every_n_layers / first_n_layers: recompute whole "
         "decoder layers; auto: the planner recomputes the fewest whole layers (from the first) that fit the card; "
-        "selective: the article's default (embeddings saved, attention and MLP blocks recomputed); rules: use `rules`.",
+        "selective: the article's default (embeddings saved, attention and MLP blocks recomputed); rules: use `rules`; "
+        "memory_budget: the compiler chooses what each compiled decoder layer recomputes, within `memory_budget`.",
+    )
+    memory_budget: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="With memory_budget: the share of a decoder layer's activations (beyond its input) that the "
+        "compiled layer may keep for backward (PyTorch's activation memory budget: torch.compile's partitioner "
+        "recomputes the cheapest operations first, the element-wise ones before any matmul). 1 keeps what the "
+        "compiler keeps by default. Needs compiled layers (train.compile auto or true); the plan prices the "
+        "budget's upper bound.",
     )
     every_n_layers: int = Field(1, ge=1, description="With every_n_layers: checkpoint one layer in N.")
     first_n_layers: int = Field(
@@ -618,6 +631,12 @@ class Checkpointing(Section):
         "optimizer.step_in_backward; checkpointing.strategy auto turns it on (auto) when the recomputed layers "
         "with their inputs on the host would not fit the card.",
     )
+
+    @property
+    def compiled_memory_budget(self) -> float:
+        """The activation memory budget compiled layers are built with: `memory_budget` under that strategy, else 1
+        (what torch.compile's partitioner keeps by default)."""
+        return self.memory_budget if self.strategy == "memory_budget" else 1.0
 
 
 class LossScale(Section):

@@ -191,7 +191,11 @@ def build_policy_model(recipe: Recipe, place: Place, ds_config: dict, vocab_size
     )
     if recipe.train.compile is True:  # resolved (memtrain.train.resolve); an unresolved 'auto' builds eager layers
         # first: the checkpoint wraps the compiled layer, it is not traced inside it
-        compile_layers(model, cuda_graphs=recipe.train.cuda_graphs is True)
+        compile_layers(
+            model,
+            cuda_graphs=recipe.train.cuda_graphs is True,
+            memory_budget=recipe.checkpointing.compiled_memory_budget,
+        )
     apply_checkpointing(model, recipe.checkpointing)
     apply_mlp_tiles(model, recipe.checkpointing)
     apply_precision(model, recipe.precision)

@@ -54,7 +54,7 @@ def test_auto_leaves_the_rest_without_graphs(overrides, why):
 @pytest.mark.parametrize(
     "overrides, said",
     [
-        (("checkpointing.strategy=every_layer",), "checkpointing.strategy=none"),
+        (("checkpointing.strategy=every_layer",), "checkpointing.strategy=memory_budget (or none)"),
         ((NONE, "train.compile=false"), "train.compile=auto"),
         ((NONE, "data.packing=false"), "one width"),
         ((NONE, "model.lora=null"), "LoRA adapters"),

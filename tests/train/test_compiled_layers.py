@@ -123,6 +123,30 @@ def test_compiled_layers_train_like_eager_ones(write_recipe, extra):
     assert keys[0] == keys[1] and not any("_orig_mod" in k for k in keys[1])
 
 
+@pytest.mark.slow
+def test_a_memory_budget_trains_like_layers_recomputed_whole(write_recipe):
+    """checkpointing.strategy memory_budget changes what backward keeps, not what it computes: the same losses step by
+    step as eager layers recomputed whole, with DeepSpeed on the CPU, where auto compiles the layers for the budget."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    steps = {"steps": 4, "eval_every": 100, "save_every": 100}
+    whole = write_recipe("whole", {"checkpointing": {"strategy": "every_layer"}, "train": {**steps, "compile": False}})
+    budget = write_recipe(
+        "budget", {"checkpointing": {"strategy": "memory_budget", "memory_budget": 0.2}, "train": steps}
+    )
+    assert run_command(whole, []) == 0
+    assert run_command(budget, []) == 0
+    run_a, run_b = (Path(yaml.safe_load(p.read_text())["train"]["output_dir"]) for p in (whole, budget))
+    assert json.loads((run_b / "run.json").read_text())["recipe"]["train"]["compile"] is True
+    a, b = train_losses(run_a), train_losses(run_b)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), step
+
+
 def test_a_layer_the_compiler_cannot_compile_runs_eager(monkeypatch):
     """The default compiles layers (train.compile: auto); a compiler failure on some model, PyTorch or driver it was
     not measured on falls back to the eager layer (PyTorch's warning says why) instead of stopping the run."""
