@@ -62,6 +62,10 @@ PEFT_DROPOUT, LEAN_DROPOUT = ("model.lora.lean_dropout=false",), ("model.lora.le
 ZERO2 = ("offload.zero_stage=2",)
 
 
+def _memory_budget(budget: float) -> tuple[str, ...]:
+    return ("checkpointing.strategy=memory_budget", f"checkpointing.memory_budget={budget}")
+
+
 def _batch(micro: int, seq: int) -> tuple[str, ...]:
     return (f"batch.micro_batch={micro}", f"batch.global_batch={micro * 2}", f"data.seq_len={seq}")
 
@@ -213,6 +217,10 @@ GROUPS: dict[str, list[Case]] = {
             LORA7B,
             ZERO2 + PEFT_DROPOUT + ("train.compile=true", "model.kernels=liger_loss") + _batch(4, 1024),
         ),
+        # held out: checkpointing.strategy memory_budget, priced at PyTorch's bound (the layer input plus the budget's
+        # share of what nothing recomputed keeps), at ZeRO-1 as offload.zero_stage auto gives it
+        Case("7b-lora-budget04-mb2-s1024", LORA7B, PEFT_DROPOUT + _memory_budget(0.4) + _batch(2, 1024)),
+        Case("7b-lora-budget02-mb4-s1024", LORA7B, PEFT_DROPOUT + _memory_budget(0.2) + _batch(4, 1024)),
         Case(
             "7b-lora-chat-packed-compiled-ligerloss-every-mb2-s2048",
             LORA7B,
