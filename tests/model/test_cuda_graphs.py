@@ -54,7 +54,8 @@ def test_auto_leaves_the_rest_without_graphs(overrides, why):
 @pytest.mark.parametrize(
     "overrides, said",
     [
-        (("checkpointing.strategy=every_layer",), "checkpointing.strategy=memory_budget (or none)"),
+        (("checkpointing.strategy=every_layer",), "checkpointing.strategy=none"),
+        (("checkpointing.strategy=memory_budget",), "ran out of memory on the GPU"),
         ((NONE, "train.compile=false"), "train.compile=auto"),
         ((NONE, "data.packing=false"), "one width"),
         ((NONE, "model.lora=null"), "LoRA adapters"),
