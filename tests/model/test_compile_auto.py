@@ -11,9 +11,13 @@ from memtrain.recipe.load import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 LORA = ROOT / "recipes/llama2-7b-lora-24gb.yaml"
+# the rules of auto for layers a checkpoint recomputes whole; the recipe's memory_budget compiles wherever it can
+# (tests/model/test_memory_budget.py)
+WHOLE = "checkpointing.strategy=every_layer"
 
 
 def resolved(recipe: Path, *overrides: str, cuda: bool = True) -> bool:
+    overrides = (WHOLE, *overrides) if recipe == LORA else overrides
     return resolve_compile(load_recipe(recipe, list(overrides)).recipe, cuda)
 
 
@@ -63,9 +67,9 @@ def test_the_plan_prices_the_compiled_recompute_on_top_of_the_eager_layer():
     from memtrain.plan.activations import COMPILED_RECOMPUTE_SHARE, trace_layer
     from memtrain.plan.planner import plan_recipe
 
-    eager = plan_recipe(load_recipe(LORA, ["train.compile=false"]).recipe)
-    compiled = plan_recipe(load_recipe(LORA, ["train.compile=true"]).recipe)
-    auto = plan_recipe(load_recipe(LORA).recipe)  # what the run on a GPU does
+    eager = plan_recipe(load_recipe(LORA, [WHOLE, "train.compile=false"]).recipe)
+    compiled = plan_recipe(load_recipe(LORA, [WHOLE, "train.compile=true"]).recipe)
+    auto = plan_recipe(load_recipe(LORA, [WHOLE]).recipe)  # what the run on a GPU does
     layer = trace_layer(load_recipe(LORA).recipe.model, "bf16", 4, 1024).full_bytes
     assert compiled.activations - eager.activations == int(COMPILED_RECOMPUTE_SHARE * layer)
     assert auto.activations == compiled.activations
@@ -83,7 +87,8 @@ def test_the_plan_command_names_compiled_layers(tmp_path):
     def printed(*overrides):
         console = Console(file=io.StringIO(), width=300, color_system=None)
         assert (
-            plan_command(LORA, list(overrides), console=console, gpu=None, fit=False, output=None, as_json=False) == 0
+            plan_command(LORA, [WHOLE, *overrides], console=console, gpu=None, fit=False, output=None, as_json=False)
+            == 0
         )
         return " ".join(console.file.getvalue().split())  # the title wraps at the table's width
 

@@ -160,7 +160,8 @@ def test_the_7b_lora_recipe_resolves_to_compiled_layers_and_liger_s_loss_on_a_gp
     on_cpu = resolve_run(
         recipe, "lora", Path("/tmp/unused"), 10_000, exact_pinned=True, kernels=KernelSupport(liger=True, cuda=False)
     )
-    assert on_cpu.recipe.train.compile is False and on_cpu.recipe.model.kernels == "none"
+    # its memory budget is the compiler's, so the layers compile on the CPU too; Liger's loss needs CUDA
+    assert on_cpu.recipe.train.compile is True and on_cpu.recipe.model.kernels == "none"
     # run.json holds the resolved values, which a worker reads back
     from memtrain.train.resolve import ResolvedRun
 

@@ -43,15 +43,13 @@ def test_a_budget_outside_zero_to_one_is_refused(budget):
     assert "checkpointing.memory_budget" in refusal(LORA, BUDGET, f"checkpointing.memory_budget={budget}")
 
 
-def test_the_layers_compile_on_any_device_and_replay_as_graphs_on_cuda():
+def test_the_layers_compile_on_any_device_and_launch_without_graphs():
     """Only the compiler keeps the budget, so auto compiles for it on the CPU too (elsewhere auto compiles only on
-    CUDA); its recompute stays inside the compiled layer, so graphs may replay it."""
+    CUDA). Replayed as CUDA graphs, the 7B LoRA recipe under a budget ran out of memory, so auto leaves them off."""
     recipe = load_recipe(LORA, [BUDGET, "checkpointing.memory_budget=0.3"]).recipe
     assert resolve_compile(recipe, cuda=False) is True
     assert resolve_compile(load_recipe(LORA, ["checkpointing.strategy=none"]).recipe, cuda=False) is False
-    compiled = with_train(recipe, compile=True)
-    assert resolve_cuda_graphs(compiled, cuda=True) is True
-    assert load_recipe(LORA, [BUDGET, "train.cuda_graphs=true"]).recipe.train.cuda_graphs is True
+    assert resolve_cuda_graphs(with_train(recipe, compile=True), cuda=True) is False
     assert recipe.checkpointing.compiled_memory_budget == 0.3
     assert Checkpointing(strategy="none", memory_budget=0.3).compiled_memory_budget == 1.0
     assert describe_checkpointing(recipe.checkpointing) == "memory_budget=0.3"
@@ -135,3 +133,17 @@ def test_a_compiled_layer_under_a_budget_keeps_less_and_computes_the_same_gradie
     assert loss_budget == pytest.approx(loss, rel=1e-5) and loss_whole == pytest.approx(loss, rel=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(grads_budget[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_recipe_that_misses_is_told_to_halve_its_budget_among_the_changes():
+    """On a 20 GiB card the recipe as shipped (0.2 at 4 x 1024) misses; halving the budget is one of the changes
+    that fit, priced below recomputing every layer whole."""
+    from memtrain.plan.advice import HALVED_BUDGET_COST, advise
+
+    advice = {tuple(a.overrides): a for a in advise(load_recipe(LORA, ["hardware.gpu=20GiB"]))}
+    halved = advice[("checkpointing.memory_budget=0.1",)]
+    assert halved.plan.fits and halved.speed_cost == HALVED_BUDGET_COST
+    shipped = load_recipe(LORA, []).recipe
+    assert shipped.checkpointing.strategy == "memory_budget" and shipped.checkpointing.memory_budget == 0.2
+    small = advise(load_recipe(LORA, ["hardware.gpu=18GiB", "checkpointing.memory_budget=0.08"]))
+    assert small and not any(o.startswith("checkpointing.memory_budget") for a in small for o in a.overrides)
