@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from memtrain.errors import RecipeError
 from memtrain.model.compiled import compile_layers, resolve_compile, resolve_cuda_graphs
@@ -18,6 +18,8 @@ from memtrain.plan.planner import describe_checkpointing
 from memtrain.recipe.load import load_recipe
 from memtrain.recipe.schema import Checkpointing
 from memtrain.train.resolve import with_train
+from tests.conftest import saved_for_backward_bytes
+from tests.model.families import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 LORA = ROOT / "recipes/llama2-7b-lora-24gb.yaml"
@@ -77,37 +79,22 @@ def _tiny_lora():
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=128,
-        max_position_embeddings=64,
-    )
+    config = tiny_config("llama", intermediate_size=256, vocab_size=128)
     # dropout 0: eager and compiled layers draw different random masks
     return get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
 
 
 def _train_step(model) -> tuple[float, int, dict[str, torch.Tensor]]:
     """(loss, bytes kept for backward beyond the weights, LoRA gradients) of one forward and backward."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(0))
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
+    losses = []
+    kept = saved_for_backward_bytes(
+        lambda: losses.append(model(input_ids=ids, labels=ids, use_cache=False).loss), skip=list(model.parameters())
+    )
+    losses[0].backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-    return loss.item(), sum(kept.values()), grads
+    return losses[0].item(), kept, grads
 
 
 @pytest.mark.slow  # two compilations on the CPU: half a minute
