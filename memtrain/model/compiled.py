@@ -34,7 +34,7 @@ replay overwrites), and a new micro-batch is announced, so the last one's output
 `checkpointing.strategy: memory_budget` hands the recompute to the compiler (PyTorch's activation memory budget, read
 by its partitioner when each layer compiles): rather than a checkpoint rerunning the whole layer, backward recomputes
 the operations that free the most memory for the least work, the element-wise ones first. The 7B LoRA recipe at
-4 x 1024 with a budget of 0.2 stepped at about 12,200 tokens/s against 9,865 with every layer recomputed whole, on one
+4 x 1024 with a budget of 0.2 stepped at about 12,230 tokens/s against 9,865 with every layer recomputed whole, on one
 H100 start (docs/BENCHMARKS.md, "7B LoRA"). Its layers are not replayed as graphs: that ran out of memory.
 """
 
