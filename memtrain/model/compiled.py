@@ -34,8 +34,9 @@ replay overwrites), and a new micro-batch is announced, so the last one's output
 `checkpointing.strategy: memory_budget` hands the recompute to the compiler (PyTorch's activation memory budget, read
 by its partitioner when each layer compiles): rather than a checkpoint rerunning the whole layer, backward recomputes
 the operations that free the most memory for the least work, the element-wise ones first. The 7B LoRA recipe at
-4 x 1024 with a budget of 0.2 stepped at about 12,230 tokens/s against 9,865 with every layer recomputed whole, on one
-H100 start (docs/BENCHMARKS.md, "7B LoRA"). Its layers are not replayed as graphs: that ran out of memory.
+4 x 1024 with a budget of 0.3 stepped at 13,412 tokens/s against 11,606 with 0.2 in one invocation on an H100, and 0.2
+at about 12,230 against 9,865 with every layer recomputed whole on one start (docs/BENCHMARKS.md, "7B LoRA"). Its
+layers are not replayed as graphs: that ran out of memory.
 """
 
 from __future__ import annotations

@@ -600,7 +600,7 @@ class Checkpointing(Section):
         "compiled layer may keep for backward (PyTorch's activation memory budget: torch.compile's partitioner "
         "recomputes the cheapest operations first, the element-wise ones before any matmul). 1 keeps what the "
         "compiler keeps by default. Needs compiled layers (train.compile auto or true), launched without CUDA "
-        "graphs; the plan prices the budget's upper bound. The 7B LoRA recipe ships with 0.2 at 4 x 1024.",
+        "graphs; the plan prices the budget's upper bound. The 7B LoRA recipe ships with 0.3 at 4 x 1024.",
     )
     every_n_layers: int = Field(1, ge=1, description="With every_n_layers: checkpoint one layer in N.")
     first_n_layers: int = Field(
