@@ -1,5 +1,6 @@
 """`memtrain run --profile N`: a torch.profiler Chrome trace of N optimizer steps, with named phases,
-and a table of the operators that took the time (profile_summary.txt).
+and a table of the operators that took the time (profile_summary.txt), headed on a GPU by how long the GPU waited and
+in which phase (memtrain.monitor.device_idle).
 
 The loop wraps its work in `phase("forward")`, `phase("backward")`, `phase("optimizer_step")`,
 `phase("offload")`; while a profile is being recorded each becomes a record_function range (and an
@@ -10,12 +11,14 @@ Outside a profile, and always with N == 0, `phase` returns one shared do-nothing
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 from memtrain.files import atomic_path, write_atomically
+from memtrain.monitor.device_idle import device_idle
 
 TRACE_FILE = "trace.json"
 SUMMARY_FILE = "profile_summary.txt"  # the operators that took the time, as a table for people
@@ -121,6 +124,8 @@ class StepProfiler:
         then by host time: where a step goes, without opening the trace."""
         events = profiler.key_averages()
         parts = [f"{self.steps} profiled step(s) after {WARMUP_STEPS} warm-up; times are totals over them.\n"]
+        if self.device.type == "cuda" and (idle := device_idle(json.loads(self.trace_path.read_text()))) is not None:
+            parts.append(idle.describe() + "\n")
         if self.device.type == "cuda":
             parts += ["By device time (self):", events.table(sort_by="self_cuda_time_total", row_limit=SUMMARY_ROWS)]
         parts += [
