@@ -5,8 +5,8 @@ for inf or NaN in every gradient it holds, one tensor at a time: an amax, an ami
 a ne and a logical_and), a logical_and, a logical_not and an add per tensor. LoRA of all seven projections of a
 32-layer model holds 448 small gradients: about 6,000 kernel launches a step, each a few microseconds of host time
 while the GPU, done with the backward pass, waits. In a profiled step of the 7B LoRA recipe on an H100 the GPU was busy
-1.09 s of a step that takes 1.30 s unprofiled, and these scans were the largest share of the host's own time in the
-optimizer step.
+1.09 s of a step that takes 1.30 s unprofiled, and the scan's 899 isfinite calls alone took 93 ms of host time under
+the profiler. What removing it saves on the GPU is not measured yet.
 
 `fuse_overflow_scan(engine)` replaces that scan, on this engine's optimizer only, with one `torch._foreach_norm`
 over the same gradients (the multi-tensor kernel `torch.nn.utils.clip_grad_norm_` uses): a gradient holds an inf or
