@@ -124,9 +124,9 @@ class StepProfiler:
         then by host time: where a step goes, without opening the trace."""
         events = profiler.key_averages()
         parts = [f"{self.steps} profiled step(s) after {WARMUP_STEPS} warm-up; times are totals over them.\n"]
-        if self.device.type == "cuda" and (idle := device_idle(json.loads(self.trace_path.read_text()))) is not None:
-            parts.append(idle.describe() + "\n")
         if self.device.type == "cuda":
+            if (idle := device_idle(json.loads(self.trace_path.read_text()))) is not None:
+                parts.append(idle.describe() + "\n")
             parts += ["By device time (self):", events.table(sort_by="self_cuda_time_total", row_limit=SUMMARY_ROWS)]
         parts += [
             "By host time (total, includes children):",
