@@ -25,16 +25,16 @@ import types
 
 import torch
 
+from memtrain.train.optim.overflow_scan import zero12_optimizer_on_gpu
+
 # the method of DeepSpeed's ZeRO-1/2 optimizer (deepspeed/runtime/zero/stage_1_and_2.py) that norms tensor by tensor
 SERIAL_NORM = "get_grad_norm_direct"
 
 
 def fuse_grad_norm(engine) -> bool:
     """Give `engine`'s ZeRO-1/2 optimizer the multi-tensor norm; whether it had the per-tensor one to replace."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # noqa: PLC0415 — heavy import
-
-    optimizer = getattr(engine, "optimizer", None)
-    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or getattr(optimizer, "cpu_offload", True):
+    optimizer = zero12_optimizer_on_gpu(engine)
+    if optimizer is None:
         return False
     per_tensor = getattr(optimizer, SERIAL_NORM)
 
